@@ -1,0 +1,603 @@
+"""Preference datasets: one loader function per dataset, then tokenization and batching.
+
+Every loader returns the reference repository's dict::
+
+    {prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected), ...], "sft_target": str}}
+
+and is registered by name with :func:`register_dataset`, so ``datasets=[name]`` finds it.
+Adding a dataset is adding one decorated function (see the README).
+
+Real records are messy; every loader counts what it skipped or repaired in a
+``collections.Counter`` (``report``) that :func:`load_dataset_dict` prints.
+"""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import hashlib
+import html
+import html.parser
+import json
+import os
+import random
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from losses import IGNORE_INDEX
+
+DatasetDict = dict[str, dict]
+ASSISTANT_TAG = "\n\nAssistant:"
+HUMAN_TAG = "\n\nHuman:"
+
+
+class DataError(ValueError):
+    """A dataset option or a data file is wrong; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """A registered loader. ``truncation_mode`` says which end of a too-long prompt to keep:
+    ``keep_end`` for dialogues (the last turns matter), ``keep_start`` for questions."""
+
+    loader: Callable[..., DatasetDict]
+    truncation_mode: str
+
+
+DATASETS: dict[str, DatasetSpec] = {}
+
+
+def register_dataset(name: str, truncation_mode: str = "keep_start"):
+    """Decorator: register ``fn(split, report, **options) -> DatasetDict`` under ``name``.
+
+    ``split`` is "train" or "test"; ``report`` is a Counter to count skipped or repaired
+    records in; ``options`` are the keys of ``data.<name>`` in the config.
+
+    Raises:
+        ValueError: if the name is taken or the truncation mode is unknown.
+    """
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
+
+    def wrap(fn):
+        if name in DATASETS:
+            raise ValueError(f"A dataset named {name!r} is already registered.")
+        DATASETS[name] = DatasetSpec(fn, truncation_mode)
+        return fn
+
+    return wrap
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def add_pair(data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter) -> bool:
+    """Add one (prompt, chosen, rejected) pair to ``data``, reusing responses already seen
+    for that prompt. Empty or identical responses are skipped and counted. Returns True if added."""
+    if not chosen.strip() or not rejected.strip():
+        report["skipped: empty response"] += 1
+        return False
+    if chosen == rejected:
+        report["skipped: identical responses"] += 1
+        return False
+    entry = data.setdefault(prompt, {"responses": [], "pairs": [], "sft_target": chosen})
+    ids = []
+    for response in (chosen, rejected):
+        if response not in entry["responses"]:
+            entry["responses"].append(response)
+        ids.append(entry["responses"].index(response))
+    entry["pairs"].append((ids[0], ids[1]))
+    return True
+
+
+def in_holdout(prompt: str, fraction: float) -> bool:
+    """True if ``prompt`` belongs to the held-out eval slice of size ``fraction``.
+
+    Decided by a stable hash of the prompt alone, so the slice is the same on every
+    machine, for every seed, and no prompt is in both train and eval."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def apply_holdout(data: DatasetDict, split: str, fraction: float) -> DatasetDict:
+    """Keep the held-out slice (split "test") or the rest (split "train") of ``data``."""
+    want_eval = split == "test"
+    return {p: v for p, v in data.items() if in_holdout(p, fraction) == want_eval}
+
+
+def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, str] | None:
+    """Split two whole HH dialogues into (prompt, chosen_response, rejected_response).
+
+    The prompt is their longest common prefix that ends with an ``"\\n\\nAssistant:"`` tag,
+    so when the dialogues diverge before the last assistant turn the responses hold
+    the rest of each dialogue (the reference repository split at the last tag of the
+    chosen text, which gave a wrong rejected response). Returns None if the dialogues
+    share no assistant tag.
+    """
+    n = 0
+    limit = min(len(chosen), len(rejected))
+    while n < limit and chosen[n] == rejected[n]:
+        n += 1
+    idx = chosen.rfind(ASSISTANT_TAG, 0, n - len(ASSISTANT_TAG) + 1)
+    if idx < 0:
+        return None
+    cut = idx + len(ASSISTANT_TAG)
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
+class _TextExtractor(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.parts: list[str] = []
+
+    def handle_data(self, data):
+        self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    """Plain text of an HTML fragment (Stack Exchange posts), entities unescaped."""
+    parser = _TextExtractor()
+    parser.feed(text)
+    parser.close()
+    return html.unescape("".join(parser.parts)).strip()
+
+
+def read_json_records(path: str) -> list[dict]:
+    """Rows of a .json (a list of objects) or .jsonl file, .gz allowed.
+
+    Raises:
+        DataError: if the file is missing or a line is not valid JSON (naming the line).
+    """
+    if not os.path.exists(path):
+        raise DataError(f"Data file {path} does not exist; check the path in your data.* override.")
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        text = f.read()
+    stripped = path[:-3] if path.endswith(".gz") else path
+    if stripped.endswith(".json") and text.lstrip().startswith("["):
+        return json.loads(text)
+    rows = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}, line {i}: not valid JSON ({e.msg}); fix or delete that line.") from None
+    return rows
+
+
+# ----------------------------------------------------------------------------- loaders
+
+
+def hh_rows_to_data(rows, report: collections.Counter, source: str = "hh") -> DatasetDict:
+    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict."""
+    data: DatasetDict = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row.get("chosen"), str) or not isinstance(row.get("rejected"), str):
+            raise DataError(f"{source}, row {i}: needs string fields 'chosen' and 'rejected'.")
+        split = split_prompt_and_responses(row["chosen"], row["rejected"])
+        if split is None:
+            report["skipped: no common Assistant turn"] += 1
+            continue
+        prompt, chosen, rejected = split
+        if HUMAN_TAG in chosen or HUMAN_TAG in rejected:
+            report["repaired: dialogues diverge before the last Assistant turn"] += 1
+        add_pair(data, prompt, chosen, rejected, report)
+    return data
+
+
+@register_dataset("hh", truncation_mode="keep_end")
+def get_hh(
+    split: str,
+    report: collections.Counter,
+    local_dir: str | None = None,
+    subsets: list[str] | None = None,
+    holdout_fraction: float = 0.0,
+    cache_dir: str | None = None,
+) -> DatasetDict:
+    """Anthropic Helpful-Harmless dialogues (Bai et al. 2022), hub id ``Anthropic/hh-rlhf``.
+
+    Options (``data.hh.*``):
+        local_dir: a local copy in the anthropics/hh-rlhf repository layout,
+            ``<local_dir>/<subset>/<split>.jsonl.gz``; None loads from the hub.
+        subsets: e.g. [harmless-base, helpful-base]; None means all found.
+        holdout_fraction: if > 0, ignore the source's own splits: read every file of
+            the first split that exists (train, else test) and carve a deterministic
+            eval slice of this fraction of prompts (see :func:`in_holdout`).
+
+    Raises:
+        DataError: if the local copy has no file for the subsets and split asked for.
+    """
+    source_split = "train" if holdout_fraction else split
+    if local_dir is None:
+        import datasets
+
+        rows = []
+        for subset in subsets or [None]:
+            rows.extend(datasets.load_dataset("Anthropic/hh-rlhf", data_dir=subset, split=source_split, cache_dir=cache_dir))
+    else:
+        if not os.path.isdir(local_dir):
+            raise DataError(f"data.hh.local_dir={local_dir} is not a folder; point it at a copy of the hh-rlhf repository.")
+        names = subsets or sorted(d for d in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, d)))
+        if holdout_fraction:
+            have = {s for s in ("train", "test") for n in names if os.path.exists(os.path.join(local_dir, n, f"{s}.jsonl.gz"))}
+            source_split = "train" if "train" in have else "test"
+        paths = [os.path.join(local_dir, n, f"{source_split}.jsonl.gz") for n in names]
+        paths = [p for p in paths if os.path.exists(p)]
+        if not paths:
+            hint = (
+                " (set data.hh.holdout_fraction=0.1 to carve an eval slice from the split that exists)"
+                if not holdout_fraction
+                else ""
+            )
+            raise DataError(f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{hint}.")
+        rows = [r for p in paths for r in read_json_records(p)]
+    data = hh_rows_to_data(rows, report)
+    return apply_holdout(data, split, holdout_fraction) if holdout_fraction else data
+
+
+def shp_rows_to_data(
+    rows, report: collections.Counter, max_pairs_per_prompt: int = 5, min_score_ratio: float = 2.0
+) -> DatasetDict:
+    """Stanford Human Preferences rows to a DatasetDict.
+
+    Each row compares two answers (human_ref_A/B) to a post (history) with upvote
+    scores score_A/score_B and label 1 when A is preferred. As in the reference
+    repository, pairs whose score ratio is below ``min_score_ratio`` are dropped and
+    each prompt keeps at most ``max_pairs_per_prompt`` pairs, those with the largest
+    ratios. Ties (equal scores) are skipped and counted; a zero score against a
+    positive one is an infinite ratio (counted), never a division by zero.
+    """
+    data: DatasetDict = {}
+    ratios: dict[str, list[float]] = {}
+    for row in rows:
+        prompt = "\n\nHuman: " + row["history"] + "\n\nAssistant:"
+        a, b = " " + row["human_ref_A"], " " + row["human_ref_B"]
+        sa, sb = float(row["score_A"]), float(row["score_B"])
+        if sa == sb:
+            report["skipped: score tie"] += 1
+            continue
+        hi, lo = max(sa, sb), min(sa, sb)
+        if lo <= 0:
+            report["kept: zero or negative score (ratio taken as infinite)"] += 1
+            ratio = float("inf")
+        else:
+            ratio = hi / lo
+        if ratio < min_score_ratio:
+            report["skipped: score ratio below min_score_ratio"] += 1
+            continue
+        chosen, rejected = (a, b) if int(row["labels"]) == 1 else (b, a)
+        if add_pair(data, prompt, chosen, rejected, report):
+            ratios.setdefault(prompt, []).append(ratio)
+    for prompt, entry in data.items():
+        order = sorted(range(len(entry["pairs"])), key=lambda k: -ratios[prompt][k])
+        if len(order) > max_pairs_per_prompt:
+            report["skipped: over max_pairs_per_prompt"] += len(order) - max_pairs_per_prompt
+        entry["pairs"] = [entry["pairs"][k] for k in order[:max_pairs_per_prompt]]
+        entry["sft_target"] = entry["responses"][entry["pairs"][0][0]]
+    return data
+
+
+@register_dataset("shp", truncation_mode="keep_start")
+def get_shp(
+    split: str,
+    report: collections.Counter,
+    path: str | None = None,
+    max_pairs_per_prompt: int = 5,
+    min_score_ratio: float = 2.0,
+    cache_dir: str | None = None,
+) -> DatasetDict:
+    """Stanford Human Preferences (Ethayarajh et al. 2022), hub id ``stanfordnlp/SHP``.
+    ``data.shp.path`` reads a local JSON/JSONL file in the same row format instead."""
+    if path is None:
+        import datasets
+
+        rows = datasets.load_dataset("stanfordnlp/SHP", split=split, cache_dir=cache_dir)
+    else:
+        rows = read_json_records(path)
+    return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio)
+
+
+def se_rows_to_data(rows, report: collections.Counter) -> DatasetDict:
+    """Stack Exchange preference rows ({question, answers: [{text, pm_score}]}) to a DatasetDict.
+
+    Every pair of answers with different scores is a pair (higher score chosen);
+    tied answers form no pair (counted); the sft_target is the best-scored answer."""
+    data: DatasetDict = {}
+    for row in rows:
+        prompt = "\n\nHuman: " + strip_html(row["question"]) + "\n\nAssistant:"
+        answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
+        for i in range(len(answers)):
+            for j in range(i + 1, len(answers)):
+                (ti, si), (tj, sj) = answers[i], answers[j]
+                if si == sj:
+                    report["skipped: answer score tie"] += 1
+                    continue
+                chosen, rejected = (ti, tj) if si > sj else (tj, ti)
+                add_pair(data, prompt, chosen, rejected, report)
+        if prompt in data and answers:
+            data[prompt]["sft_target"] = max(answers, key=lambda a: a[1])[0]
+    return data
+
+
+@register_dataset("se", truncation_mode="keep_start")
+def get_se(
+    split: str,
+    report: collections.Counter,
+    path: str | None = None,
+    holdout_fraction: float = 0.01,
+    cache_dir: str | None = None,
+) -> DatasetDict:
+    """Stack Exchange preferences (Lambert et al. 2023), hub id
+    ``HuggingFaceH4/stack-exchange-preferences``. The source has one split; the eval
+    split is a deterministic ``holdout_fraction`` of its questions."""
+    if path is None:
+        import datasets
+
+        rows = datasets.load_dataset("HuggingFaceH4/stack-exchange-preferences", split="train", cache_dir=cache_dir)
+    else:
+        rows = read_json_records(path)
+    return apply_holdout(se_rows_to_data(rows, report), split, holdout_fraction)
+
+
+@register_dataset("json", truncation_mode="keep_end")
+def get_json(
+    split: str,
+    report: collections.Counter,
+    path: str | dict | None = None,
+    holdout_fraction: float = 0.0,
+) -> DatasetDict:
+    """Any local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected}.
+
+    ``data.json.path`` is one file (then ``holdout_fraction`` > 0 carves the eval split
+    from it) or a mapping {train: file, test: file}.
+
+    Raises:
+        DataError: if no path is set or a row lacks a string prompt, chosen or rejected
+            (naming the file, the row and the field).
+    """
+    if path is None:
+        raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
+    file = path if isinstance(path, str) else path.get(split)
+    if file is None:
+        raise DataError(f"data.json.path has no {split!r} file; give one or a single file with data.json.holdout_fraction.")
+    data: DatasetDict = {}
+    for i, row in enumerate(read_json_records(file), 1):
+        for field in ("prompt", "chosen", "rejected"):
+            if not isinstance(row, dict) or not isinstance(row.get(field), str):
+                raise DataError(
+                    f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."
+                )
+        add_pair(data, row["prompt"], row["chosen"], row["rejected"], report)
+    return apply_holdout(data, split, holdout_fraction) if holdout_fraction else data
+
+
+@register_dataset("arithmetic", truncation_mode="keep_start")
+def get_arithmetic(
+    split: str, report: collections.Counter, n_train: int = 4000, n_test: int = 256, max_operand: int = 99
+) -> DatasetDict:
+    """The embedded default: addition problems generated here, no download.
+
+    Prompt ``"Q: 17+25=\\nA:"``; chosen is the right sum, rejected a typical mistake:
+    the digits concatenated (1725), the difference (8), off by one, or a forgotten carry (32). Train and test prompts are disjoint and the
+    same on every machine (a fixed generator seed, independent of ``config.seed``).
+    """
+    rng = random.Random(1234)
+    problems = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    rng.shuffle(problems)
+    chosen_problems = problems[n_train : n_train + n_test] if split == "test" else problems[:n_train]
+    data: DatasetDict = {}
+    for a, b in chosen_problems:
+        right = a + b
+        mistakes = [int(f"{a}{b}"), abs(a - b), right + 1, right - 1]  # concatenated, subtracted, off by one
+        if a % 10 + b % 10 >= 10:
+            mistakes.append(right - 10)  # forgot the carry
+        wrong = rng.choice([m for m in mistakes if m != right])
+        add_pair(data, f"Q: {a}+{b}=\nA:", f" {right}", f" {wrong}", report)
+    return data
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_dataset_dict(name: str, split: str, options: dict | None = None, silent: bool = False) -> DatasetDict:
+    """Load one registered dataset's split and print what was skipped or repaired.
+
+    Raises:
+        DataError: if ``name`` is not registered, or the loader rejects its options/data.
+    """
+    if name not in DATASETS:
+        raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
+    report: collections.Counter = collections.Counter()
+    try:
+        data = DATASETS[name].loader(split, report, **(options or {}))
+    except TypeError as e:
+        if "unexpected keyword" in str(e):
+            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
+        raise
+    if not silent:
+        n_pairs = sum(len(v["pairs"]) for v in data.values())
+        notes = ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
+        print(f"[data] {name}/{split}: {len(data)} prompts, {n_pairs} pairs" + (f" ({notes})" if notes else ""))
+    return data
+
+
+def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
+    """One example per pair (DPO) or per prompt (SFT, on its sft_target), in a stable order."""
+    mode = DATASETS[name].truncation_mode
+    examples = []
+    for prompt, entry in data.items():
+        if sft_mode:
+            examples.append({"prompt": prompt, "chosen": entry["sft_target"], "truncation_mode": mode})
+            continue
+        for i, j in entry["pairs"]:
+            r = entry["responses"]
+            examples.append({"prompt": prompt, "chosen": r[i], "rejected": r[j], "truncation_mode": mode})
+    return examples
+
+
+def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, silent: bool = False) -> list[dict]:
+    """Flat list of examples of all ``names`` for ``split`` (see :func:`flatten`)."""
+    examples = []
+    for name in names:
+        examples.extend(flatten(name, load_dataset_dict(name, split, options.get(name), silent), sft_mode))
+    return examples
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    # split_special_tokens: text that spells a special token ("</s>" inside a post) stays
+    # plain text, so no EOS appears mid-sequence and nothing asserts.
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def tokenize_element(
+    prompt: str,
+    chosen: str,
+    rejected: str | None,
+    truncation_mode: str,
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int,
+) -> dict:
+    """Tokenize one example into policy inputs (the reference repository's batch element).
+
+    Prompt and responses are tokenized separately (so the prompt's ids are exactly a
+    prefix of each sequence, and identical in chosen and rejected), BOS is put in front
+    when the tokenizer has one, and EOS ends each response: a response that already
+    ends with the EOS string (chat-templated data) gets one, not two. When prompt +
+    longest response exceed ``max_length``, the prompt is cut to ``max_prompt_length``
+    (keeping its end or start per ``truncation_mode``), then the responses are cut so
+    that they still end with EOS.
+
+    Returns:
+        dict with ``prompt_input_ids`` and, for each of chosen (and rejected),
+        ``{side}_input_ids``, ``{side}_attention_mask``, ``{side}_labels`` (IGNORE_INDEX
+        over the prompt), plus the texts. All lists of ints.
+
+    Raises:
+        ValueError: if ``max_prompt_length >= max_length`` (no room for a response).
+    """
+    if max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
+    eos, eos_id, bos_id = tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.bos_token_id
+    prompt_ids = _encode(tokenizer, prompt)
+    if bos_id is not None:
+        prompt_ids = [bos_id] + prompt_ids
+    responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
+    response_ids = {}
+    for side, text in responses.items():
+        if eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        response_ids[side] = _encode(tokenizer, text) + [eos_id]
+
+    longest = max(len(r) for r in response_ids.values())
+    if len(prompt_ids) + longest > max_length and len(prompt_ids) > max_prompt_length:
+        if truncation_mode == "keep_start":
+            prompt_ids = prompt_ids[:max_prompt_length]
+        else:
+            head = prompt_ids[:1] if bos_id is not None else []
+            prompt_ids = head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
+    room = max_length - len(prompt_ids)
+    for side, ids in response_ids.items():
+        if len(ids) > room:
+            response_ids[side] = ids[: room - 1] + [eos_id]
+
+    element = {"prompt": prompt, "prompt_input_ids": prompt_ids}
+    for side, ids in response_ids.items():
+        seq = prompt_ids + ids
+        element[f"{side}_input_ids"] = seq
+        element[f"{side}_attention_mask"] = [1] * len(seq)
+        element[f"{side}_labels"] = [IGNORE_INDEX] * len(prompt_ids) + ids
+        element[side] = responses[side]
+    return element
+
+
+def collate(elements: list[dict], pad_token_id: int) -> dict:
+    """Pad a list of tokenized elements into a batch.
+
+    Sequences (``*_input_ids``, ``*_attention_mask``, ``*_labels``) are right-padded to
+    the batch's longest, with ``pad_token_id``, 0 and IGNORE_INDEX; ``prompt_input_ids``
+    is left-padded (for generation), with ``prompt_attention_mask``. Tensors are (B, T) long.
+    """
+    batch: dict = {}
+    for key in elements[0]:
+        values = [e[key] for e in elements]
+        if not key.endswith(("_input_ids", "_attention_mask", "_labels")):
+            batch[key] = values
+            continue
+        pad = IGNORE_INDEX if key.endswith("_labels") else 0 if key.endswith("_attention_mask") else pad_token_id
+        width = max(len(v) for v in values)
+        if key == "prompt_input_ids":
+            batch[key] = torch.tensor([[pad] * (width - len(v)) + v for v in values])
+            batch["prompt_attention_mask"] = torch.tensor([[0] * (width - len(v)) + [1] * len(v) for v in values])
+        else:
+            batch[key] = torch.tensor([v + [pad] * (width - len(v)) for v in values])
+    return batch
+
+
+def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order of ``n`` examples in ``epoch``: a permutation drawn from (seed, epoch)."""
+    if not shuffle:
+        return np.arange(n)
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def get_batch_iterator(
+    examples: list[dict],
+    tokenizer,
+    batch_size: int,
+    max_length: int,
+    max_prompt_length: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    n_epochs: int | None = None,
+    n_examples: int | None = None,
+    start_example: int = 0,
+) -> Iterator[dict]:
+    """Yield collated batches from ``examples``, tokenizing lazily.
+
+    The examples form one stream, epoch after epoch (each epoch's order from
+    :func:`epoch_order`), cut into batches of ``batch_size``; a batch may span an
+    epoch boundary and only the very last batch may be smaller (nothing is dropped).
+    The stream ends after ``n_examples`` examples, else after ``n_epochs`` epochs.
+    ``start_example`` skips that many examples of the stream (resume).
+
+    Raises:
+        ValueError: if neither n_epochs nor n_examples is set, or examples is empty.
+    """
+    if not examples:
+        raise ValueError("The dataset has no examples after filtering; check the datasets and data options.")
+    if n_examples is None and n_epochs is None:
+        raise ValueError("Set n_epochs or n_examples.")
+    n = len(examples)
+    total = n_examples if n_examples is not None else n_epochs * n
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    orders: dict[int, np.ndarray] = {}
+    k = start_example
+    while k < total:
+        elements = []
+        for idx in range(k, min(k + batch_size, total)):
+            epoch = idx // n
+            if epoch not in orders:
+                orders = {epoch: epoch_order(n, seed, epoch, shuffle)}
+            ex = examples[orders[epoch][idx % n]]
+            elements.append(
+                tokenize_element(
+                    ex["prompt"],
+                    ex["chosen"],
+                    ex.get("rejected"),
+                    ex["truncation_mode"],
+                    tokenizer,
+                    max_length,
+                    max_prompt_length,
+                )
+            )
+        k += len(elements)
+        yield collate(elements, pad_id)

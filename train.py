@@ -1,0 +1,88 @@
+"""Entry point: ``python train.py [key=value ...]`` (Hydra). See README.md.
+
+Checks the config, loads the data, then the policy and (for DPO/IPO) the frozen
+reference, and hands off to the trainer named by ``config.trainer``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import trainers
+import utils
+from preference_datasets import DataError, load_examples
+
+
+def main(config: DictConfig) -> str:
+    """Run one training job; returns the run folder."""
+    resume_dir = config.resume
+    if resume_dir is not None:
+        saved = os.path.join(resume_dir, "config.yaml")
+        if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
+            raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml.")
+        config = OmegaConf.load(saved)
+        config.resume = resume_dir
+    OmegaConf.resolve(config)
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    utils.validate_config(config, world_size)
+    utils.set_seed(config.seed)
+
+    tokenizer = utils.load_tokenizer(config.model)
+    sft_mode = config.loss.name == "sft"
+    options = OmegaConf.to_container(config.data, resolve=True)
+    train_examples = load_examples(list(config.datasets), "train", options, sft_mode)
+    eval_examples = load_examples(list(config.datasets), "test", options, sft_mode)
+    utils.check_eval_size(config, len(eval_examples))
+
+    if resume_dir is None:
+        run_dir = utils.make_run_dir(config.output_root, config.exp_name)
+        OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+    else:
+        run_dir = resume_dir
+    print(f"Run folder: {run_dir}")
+
+    policy_dtype = utils.get_dtype(config.model.policy_dtype)
+    policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed)
+    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    reference = None
+    if needs_reference:
+        reference_dtype = utils.get_dtype(config.model.reference_dtype) or policy_dtype
+        reference = utils.load_model(config.model, tokenizer, reference_dtype, config.seed)
+    if config.model.archive is not None:
+        state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
+        print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into the policy and reference.")
+        policy.load_state_dict(state["state"])
+        if reference is not None:
+            reference.load_state_dict(state["state"])
+    n_params = sum(p.numel() for p in policy.parameters())
+    print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {len(eval_examples)} eval examples.")
+
+    resume_state = None
+    if resume_dir is not None:
+        resume_state = torch.load(os.path.join(resume_dir, "LATEST", "trainer_state.pt"), weights_only=False)
+    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"])
+    trainer_cls = getattr(trainers, config.trainer)
+    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    if resume_dir is not None:
+        trainer.load(os.path.join(resume_dir, "LATEST"))
+        print(f"Resuming after {trainer.example_counter} examples.")
+    trainer.train()
+    return run_dir
+
+
+@hydra.main(version_base="1.3", config_path="config", config_name="config")
+def hydra_main(config: DictConfig) -> None:
+    try:
+        main(config)
+    except (utils.ConfigError, DataError) as e:
+        print(f"Error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    hydra_main()

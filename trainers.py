@@ -1,0 +1,474 @@
+"""The training loop: BasicTrainer (one process: CPU, one GPU, or one model split over local GPUs).
+
+The objective (SFT / DPO / conservative DPO / IPO) lives in losses.py and is chosen by
+``config.loss.name``; the trainer only computes log-probs, calls the loss, and steps.
+The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from collections import defaultdict
+
+import numpy as np
+import torch
+import tqdm
+import transformers
+
+import losses
+import utils
+from preference_datasets import get_batch_iterator
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient became NaN or inf; the message names the step."""
+
+
+def concatenated_inputs(batch: dict) -> dict:
+    """Stack chosen over rejected, right-padded to a common length, for one forward pass.
+
+    Args:
+        batch: with ``chosen_*`` and ``rejected_*`` tensors of shape (B, T_c) and (B, T_r).
+
+    Returns:
+        dict with ``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r));
+        rows [0, B) are chosen, rows [B, 2B) rejected.
+    """
+    width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+    out = {}
+    for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", losses.IGNORE_INDEX)):
+        parts = []
+        for side in ("chosen", "rejected"):
+            t = batch[f"{side}_{key}"]
+            parts.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
+        out[key] = torch.cat(parts, dim=0)
+    return out
+
+
+def split_batch(batch: dict, n_chunks: int) -> list[dict]:
+    """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
+    nothing is dropped). Lists are split the same way as tensors."""
+    size = len(batch["prompt"])
+    bounds = np.linspace(0, size, n_chunks + 1).round().astype(int)
+    chunks = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            chunks.append({k: v[lo:hi] for k, v in batch.items()})
+    return chunks
+
+
+class BasicTrainer:
+    """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
+
+    Args:
+        policy: the causal LM being trained.
+        config: the composed Hydra config.
+        run_dir: this run's output folder.
+        tokenizer: the policy's tokenizer.
+        train_examples, eval_examples: from ``preference_datasets.load_examples``.
+        reference_model: the frozen reference (None for SFT or reference_free DPO).
+        logger: a ``utils.MetricsLogger``.
+    """
+
+    def __init__(self, policy, config, run_dir, tokenizer, train_examples, eval_examples, reference_model=None, logger=None):
+        self.config = config
+        self.run_dir = run_dir
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.reference_model = reference_model
+        self.logger = logger or utils.MetricsLogger(run_dir, config)
+        self.train_examples = train_examples
+        self.loss_config = config.loss
+        self.sft = config.loss.name == "sft"
+        self.average_log_prob = bool(config.loss.get("average_log_prob", False))
+
+        if getattr(policy, "hf_device_map", None) is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.policy.to(device)
+            if self.reference_model is not None:
+                self.reference_model.to(device)
+        self.device = next(self.policy.parameters()).device
+        if self.reference_model is not None:
+            self.reference_model.eval()
+            self.reference_model.requires_grad_(False)
+        if config.activation_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+
+        self.optimizer = self.build_optimizer()
+        self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
+        n_steps = math.ceil(self.total_examples / config.batch_size)
+        self.scheduler = transformers.get_scheduler(
+            "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler,
+            self.optimizer,
+            num_warmup_steps=config.warmup_steps,
+            num_training_steps=n_steps,
+        )
+        n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
+        self.eval_batches = list(
+            get_batch_iterator(
+                eval_examples,
+                tokenizer,
+                config.eval_batch_size,
+                config.max_length,
+                config.max_prompt_length,
+                shuffle=True,
+                seed=config.seed,
+                n_examples=n_eval,
+            )
+        )
+        self.example_counter = 0
+        self.batch_counter = 0
+        self.next_eval_at = 0 if config.do_first_eval else config.eval_every
+        self.stop_requested = False
+
+    # ------------------------------------------------------------------ setup
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        """``config.optimizer`` over the policy's parameters (RMSprop is the reference default;
+        AdamW uses ``config.weight_decay``)."""
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        cls = getattr(torch.optim, self.config.optimizer)
+        kwargs = {"lr": self.config.lr}
+        if self.config.optimizer in ("AdamW", "Adam", "SGD"):
+            kwargs["weight_decay"] = self.config.weight_decay
+        return cls(params, **kwargs)
+
+    # ------------------------------------------------------------------ log-probs and loss
+
+    def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chosen and rejected log-probs from one forward pass of ``model``.
+
+        Returns:
+            (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) the
+            response-token counts (chosen rows first).
+        """
+        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        logps, n_tokens = losses.get_batch_logps(logits, inputs["labels"], self.average_log_prob)
+        n = batch["chosen_input_ids"].shape[0]
+        return logps[:n], logps[n:], n_tokens
+
+    @torch.no_grad()
+    def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32.
+
+        The one seam between the trainer and the reference model: a live module here;
+        a precomputed cache or remote workers can stand behind it without the loss knowing.
+
+        Raises:
+            RuntimeError: if the loss needs a reference and none was given.
+        """
+        if self.reference_model is None:
+            raise RuntimeError("This loss needs a reference model but the trainer has none.")
+        chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
+        return chosen, rejected
+
+    def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
+        """Loss of one micro-batch, scaled so that summing over the micro-batches of a batch
+        gives the loss of the whole batch, and the metrics of the micro-batch.
+
+        Args:
+            batch: a collated (micro-)batch.
+            n_batch_examples: examples in the whole batch.
+            n_batch_tokens: SFT target tokens in the whole batch (SFT's per-token mean).
+            split: "train" or "eval" (for metric names).
+
+        Returns:
+            (loss, metrics): a scalar tensor and a dict of name -> list of floats.
+        """
+        metrics: dict[str, list[float]] = {}
+        n = len(batch["prompt"])
+        if self.sft:
+            labels = batch["chosen_labels"].to(self.device)
+            logits = self.policy(
+                input_ids=batch["chosen_input_ids"].to(self.device),
+                attention_mask=batch["chosen_attention_mask"].to(self.device),
+            ).logits
+            logps_sum, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=False)
+            loss = losses.sft_loss(logps_sum, n_batch_tokens)
+            metrics[f"logps_{split}/chosen"] = (logps_sum / n_tokens.clamp(min=1)).tolist()
+            metrics[f"loss/{split}"] = [(-logps_sum.sum() / n_tokens.sum().clamp(min=1)).item()]
+            return loss, metrics
+
+        cfg = self.loss_config
+        policy_chosen, policy_rejected, _ = self.concatenated_forward(self.policy, batch)
+        if cfg.name == "dpo" and cfg.reference_free:
+            ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+        else:
+            ref_chosen, ref_rejected = self.reference_logps(batch)
+        if cfg.name == "dpo":
+            per_example, chosen_rewards, rejected_rewards = losses.dpo_loss(
+                policy_chosen,
+                policy_rejected,
+                ref_chosen,
+                ref_rejected,
+                beta=cfg.beta,
+                label_smoothing=cfg.label_smoothing,
+                reference_free=cfg.reference_free,
+            )
+        else:
+            per_example, chosen_rewards, rejected_rewards = losses.ipo_loss(
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta
+            )
+        loss = per_example.sum() / n_batch_examples
+        metrics[f"rewards_{split}/chosen"] = chosen_rewards.tolist()
+        metrics[f"rewards_{split}/rejected"] = rejected_rewards.tolist()
+        metrics[f"rewards_{split}/accuracies"] = (chosen_rewards > rejected_rewards).float().tolist()
+        metrics[f"rewards_{split}/margins"] = (chosen_rewards - rejected_rewards).tolist()
+        metrics[f"logps_{split}/chosen"] = policy_chosen.detach().tolist()
+        metrics[f"logps_{split}/rejected"] = policy_rejected.detach().tolist()
+        metrics[f"loss/{split}"] = per_example.detach().tolist()
+        assert n == len(per_example)
+        return loss, metrics
+
+    # ------------------------------------------------------------------ eval and samples
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Mean metrics over the eval set (``n_eval_examples``), logged as ``*_eval/*``."""
+        self.policy.eval()
+        collected = defaultdict(list)
+        for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not self.config.progress_bar):
+            n_tokens = float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum())
+            _, metrics = self.get_batch_metrics(batch, len(batch["prompt"]), n_tokens, "eval")
+            for k, v in metrics.items():
+                collected[k].extend(v)
+        means = {k: float(np.mean(v)) for k, v in collected.items()}
+        if self.config.sample_during_eval:
+            self.sample()
+        self.logger.log(means, step=self.example_counter)
+        print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+        self.policy.train()
+        return means
+
+    @torch.no_grad()
+    def sample(self) -> list[dict]:
+        """Sample completions from the policy (and the reference, if any) for the first
+        ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
+        ``samples.md`` in the run folder and log them as W&B tables."""
+        n = self.config.n_eval_model_samples
+        prompts, ids, masks = [], [], []
+        for batch in self.eval_batches:
+            prompts.extend(batch["prompt"])
+            ids.extend(batch["prompt_input_ids"])
+            masks.extend(batch["prompt_attention_mask"])
+            if len(prompts) >= n:
+                break
+        prompts, ids, masks = prompts[:n], torch.stack(ids[:n]), torch.stack(masks[:n])
+        pad_id = self.tokenizer.pad_token_id
+        models = {"policy": self.policy}
+        if self.reference_model is not None:
+            models["reference"] = self.reference_model
+        completions = {}
+        for name, model in models.items():
+            out = model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=masks.to(self.device),
+                max_new_tokens=self.config.max_length - ids.shape[1],
+                do_sample=True,
+                top_p=self.config.sample_top_p,
+                pad_token_id=pad_id,
+            )
+            completions[name] = self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+        rows = [
+            {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
+            for i, p in enumerate(prompts)
+        ]
+        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        with open(os.path.join(self.run_dir, "samples.md"), "a") as f:
+            cols = ["prompt", *completions]
+            f.write(f"\n## after {self.example_counter} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
+            for row in rows:
+                f.write("| " + " | ".join(_md_cell(row[c]) for c in cols) + " |\n")
+        for name in completions:
+            self.logger.log_table(
+                f"{name}_samples",
+                ["step", "prompt", "sample"],
+                [[r["step"], r["prompt"], r[name]] for r in rows],
+                self.example_counter,
+            )
+        return rows
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, batch: dict) -> dict:
+        """One optimizer step on one batch (gradient accumulation over micro-batches).
+
+        Raises:
+            NonFiniteLossError: if a loss or the gradient norm is NaN or inf (before the
+                optimizer step, so the weights stay as they were).
+        """
+        n_examples = len(batch["prompt"])
+        n_tokens = float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum())
+        collected = defaultdict(list)
+        for chunk in split_batch(batch, self.config.gradient_accumulation_steps):
+            loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
+            if not torch.isfinite(loss):
+                self.raise_non_finite(f"loss is {loss.item()}")
+            loss.backward()
+            for k, v in metrics.items():
+                collected[k].extend(v)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        collected["grad_norm"].append(grad_norm.item())
+        return collected
+
+    def raise_non_finite(self, what: str):
+        latest = os.path.join(self.run_dir, "LATEST")
+        where = os.path.realpath(latest) if os.path.exists(latest) else "none was written yet"
+        raise NonFiniteLossError(
+            f"Stopped: {what} at step {self.batch_counter + 1} (after {self.example_counter} examples); "
+            f"nothing was saved, the last good checkpoint is {where}. Lower lr or max_grad_norm, or check the data."
+        )
+
+    def train(self) -> None:
+        """Run training to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples,
+        checkpointing after each eval and at the end. SIGINT/SIGTERM save a checkpoint and stop."""
+        config = self.config
+        iterator = get_batch_iterator(
+            self.train_examples,
+            self.tokenizer,
+            config.batch_size,
+            config.max_length,
+            config.max_prompt_length,
+            shuffle=True,
+            seed=config.seed,
+            n_epochs=config.n_epochs,
+            n_examples=config.n_examples,
+            start_example=self.example_counter,
+        )
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        bar = tqdm.tqdm(
+            total=self.total_examples, initial=self.example_counter, unit="ex", desc="train", disable=not config.progress_bar
+        )
+        pending = defaultdict(list)
+        last_log = time.time()
+        last_log_examples = self.example_counter
+        self.policy.train()
+        try:
+            for batch in iterator:
+                if self.example_counter >= self.next_eval_at:
+                    self.evaluate()
+                    if self.example_counter > 0:
+                        self.save()
+                    while self.next_eval_at <= self.example_counter:
+                        self.next_eval_at += config.eval_every
+                metrics = self.train_step(batch)
+                self.batch_counter += 1
+                self.example_counter += len(batch["prompt"])
+                bar.update(len(batch["prompt"]))
+                for k, v in metrics.items():
+                    pending[k].extend(v)
+                now = time.time()
+                if now - last_log >= config.minimum_log_interval_secs:
+                    means = {k: float(np.mean(v)) for k, v in pending.items()}
+                    means["examples_per_second"] = (self.example_counter - last_log_examples) / (now - last_log)
+                    means["counters/examples"] = self.example_counter
+                    means["counters/updates"] = self.batch_counter
+                    means["lr"] = self.scheduler.get_last_lr()[0]
+                    self.logger.log(means, step=self.example_counter)
+                    bar.set_postfix(_postfix(means))
+                    pending.clear()
+                    last_log, last_log_examples = now, self.example_counter
+                if self.stop_requested:
+                    break
+            bar.close()
+            if self.stop_requested:
+                path = self.save()
+                print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
+                print(f"Resume with: python train.py resume={self.run_dir}")
+                return
+            self.evaluate()
+            path = self.save()
+            written = utils.plot_curves(self.run_dir)
+            print(f"Done: {self.example_counter} examples. Checkpoint: {path} (Hugging Face export in {path}/hf).")
+            if written:
+                print(f"Training curves: {os.path.dirname(written[0])}/")
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.logger.finish()
+
+    def _request_stop(self, signum, frame):
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
+        self.stop_requested = True
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self) -> str:
+        """Write ``step-<examples>/`` atomically and point ``LATEST`` at it.
+
+        Holds the reference repository's files (policy.pt, optimizer.pt, scheduler.pt, each
+        ``{step_idx, state, ...}``), trainer_state.pt (example counter, RNG, data position)
+        and ``hf/``, a folder that ``AutoModelForCausalLM.from_pretrained`` and
+        ``AutoTokenizer.from_pretrained`` load. Returns the checkpoint's path.
+        """
+        step = self.example_counter
+
+        def write(tmp):
+            torch.save({"step_idx": step, "state": self.policy.state_dict()}, os.path.join(tmp, "policy.pt"))
+            torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(tmp, "optimizer.pt"))
+            torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
+            torch.save(
+                {
+                    "example_counter": self.example_counter,
+                    "batch_counter": self.batch_counter,
+                    "next_eval_at": self.next_eval_at,
+                    "rng": {
+                        "python": random.getstate(),
+                        "numpy": np.random.get_state(),
+                        "torch": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                    },
+                    "wandb_id": self.logger.run_id,
+                },
+                os.path.join(tmp, "trainer_state.pt"),
+            )
+            if self.config.save_hf_export:
+                self.policy.save_pretrained(os.path.join(tmp, "hf"))
+                self.tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+
+        path = utils.save_checkpoint_dir(self.run_dir, f"step-{step}", write)
+        utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+        return path
+
+    def load(self, checkpoint_dir: str) -> None:
+        """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
+
+        def read(name):
+            return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
+
+        self.policy.load_state_dict(read("policy.pt")["state"])
+        self.optimizer.load_state_dict(read("optimizer.pt")["state"])
+        self.scheduler.load_state_dict(read("scheduler.pt")["state"])
+        state = read("trainer_state.pt")
+        self.example_counter = state["example_counter"]
+        self.batch_counter = state["batch_counter"]
+        self.next_eval_at = state["next_eval_at"]
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        torch.set_rng_state(state["rng"]["torch"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+
+def _postfix(means: dict) -> dict:
+    keys = ["loss/train", "rewards_train/accuracies", "rewards_train/margins", "examples_per_second"]
+    return {k.split("/")[-1][:8]: f"{means[k]:.3g}" for k in keys if k in means}

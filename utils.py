@@ -1,0 +1,283 @@
+"""Helpers shared by train.py and the trainers: config checks, models and tokenizers,
+run folders, atomic checkpoints, metric logging and curves."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message is one sentence naming the key and the fix."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def validate_config(config: DictConfig, world_size: int = 1) -> None:
+    """Check the composed config before any data or model is loaded.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    from preference_datasets import DATASETS
+
+    loss = config.loss
+    if loss.name in ("dpo", "ipo"):
+        if loss.get("beta") is None:
+            raise ConfigError(f"loss={loss.name} needs loss.beta (e.g. loss.beta=0.1).")
+        if not loss.beta > 0:
+            raise ConfigError(f"loss.beta must be > 0, got {loss.beta}.")
+    if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
+        raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
+    unknown = [d for d in config.datasets if d not in DATASETS]
+    if unknown:
+        raise ConfigError(f"Unknown dataset(s) {unknown} in datasets=; registered datasets are {sorted(DATASETS)}.")
+    if config.batch_size % config.gradient_accumulation_steps:
+        raise ConfigError(
+            f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
+        )
+    if config.batch_size % world_size:
+        raise ConfigError(f"batch_size ({config.batch_size}) must be divisible by the number of processes ({world_size}).")
+    if config.max_prompt_length >= config.max_length:
+        raise ConfigError(
+            f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
+        )
+    if config.n_examples is None and config.n_epochs is None:
+        raise ConfigError("Set n_epochs or n_examples (e.g. n_epochs=1).")
+    if config.optimizer not in ("RMSprop", "AdamW", "Adam", "SGD"):
+        raise ConfigError(f"optimizer must be one of RMSprop, AdamW, Adam, SGD, got {config.optimizer}.")
+    if config.lr_scheduler not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
+    if config.wandb.mode not in ("online", "offline", "disabled"):
+        raise ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
+    if config.trainer != "BasicTrainer":
+        raise ConfigError(f"trainer={config.trainer} is not available yet; use trainer=BasicTrainer.")
+    if config.model.name_or_path is None and config.model.get("config") is None:
+        raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
+    if config.model.archive is not None and not os.path.exists(config.model.archive):
+        raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+
+
+def check_eval_size(config: DictConfig, n_eval: int) -> None:
+    """Raise ConfigError if the eval set cannot fill one eval batch."""
+    if n_eval == 0:
+        raise ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
+    if config.eval_batch_size > n_eval:
+        raise ConfigError(
+            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({n_eval} examples); lower it."
+        )
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def get_dtype(name: str | None) -> torch.dtype | None:
+    """torch dtype from a config string ("float32", "bfloat16", "float16"); None stays None."""
+    return None if name is None else getattr(torch, name)
+
+
+def load_tokenizer(model_config: DictConfig):
+    """The tokenizer named by ``model.tokenizer_class`` (built with no files, e.g. ByT5Tokenizer),
+    else ``model.tokenizer_name_or_path``, else ``model.name_or_path``. A pad token is set
+    to EOS when the tokenizer has none."""
+    import transformers
+
+    if model_config.get("tokenizer_class"):
+        tokenizer = getattr(transformers, model_config.tokenizer_class)()
+    else:
+        path = model_config.tokenizer_name_or_path or model_config.name_or_path
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int) -> torch.nn.Module:
+    """A causal LM: weights from ``model.name_or_path`` (hub id or folder), or, when
+    ``model.config`` is set, a random model built from that config (``model_type`` plus
+    fields; vocab_size defaults to the tokenizer's size). Dropout is disabled, since the
+    policy and reference must agree at step 0."""
+    import transformers
+
+    if model_config.get("config") is not None:
+        fields = OmegaConf.to_container(model_config.config, resolve=True)
+        fields.setdefault("vocab_size", len(tokenizer))
+        fields.setdefault("pad_token_id", tokenizer.pad_token_id)
+        fields.setdefault("eos_token_id", tokenizer.eos_token_id)
+        fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+        cfg = transformers.AutoConfig.for_model(**fields)
+        torch.manual_seed(seed)  # same random weights for policy and reference
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        kwargs = {"dtype": dtype}
+        if model_config.get("device_map"):
+            kwargs["device_map"] = model_config.device_map
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_config.name_or_path, **kwargs)
+    disable_dropout(model)
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability in ``model`` to 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def make_run_dir(root: str, exp_name: str) -> str:
+    """Create and return ``<root>/<exp_name>_<timestamp>`` (unique)."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    path = os.path.join(root, f"{exp_name}_{stamp}")
+    os.makedirs(path, exist_ok=False)
+    return path
+
+
+def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
+    """Atomically write checkpoint folder ``<run_dir>/<name>`` and point ``LATEST`` at it.
+
+    ``write(tmp_dir)`` fills a temporary folder; only when it returns is the folder
+    renamed into place and the ``LATEST`` symlink swapped (``os.replace``, atomic on
+    POSIX), so a crash at any moment leaves ``LATEST`` pointing at a complete checkpoint.
+    Returns the checkpoint's path.
+    """
+    final = os.path.join(run_dir, name)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
+    write(tmp)
+    if os.path.exists(final):
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)
+        os.replace(final, os.path.join(old, name))
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    link_tmp = os.path.join(run_dir, ".LATEST.tmp")
+    if os.path.lexists(link_tmp):
+        os.remove(link_tmp)
+    os.symlink(name, link_tmp)
+    os.replace(link_tmp, os.path.join(run_dir, "LATEST"))
+    return final
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` step-N folders (never the one LATEST points to)."""
+    if keep is None or keep <= 0:
+        return
+    latest = os.path.realpath(os.path.join(run_dir, "LATEST"))
+    steps = sorted(
+        (d for d in os.listdir(run_dir) if d.startswith("step-") and d[5:].isdigit()),
+        key=lambda d: int(d[5:]),
+    )
+    for d in steps[:-keep]:
+        if os.path.realpath(os.path.join(run_dir, d)) != latest:
+            shutil.rmtree(os.path.join(run_dir, d))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+class MetricsLogger:
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases."""
+
+    def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None):
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.wandb = None
+        self.run_id = resume_id
+        if config.wandb.enabled and config.wandb.mode != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                entity=config.wandb.entity,
+                project=config.wandb.project,
+                name=config.exp_name,
+                mode=config.wandb.mode,
+                dir=run_dir,
+                config=OmegaConf.to_container(config, resolve=True),
+                id=resume_id,
+                resume="allow" if resume_id else None,
+            )
+            self.run_id = self.wandb.id
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Write one record; ``step`` is the example counter."""
+        clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
+    def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
+        """Log a table (e.g. samples) to W&B; the trainer writes the same rows to a file."""
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
+
+    def finish(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_curves(run_dir: str) -> list[str]:
+    """Write one PNG per metric group from ``metrics.jsonl`` into ``<run_dir>/curves/``.
+    x axis: examples seen. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    series: dict[str, list[tuple[int, float]]] = {}
+    with open(path) as f:
+        for line in f:
+            rec = json.loads(line)
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    series.setdefault(k, []).append((rec["step"], v))
+    groups: dict[str, list[str]] = {}
+    for key in series:
+        groups.setdefault(key.split("/")[0], []).append(key)
+    out_dir = os.path.join(run_dir, "curves")
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for group, keys in sorted(groups.items()):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for key in sorted(keys):
+            xs, ys = zip(*series[key])
+            ax.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
+        ax.set_xlabel("examples")
+        ax.set_title(group)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        file = os.path.join(out_dir, f"{group}.png")
+        fig.tight_layout()
+        fig.savefig(file, dpi=100)
+        plt.close(fig)
+        written.append(file)
+    return written
+
+
+def formatted_dict(d: dict) -> dict:
+    """Round floats for printing."""
+    return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in d.items()}
