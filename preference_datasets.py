@@ -121,7 +121,7 @@ def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, st
     limit = min(len(chosen), len(rejected))
     while n < limit and chosen[n] == rejected[n]:
         n += 1
-    idx = chosen.rfind(ASSISTANT_TAG, 0, n - len(ASSISTANT_TAG) + 1)
+    idx = chosen.rfind(ASSISTANT_TAG, 0, n)
     if idx < 0:
         return None
     cut = idx + len(ASSISTANT_TAG)
@@ -502,7 +502,7 @@ def tokenize_element(
         if truncation_mode == "keep_start":
             prompt_ids = prompt_ids[:max_prompt_length]
         else:
-            head = prompt_ids[:1] if bos_id is not None else []
+            head = prompt_ids[:1] if bos_id is not None and max_prompt_length > 0 else []
             prompt_ids = head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
     room = max_length - len(prompt_ids)
     for side, ids in response_ids.items():

@@ -191,7 +191,7 @@ class BasicTrainer:
             ).logits
             logps_sum, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=False)
             loss = losses.sft_loss(logps_sum, n_batch_tokens)
-            metrics[f"logps_{split}/chosen"] = (logps_sum / n_tokens.clamp(min=1)).tolist()
+            metrics[f"logps_{split}/chosen"] = logps_sum.detach().tolist()  # summed, as in DPO
             metrics[f"loss/{split}"] = [(-logps_sum.sum() / n_tokens.sum().clamp(min=1)).item()]
             return loss, metrics
 

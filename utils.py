@@ -135,10 +135,20 @@ def load_model(model_config: DictConfig, tokenizer, dtype: torch.dtype | None, s
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability in ``model`` to 0."""
-    for module in model.modules():
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, and the
+    float attributes that attention implementations pass to SDPA as ``dropout_p``
+    (e.g. Llama's ``attention_dropout``), and the config's ``*dropout*``/``*pdrop*`` fields."""
+    for module in [model, *model.modules()]:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and module is model:
+            for name, value in list(vars(config).items()):
+                if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                    setattr(config, name, 0.0)
 
 
 # ----------------------------------------------------------------------------- run folders

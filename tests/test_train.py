@@ -1,0 +1,379 @@
+"""End-to-end tests of train.py and BasicTrainer on the tiny embedded default."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, compose_config
+from omegaconf import OmegaConf
+
+import train
+import trainers
+import utils
+from preference_datasets import load_examples
+
+CONFIG_DIR = REPO / "config"
+MODEL_YAMLS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
+LOSS_YAMLS = sorted(p.stem for p in (CONFIG_DIR / "loss").glob("*.yaml"))
+REFERENCE_KEYS = [
+    "seed",
+    "exp_name",
+    "batch_size",
+    "eval_batch_size",
+    "gradient_accumulation_steps",
+    "lr",
+    "optimizer",
+    "warmup_steps",
+    "max_grad_norm",
+    "max_length",
+    "max_prompt_length",
+    "n_epochs",
+    "n_examples",
+    "n_eval_examples",
+    "eval_every",
+    "do_first_eval",
+    "sample_during_eval",
+    "n_eval_model_samples",
+    "activation_checkpointing",
+    "minimum_log_interval_secs",
+    "trainer",
+    "datasets",
+    "output_root",
+]
+
+
+def run(overrides: list[str], tmp_path: Path) -> Path:
+    """Run train.main in-process; returns the run folder."""
+    config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
+    return Path(train.main(config))
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def test_model_and_loss_lists_are_complete():
+    expected = {
+        "blank_model",
+        "tiny",
+        "gpt2-large",
+        "gpt2-xl",
+        "gptj",
+        "llama7b",
+        "pythia28",
+        "pythia69",
+        "pythia410m",
+        "pythia1b",
+    }
+    assert expected <= set(MODEL_YAMLS)
+    assert {"sft", "dpo", "ipo"} <= set(LOSS_YAMLS)
+
+
+@pytest.mark.parametrize("model", MODEL_YAMLS)
+@pytest.mark.parametrize("loss", LOSS_YAMLS)
+def test_every_model_and_loss_yaml_composes(model, loss):
+    extra = ["model.name_or_path=some/model"] if model == "blank_model" else []
+    config = compose_config([f"model={model}", f"loss={loss}", *extra])
+    OmegaConf.resolve(config)
+    for key in REFERENCE_KEYS:
+        assert key in config, key
+    for key in ("enabled", "entity", "project", "mode"):
+        assert key in config.wandb
+    for key in (
+        "name_or_path",
+        "tokenizer_name_or_path",
+        "archive",
+        "block_name",
+        "policy_dtype",
+        "reference_dtype",
+        "fsdp_policy_mp",
+    ):
+        assert key in config.model
+    assert config.loss.name == loss
+    utils.validate_config(config)  # every shipped combination is valid as is
+
+
+def test_reference_presets_keep_reference_learning_rate():
+    # The tiny model's own lr must not leak into the pretrained presets.
+    assert compose_config(["model=pythia28"]).lr == 5e-7
+    assert compose_config([]).lr > 1e-4
+    assert compose_config(["model=pythia28"]).model.name_or_path == "EleutherAI/pythia-2.8b"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss.label_smoothing=0.5"], "label_smoothing must be in \\[0, 0.5\\)"),
+        (["loss.label_smoothing=-0.1"], "label_smoothing must be in"),
+        (["loss.beta=null"], "loss=dpo needs loss.beta"),
+        (["loss=ipo", "loss.beta=null"], "loss=ipo needs loss.beta"),
+        (["datasets=[nope]"], "Unknown dataset.*nope.*registered datasets are"),
+        (["batch_size=6", "gradient_accumulation_steps=4"], "divisible by gradient_accumulation_steps"),
+        (["max_prompt_length=64", "max_length=64"], "max_prompt_length"),
+        (["model.archive=/no/such/policy.pt"], "model.archive=/no/such/policy.pt does not exist"),
+        (["wandb.mode=sometimes"], "wandb.mode"),
+    ],
+)
+def test_bad_override_is_one_clear_sentence(overrides, message):
+    config = compose_config(overrides)
+    with pytest.raises(utils.ConfigError, match=message):
+        utils.validate_config(config)
+
+
+def test_batch_size_must_divide_by_world_size():
+    with pytest.raises(utils.ConfigError, match="number of processes"):
+        utils.validate_config(compose_config(["batch_size=6"]), world_size=4)
+
+
+def test_eval_batch_larger_than_eval_set_fails_before_any_model_loads(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "train.py", "eval_batch_size=64", "data.arithmetic.n_test=10", f"output_root={tmp_path}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "eval_batch_size (64) is larger than the eval set (10 examples)" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert "Policy:" not in out.stdout  # no model was loaded
+    assert not list(tmp_path.iterdir())  # and no run folder made
+
+
+def test_unknown_override_is_rejected_by_hydra():
+    out = subprocess.run([sys.executable, "train.py", "no_such_key=1"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "no_such_key" in out.stderr and "Traceback" not in out.stderr
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def test_dpo_run_writes_reference_layout_and_loads_in_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = run([], tmp_path)
+    assert run_dir.parent == tmp_path
+    assert OmegaConf.load(run_dir / "config.yaml").loss.name == "dpo"
+    latest = run_dir / "LATEST"
+    assert latest.resolve().name == "step-48"
+    for name in ("policy.pt", "optimizer.pt", "scheduler.pt"):
+        saved = torch.load(latest / name, weights_only=False)
+        assert saved["step_idx"] == 48 and "state" in saved
+    recs = records(run_dir)
+    first_eval = next(r for r in recs if "loss/eval" in r)
+    assert first_eval["step"] == 0
+    # Policy == reference at step 0: every reward is 0 and the loss is ln 2.
+    assert first_eval["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first_eval["rewards_eval/margins"] == pytest.approx(0, abs=1e-7)
+    train_keys = set().union(*(r.keys() for r in recs))
+    for key in [
+        "rewards_train/chosen",
+        "rewards_train/rejected",
+        "rewards_train/accuracies",
+        "rewards_train/margins",
+        "logps_train/chosen",
+        "logps_train/rejected",
+        "loss/train",
+        "grad_norm",
+        "examples_per_second",
+        "counters/examples",
+        "rewards_eval/accuracies",
+        "logps_eval/chosen",
+        "loss/eval",
+    ]:
+        assert key in train_keys, key
+    assert sorted({r["step"] for r in recs if "loss/eval" in r}) == [0, 24, 48]
+    assert (run_dir / "curves" / "rewards_train.png").stat().st_size > 1000
+    assert (run_dir / "samples.md").exists() and (run_dir / "samples.jsonl").exists()
+
+    model = AutoModelForCausalLM.from_pretrained(latest / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(latest / "hf")
+    state = torch.load(latest / "policy.pt", weights_only=False)["state"]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, state[name])
+    ids = tokenizer("Q: 1+2=\nA:", return_tensors="pt").input_ids
+    assert model(ids).logits.shape[-1] == len(tokenizer)
+
+
+def test_sft_then_dpo_from_archive_starts_at_ln2(tmp_path):
+    sft_dir = run(["loss=sft", "exp_name=sft"], tmp_path)
+    sft_first = next(r for r in records(sft_dir) if "loss/eval" in r)
+    sft_last = [r for r in records(sft_dir) if "loss/eval" in r][-1]
+    assert sft_last["loss/eval"] < sft_first["loss/eval"]
+    archive = sft_dir / "LATEST" / "policy.pt"
+    dpo_dir = run(["loss=dpo", f"model.archive={archive}", "exp_name=dpo"], tmp_path)
+    first = next(r for r in records(dpo_dir) if "loss/eval" in r)
+    assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+    # The SFT weights were loaded: the eval log-probs at step 0 match the SFT run's final ones.
+    assert first["logps_eval/chosen"] == pytest.approx(sft_last["logps_eval/chosen"], rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    "loss", [["loss=ipo"], ["loss=dpo", "loss.label_smoothing=0.2"], ["loss=dpo", "loss.reference_free=true"]]
+)
+def test_other_losses_run(tmp_path, loss):
+    run_dir = run([*loss, "sample_during_eval=false"], tmp_path)
+    assert (run_dir / "LATEST" / "policy.pt").exists()
+
+
+def build_trainer(overrides: list[str], tmp_path: Path) -> trainers.BasicTrainer:
+    """A BasicTrainer built the way train.main builds it, without running it."""
+    config = compose_config([*TINY, f"output_root={tmp_path}", "sample_during_eval=false", *overrides])
+    OmegaConf.resolve(config)
+    tokenizer = utils.load_tokenizer(config.model)
+    options = OmegaConf.to_container(config.data)
+    sft = config.loss.name == "sft"
+    tr = load_examples(list(config.datasets), "train", options, sft, silent=True)
+    ev = load_examples(list(config.datasets), "test", options, sft, silent=True)
+    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = None if sft else utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    os.makedirs(tmp_path / "run", exist_ok=True)
+    return trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
+
+
+@pytest.mark.parametrize("loss", ["dpo", "sft"])
+def test_gradient_accumulation_gives_the_same_step(tmp_path, loss):
+    weights = []
+    for accumulation in (1, 4):
+        t = build_trainer(
+            [f"loss={loss}", f"gradient_accumulation_steps={accumulation}", "optimizer=SGD", "lr=0.5", "warmup_steps=0"],
+            tmp_path / str(accumulation),
+        )
+        batch = next(iter(trainers.get_batch_iterator(t.train_examples, t.tokenizer, 8, 64, 32, seed=0, n_examples=8)))
+        t.train_step(batch)
+        weights.append({k: v.clone() for k, v in t.policy.state_dict().items()})
+    for name in weights[0]:
+        torch.testing.assert_close(weights[0][name], weights[1][name], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_is_disabled_in_policy_and_reference():
+    from omegaconf import OmegaConf as OC
+
+    tokenizer = utils.load_tokenizer(compose_config([]).model)
+    for fields in (
+        {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "attn_pdrop": 0.5, "resid_pdrop": 0.5, "embd_pdrop": 0.5},
+        {
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "attention_dropout": 0.5,
+        },
+    ):
+        model = utils.load_model(OC.create({"config": fields}), tokenizer, torch.float32, seed=0)
+        model.train()
+        ids = torch.arange(3, 20).unsqueeze(0)
+        torch.testing.assert_close(model(ids).logits, model(ids).logits)
+
+
+def test_nan_loss_stops_with_step_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    config = compose_config([*TINY, f"output_root={tmp_path}", "sample_during_eval=false", "eval_every=16"])
+    calls = {"n": 0}
+    real = trainers.losses.dpo_loss
+
+    def flaky(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == 7:  # eval (2 calls), steps 1-2, eval at 16 (2 calls): call 7 is step 3
+            return (out[0] * float("nan"), *out[1:])
+        return out
+
+    monkeypatch.setattr(trainers.losses, "dpo_loss", flaky)
+    with pytest.raises(trainers.NonFiniteLossError, match=r"loss is nan at step 3 \(after 16 examples\)") as err:
+        train.main(config)
+    run_dir = next(tmp_path.iterdir())
+    assert (run_dir / "LATEST").resolve().name == "step-16"
+    assert str((run_dir / "LATEST").resolve()) in str(err.value)
+    assert not list(run_dir.glob("step-24*")) and not list(run_dir.glob(".step-*"))
+
+
+def test_crash_while_saving_leaves_latest_complete(tmp_path, monkeypatch):
+    t = build_trainer([], tmp_path)
+    first = t.save()
+    real_save = torch.save
+
+    def crash(obj, path, *args, **kwargs):
+        if str(path).endswith("scheduler.pt"):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    t.example_counter = 8
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        t.save()
+    latest = Path(t.run_dir) / "LATEST"
+    assert str(latest.resolve()) == str(Path(first).resolve())
+    assert {p.name for p in latest.iterdir()} >= {"policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"}
+    assert not (Path(t.run_dir) / "step-8").exists()
+
+
+def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
+    common = [
+        "batch_size=8",
+        "eval_batch_size=8",
+        "n_eval_examples=8",
+        "n_examples=2400",
+        "eval_every=800",
+        "data.arithmetic.n_train=300",
+        "data.arithmetic.n_test=8",
+        "sample_during_eval=false",
+        "save_hf_export=false",
+        "progress_bar=false",
+        "minimum_log_interval_secs=0",
+        "lr_scheduler=linear",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "train.py", *common]
+    full = subprocess.run(
+        [*cmd, f"output_root={tmp_path / 'full'}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert full.returncode == 0, full.stderr[-2000:]
+
+    proc = subprocess.Popen(
+        [*cmd, f"output_root={tmp_path / 'cut'}"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            runs = list((tmp_path / "cut").glob("*/metrics.jsonl"))
+            if runs and sum(1 for _ in runs[0].open()) > 12:  # some training steps done
+                break
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out[-2000:]
+    assert "Interrupted after" in out and "Resume with: python train.py resume=" in out
+    cut_dir = next((tmp_path / "cut").iterdir())
+    stopped_at = torch.load(cut_dir / "LATEST" / "trainer_state.pt", weights_only=False)["example_counter"]
+    assert 0 < stopped_at < 2400
+
+    resumed = subprocess.run(
+        [sys.executable, "train.py", f"resume={cut_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"Resuming after {stopped_at} examples" in resumed.stdout
+    full_dir = next((tmp_path / "full").iterdir())
+    a = torch.load(full_dir / "LATEST" / "policy.pt", weights_only=False)
+    b = torch.load(cut_dir / "LATEST" / "policy.pt", weights_only=False)
+    assert a["step_idx"] == b["step_idx"] == 2400
+    for name in a["state"]:
+        torch.testing.assert_close(a["state"][name], b["state"][name], rtol=0, atol=1e-6)
+    optim_a = torch.load(full_dir / "LATEST" / "optimizer.pt", weights_only=False)["state"]
+    optim_b = torch.load(cut_dir / "LATEST" / "optimizer.pt", weights_only=False)["state"]
+    assert optim_a["state"].keys() == optim_b["state"].keys()
