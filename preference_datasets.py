@@ -249,11 +249,12 @@ def shp_rows_to_data(
     scores score_A/score_B and label 1 when A is preferred. As in the reference
     repository, pairs whose score ratio is below ``min_score_ratio`` are dropped and
     each prompt keeps at most ``max_pairs_per_prompt`` pairs, those with the largest
-    ratios. Ties (equal scores) are skipped and counted; a zero score against a
+    ratios; the sft_target is the best-scored response. Ties (equal scores) are skipped and counted; a zero score against a
     positive one is an infinite ratio (counted), never a division by zero.
     """
     data: DatasetDict = {}
     ratios: dict[str, list[float]] = {}
+    scores: dict[str, dict[str, float]] = {}
     for row in rows:
         prompt = "\n\nHuman: " + row["history"] + "\n\nAssistant:"
         a, b = " " + row["human_ref_A"], " " + row["human_ref_B"]
@@ -273,12 +274,13 @@ def shp_rows_to_data(
         chosen, rejected = (a, b) if int(row["labels"]) == 1 else (b, a)
         if add_pair(data, prompt, chosen, rejected, report):
             ratios.setdefault(prompt, []).append(ratio)
+            scores.setdefault(prompt, {}).update({a: sa, b: sb})
     for prompt, entry in data.items():
         order = sorted(range(len(entry["pairs"])), key=lambda k: -ratios[prompt][k])
         if len(order) > max_pairs_per_prompt:
             report["skipped: over max_pairs_per_prompt"] += len(order) - max_pairs_per_prompt
         entry["pairs"] = [entry["pairs"][k] for k in order[:max_pairs_per_prompt]]
-        entry["sft_target"] = entry["responses"][entry["pairs"][0][0]]
+        entry["sft_target"] = max(entry["responses"], key=lambda r: scores[prompt][r])  # as the reference repo
     return data
 
 
