@@ -50,7 +50,7 @@ def get_batch_logps(
     safe_labels = torch.where(mask, labels, 0)
     picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).float()
     per_token = picked - torch.logsumexp(logits.float(), dim=-1)
-    per_token = per_token * mask
+    per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
     n_tokens = mask.sum(-1).float()
     total = per_token.sum(-1)
     if average_log_prob:

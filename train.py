@@ -46,6 +46,8 @@ def main(config: DictConfig) -> str:
         run_dir = resume_dir
     print(f"Run folder: {run_dir}")
 
+    if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
+        config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     policy_dtype = utils.get_dtype(config.model.policy_dtype)
     policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed)
     needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
