@@ -639,3 +639,12 @@ def test_split_batch_never_drops_and_is_balanced(size, n_chunks):
         idx = [int(p[1:]) for p in c["prompt"]]
         assert c["chosen_labels"].tolist() == [10 * i for i in idx]
         assert set(c) == set(batch)
+
+
+def test_nan_logits_at_unlabelled_positions_do_not_leak():
+    logits = torch.zeros(1, 4, 3)
+    logits[0, 0] = float("nan")  # predicts token 1, which is a prompt token (label -100)
+    labels = torch.tensor([[0, -100, 2, 1]])
+    logps, _ = get_batch_logps(logits, labels)
+    assert torch.isfinite(logps).all()
+    assert logps.item() == pytest.approx(2 * -math.log(3))

@@ -377,3 +377,37 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
     optim_a = torch.load(full_dir / "LATEST" / "optimizer.pt", weights_only=False)["state"]
     optim_b = torch.load(cut_dir / "LATEST" / "optimizer.pt", weights_only=False)["state"]
     assert optim_a["state"].keys() == optim_b["state"].keys()
+
+
+# ----------------------------------------------------------------------------- peer bugs (../shared/PEER_BUGS.md)
+
+
+def test_ipo_is_selectable_length_normalised_and_refuses_dpo_only_keys():
+    config = compose_config(["loss=ipo"])
+    assert config.loss.name == "ipo" and config.loss.average_log_prob is True
+    for key in ("loss.label_smoothing=0.1", "loss.reference_free=true"):
+        with pytest.raises(Exception, match="label_smoothing|reference_free"):
+            compose_config(["loss=ipo", key])
+
+
+def test_reference_defaults_to_policy_dtype_so_step0_rewards_are_zero(tmp_path):
+    # The reference repo kept the reference in float16 next to a bf16/fp32 policy.
+    assert compose_config(["model=pythia28"]).model.reference_dtype is None
+    run_dir = run(["model.policy_dtype=bfloat16", "n_examples=8", "eval_every=8", "sample_during_eval=false"], tmp_path)
+    first = next(r for r in records(run_dir) if "loss/eval" in r)
+    assert first["rewards_eval/chosen"] == 0.0 and first["rewards_eval/rejected"] == 0.0
+    assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_left_padded_prompts_sample_like_unpadded_ones_on_gpt2():
+    # Absolute position embeddings: left padding must not shift the positions when sampling.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    padded = torch.tensor([[0, 0, 0, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
+    a = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    b = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert a[0, 4:].tolist() == b[0, 7:].tolist()
