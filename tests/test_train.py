@@ -411,3 +411,37 @@ def test_left_padded_prompts_sample_like_unpadded_ones_on_gpt2():
     a = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
     b = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert a[0, 4:].tolist() == b[0, 7:].tolist()
+
+
+def test_wandb_offline_run_logs_beside_metrics_jsonl(tmp_path):
+    pytest.importorskip("wandb")
+    run_dir = run(["wandb.enabled=true", "wandb.mode=offline", "n_examples=8", "eval_every=8"], tmp_path)
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
+    assert (run_dir / "metrics.jsonl").exists()
+
+
+def test_stories260k_sft_then_dpo_on_local_hh(tmp_path):
+    # The hub-loading code (from_pretrained) on a local folder, and hh from a local copy.
+    from conftest import needs_shared
+
+    model_dir = needs_shared("models", "stories260K")
+    hh_dir = needs_shared("data", "hh-rlhf")
+    common = [
+        "model=blank_model",
+        f"model.name_or_path={model_dir}",
+        "datasets=[hh]",
+        f"data.hh.local_dir={hh_dir}",
+        "data.hh.subsets=[harmless-base]",
+        "data.hh.holdout_fraction=0.1",
+        "max_length=128",
+        "max_prompt_length=64",
+        "lr=1e-4",
+        "sample_during_eval=false",
+        "n_examples=16",
+        "eval_every=16",
+    ]
+    sft_dir = run([*common, "loss=sft"], tmp_path)
+    dpo_dir = run([*common, "loss=dpo", f"model.archive={sft_dir / 'LATEST' / 'policy.pt'}"], tmp_path)
+    first = next(r for r in records(dpo_dir) if "loss/eval" in r)
+    assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+    assert any("rewards_train/accuracies" in r for r in records(dpo_dir))
