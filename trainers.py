@@ -470,5 +470,10 @@ def _md_cell(text: str) -> str:
 
 
 def _postfix(means: dict) -> dict:
-    keys = ["loss/train", "rewards_train/accuracies", "rewards_train/margins", "examples_per_second"]
-    return {k.split("/")[-1][:8]: f"{means[k]:.3g}" for k in keys if k in means}
+    names = {
+        "loss/train": "loss",
+        "rewards_train/accuracies": "acc",
+        "rewards_train/margins": "margin",
+        "examples_per_second": "ex/s",
+    }
+    return {short: f"{means[k]:.3g}" for k, short in names.items() if k in means}
