@@ -170,6 +170,19 @@ def read_json_records(path: str) -> list[dict]:
     return rows
 
 
+def load_from_hub(hub_id: str, option: str, **kwargs):
+    """``datasets.load_dataset(hub_id, **kwargs)``, with a one-sentence DataError when the hub
+    cannot be reached (offline) naming the ``data.*`` option that reads a local copy instead."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(hub_id, **kwargs)
+    except (ConnectionError, OSError, FileNotFoundError) as e:
+        raise DataError(
+            f"Could not load {hub_id} from the Hugging Face hub ({type(e).__name__}); offline? set {option} to a local copy."
+        ) from None
+
+
 # ----------------------------------------------------------------------------- loaders
 
 
@@ -214,11 +227,11 @@ def get_hh(
     """
     source_split = "train" if holdout_fraction else split
     if local_dir is None:
-        import datasets
-
         rows = []
         for subset in subsets or [None]:
-            rows.extend(datasets.load_dataset("Anthropic/hh-rlhf", data_dir=subset, split=source_split, cache_dir=cache_dir))
+            rows.extend(
+                load_from_hub("Anthropic/hh-rlhf", "data.hh.local_dir", data_dir=subset, split=source_split, cache_dir=cache_dir)
+            )
     else:
         if not os.path.isdir(local_dir):
             raise DataError(f"data.hh.local_dir={local_dir} is not a folder; point it at a copy of the hh-rlhf repository.")
@@ -296,9 +309,7 @@ def get_shp(
     """Stanford Human Preferences (Ethayarajh et al. 2022), hub id ``stanfordnlp/SHP``.
     ``data.shp.path`` reads a local JSON/JSONL file in the same row format instead."""
     if path is None:
-        import datasets
-
-        rows = datasets.load_dataset("stanfordnlp/SHP", split=split, cache_dir=cache_dir)
+        rows = load_from_hub("stanfordnlp/SHP", "data.shp.path", split=split, cache_dir=cache_dir)
     else:
         rows = read_json_records(path)
     return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio)
@@ -338,9 +349,7 @@ def get_se(
     ``HuggingFaceH4/stack-exchange-preferences``. The source has one split; the eval
     split is a deterministic ``holdout_fraction`` of its questions."""
     if path is None:
-        import datasets
-
-        rows = datasets.load_dataset("HuggingFaceH4/stack-exchange-preferences", split="train", cache_dir=cache_dir)
+        rows = load_from_hub("HuggingFaceH4/stack-exchange-preferences", "data.se.path", split="train", cache_dir=cache_dir)
     else:
         rows = read_json_records(path)
     return apply_holdout(se_rows_to_data(rows, report), split, holdout_fraction)
@@ -351,12 +360,13 @@ def get_json(
     split: str,
     report: collections.Counter,
     path: str | dict | None = None,
-    holdout_fraction: float = 0.0,
+    holdout_fraction: float = 0.1,
 ) -> DatasetDict:
     """Any local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected}.
 
-    ``data.json.path`` is one file (then ``holdout_fraction`` > 0 carves the eval split
-    from it) or a mapping {train: file, test: file}.
+    ``data.json.path`` is a mapping {train: file, test: file}, or one file, from which a
+    deterministic eval slice of ``holdout_fraction`` of the prompts is carved (so the eval
+    set is never the training set; 0 uses the whole file for both, with a warning).
 
     Raises:
         DataError: if no path is set or a row lacks a string prompt, chosen or rejected
@@ -375,7 +385,14 @@ def get_json(
                     f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."
                 )
         add_pair(data, row["prompt"], row["chosen"], row["rejected"], report)
-    return apply_holdout(data, split, holdout_fraction) if holdout_fraction else data
+    if not isinstance(path, str):
+        return data
+    if not holdout_fraction:
+        print(
+            f"[data] warning: json/{split} reads all of {file} (data.json.holdout_fraction=0): eval examples are training examples."
+        )
+        return data
+    return apply_holdout(data, split, holdout_fraction)
 
 
 @register_dataset("arithmetic", truncation_mode="keep_start")

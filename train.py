@@ -18,8 +18,16 @@ import utils
 from preference_datasets import DataError, load_examples
 
 
-def main(config: DictConfig) -> str:
-    """Run one training job; returns the run folder."""
+def main(config: DictConfig) -> tuple[str, int | None]:
+    """Run one training job.
+
+    Returns:
+        (run folder, None) when training finished, or (run folder, signal number) when
+        SIGINT/SIGTERM stopped it after saving a checkpoint.
+
+    Raises:
+        utils.ConfigError, DataError: a bad config value or data file (before any model loads).
+    """
     resume_dir = config.resume
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
@@ -31,6 +39,7 @@ def main(config: DictConfig) -> str:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
     utils.set_seed(config.seed)
+    utils.set_threads(config.num_threads)
 
     tokenizer = utils.load_tokenizer(config.model)
     sft_mode = config.loss.name == "sft"
@@ -57,12 +66,14 @@ def main(config: DictConfig) -> str:
         reference = utils.load_model(config.model, tokenizer, reference_dtype, config.seed)
     if config.model.archive is not None:
         state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
-        print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into the policy and reference.")
+        into = "the policy and reference" if reference is not None else "the policy"
+        print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
         policy.load_state_dict(state["state"])
         if reference is not None:
             reference.load_state_dict(state["state"])
     n_params = sum(p.numel() for p in policy.parameters())
-    print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {len(eval_examples)} eval examples.")
+    n_eval = utils.n_eval_used(config, len(eval_examples))
+    print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples.")
 
     resume_state = None
     if resume_dir is not None:
@@ -73,17 +84,21 @@ def main(config: DictConfig) -> str:
     if resume_dir is not None:
         trainer.load(os.path.join(resume_dir, "LATEST"))
         print(f"Resuming after {trainer.example_counter} examples.")
-    trainer.train()
-    return run_dir
+    return run_dir, trainer.train()
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
     try:
-        main(config)
+        _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:
         print(f"Error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("\nInterrupted before a checkpoint could be saved; nothing to resume.", file=sys.stderr)
+        sys.exit(130)
+    if stop_signal is not None:
+        sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
 
 
 if __name__ == "__main__":

@@ -18,11 +18,26 @@ from collections import defaultdict
 import numpy as np
 import torch
 import tqdm
-import transformers
 
 import losses
 import utils
 from preference_datasets import get_batch_iterator
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Learning-rate multiplier for optimizer step ``step`` (0-based).
+
+    Linear warmup as in the reference repository, ``min(1, (step + 1) / (warmup_steps + 1))``,
+    so the first step already moves the weights; then ``constant``, or ``linear`` / ``cosine``
+    decay to 0 at ``total_steps``.
+    """
+    warm = min(1.0, (step + 1) / (warmup_steps + 1))
+    if schedule == "constant" or step < warmup_steps:
+        return warm
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return warm * (1.0 - progress)
+    return warm * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class NonFiniteLossError(RuntimeError):
@@ -102,11 +117,8 @@ class BasicTrainer:
         self.optimizer = self.build_optimizer()
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
         n_steps = math.ceil(self.total_examples / config.batch_size)
-        self.scheduler = transformers.get_scheduler(
-            "constant_with_warmup" if config.lr_scheduler == "constant" else config.lr_scheduler,
-            self.optimizer,
-            num_warmup_steps=config.warmup_steps,
-            num_training_steps=n_steps,
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
         )
         n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
         self.eval_batches = list(
@@ -125,6 +137,7 @@ class BasicTrainer:
         self.batch_counter = 0
         self.next_eval_at = 0 if config.do_first_eval else config.eval_every
         self.stop_requested = False
+        self.stop_signal: int | None = None
 
     # ------------------------------------------------------------------ setup
 
@@ -318,6 +331,7 @@ class BasicTrainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
+        collected["lr"].append(self.scheduler.get_last_lr()[0])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -332,9 +346,13 @@ class BasicTrainer:
             f"nothing was saved, the last good checkpoint is {where}. Lower lr or max_grad_norm, or check the data."
         )
 
-    def train(self) -> None:
+    def train(self) -> int | None:
         """Run training to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples,
-        checkpointing after each eval and at the end. SIGINT/SIGTERM save a checkpoint and stop."""
+        checkpointing after each eval and at the end. SIGINT/SIGTERM save a checkpoint and stop.
+
+        Returns:
+            None when training finished, else the number of the signal that stopped it.
+        """
         config = self.config
         iterator = get_batch_iterator(
             self.train_examples,
@@ -371,40 +389,48 @@ class BasicTrainer:
                 for k, v in metrics.items():
                     pending[k].extend(v)
                 now = time.time()
-                if now - last_log >= config.minimum_log_interval_secs:
-                    means = {k: float(np.mean(v)) for k, v in pending.items()}
-                    means["examples_per_second"] = (self.example_counter - last_log_examples) / (now - last_log)
-                    means["counters/examples"] = self.example_counter
-                    means["counters/updates"] = self.batch_counter
-                    means["lr"] = self.scheduler.get_last_lr()[0]
-                    self.logger.log(means, step=self.example_counter)
-                    bar.set_postfix(_postfix(means))
-                    pending.clear()
+                if now - last_log >= config.minimum_log_interval_secs or self.stop_requested:
+                    self.log_train(pending, (self.example_counter - last_log_examples) / (now - last_log), bar)
                     last_log, last_log_examples = now, self.example_counter
                 if self.stop_requested:
                     break
+            if pending:  # the last steps are always logged
+                self.log_train(pending, (self.example_counter - last_log_examples) / max(time.time() - last_log, 1e-9), bar)
             bar.close()
             if self.stop_requested:
                 path = self.save()
+                utils.plot_curves(self.run_dir)
                 print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
                 print(f"Resume with: python train.py resume={self.run_dir}")
-                return
+                return self.stop_signal
             self.evaluate()
             path = self.save()
             written = utils.plot_curves(self.run_dir)
             print(f"Done: {self.example_counter} examples. Checkpoint: {path} (Hugging Face export in {path}/hf).")
             if written:
                 print(f"Training curves: {os.path.dirname(written[0])}/")
+            return None
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.finish()
+
+    def log_train(self, pending: dict, examples_per_second: float, bar) -> None:
+        """Log the means of the train metrics gathered since the last log, then clear them."""
+        means = {k: float(np.mean(v)) for k, v in pending.items()}
+        means["examples_per_second"] = examples_per_second
+        means["counters/examples"] = self.example_counter
+        means["counters/updates"] = self.batch_counter
+        self.logger.log(means, step=self.example_counter)
+        bar.set_postfix(_postfix(means))
+        pending.clear()
 
     def _request_stop(self, signum, frame):
         if self.stop_requested:  # a second Ctrl-C stops at once
             raise KeyboardInterrupt
         print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
         self.stop_requested = True
+        self.stop_signal = signum
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -4,6 +4,7 @@ run folders, atomic checkpoints, metric logging and curves."""
 from __future__ import annotations
 
 import datetime
+import difflib
 import json
 import math
 import os
@@ -20,6 +21,14 @@ class ConfigError(ValueError):
     """A config value is wrong; the message is one sentence naming the key and the fix."""
 
 
+LOSS_KEYS = {
+    "sft": {"name"},
+    "dpo": {"name", "beta", "label_smoothing", "reference_free", "average_log_prob"},
+    "ipo": {"name", "beta", "average_log_prob"},
+}
+"""The keys each loss accepts: IPO has no label smoothing or reference_free, and says so."""
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -32,6 +41,11 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     from preference_datasets import DATASETS
 
     loss = config.loss
+    if loss.name not in LOSS_KEYS:
+        raise ConfigError(f"Unknown loss {loss.name!r}; choose loss=sft, loss=dpo or loss=ipo.")
+    extra = sorted(set(loss) - LOSS_KEYS[loss.name])
+    if extra:
+        raise ConfigError(f"loss={loss.name} has no key {extra[0]!r} (its keys: {sorted(LOSS_KEYS[loss.name])}); remove it.")
     if loss.name in ("dpo", "ipo"):
         if loss.get("beta") is None:
             raise ConfigError(f"loss={loss.name} needs loss.beta (e.g. loss.beta=0.1).")
@@ -39,9 +53,11 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             raise ConfigError(f"loss.beta must be > 0, got {loss.beta}.")
     if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
         raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
-    unknown = [d for d in config.datasets if d not in DATASETS]
-    if unknown:
-        raise ConfigError(f"Unknown dataset(s) {unknown} in datasets=; registered datasets are {sorted(DATASETS)}.")
+    for name in config.datasets:
+        if name not in DATASETS:
+            close = difflib.get_close_matches(name, DATASETS, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {sorted(DATASETS)}.")
     if config.batch_size % config.gradient_accumulation_steps:
         raise ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
@@ -68,17 +84,28 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
 
 
+def n_eval_used(config: DictConfig, n_eval: int) -> int:
+    """How many eval examples are used: ``n_eval_examples`` capped by the eval split's size."""
+    return min(config.n_eval_examples or n_eval, n_eval)
+
+
 def check_eval_size(config: DictConfig, n_eval: int) -> None:
     """Raise ConfigError if the eval set cannot fill one eval batch."""
     if n_eval == 0:
         raise ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
-    if config.eval_batch_size > n_eval:
-        raise ConfigError(
-            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({n_eval} examples); lower it."
-        )
+    used = n_eval_used(config, n_eval)
+    if config.eval_batch_size > used:
+        raise ConfigError(f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} examples); lower it.")
 
 
 # ----------------------------------------------------------------------------- models
+
+
+def set_threads(n: int | None) -> None:
+    """Use ``n`` CPU threads for torch ops (None: torch's default). Tiny models run faster on one
+    thread, and many threads thrash when another process shares the cores."""
+    if n:
+        torch.set_num_threads(n)
 
 
 def set_seed(seed: int) -> None:
@@ -172,6 +199,9 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
     """
     final = os.path.join(run_dir, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a checkpoint is as readable as any folder
     write(tmp)
     if os.path.exists(final):
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)

@@ -28,6 +28,8 @@ from preference_datasets import (
     get_batch_iterator,
     get_hh,
     get_json,
+    get_se,
+    get_shp,
     hh_rows_to_data,
     load_dataset_dict,
     register_dataset,
@@ -630,3 +632,26 @@ def test_arithmetic():
             assert chosen == f" {a + b}" == entry["sft_target"]
             assert rejected != chosen
             assert int(rejected) in {int(f"{a}{b}"), abs(a - b), a + b + 1, a + b - 1, a + b - 10}
+
+
+def test_json_single_file_never_evaluates_on_training_rows(tmp_path):
+    # Regression: one file used to be read whole for both splits, so eval was on train pairs.
+    rows = [{"prompt": f"prompt {i}", "chosen": "c", "rejected": "r"} for i in range(50)]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    train, test = get_json("train", counter(), path=f), get_json("test", counter(), path=f)
+    assert test and train and not set(train) & set(test)
+
+
+def test_hub_unreachable_is_one_sentence_naming_the_local_option(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'Anthropic/hh-rlhf' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="Could not load Anthropic/hh-rlhf .*set data.hh.local_dir"):
+        get_hh("train", counter())
+    with pytest.raises(DataError, match="data.shp.path"):
+        get_shp("train", counter())
+    with pytest.raises(DataError, match="data.se.path"):
+        get_se("train", counter())

@@ -54,7 +54,9 @@ REFERENCE_KEYS = [
 def run(overrides: list[str], tmp_path: Path) -> Path:
     """Run train.main in-process; returns the run folder."""
     config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
-    return Path(train.main(config))
+    run_dir, stop_signal = train.main(config)
+    assert stop_signal is None
+    return Path(run_dir)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -124,6 +126,10 @@ def test_reference_presets_keep_reference_learning_rate():
         (["max_prompt_length=64", "max_length=64"], "max_prompt_length"),
         (["model.archive=/no/such/policy.pt"], "model.archive=/no/such/policy.pt does not exist"),
         (["wandb.mode=sometimes"], "wandb.mode"),
+        (["datasets=[hhh]"], "Unknown dataset 'hhh' in datasets; did you mean 'hh'\\?"),
+        (["loss=ipo", "+loss.label_smoothing=0.1"], "loss=ipo has no key 'label_smoothing'"),
+        (["loss=ipo", "+loss.reference_free=true"], "loss=ipo has no key 'reference_free'"),
+        (["loss=sft", "+loss.beta=0.1"], "loss=sft has no key 'beta'"),
     ],
 )
 def test_bad_override_is_one_clear_sentence(overrides, message):
@@ -357,7 +363,7 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
         out, _ = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 0, out[-2000:]
+    assert proc.returncode == 128 + signal.SIGTERM, out[-2000:]  # 143: a scheduler sees it did not finish
     assert "Interrupted after" in out and "Resume with: python train.py resume=" in out
     cut_dir = next((tmp_path / "cut").iterdir())
     stopped_at = torch.load(cut_dir / "LATEST" / "trainer_state.pt", weights_only=False)["example_counter"]
@@ -380,6 +386,36 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
 
 
 # ----------------------------------------------------------------------------- peer bugs (../shared/PEER_BUGS.md)
+
+
+def test_eval_size_check_counts_n_eval_examples():
+    config = compose_config(["eval_batch_size=64", "n_eval_examples=32"])
+    with pytest.raises(utils.ConfigError, match="eval_batch_size \\(64\\) is larger than the eval set \\(32 examples\\)"):
+        utils.check_eval_size(config, 256)
+    utils.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        # warmup 3 of 10 steps: (step + 1) / 4 during warmup, as the reference repository
+        ("constant", [0.25, 0.5, 0.75, 1, 1, 1, 1, 1, 1, 1]),
+        ("linear", [0.25, 0.5, 0.75, 1, 6 / 7, 5 / 7, 4 / 7, 3 / 7, 2 / 7, 1 / 7]),
+        ("cosine", [0.25, 0.5, 0.75] + [0.5 * (1 + math.cos(math.pi * k / 7)) for k in range(7)]),
+    ],
+)
+def test_lr_schedule_first_step_is_not_zero(schedule, expected):
+    got = [trainers.lr_multiplier(step, 3, 10, schedule) for step in range(10)]
+    assert got == pytest.approx(expected)
+
+
+def test_one_step_run_moves_the_policy_and_logs_the_lr_used(tmp_path):
+    run_dir = run(["n_examples=8", "eval_every=8", "warmup_steps=150", "lr=1e-2", "minimum_log_interval_secs=1000"], tmp_path)
+    recs = records(run_dir)
+    train_recs = [r for r in recs if "loss/train" in r]
+    assert len(train_recs) == 1  # the final steps are logged despite the log interval
+    assert train_recs[0]["lr"] == pytest.approx(1e-2 / 151)
+    assert [r for r in recs if "loss/eval" in r][-1]["loss/eval"] != pytest.approx(math.log(2), abs=1e-7)
 
 
 def test_ipo_is_selectable_length_normalised_and_refuses_dpo_only_keys():
