@@ -655,3 +655,23 @@ def test_hub_unreachable_is_one_sentence_naming_the_local_option(monkeypatch):
         get_shp("train", counter())
     with pytest.raises(DataError, match="data.se.path"):
         get_se("train", counter())
+
+
+def test_readme_add_a_dataset_example_works_as_written(tmp_path):
+    import re
+
+    import preference_datasets
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = re.search(r"```python\n(@register_dataset\(\"mine\".*?)```", readme, re.S).group(1)
+    rows = [{"question": f"q{i}", "good": "yes", "bad": "no"} for i in range(30)]
+    path = write_jsonl(tmp_path / "all.jsonl", rows)
+    namespace = vars(preference_datasets).copy()
+    try:
+        exec(code, namespace)
+        train = load_dataset_dict("mine", "train", {"path": path}, silent=True)
+        test = load_dataset_dict("mine", "test", {"path": path}, silent=True)
+    finally:
+        preference_datasets.DATASETS.pop("mine", None)
+    assert len(train) + len(test) == 30 and test and not set(train) & set(test)
+    assert train["\n\nHuman: q0\n\nAssistant:"]["pairs"] == [(0, 1)] or "\n\nHuman: q0\n\nAssistant:" in test
