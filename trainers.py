@@ -102,17 +102,12 @@ class BasicTrainer:
         self.sft = config.loss.name == "sft"
         self.average_log_prob = bool(config.loss.get("average_log_prob", False))
 
-        if getattr(policy, "hf_device_map", None) is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.policy.to(device)
-            if self.reference_model is not None:
-                self.reference_model.to(device)
-        self.device = next(self.policy.parameters()).device
         if self.reference_model is not None:
             self.reference_model.eval()
             self.reference_model.requires_grad_(False)
         if config.activation_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.prepare_models()
 
         self.optimizer = self.build_optimizer()
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
@@ -139,7 +134,55 @@ class BasicTrainer:
         self.stop_requested = False
         self.stop_signal: int | None = None
 
-    # ------------------------------------------------------------------ setup
+    # ------------------------------------------------------------------ setup and the hooks that
+    # parallel trainers override (one process here: nothing to shard, gather or synchronise)
+
+    rank = 0
+    world_size = 1
+    grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
+
+    @property
+    def is_main(self) -> bool:
+        """True on the process that logs, prints and writes the run folder's files."""
+        return self.rank == 0
+
+    def prepare_models(self) -> None:
+        """Move the policy and reference to this process's device (unless already split
+        over several GPUs by ``model.device_map``)."""
+        if getattr(self.policy, "hf_device_map", None) is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.policy.to(device)
+            if self.reference_model is not None:
+                self.reference_model.to(device)
+        self.device = next(self.policy.parameters()).device
+
+    def local_batch(self, batch: dict) -> tuple[dict, float]:
+        """This process's part of a global batch, and the weight of its loss (1, or 0 for a
+        stand-in part when a final batch has fewer examples than processes)."""
+        return batch, 1.0
+
+    def global_sum(self, value: float) -> float:
+        """Sum of ``value`` over processes."""
+        return value
+
+    def gather_metrics(self, metrics: dict) -> dict:
+        """Per-example metric lists of all processes, concatenated in rank order."""
+        return metrics
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        """Whether the next backward synchronises gradients across processes."""
+
+    def all_finite(self, value: torch.Tensor) -> bool:
+        """True if ``value`` is finite on every process (all agree, so none hangs alone)."""
+        return bool(torch.isfinite(value).all())
+
+    def any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
+        return flag
+
+    def generate_kwargs(self) -> dict:
+        """Extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)."""
+        return {}
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """``config.optimizer`` over the policy's parameters (RMSprop is the reference default;
@@ -246,16 +289,20 @@ class BasicTrainer:
         """Mean metrics over the eval set (``n_eval_examples``), logged as ``*_eval/*``."""
         self.policy.eval()
         collected = defaultdict(list)
-        for batch in tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not self.config.progress_bar):
-            n_tokens = float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum())
-            _, metrics = self.get_batch_metrics(batch, len(batch["prompt"]), n_tokens, "eval")
+        bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.is_main))
+        for global_batch in bar:
+            batch, _ = self.local_batch(global_batch)
+            n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
+            _, metrics = self.get_batch_metrics(batch, len(global_batch["prompt"]), n_tokens, "eval")
             for k, v in metrics.items():
                 collected[k].extend(v)
+        collected = self.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
         if self.config.sample_during_eval:
             self.sample()
-        self.logger.log(means, step=self.example_counter)
-        print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+        if self.is_main:
+            self.logger.log(means, step=self.example_counter)
+            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
         self.policy.train()
         return means
 
@@ -272,7 +319,11 @@ class BasicTrainer:
             masks.extend(batch["prompt_attention_mask"])
             if len(prompts) >= n:
                 break
-        prompts, ids, masks = prompts[:n], torch.stack(ids[:n]), torch.stack(masks[:n])
+        part = split_batch({"prompt": prompts[:n], "ids": ids[:n], "masks": masks[:n]}, self.world_size)
+        mine = part[self.rank] if self.rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1], "masks": masks[:1]}
+        prompts, ids, masks = mine["prompt"], torch.stack(mine["ids"]), torch.stack(mine["masks"])
+        width = int(masks.sum(1).max())  # drop the columns of left padding that no prompt here needs
+        ids, masks = ids[:, ids.shape[1] - width :], masks[:, masks.shape[1] - width :]
         pad_id = self.tokenizer.pad_token_id
         models = {"policy": self.policy}
         if self.reference_model is not None:
@@ -286,12 +337,18 @@ class BasicTrainer:
                 do_sample=True,
                 top_p=self.config.sample_top_p,
                 pad_token_id=pad_id,
+                **self.generate_kwargs(),
             )
             completions[name] = self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
         rows = [
             {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
             for i, p in enumerate(prompts)
         ]
+        if self.rank >= len(part):
+            rows = []  # a stand-in: more processes than samples
+        rows = self.gather_metrics({"rows": rows})["rows"]
+        if not self.is_main:
+            return rows
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
@@ -319,18 +376,25 @@ class BasicTrainer:
                 optimizer step, so the weights stay as they were).
         """
         n_examples = len(batch["prompt"])
-        n_tokens = float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum())
+        batch, weight = self.local_batch(batch)
+        n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         collected = defaultdict(list)
-        for chunk in split_batch(batch, self.config.gradient_accumulation_steps):
+        chunks = split_batch(batch, self.config.gradient_accumulation_steps)
+        for i, chunk in enumerate(chunks):
+            self.set_grad_sync(i == len(chunks) - 1)  # one gradient reduction per step
             loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
-            if not torch.isfinite(loss):
+            if not self.all_finite(loss):
                 self.raise_non_finite(f"loss is {loss.item()}")
-            loss.backward()
-            for k, v in metrics.items():
-                collected[k].extend(v)
+            (loss * (weight * self.grad_scale)).backward()
+            if weight:
+                for k, v in metrics.items():
+                    collected[k].extend(v)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP/TP: the global norm
+            grad_norm = grad_norm.full_tensor()
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
+        collected = defaultdict(list, self.gather_metrics(collected))
         collected["lr"].append(self.scheduler.get_last_lr()[0])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
@@ -368,7 +432,11 @@ class BasicTrainer:
         )
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm.tqdm(
-            total=self.total_examples, initial=self.example_counter, unit="ex", desc="train", disable=not config.progress_bar
+            total=self.total_examples,
+            initial=self.example_counter,
+            unit="ex",
+            desc="train",
+            disable=not (config.progress_bar and self.is_main),
         )
         pending = defaultdict(list)
         last_log = time.time()
@@ -388,27 +456,31 @@ class BasicTrainer:
                 bar.update(len(batch["prompt"]))
                 for k, v in metrics.items():
                     pending[k].extend(v)
+                self.stop_requested = self.any_rank(self.stop_requested)
                 now = time.time()
-                if now - last_log >= config.minimum_log_interval_secs or self.stop_requested:
+                if self.is_main and (now - last_log >= config.minimum_log_interval_secs or self.stop_requested):
                     self.log_train(pending, (self.example_counter - last_log_examples) / (now - last_log), bar)
                     last_log, last_log_examples = now, self.example_counter
                 if self.stop_requested:
                     break
-            if pending:  # the last steps are always logged
+            if pending and self.is_main:  # the last steps are always logged
                 self.log_train(pending, (self.example_counter - last_log_examples) / max(time.time() - last_log, 1e-9), bar)
             bar.close()
             if self.stop_requested:
                 path = self.save()
-                utils.plot_curves(self.run_dir)
-                print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-                print(f"Resume with: python train.py resume={self.run_dir}")
-                return self.stop_signal
+                if self.is_main:
+                    utils.plot_curves(self.run_dir)
+                    print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
+                    print(f"Resume with: python train.py resume={self.run_dir}")
+                return self.stop_signal or signal.SIGTERM
             self.evaluate()
             path = self.save()
-            written = utils.plot_curves(self.run_dir)
-            print(f"Done: {self.example_counter} examples. Checkpoint: {path} (Hugging Face export in {path}/hf).")
-            if written:
-                print(f"Training curves: {os.path.dirname(written[0])}/")
+            if self.is_main:
+                written = utils.plot_curves(self.run_dir)
+                export = f" (Hugging Face export in {path}/hf)" if config.save_hf_export else ""
+                print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
+                if written:
+                    print(f"Training curves: {os.path.dirname(written[0])}/")
             return None
         finally:
             for s, handler in previous.items():
