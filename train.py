@@ -7,6 +7,7 @@ reference, and hands off to the trainer named by ``config.trainer``.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import hydra
@@ -36,24 +37,30 @@ def main(config: DictConfig) -> tuple[str, int | None]:
         config = OmegaConf.load(saved)
         config.resume = resume_dir
     OmegaConf.resolve(config)
+    distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
+    rank = 0
+    if distributed:
+        rank = utils.init_distributed()
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
 
     tokenizer = utils.load_tokenizer(config.model)
     sft_mode = config.loss.name == "sft"
     options = OmegaConf.to_container(config.data, resolve=True)
-    train_examples = load_examples(list(config.datasets), "train", options, sft_mode)
-    eval_examples = load_examples(list(config.datasets), "test", options, sft_mode)
+    train_examples = load_examples(list(config.datasets), "train", options, sft_mode, silent=rank != 0)
+    eval_examples = load_examples(list(config.datasets), "test", options, sft_mode, silent=rank != 0)
     utils.check_eval_size(config, len(eval_examples))
 
-    if resume_dir is None:
+    run_dir = resume_dir
+    if resume_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
         OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
-    else:
-        run_dir = resume_dir
-    print(f"Run folder: {run_dir}")
+    if distributed:
+        run_dir = utils.broadcast_object(run_dir)
+    if rank == 0:
+        print(f"Run folder: {run_dir}")
 
     if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
@@ -67,28 +74,52 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     if config.model.archive is not None:
         state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
         into = "the policy and reference" if reference is not None else "the policy"
-        print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
+        if rank == 0:
+            print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
         policy.load_state_dict(state["state"])
         if reference is not None:
             reference.load_state_dict(state["state"])
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
-    print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples.")
+    if rank == 0:
+        print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples.")
 
     resume_state = None
     if resume_dir is not None:
         resume_state = torch.load(os.path.join(resume_dir, "LATEST", "trainer_state.pt"), weights_only=False)
-    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"])
+    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
     if resume_dir is not None:
         trainer.load(os.path.join(resume_dir, "LATEST"))
-        print(f"Resuming after {trainer.example_counter} examples.")
-    return run_dir, trainer.train()
+        if rank == 0:
+            print(f"Resuming after {trainer.example_counter} examples.")
+    stop_signal = trainer.train()
+    if distributed:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return run_dir, stop_signal
+
+
+def launch(config: DictConfig) -> int | None:
+    """Start one process per GPU (or ``world_size`` on CPU) with torchrun when FSDP or tensor
+    parallelism is asked for outside torchrun; each process runs this script and loads what it
+    needs (no model is passed between processes). Returns their exit code, or None when this
+    process should train itself."""
+    if config.trainer == "BasicTrainer" or "RANK" in os.environ:
+        return None
+    n = config.world_size or torch.cuda.device_count() or 1
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *sys.argv]
+    print(f"Starting {n} processes: {' '.join(cmd[2:])}")
+    return subprocess.call(cmd)
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
+    code = launch(config)
+    if code is not None:
+        sys.exit(code)
     try:
         _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:

@@ -520,21 +520,7 @@ class BasicTrainer:
             torch.save({"step_idx": step, "state": self.policy.state_dict()}, os.path.join(tmp, "policy.pt"))
             torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(tmp, "optimizer.pt"))
             torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
-            torch.save(
-                {
-                    "example_counter": self.example_counter,
-                    "batch_counter": self.batch_counter,
-                    "next_eval_at": self.next_eval_at,
-                    "rng": {
-                        "python": random.getstate(),
-                        "numpy": np.random.get_state(),
-                        "torch": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                    },
-                    "wandb_id": self.logger.run_id,
-                },
-                os.path.join(tmp, "trainer_state.pt"),
-            )
+            torch.save(self.trainer_state(), os.path.join(tmp, "trainer_state.pt"))
             if self.config.save_hf_export:
                 self.policy.save_pretrained(os.path.join(tmp, "hf"))
                 self.tokenizer.save_pretrained(os.path.join(tmp, "hf"))
@@ -543,16 +529,33 @@ class BasicTrainer:
         utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
+    def trainer_state(self) -> dict:
+        """Counters, RNG states and the W&B run id: what resume needs besides the weights."""
+        return {
+            "example_counter": self.example_counter,
+            "batch_counter": self.batch_counter,
+            "next_eval_at": self.next_eval_at,
+            "rng": {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            "wandb_id": self.logger.run_id,
+        }
+
+    @staticmethod
+    def read(checkpoint_dir: str, name: str):
+        return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
+
     def load(self, checkpoint_dir: str) -> None:
         """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
+        self.policy.load_state_dict(self.read(checkpoint_dir, "policy.pt")["state"])
+        self.optimizer.load_state_dict(self.read(checkpoint_dir, "optimizer.pt")["state"])
+        self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
+        self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
 
-        def read(name):
-            return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
-
-        self.policy.load_state_dict(read("policy.pt")["state"])
-        self.optimizer.load_state_dict(read("optimizer.pt")["state"])
-        self.scheduler.load_state_dict(read("scheduler.pt")["state"])
-        state = read("trainer_state.pt")
+    def restore_trainer_state(self, state: dict) -> None:
         self.example_counter = state["example_counter"]
         self.batch_counter = state["batch_counter"]
         self.next_eval_at = state["next_eval_at"]
@@ -575,3 +578,173 @@ def _postfix(means: dict) -> dict:
         "examples_per_second": "ex/s",
     }
     return {short: f"{means[k]:.3g}" for k, short in names.items() if k in means}
+
+
+# ============================================================================ distributed trainers
+
+
+def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
+    """The transformer-block classes of ``model``: ``block_name`` if given, else the model's
+    ``_no_split_modules`` (what Hugging Face keeps on one device).
+
+    Raises:
+        ValueError: if no module of ``model`` has that class name.
+    """
+    names = {block_name} if block_name else set(getattr(model, "_no_split_modules", None) or [])
+    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
+    if not classes:
+        raise ValueError(
+            f"No transformer block named {sorted(names) or 'at all'} in {type(model).__name__}; "
+            "set model.block_name to the class name of its decoder layer (e.g. LlamaDecoderLayer)."
+        )
+    return classes
+
+
+class _DistributedTrainer(BasicTrainer):
+    """What FSDP and tensor parallelism share: a process group, collectives for the hooks
+    of BasicTrainer, and sharded checkpoints with torch.distributed.checkpoint (DCP)."""
+
+    def __init__(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError(f"{type(self).__name__} needs torch.distributed; start it with train.py or torchrun.")
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        if torch.cuda.is_available():
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        else:
+            self.device = torch.device("cpu")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        super().__init__(*args, **kwargs)
+
+    def _all_reduce(self, value: float, op) -> float:
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=op)
+        return t.item()
+
+    def global_sum(self, value: float) -> float:
+        import torch.distributed as dist
+
+        return self._all_reduce(value, dist.ReduceOp.SUM)
+
+    def all_finite(self, value: torch.Tensor) -> bool:
+        import torch.distributed as dist
+
+        return self._all_reduce(float(torch.isfinite(value).all()), dist.ReduceOp.MIN) == 1.0
+
+    def any_rank(self, flag: bool) -> bool:
+        import torch.distributed as dist
+
+        return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
+
+    def gather_metrics(self, metrics: dict) -> dict:
+        import torch.distributed as dist
+
+        parts: list = [None] * self.world_size
+        dist.all_gather_object(parts, dict(metrics))
+        out: dict = defaultdict(list)
+        for part in parts:
+            for k, v in part.items():
+                out[k].extend(v)
+        return out
+
+    def save(self) -> str:
+        """Each rank writes its own shard of policy and optimizer (DCP, no full gather) into
+        ``sharded/``; rank 0 also writes the reference-format policy.pt (gathered), scheduler.pt,
+        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically."""
+        import shutil
+
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        step = self.example_counter
+        name = f"step-{step}"
+        tmp = os.path.join(self.run_dir, f".{name}.tmp")
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "sharded"))
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        path = os.path.join(self.run_dir, name)
+        if self.is_main:
+            self.write_rank0_files(tmp, step, full)
+            utils.publish_checkpoint(self.run_dir, name, tmp)
+            utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+        dist.barrier()
+        return path
+
+    def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
+        """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``."""
+        torch.save({"step_idx": step, "state": full_state}, os.path.join(folder, "policy.pt"))
+        torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
+        torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
+        if self.config.save_hf_export:
+            self.policy.save_pretrained(os.path.join(folder, "hf"), state_dict=full_state)
+            self.tokenizer.save_pretrained(os.path.join(folder, "hf"))
+
+    def load(self, checkpoint_dir: str) -> None:
+        """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, "sharded"))
+        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
+        self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
+
+
+class FSDPTrainer(_DistributedTrainer):
+    """Fully sharded data parallel training with PyTorch FSDP2 (``fully_shard``).
+
+    Every transformer block (``model.block_name``, or the model's ``_no_split_modules``) and
+    the root are sharded, for the policy and the reference alike; each rank takes its slice of
+    every global batch. ``model.fsdp_policy_mp=bfloat16|float16`` computes in that dtype with
+    float32 gradient reduction (log-probs and losses stay float32). Micro-batches before the
+    last do not reduce gradients; clipping uses the global norm; sampling keeps every rank
+    stepping until all are done (``synced_gpus``), so ranks never wait on each other forever.
+    """
+
+    @property
+    def grad_scale(self) -> float:
+        return float(self.world_size)  # FSDP averages gradients over ranks; losses are global sums
+
+    def prepare_models(self) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = None
+        if self.config.model.fsdp_policy_mp:
+            mp = MixedPrecisionPolicy(param_dtype=utils.get_dtype(self.config.model.fsdp_policy_mp), reduce_dtype=torch.float32)
+        for model in (self.policy, self.reference_model):
+            if model is None:
+                continue
+            model.to(self.device)
+            kwargs = {"mesh": self.mesh} if mp is None else {"mesh": self.mesh, "mp_policy": mp}
+            blocks = find_block_classes(model, self.config.model.block_name)
+            for module in model.modules():
+                if type(module) in blocks:
+                    fully_shard(module, **kwargs)
+            fully_shard(model, **kwargs)
+
+    def local_batch(self, batch: dict) -> tuple[dict, float]:
+        parts = split_batch(batch, self.world_size)
+        if self.rank < len(parts):
+            return parts[self.rank], 1.0
+        return parts[0], 0.0  # fewer examples than ranks: run a stand-in so collectives match
+
+    def set_grad_sync(self, enabled: bool) -> None:
+        self.policy.set_requires_gradient_sync(enabled)
+
+    def generate_kwargs(self) -> dict:
+        return {"synced_gpus": True}

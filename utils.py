@@ -28,6 +28,8 @@ LOSS_KEYS = {
 }
 """The keys each loss accepts: IPO has no label smoothing or reference_free, and says so."""
 
+TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
+
 
 # ----------------------------------------------------------------------------- config
 
@@ -76,8 +78,8 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
     if config.wandb.mode not in ("online", "offline", "disabled"):
         raise ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
-    if config.trainer != "BasicTrainer":
-        raise ConfigError(f"trainer={config.trainer} is not available yet; use trainer=BasicTrainer.")
+    if config.trainer not in TRAINERS:
+        raise ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
     if config.model.name_or_path is None and config.model.get("config") is None:
         raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
@@ -197,12 +199,16 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
     POSIX), so a crash at any moment leaves ``LATEST`` pointing at a complete checkpoint.
     Returns the checkpoint's path.
     """
-    final = os.path.join(run_dir, name)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a checkpoint is as readable as any folder
     write(tmp)
+    return publish_checkpoint(run_dir, name, tmp)
+
+
+def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
+    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap the ``LATEST``
+    symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path."""
+    final = os.path.join(run_dir, name)
+    os.chmod(tmp, 0o755)
     if os.path.exists(final):
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)
         os.replace(final, os.path.join(old, name))
@@ -238,11 +244,12 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
 class MetricsLogger:
     """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases."""
 
-    def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None):
+    def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None, enabled: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.enabled = enabled  # False on every process but rank 0
         self.wandb = None
         self.run_id = resume_id
-        if config.wandb.enabled and config.wandb.mode != "disabled":
+        if enabled and config.wandb.enabled and config.wandb.mode != "disabled":
             import wandb
 
             self.wandb = wandb.init(
@@ -259,6 +266,8 @@ class MetricsLogger:
 
     def log(self, metrics: dict, step: int) -> None:
         """Write one record; ``step`` is the example counter."""
+        if not self.enabled:
+            return
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
@@ -321,3 +330,27 @@ def plot_curves(run_dir: str) -> list[str]:
 def formatted_dict(d: dict) -> dict:
     """Round floats for printing."""
     return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in d.items()}
+
+
+# ----------------------------------------------------------------------------- distributed
+
+
+def init_distributed() -> int:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU); returns the rank."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    return dist.get_rank()
+
+
+def broadcast_object(obj):
+    """``obj`` as rank 0 has it, on every rank."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
