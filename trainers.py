@@ -142,6 +142,16 @@ class BasicTrainer:
     grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
 
     @property
+    def data_rank(self) -> int:
+        """Which part of each batch this process takes (tensor parallelism: all take all)."""
+        return self.rank
+
+    @property
+    def data_world_size(self) -> int:
+        """Into how many parts each batch is split."""
+        return self.world_size
+
+    @property
     def is_main(self) -> bool:
         """True on the process that logs, prints and writes the run folder's files."""
         return self.rank == 0
@@ -179,6 +189,11 @@ class BasicTrainer:
     def any_rank(self, flag: bool) -> bool:
         """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
         return flag
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm; return that norm."""
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
 
     def generate_kwargs(self) -> dict:
         """Extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)."""
@@ -319,8 +334,8 @@ class BasicTrainer:
             masks.extend(batch["prompt_attention_mask"])
             if len(prompts) >= n:
                 break
-        part = split_batch({"prompt": prompts[:n], "ids": ids[:n], "masks": masks[:n]}, self.world_size)
-        mine = part[self.rank] if self.rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1], "masks": masks[:1]}
+        part = split_batch({"prompt": prompts[:n], "ids": ids[:n], "masks": masks[:n]}, self.data_world_size)
+        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1], "masks": masks[:1]}
         prompts, ids, masks = mine["prompt"], torch.stack(mine["ids"]), torch.stack(mine["masks"])
         width = int(masks.sum(1).max())  # drop the columns of left padding that no prompt here needs
         ids, masks = ids[:, ids.shape[1] - width :], masks[:, masks.shape[1] - width :]
@@ -344,7 +359,7 @@ class BasicTrainer:
             {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
             for i, p in enumerate(prompts)
         ]
-        if self.rank >= len(part):
+        if self.data_rank >= len(part):
             rows = []  # a stand-in: more processes than samples
         rows = self.gather_metrics({"rows": rows})["rows"]
         if not self.is_main:
@@ -389,9 +404,7 @@ class BasicTrainer:
             if weight:
                 for k, v in metrics.items():
                     collected[k].extend(v)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP/TP: the global norm
-            grad_norm = grad_norm.full_tensor()
+        grad_norm = self.clip_gradients()
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
         collected = defaultdict(list, self.gather_metrics(collected))
@@ -748,3 +761,157 @@ class FSDPTrainer(_DistributedTrainer):
 
     def generate_kwargs(self) -> dict:
         return {"synced_gpus": True}
+
+
+TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
+
+
+def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
+    """Column-wise / row-wise sharding plan (torch.distributed.tensor.parallel) for the attention
+    and MLP of every block: q/k/v and MLP-in column-wise, attention-out and MLP-out row-wise, so
+    each block needs one all-reduce in attention and one in the MLP (Megatron-LM's layout).
+    Embeddings, norms and the output layer stay replicated.
+
+    GPT-2's fused ``c_attn`` (a Conv1D laid out [q | k | v]) is first turned into an
+    ``nn.Linear`` whose output rows are regrouped per rank as [q_r | k_r | v_r], and each
+    attention's ``split_size`` set to its local width.
+
+    Raises:
+        ValueError: for a model family other than Llama, GPT-NeoX (Pythia) and GPT-2, or a
+            head count not divisible by ``world_size``.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    cfg = model.config
+    family = cfg.model_type
+    if family not in TP_FAMILIES:
+        raise ValueError(
+            f"TensorParallelTrainer supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; "
+            "use FSDPTrainer for this model."
+        )
+    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world_size or kv_heads % world_size:
+        raise ValueError(f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes.")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    if family == "llama":
+        prefix = "model.layers.*."
+        names = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row}
+        names |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
+    elif family == "gpt_neox":
+        prefix = "gpt_neox.layers.*."
+        names = {"attention.query_key_value": col, "attention.dense": row, "mlp.dense_h_to_4h": col, "mlp.dense_4h_to_h": row}
+    else:
+        prefix = "transformer.h.*."
+        _gpt2_to_linear(model, world_size)
+        names = {"attn.c_attn": col, "attn.c_proj": row, "mlp.c_fc": col, "mlp.c_proj": row}
+    return {prefix + k: v for k, v in names.items()}
+
+
+def _gpt2_to_linear(model: torch.nn.Module, world_size: int) -> None:
+    from transformers.pytorch_utils import Conv1D
+
+    def linear(conv: Conv1D, order: torch.Tensor | None = None) -> torch.nn.Linear:
+        weight = conv.weight.detach().t()  # Conv1D stores (in, out); Linear (out, in)
+        bias = conv.bias.detach()
+        if order is not None:
+            weight, bias = weight[order], bias[order]
+        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
+        layer.weight.data.copy_(weight)
+        layer.bias.data.copy_(bias)
+        return layer
+
+    for block in model.transformer.h:
+        attn = block.attn
+        e = attn.embed_dim
+        local = e // world_size
+        # output rows regrouped so that rank r's contiguous shard is [q_r | k_r | v_r]
+        order = torch.cat(
+            [torch.arange(part * e + r * local, part * e + (r + 1) * local) for r in range(world_size) for part in range(3)]
+        )
+        attn.c_attn = linear(attn.c_attn, order)
+        attn.c_proj = linear(attn.c_proj)
+        attn.split_size = local
+        block.mlp.c_fc = linear(block.mlp.c_fc)
+        block.mlp.c_proj = linear(block.mlp.c_proj)
+
+
+class TensorParallelTrainer(_DistributedTrainer):
+    """Tensor parallelism with PyTorch's DTensor (``parallelize_module``) for the Llama, GPT-NeoX
+    (Pythia) and GPT-2 families: every process holds a column/row slice of each block's
+    attention and MLP weights (see :func:`tensor_parallel_plan`) and sees the whole batch.
+    The reference repository used the ``tensor_parallel`` package, which no longer imports on
+    current setuptools and rejects transformers 5's default SDPA attention.
+    """
+
+    def prepare_models(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        for model in (self.policy, self.reference_model):
+            if model is None:
+                continue
+            model.to(self.device)
+            parallelize_module(model, self.mesh, tensor_parallel_plan(model, self.world_size))
+
+    def clip_gradients(self) -> torch.Tensor:
+        # Sharded (DTensor) and replicated (plain) gradients mixed: torch's foreach norm refuses
+        # the mix, so the global norm is summed parameter by parameter.
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+        total = total_sq.sqrt()
+        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
+    # Every process sees the same data: sums and metrics are already global.
+    def global_sum(self, value: float) -> float:
+        return value
+
+    def gather_metrics(self, metrics: dict) -> dict:
+        return metrics
+
+    @property
+    def data_rank(self) -> int:
+        return 0
+
+    @property
+    def data_world_size(self) -> int:
+        return 1
+
+    def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
+        if self.policy.config.model_type == "gpt2":
+            full_state = _gpt2_state_to_conv1d(full_state, self.policy.config, self.world_size)
+            from transformers import AutoModelForCausalLM
+
+            exporter = AutoModelForCausalLM.from_config(self.policy.config)
+            exporter.load_state_dict(full_state)
+            self.policy, policy = exporter, self.policy
+            try:
+                super().write_rank0_files(folder, step, full_state)
+            finally:
+                self.policy = policy
+            return
+        super().write_rank0_files(folder, step, full_state)
+
+
+def _gpt2_state_to_conv1d(state: dict, config, world_size: int) -> dict:
+    """Undo :func:`_gpt2_to_linear` on a full state dict: GPT-2's own Conv1D layout and q|k|v order."""
+    e = config.n_embd
+    local = e // world_size
+    order = torch.cat(
+        [torch.arange(part * e + r * local, part * e + (r + 1) * local) for r in range(world_size) for part in range(3)]
+    )
+    inverse = torch.argsort(order)
+    out = {}
+    for k, v in state.items():
+        if k.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            v = v[inverse]
+        if k.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            v = v.t().contiguous()
+        out[k] = v
+    return out
