@@ -19,6 +19,23 @@ import utils
 from preference_datasets import DataError, load_examples
 
 
+def effective_config(config: DictConfig) -> DictConfig:
+    """The config to run: with ``resume=<run folder>``, that run's saved config.
+
+    Raises:
+        utils.ConfigError: if the resume folder has no LATEST checkpoint or config.yaml.
+    """
+    resume_dir = config.resume
+    if resume_dir is not None:
+        saved = os.path.join(resume_dir, "config.yaml")
+        if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
+            raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml.")
+        config = OmegaConf.load(saved)
+        config.resume = resume_dir
+    OmegaConf.resolve(config)
+    return config
+
+
 def main(config: DictConfig) -> tuple[str, int | None]:
     """Run one training job.
 
@@ -29,14 +46,8 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     Raises:
         utils.ConfigError, DataError: a bad config value or data file (before any model loads).
     """
+    config = effective_config(config)
     resume_dir = config.resume
-    if resume_dir is not None:
-        saved = os.path.join(resume_dir, "config.yaml")
-        if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
-            raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml.")
-        config = OmegaConf.load(saved)
-        config.resume = resume_dir
-    OmegaConf.resolve(config)
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
@@ -107,8 +118,10 @@ def launch(config: DictConfig) -> int | None:
     parallelism is asked for outside torchrun; each process runs this script and loads what it
     needs (no model is passed between processes). Returns their exit code, or None when this
     process should train itself."""
+    config = effective_config(config)
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
+    utils.validate_config(config, config.world_size or torch.cuda.device_count() or 1)
     n = config.world_size or torch.cuda.device_count() or 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *sys.argv]
     print(f"Starting {n} processes: {' '.join(cmd[2:])}")
@@ -117,10 +130,10 @@ def launch(config: DictConfig) -> int | None:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    code = launch(config)
-    if code is not None:
-        sys.exit(code)
     try:
+        code = launch(config)
+        if code is not None:
+            sys.exit(code)
         _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:
         print(f"Error: {e}", file=sys.stderr)

@@ -1,0 +1,217 @@
+"""FSDPTrainer and TensorParallelTrainer on CPU: 2 processes, gloo, started by train.py itself.
+
+Every run is a subprocess in its own process group with a timeout; on timeout the whole group
+is killed, so no test can hang CI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+COMMON = [
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=16",
+    "n_examples=64",
+    "eval_every=32",
+    "data.arithmetic.n_train=64",
+    "data.arithmetic.n_test=16",
+    "progress_bar=false",
+    "minimum_log_interval_secs=0",
+    "warmup_steps=2",
+    "keep_checkpoints=0",
+]
+FAMILIES = {
+    "llama": [],
+    "gpt_neox": [
+        "~model.config",
+        "+model.config={model_type:gpt_neox,hidden_size:64,intermediate_size:128,num_hidden_layers:2,"
+        "num_attention_heads:4,max_position_embeddings:256,tie_word_embeddings:false}",
+        "model.block_name=GPTNeoXLayer",
+    ],
+    "gpt2": [
+        "~model.config",
+        "+model.config={model_type:gpt2,n_embd:64,n_layer:2,n_head:4,n_positions:256}",
+        "model.block_name=GPT2Block",
+    ],
+}
+
+
+def cli(args: list[str], out: Path, timeout: int = 300) -> tuple[int, str]:
+    """Run ``python train.py args`` in its own process group; kill the group on timeout."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args, f"output_root={out}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        pytest.fail(f"train.py {' '.join(args)} did not finish in {timeout} s (killed):\n{text[-3000:]}")
+    return proc.returncode, text
+
+
+def finished_run(args: list[str], out: Path) -> Path:
+    code, text = cli(args, out)
+    assert code == 0, text[-4000:]
+    return next(p for p in out.iterdir() if p.is_dir())
+
+
+def evals(run_dir: Path) -> list[dict]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "loss/eval" in r]
+
+
+def weights(run_dir: Path) -> dict:
+    return torch.load(run_dir / "LATEST" / "policy.pt", weights_only=False)["state"]
+
+
+def assert_same_run(a: Path, b: Path, atol: float = 5e-5) -> None:
+    ea, eb = evals(a), evals(b)
+    assert [r["step"] for r in ea] == [r["step"] for r in eb]
+    for ra, rb in zip(ea, eb):
+        for key in ("loss/eval", "logps_eval/chosen", "logps_eval/rejected"):
+            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-5), key
+    # Adam divides by sqrt(v): a reduction-order difference of 1e-7 in a tiny gradient can move
+    # one weight by ~1e-5 after a few steps, hence atol 5e-5 on weights of magnitude ~0.1.
+    wa, wb = weights(a), weights(b)
+    assert set(wa) == set(wb)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def basic_runs(tmp_path_factory):
+    """One BasicTrainer run per model family: what the parallel trainers must reproduce."""
+    runs = {}
+    for family, extra in FAMILIES.items():
+        out = tmp_path_factory.mktemp(f"basic-{family}")
+        runs[family] = finished_run([*COMMON, *extra, "sample_during_eval=false"], out)
+    return runs
+
+
+def test_fsdp_matches_basic_with_accumulation_and_resumes_exactly_from_shards(basic_runs, tmp_path):
+    # gradient_accumulation_steps=2 under FSDP (no reduction on the first micro-batch) must still
+    # equal the single-process run.
+    args = [*COMMON, "trainer=FSDPTrainer", "world_size=2", "gradient_accumulation_steps=2", "sample_during_eval=false"]
+    run_dir = finished_run(args, tmp_path / "fsdp")
+    assert_same_run(basic_runs["llama"], run_dir)
+    assert sorted(p.name for p in (run_dir / "LATEST" / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+
+    # Resume from the sharded checkpoint written after 32 examples: same end as the full run.
+    cut = tmp_path / "cut" / run_dir.name
+    shutil.copytree(run_dir, cut, symlinks=True)
+    shutil.rmtree(cut / "step-64")
+    (cut / "LATEST").unlink()
+    (cut / "LATEST").symlink_to("step-32")
+    (cut / "metrics.jsonl").write_text("")
+    code, text = cli([f"resume={cut}"], tmp_path / "unused")
+    assert code == 0, text[-4000:]
+    assert "Resuming after 32 examples" in text
+    for name, value in weights(run_dir).items():
+        torch.testing.assert_close(weights(cut)[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tensor_parallel_matches_basic(basic_runs, tmp_path, family):
+    run_dir = finished_run(
+        [*COMMON, *FAMILIES[family], "trainer=TensorParallelTrainer", "world_size=2", "sample_during_eval=false"], tmp_path
+    )
+    assert_same_run(basic_runs[family], run_dir)
+    # The export is the family's own Hugging Face layout (GPT-2's Conv1D restored).
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "LATEST" / "hf")
+    assert model.config.model_type == family
+
+
+def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path):
+    rows = [{"prompt": "Q" * n, "chosen": " yes", "rejected": " no"} for n in (1, 90)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "trainer=FSDPTrainer",
+        "world_size=2",
+        "datasets=[json]",
+        f"data.json.path={{train: {data}, test: {data}}}",
+        "batch_size=2",
+        "eval_batch_size=2",
+        "n_eval_examples=2",
+        "n_examples=2",
+        "eval_every=2",
+        "n_eval_model_samples=2",
+        "max_length=128",
+        "max_prompt_length=100",
+        "sample_top_p=1.0",
+        "progress_bar=false",
+    ]
+    run_dir = finished_run(args, tmp_path / "out")
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted(len(s["prompt"]) for s in samples if s["step"] == 0) == [1, 90]  # one prompt per rank
+
+
+def test_fsdp_world_size_one_saves_and_checkpoints_load_in_other_trainers(tmp_path):
+    # The reference repository crashed at its first save with one GPU under FSDP.
+    fsdp = finished_run([*COMMON, "trainer=FSDPTrainer", "world_size=1", "sample_during_eval=false"], tmp_path / "fsdp1")
+    archive = fsdp / "LATEST" / "policy.pt"
+    final_logps = evals(fsdp)[-1]["logps_eval/chosen"]
+    for trainer in ("BasicTrainer", "TensorParallelTrainer"):
+        run_dir = finished_run(
+            [
+                *COMMON,
+                f"trainer={trainer}",
+                "world_size=2",
+                f"model.archive={archive}",
+                "n_examples=8",
+                "sample_during_eval=false",
+            ],
+            tmp_path / trainer,
+        )
+        first = evals(run_dir)[0]
+        assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["logps_eval/chosen"] == pytest.approx(final_logps, rel=1e-5)
+
+
+def test_fsdp_bfloat16_mixed_precision_runs(tmp_path):
+    run_dir = finished_run(
+        [
+            *COMMON,
+            "trainer=FSDPTrainer",
+            "world_size=2",
+            "model.fsdp_policy_mp=bfloat16",
+            "activation_checkpointing=true",
+            "sample_during_eval=false",
+        ],
+        tmp_path,
+    )
+    assert all(math.isfinite(r["loss/eval"]) for r in evals(run_dir))
+
+
+def test_tensor_parallel_rejects_other_families_by_name():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainers import tensor_parallel_plan
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model("opt", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, vocab_size=32)
+    )
+    with pytest.raises(ValueError, match="supports the Llama, GPT-NeoX \\(Pythia\\) and GPT-2 families, not 'opt'"):
+        tensor_parallel_plan(model, 2)
