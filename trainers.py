@@ -452,6 +452,7 @@ class BasicTrainer:
             disable=not (config.progress_bar and self.is_main),
         )
         pending = defaultdict(list)
+        tokens = 0  # non-padding tokens since the last log
         last_log = time.time()
         last_log_examples = self.example_counter
         self.policy.train()
@@ -464,6 +465,9 @@ class BasicTrainer:
                     while self.next_eval_at <= self.example_counter:
                         self.next_eval_at += config.eval_every
                 metrics = self.train_step(batch)
+                tokens += int(batch["chosen_attention_mask"].sum()) + int(
+                    batch["rejected_attention_mask"].sum() if "rejected_attention_mask" in batch else 0
+                )
                 self.batch_counter += 1
                 self.example_counter += len(batch["prompt"])
                 bar.update(len(batch["prompt"]))
@@ -472,12 +476,12 @@ class BasicTrainer:
                 self.stop_requested = self.any_rank(self.stop_requested)
                 now = time.time()
                 if self.is_main and (now - last_log >= config.minimum_log_interval_secs or self.stop_requested):
-                    self.log_train(pending, (self.example_counter - last_log_examples) / (now - last_log), bar)
-                    last_log, last_log_examples = now, self.example_counter
+                    self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
+                    last_log, last_log_examples, tokens = now, self.example_counter, 0
                 if self.stop_requested:
                     break
             if pending and self.is_main:  # the last steps are always logged
-                self.log_train(pending, (self.example_counter - last_log_examples) / max(time.time() - last_log, 1e-9), bar)
+                self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
             bar.close()
             if self.stop_requested:
                 path = self.save()
@@ -488,6 +492,7 @@ class BasicTrainer:
                 return self.stop_signal or signal.SIGTERM
             self.evaluate()
             path = self.save()
+            self.log_peak_memory()
             if self.is_main:
                 written = utils.plot_curves(self.run_dir)
                 export = f" (Hugging Face export in {path}/hf)" if config.save_hf_export else ""
@@ -500,10 +505,29 @@ class BasicTrainer:
                 signal.signal(s, handler)
             self.logger.finish()
 
-    def log_train(self, pending: dict, examples_per_second: float, bar) -> None:
-        """Log the means of the train metrics gathered since the last log, then clear them."""
+    def log_peak_memory(self) -> None:
+        """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``."""
+        import resource
+
+        mine = {"rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}  # KiB on Linux
+        if torch.cuda.is_available():
+            mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
+        gathered = self.gather_metrics(mine) if self.data_world_size > 1 else mine
+        if self.world_size > 1 and self.data_world_size == 1:  # tensor parallel: gather per rank too
+            gathered = _DistributedTrainer.gather_metrics(self, mine)
+        record = {}
+        for kind, values in gathered.items():
+            for rank, value in enumerate(values):
+                record[f"memory/rank{rank}_peak_{kind}_mib"] = value
+        if self.is_main:
+            self.logger.log(record, step=self.example_counter)
+
+    def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
+        """Log the means of the train metrics gathered since the last log, then clear them;
+        throughput counts examples and non-padding tokens (prompt + responses) per second."""
         means = {k: float(np.mean(v)) for k, v in pending.items()}
-        means["examples_per_second"] = examples_per_second
+        means["examples_per_second"] = n_examples / seconds
+        means["tokens_per_second"] = n_tokens / seconds
         means["counters/examples"] = self.example_counter
         means["counters/updates"] = self.batch_counter
         self.logger.log(means, step=self.example_counter)
