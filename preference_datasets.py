@@ -476,6 +476,11 @@ def _encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
+def example_key(prompt: str, chosen: str, rejected: str | None) -> str:
+    """A stable id of one example (its texts), e.g. to look up precomputed reference log-probs."""
+    return hashlib.sha256(json.dumps([prompt, chosen, rejected]).encode("utf-8")).hexdigest()[:32]
+
+
 def tokenize_element(
     prompt: str,
     chosen: str,
@@ -528,7 +533,7 @@ def tokenize_element(
         if len(ids) > room:
             response_ids[side] = ids[: room - 1] + [eos_id]
 
-    element = {"prompt": prompt, "prompt_input_ids": prompt_ids}
+    element = {"prompt": prompt, "prompt_input_ids": prompt_ids, "key": example_key(prompt, chosen, rejected)}
     for side, ids in response_ids.items():
         seq = prompt_ids + ids
         element[f"{side}_input_ids"] = seq

@@ -19,6 +19,23 @@ import utils
 from preference_datasets import DataError, load_examples
 
 
+def precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed: bool, rank: int) -> dict:
+    """Reference log-probs of every train and eval example, from the disk cache or one pass of
+    the reference (on rank 0; the other ranks then read the cache)."""
+    if torch.cuda.is_available():
+        reference.to(f"cuda:{torch.cuda.current_device()}")
+    examples = train_examples + eval_examples
+    if not distributed:
+        return trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
+    import torch.distributed as dist
+
+    cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir) if rank == 0 else None
+    dist.barrier()
+    if cache is None:  # the other ranks read what rank 0 wrote
+        cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
+    return cache
+
+
 def effective_config(config: DictConfig) -> DictConfig:
     """The config to run: with ``resume=<run folder>``, that run's saved config.
 
@@ -100,7 +117,12 @@ def main(config: DictConfig) -> tuple[str, int | None]:
         resume_state = torch.load(os.path.join(resume_dir, "LATEST", "trainer_state.pt"), weights_only=False)
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
+    reference_cache = None
+    if reference is not None and config.precompute_ref_log_probs:
+        reference_cache = precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed, rank)
+        reference = None  # not kept in memory
     trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    trainer.reference_cache = reference_cache
     if resume_dir is not None:
         trainer.load(os.path.join(resume_dir, "LATEST"))
         if rank == 0:

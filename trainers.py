@@ -7,6 +7,7 @@ The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -224,6 +225,8 @@ class BasicTrainer:
         n = batch["chosen_input_ids"].shape[0]
         return logps[:n], logps[n:], n_tokens
 
+    reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
+
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """log ref(chosen | x) and log ref(rejected | x), each (B,) float32.
@@ -234,6 +237,12 @@ class BasicTrainer:
         Raises:
             RuntimeError: if the loss needs a reference and none was given.
         """
+        if self.reference_cache is not None:
+            pairs = [self.reference_cache[key] for key in batch["key"]]
+            return (
+                torch.tensor([c for c, _ in pairs], dtype=torch.float32, device=self.device),
+                torch.tensor([r for _, r in pairs], dtype=torch.float32, device=self.device),
+            )
         if self.reference_model is None:
             raise RuntimeError("This loss needs a reference model but the trainer has none.")
         chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
@@ -615,6 +624,54 @@ def _postfix(means: dict) -> dict:
         "examples_per_second": "ex/s",
     }
     return {short: f"{means[k]:.3g}" for k, short in names.items() if k in means}
+
+
+# ============================================================================ precomputed reference
+
+
+@torch.no_grad()
+def precompute_reference_logps(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> dict:
+    """One pass of the reference over ``examples``; returns {example key: (chosen, rejected)}.
+
+    The result is cached in ``cache_dir`` under a name hashed from the reference weights, the
+    tokenizer, the examples' texts, the truncation settings and ``loss.average_log_prob``, so a
+    second run with the same inputs reads it instead of computing it.
+    """
+    from preference_datasets import example_key
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(reference.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
+    settings += [config.max_length, config.max_prompt_length, bool(config.loss.get("average_log_prob", False))]
+    digest.update(json.dumps(settings).encode())
+    for ex in examples:
+        digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
+    path = os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
+    if os.path.exists(path):
+        print(f"Reference log-probs: reusing {path}")
+        return torch.load(path, weights_only=False)
+
+    device = next(reference.parameters()).device
+    average = bool(config.loss.get("average_log_prob", False))
+    cache = {}
+    batches = get_batch_iterator(
+        examples, tokenizer, config.eval_batch_size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
+    )
+    for batch in tqdm.tqdm(batches, total=math.ceil(len(examples) / config.eval_batch_size), desc="reference log-probs"):
+        inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
+        logits = reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
+        logps, _ = losses.get_batch_logps(logits, inputs["labels"], average)
+        n = len(batch["key"])
+        for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
+            cache[key] = (c, r)
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    torch.save(cache, tmp)
+    os.replace(tmp, path)
+    print(f"Reference log-probs: {len(cache)} pairs cached in {path}")
+    return cache
 
 
 # ============================================================================ distributed trainers

@@ -481,3 +481,21 @@ def test_stories260k_sft_then_dpo_on_local_hh(tmp_path):
     first = next(r for r in records(dpo_dir) if "loss/eval" in r)
     assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
     assert any("rewards_train/accuracies" in r for r in records(dpo_dir))
+
+
+def test_precomputed_reference_equals_live_reference_and_is_reused(tmp_path, capsys):
+    common = ["sample_during_eval=false", f"cache_dir={tmp_path / 'cache'}"]
+    live = run(common, tmp_path / "live")
+    cached = run([*common, "precompute_ref_log_probs=true"], tmp_path / "cached")
+    assert "cached in" in capsys.readouterr().out
+    for a, b in zip(records(live), records(cached)):
+        for key in ("loss/eval", "rewards_eval/margins", "loss/train", "rewards_train/margins"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), key
+    wa = torch.load(live / "LATEST" / "policy.pt", weights_only=False)["state"]
+    wb = torch.load(cached / "LATEST" / "policy.pt", weights_only=False)["state"]
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5)
+    run([*common, "precompute_ref_log_probs=true"], tmp_path / "again")
+    assert "reusing" in capsys.readouterr().out
+    assert len(list((tmp_path / "cache").iterdir())) == 1
