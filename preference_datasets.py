@@ -566,11 +566,23 @@ def collate(elements: list[dict], pad_token_id: int) -> dict:
     return batch
 
 
-def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The order of ``n`` examples in ``epoch``: a permutation drawn from (seed, epoch)."""
+def epoch_order(
+    n: int, seed: int, epoch: int, shuffle: bool, lengths: list[int] | None = None, group_size: int = 0
+) -> np.ndarray:
+    """The order of ``n`` examples in ``epoch``: a permutation drawn from (seed, epoch).
+
+    With ``lengths`` and ``group_size`` (length-grouped batching), the permutation is cut into
+    groups of ``group_size``, each sorted by length (longest first), so that consecutive
+    examples, and hence batches, hold sequences of similar length and need less padding. The
+    order is still a function of (seed, epoch) alone.
+    """
     if not shuffle:
         return np.arange(n)
-    return np.random.default_rng([seed, epoch]).permutation(n)
+    order = np.random.default_rng([seed, epoch]).permutation(n)
+    if lengths is None or group_size <= 1:
+        return order
+    groups = [order[i : i + group_size] for i in range(0, n, group_size)]
+    return np.concatenate([g[np.argsort([-lengths[j] for j in g], kind="stable")] for g in groups])
 
 
 def get_batch_iterator(
@@ -584,8 +596,12 @@ def get_batch_iterator(
     n_epochs: int | None = None,
     n_examples: int | None = None,
     start_example: int = 0,
+    length_grouped: bool = False,
 ) -> Iterator[dict]:
     """Yield collated batches from ``examples``, tokenizing lazily.
+
+    ``length_grouped`` orders each epoch by :func:`epoch_order` with groups of 64 batches
+    sorted by text length, so a batch pads less (it changes the work: off by default).
 
     The examples form one stream, epoch after epoch (each epoch's order from
     :func:`epoch_order`), cut into batches of ``batch_size``; a batch may span an
@@ -603,6 +619,9 @@ def get_batch_iterator(
     n = len(examples)
     total = n_examples if n_examples is not None else n_epochs * n
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    lengths = None
+    if length_grouped:
+        lengths = [len(e["prompt"]) + max(len(e["chosen"]), len(e.get("rejected") or "")) for e in examples]
     orders: dict[int, np.ndarray] = {}
     k = start_example
     while k < total:
@@ -610,7 +629,7 @@ def get_batch_iterator(
         for idx in range(k, min(k + batch_size, total)):
             epoch = idx // n
             if epoch not in orders:
-                orders = {epoch: epoch_order(n, seed, epoch, shuffle)}
+                orders = {epoch: epoch_order(n, seed, epoch, shuffle, lengths, 64 * batch_size)}
             ex = examples[orders[epoch][idx % n]]
             elements.append(
                 tokenize_element(

@@ -66,6 +66,29 @@ def concatenated_inputs(batch: dict) -> dict:
     return out
 
 
+def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits only where a response token is predicted, and the labels aligned with them.
+
+    The output layer (B x T x V, the largest tensor for a large vocabulary) is applied only
+    from the position before the batch's first response token on (``logits_to_keep``), not
+    over the prompts.
+
+    Args:
+        model: a Hugging Face causal LM.
+        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T), right-padded.
+
+    Returns:
+        (logits, labels): (B, K, V) and (B, K) with K <= T, for ``losses.get_batch_logps``.
+    """
+    labels = inputs["labels"]
+    length = labels.shape[1]
+    labelled = (labels != losses.IGNORE_INDEX).any(0)
+    first = int(labelled.float().argmax()) if labelled.any() else length - 1
+    keep = length - max(first - 1, 0)
+    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logits_to_keep=keep).logits
+    return logits, labels[:, length - logits.shape[1] :]
+
+
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
     nothing is dropped). Lists are split the same way as tensors."""
@@ -220,8 +243,8 @@ class BasicTrainer:
             response-token counts (chosen rows first).
         """
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        logps, n_tokens = losses.get_batch_logps(logits, inputs["labels"], self.average_log_prob)
+        logits, labels = response_logits(model, inputs)
+        logps, n_tokens = losses.get_batch_logps(logits, labels, self.average_log_prob)
         n = batch["chosen_input_ids"].shape[0]
         return logps[:n], logps[n:], n_tokens
 
@@ -264,11 +287,8 @@ class BasicTrainer:
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
         if self.sft:
-            labels = batch["chosen_labels"].to(self.device)
-            logits = self.policy(
-                input_ids=batch["chosen_input_ids"].to(self.device),
-                attention_mask=batch["chosen_attention_mask"].to(self.device),
-            ).logits
+            inputs = {k: batch[f"chosen_{k}"].to(self.device) for k in ("input_ids", "attention_mask", "labels")}
+            logits, labels = response_logits(self.policy, inputs)
             logps_sum, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=False)
             loss = losses.sft_loss(logps_sum, n_batch_tokens)
             metrics[f"logps_{split}/chosen"] = logps_sum.detach().tolist()  # summed, as in DPO
@@ -451,6 +471,7 @@ class BasicTrainer:
             n_epochs=config.n_epochs,
             n_examples=config.n_examples,
             start_example=self.example_counter,
+            length_grouped=config.length_grouped,
         )
         previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         bar = tqdm.tqdm(
@@ -661,8 +682,8 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
     )
     for batch in tqdm.tqdm(batches, total=math.ceil(len(examples) / config.eval_batch_size), desc="reference log-probs"):
         inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
-        logits = reference(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).logits
-        logps, _ = losses.get_batch_logps(logits, inputs["labels"], average)
+        logits, labels = response_logits(reference, inputs)
+        logps, _ = losses.get_batch_logps(logits, labels, average)
         n = len(batch["key"])
         for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
             cache[key] = (c, r)

@@ -648,3 +648,28 @@ def test_nan_logits_at_unlabelled_positions_do_not_leak():
     logps, _ = get_batch_logps(logits, labels)
     assert torch.isfinite(logps).all()
     assert logps.item() == pytest.approx(2 * -math.log(3))
+
+
+def test_response_logits_give_the_same_logps_as_full_logits():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers import response_logits
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(
+        LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    ).eval()
+    ids = torch.randint(1, 32, (3, 10))
+    mask = torch.ones_like(ids)
+    mask[2, 8:] = 0
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX  # prompts of 4, 6 and 5 tokens
+    labels[1, :6] = IGNORE_INDEX
+    labels[2, :5] = IGNORE_INDEX
+    labels[2, 8:] = IGNORE_INDEX  # padding
+    inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    with torch.no_grad():
+        logits, kept = response_logits(model, inputs)
+        full = model(input_ids=ids, attention_mask=mask).logits
+    assert logits.shape[1] == 7  # from the position before the first response token (index 4)
+    torch.testing.assert_close(get_batch_logps(logits, kept)[0], get_batch_logps(full, labels)[0], rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import json
+import random
 import re
 from pathlib import Path
 
@@ -675,3 +676,22 @@ def test_readme_add_a_dataset_example_works_as_written(tmp_path):
         preference_datasets.DATASETS.pop("mine", None)
     assert len(train) + len(test) == 30 and test and not set(train) & set(test)
     assert train["\n\nHuman: q0\n\nAssistant:"]["pairs"] == [(0, 1)] or "\n\nHuman: q0\n\nAssistant:" in test
+
+
+def test_length_grouped_order_is_a_seeded_permutation_that_cuts_padding():
+    from preference_datasets import epoch_order
+
+    rng = random.Random(0)
+    lengths = [rng.randint(1, 500) for _ in range(256)]
+    plain = epoch_order(256, 0, 0, True)
+    grouped = epoch_order(256, 0, 0, True, lengths, 64)
+    assert sorted(grouped.tolist()) == list(range(256))
+    assert grouped.tolist() == epoch_order(256, 0, 0, True, lengths, 64).tolist()  # reproducible
+    assert grouped.tolist() != epoch_order(256, 1, 0, True, lengths, 64).tolist()  # seeded
+    assert set(grouped[:64].tolist()) == set(plain[:64].tolist())  # groups keep the seeded order's members
+
+    def padding(order):
+        batches = [order[i : i + 8] for i in range(0, 256, 8)]
+        return sum(8 * max(lengths[j] for j in b) - sum(lengths[j] for j in b) for b in batches)
+
+    assert padding(grouped) < padding(plain) / 3
