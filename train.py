@@ -7,8 +7,11 @@ reference, and hands off to the trainer named by ``config.trainer``.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import hydra
 import torch
@@ -67,10 +70,16 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     resume_dir = config.resume
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    utils.validate_config(config, world_size)
+    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else world_size)
+    if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
+        print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
     rank = 0
     if distributed:
         rank = utils.init_distributed()
+        if rank != 0:
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
 
@@ -136,32 +145,82 @@ def main(config: DictConfig) -> tuple[str, int | None]:
 
 
 def launch(config: DictConfig) -> int | None:
-    """Start one process per GPU (or ``world_size`` on CPU) with torchrun when FSDP or tensor
-    parallelism is asked for outside torchrun; each process runs this script and loads what it
-    needs (no model is passed between processes). Returns their exit code, or None when this
-    process should train itself."""
-    config = effective_config(config)
+    """Start one process per GPU (``world_size`` of them on CPU) when FSDP or tensor
+    parallelism is asked for and this process was not started by torchrun.
+
+    Each process runs this script with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
+    ...) and loads what it needs: no model is passed between processes. Each runs in its own
+    session, so a Ctrl-C or SIGTERM reaches them once, forwarded from here; they save a
+    checkpoint and stop, and this process waits for them. If one fails, the others are stopped.
+
+    Returns:
+        The exit code to leave with, or None when this process should train itself.
+    """
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
-    utils.validate_config(config, config.world_size or torch.cuda.device_count() or 1)
     n = config.world_size or torch.cuda.device_count() or 1
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}", *sys.argv]
-    print(f"Starting {n} processes: {' '.join(cmd[2:])}")
-    return subprocess.call(cmd)
+    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else n)
+    utils.check_parallel_model(config, n)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    print(f"Starting {n} {config.trainer} processes (gloo on CPU, NCCL on GPUs).")
+    procs = []
+    for rank in range(n):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n)}
+        env |= {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env, start_new_session=True))
+
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        codes: dict[int, int] = {}
+        while len(codes) < n:
+            for rank, p in enumerate(procs):
+                if rank not in codes and p.poll() is not None:
+                    codes[rank] = p.returncode
+                    if p.returncode not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                        for other in procs:  # the others would wait for it forever
+                            if other.poll() is None:
+                                other.kill()
+            time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    failed = [c for c in codes.values() if c != 0]
+    return max(failed, key=lambda c: c not in (-9, 128 + signal.SIGINT, 128 + signal.SIGTERM)) if failed else 0
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
+    rank = int(os.environ.get("RANK", 0))
     try:
+        if config.resume is not None and rank == 0 and "RANK" not in os.environ:
+            from hydra.core.hydra_config import HydraConfig
+
+            ignored = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
+            if ignored:
+                print(f"Note: resume= continues with the run's saved config; ignoring {ignored}.")
+        config = effective_config(config)
         code = launch(config)
         if code is not None:
             sys.exit(code)
         _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:
-        print(f"Error: {e}", file=sys.stderr)
+        if rank == 0:  # the same sentence on every process: say it once
+            print(f"Error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print("\nInterrupted before a checkpoint could be saved; nothing to resume.", file=sys.stderr)
+        if rank == 0:
+            print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
         sys.exit(130)
     if stop_signal is not None:
         sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them

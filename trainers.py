@@ -460,6 +460,10 @@ class BasicTrainer:
             None when training finished, else the number of the signal that stopped it.
         """
         config = self.config
+        if self.example_counter >= self.total_examples:
+            if self.is_main:
+                print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
+            return None
         iterator = get_batch_iterator(
             self.train_examples,
             self.tokenizer,
@@ -703,15 +707,19 @@ def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[ty
     ``_no_split_modules`` (what Hugging Face keeps on one device).
 
     Raises:
-        ValueError: if no module of ``model`` has that class name.
+        utils.ConfigError: if no module of ``model`` has that class name.
     """
-    names = {block_name} if block_name else set(getattr(model, "_no_split_modules", None) or [])
+    own = set(getattr(model, "_no_split_modules", None) or [])
+    names = {block_name} if block_name else own
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
     if not classes:
-        raise ValueError(
-            f"No transformer block named {sorted(names) or 'at all'} in {type(model).__name__}; "
-            "set model.block_name to the class name of its decoder layer (e.g. LlamaDecoderLayer)."
+        present = sorted({type(m).__name__ for m in model.modules()} & own)
+        hint = (
+            f"its blocks are {present}: set model.block_name={present[0]} or model.block_name=null"
+            if present
+            else "set model.block_name to the class name of its decoder layer"
         )
+        raise utils.ConfigError(f"model.block_name={block_name} is not a module of {type(model).__name__}; {hint}.")
     return classes
 
 
@@ -868,6 +876,24 @@ class FSDPTrainer(_DistributedTrainer):
 TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
 
 
+def check_tensor_parallel(cfg, world_size: int) -> None:
+    """Raise utils.ConfigError unless tensor parallelism can split a model with transformers
+    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible)."""
+    family = cfg.model_type
+    if family not in TP_FAMILIES:
+        raise utils.ConfigError(
+            f"TensorParallelTrainer supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; "
+            "use FSDPTrainer for this model."
+        )
+    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world_size or kv_heads % world_size:
+        raise utils.ConfigError(
+            f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes; "
+            "choose a world_size that divides them."
+        )
+
+
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
     """Column-wise / row-wise sharding plan (torch.distributed.tensor.parallel) for the attention
     and MLP of every block: q/k/v and MLP-in column-wise, attention-out and MLP-out row-wise, so
@@ -879,22 +905,13 @@ def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
     attention's ``split_size`` set to its local width.
 
     Raises:
-        ValueError: for a model family other than Llama, GPT-NeoX (Pythia) and GPT-2, or a
-            head count not divisible by ``world_size``.
+        utils.ConfigError: for a model family other than Llama, GPT-NeoX (Pythia) and GPT-2, or
+            a head count not divisible by ``world_size``.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    cfg = model.config
-    family = cfg.model_type
-    if family not in TP_FAMILIES:
-        raise ValueError(
-            f"TensorParallelTrainer supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; "
-            "use FSDPTrainer for this model."
-        )
-    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % world_size or kv_heads % world_size:
-        raise ValueError(f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes.")
+    check_tensor_parallel(model.config, world_size)
+    family = model.config.model_type
     col, row = ColwiseParallel(), RowwiseParallel()
     if family == "llama":
         prefix = "model.layers.*."

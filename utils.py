@@ -82,6 +82,14 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
     if config.model.name_or_path is None and config.model.get("config") is None:
         raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
+    path = config.model.name_or_path
+    if (
+        path is not None
+        and config.model.get("config") is None
+        and path.startswith((".", "/", "~"))
+        and not os.path.isdir(os.path.expanduser(path))
+    ):
+        raise ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
 
@@ -138,6 +146,34 @@ def load_tokenizer(model_config: DictConfig):
     return tokenizer
 
 
+def transformers_config(model_config: DictConfig, tokenizer=None):
+    """The transformers config of the model ``model.*`` describes, without loading weights."""
+    import transformers
+
+    if model_config.get("config") is not None:
+        fields = OmegaConf.to_container(model_config.config, resolve=True)
+        if tokenizer is not None:
+            fields.setdefault("vocab_size", len(tokenizer))
+            fields.setdefault("pad_token_id", tokenizer.pad_token_id)
+            fields.setdefault("eos_token_id", tokenizer.eos_token_id)
+            fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+        return transformers.AutoConfig.for_model(**fields)
+    return transformers.AutoConfig.from_pretrained(model_config.name_or_path)
+
+
+def check_parallel_model(config: DictConfig, world_size: int) -> None:
+    """Before any process starts: can TensorParallelTrainer split this model over ``world_size``?
+
+    Raises:
+        ConfigError: for an unsupported family or a head count not divisible by ``world_size``.
+    """
+    if config.trainer != "TensorParallelTrainer":
+        return
+    from trainers import check_tensor_parallel
+
+    check_tensor_parallel(transformers_config(config.model), world_size)
+
+
 def load_model(model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int) -> torch.nn.Module:
     """A causal LM: weights from ``model.name_or_path`` (hub id or folder), or, when
     ``model.config`` is set, a random model built from that config (``model_type`` plus
@@ -146,12 +182,7 @@ def load_model(model_config: DictConfig, tokenizer, dtype: torch.dtype | None, s
     import transformers
 
     if model_config.get("config") is not None:
-        fields = OmegaConf.to_container(model_config.config, resolve=True)
-        fields.setdefault("vocab_size", len(tokenizer))
-        fields.setdefault("pad_token_id", tokenizer.pad_token_id)
-        fields.setdefault("eos_token_id", tokenizer.eos_token_id)
-        fields.setdefault("bos_token_id", tokenizer.bos_token_id)
-        cfg = transformers.AutoConfig.for_model(**fields)
+        cfg = transformers_config(model_config, tokenizer)
         torch.manual_seed(seed)  # same random weights for policy and reference
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:

@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import REPO
 
+import utils
+
 COMMON = [
     "batch_size=8",
     "eval_batch_size=8",
@@ -213,5 +215,78 @@ def test_tensor_parallel_rejects_other_families_by_name():
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model("opt", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, vocab_size=32)
     )
-    with pytest.raises(ValueError, match="supports the Llama, GPT-NeoX \\(Pythia\\) and GPT-2 families, not 'opt'"):
+    with pytest.raises(utils.ConfigError, match="supports the Llama, GPT-NeoX \\(Pythia\\) and GPT-2 families, not 'opt'"):
         tensor_parallel_plan(model, 2)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["trainer=TensorParallelTrainer", "world_size=3"],
+            "4 attention heads \\(4 key/value heads\\) cannot be split over 3 processes",
+        ),
+        (
+            [
+                "trainer=TensorParallelTrainer",
+                "world_size=2",
+                "~model.config",
+                "+model.config={model_type:opt,hidden_size:16,num_hidden_layers:1,num_attention_heads:2,ffn_dim:32}",
+            ],
+            "not 'opt'",
+        ),
+        (["trainer=FSDPTrainer", "world_size=2", "model=blank_model", "model.name_or_path=../no/such/model"], "is not a folder"),
+    ],
+)
+def test_parallel_mistakes_are_one_sentence_before_any_process_starts(tmp_path, args, message):
+    code, text = cli(args, tmp_path)
+    assert code == 2, text[-3000:]
+    assert "Starting" not in text and "Traceback" not in text
+    assert len([line for line in text.splitlines() if line.startswith("Error:")]) == 1
+    import re
+
+    assert re.search(message, text), text[-2000:]
+
+
+def test_sigterm_to_train_py_stops_all_ranks_after_a_checkpoint(tmp_path):
+    # SIGTERM to the launching process reaches every rank once; they save, and it waits for them.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    args = [
+        *COMMON,
+        "trainer=FSDPTrainer",
+        "world_size=2",
+        "n_examples=4000",
+        "data.arithmetic.n_train=400",
+        "eval_every=100000",
+        "sample_during_eval=false",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "train.py", *args, f"output_root={tmp_path}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        import time
+
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            runs = list(tmp_path.glob("*/metrics.jsonl"))
+            if runs and sum(1 for _ in runs[0].open()) > 3:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+    assert proc.returncode == 143, out[-3000:]
+    assert out.count("Interrupted after") == 1 and "Traceback" not in out
+    run_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    state = torch.load(run_dir / "LATEST" / "trainer_state.pt", weights_only=False)
+    assert 0 < state["example_counter"] < 4000
+    assert len(list((run_dir / "LATEST" / "sharded").glob("*.distcp"))) == 2
+    leftover = subprocess.run(["pgrep", "-f", f"output_root={tmp_path}"], capture_output=True, text=True).stdout
+    assert not leftover.strip(), "worker processes outlived train.py"
