@@ -1,0 +1,902 @@
+"""This project's DPO training step vs TRL 1.16's DPOTrainer, on identical work, on CPU.
+
+Both sides train the same model from the same saved folder on the same real HH pairs
+(../shared/data/hh-rlhf, harmless-base, read by this repository's loader and tokenized by
+its tokenize_element), fed as the SAME token ids, in the same order, with the same batch
+(8 pairs), max_length (256), fp32, AdamW (same lr, no weight decay), constant schedule
+without warmup, gradient clipping, sigmoid DPO loss (beta 0.1) and torch thread count.
+
+Models (--model):
+  stories  ../shared/models/stories260K (real Llama: 5 layers, hidden 64, vocab 512)
+  random   a random Llama (4 layers, hidden 256, 8 heads, intermediate 688, vocab 512) with
+           the stories260K tokenizer, saved to a temporary folder first (TRL rebuilds its
+           reference from the policy's saved folder)
+Modes (--mode):
+  live         the reference model runs a forward pass every step
+  precomputed  reference log-probs computed once before training (ours:
+               trainers.precompute_reference_logps + trainer.reference_model=None; TRL:
+               precompute_ref_log_probs=True); the precompute time is reported apart and is
+               not part of the step time
+
+Each (model, mode, side) runs in its own subprocess, so its peak RSS
+(getrusage(RUSAGE_SELF).ru_maxrss) is its own; sides alternate A B A B over --rounds. The
+parent process imports no torch, so no child inherits its peak. Step time is wall time from
+the end of one optimizer step to the end of the next (TRL: on_step_end callbacks; ours: a
+loop of preference_datasets.collate + BasicTrainer.train_step), averaged over --steps steps
+after --warmup steps; it includes data collation, each side's per-step metrics and logging.
+Tokens are the non-padding tokens (attention-mask ones) of chosen + rejected.
+
+Fairness (what differs between the defaults, and what this script does about it):
+  * TRL tokenizes text itself (no BOS with this tokenizer, prompt+response tokenized jointly),
+    so the TRL dataset is built from our token ids (prompt_ids / chosen_ids / rejected_ids,
+    the columns TRL's DataCollatorForPreference reads) and DPOTrainer._prepare_dataset is
+    bypassed for such a dataset; every batch of TRL's collator is checked equal to ours.
+  * TRL drops pairs whose prompt reaches max_length and cuts long sequences from the end;
+    ours cuts the prompt first: only pairs with prompt + longest response <= max_length
+    (after our tokenization) are used, so neither side truncates anything.
+  * DPOConfig defaults to bf16 and gradient checkpointing: both are turned off (fp32).
+  * TRL's default optimizer on torch >= 2.8 is fused AdamW; ours is torch.optim.AdamW
+    (unfused): TRL is given optim=adamw_torch (--trl-optim changes it).
+  * TRL samples randomly by default: train_sampling_strategy=sequential, so both sides see
+    batch k = pairs [8k, 8k+8); the per-step losses of the two sides are compared.
+  * TRL computes extra metrics every step (entropy, mean logits, top-1 accuracy, token
+    counts) and ours its own (rewards, log-probs as lists): each counts in its own time.
+
+    python bench/bench_dpo.py [--model stories|random|both] [--mode live|precomputed|both]
+                              [--steps 20] [--warmup 3] [--rounds 2] [--threads N]
+    python bench/bench_dpo.py --profile     # where our step spends its time (and TRL's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+HH = SHARED / "data" / "hh-rlhf"
+STORIES = SHARED / "models" / "stories260K"
+RANDOM_LLAMA = {
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+SIDES = ("ours", "trl")
+
+
+# ============================================================================ helpers used by workers
+
+
+def _rss_now_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> tuple[float, float]:
+    """(ru_maxrss, VmHWM) in MiB: the process's own peak resident memory, two ways."""
+    import resource
+
+    hwm = float("nan")
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, hwm
+
+
+def _set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def _opt_desc(opt) -> str:
+    """The optimizer class and the settings that change its arithmetic or kernels."""
+    opt = getattr(opt, "optimizer", opt)  # accelerate wraps TRL's
+    groups = opt.param_groups
+    keys = ("lr", "weight_decay", "betas", "eps", "fused", "foreach")
+    settings = {k: sorted({str(g.get(k)) for g in groups}) for k in keys}
+    return f"{type(opt).__name__}(" + ", ".join(f"{k}={'/'.join(v)}" for k, v in settings.items()) + ")"
+
+
+def _busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy since boot (/proc/stat, all processes)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + (v[7] if len(v) > 7 else 0)) / os.sysconf("SC_CLK_TCK")
+
+
+def _mark() -> tuple[float, float, float]:
+    """(wall clock, this process's CPU seconds, the machine's busy CPU seconds)."""
+    return time.perf_counter(), time.process_time(), _busy_cpu_s()
+
+
+def _steady(marks: list[tuple[float, float, float]], warmup: int) -> dict:
+    """Timing from the clock marks taken before the first step and after each: the median wall
+    seconds per step after ``warmup`` steps (the median: robust to a stray hiccup), the mean,
+    every step's seconds; over the measured steps, this process's CPU seconds per wall second
+    (about the thread count when it had the cores) and the CPUs that OTHER processes used."""
+    import statistics
+
+    walls = [m[0] for m in marks]
+    steps = [b - a for a, b in zip(walls[:-1], walls[1:])]
+    measured = steps[warmup:]
+    wall = walls[-1] - walls[warmup]
+    own = marks[-1][1] - marks[warmup][1]
+    return {
+        "step_s": statistics.median(measured),
+        "step_mean_s": sum(measured) / len(measured),
+        "steps_s": steps,
+        "cpu_util": own / wall,
+        "others_cpu": max(0.0, (marks[-1][2] - marks[warmup][2] - own) / wall),
+    }
+
+
+# ============================================================================ worker: prepare data
+
+
+def worker_prepare(spec: dict) -> dict:
+    """Select the pairs, tokenize them with this project's code, save the random model,
+    and check that TRL's collator turns our ids into exactly our batches."""
+    sys.path.insert(0, str(REPO))
+    import collections
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    import preference_datasets as pdata
+    import trainers
+
+    _set_threads(spec["threads"])
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    if tokenizer.pad_token_id is None:  # as utils.load_tokenizer (and TRL) do
+        tokenizer.pad_token = tokenizer.eos_token
+    report = collections.Counter()
+    data = pdata.get_hh("train", report, local_dir=str(HH), subsets=["harmless-base"], holdout_fraction=0.1)
+    examples = pdata.flatten("hh", data, sft_mode=False)
+    max_len = spec["max_length"]
+    fitting = []
+    for ex in examples:
+        # no truncation at all: a huge max_length, then keep the pairs that fit max_length whole
+        el = pdata.tokenize_element(
+            ex["prompt"], ex["chosen"], ex["rejected"], ex["truncation_mode"], tokenizer, 10**9, 10**9 - 1
+        )
+        if max(len(el["chosen_input_ids"]), len(el["rejected_input_ids"])) <= max_len:
+            fitting.append((ex, el))
+    import random
+
+    random.Random(spec["seed"]).shuffle(fitting)
+    n_pairs = spec["n_pairs"]
+    if len(fitting) < n_pairs:
+        raise SystemExit(f"only {len(fitting)} pairs fit max_length {max_len}; need {n_pairs} (lower --steps)")
+    chosen = fitting[:n_pairs]
+    # our tokenization at the real max_length / max_prompt_length must give the same ids (nothing cut)
+    pairs = []
+    for ex, el in chosen:
+        real = pdata.tokenize_element(
+            ex["prompt"], ex["chosen"], ex["rejected"], ex["truncation_mode"], tokenizer, max_len, spec["max_prompt_length"]
+        )
+        assert real["chosen_input_ids"] == el["chosen_input_ids"] and real["rejected_input_ids"] == el["rejected_input_ids"]
+        p = len(el["prompt_input_ids"])
+        pairs.append(
+            {
+                "prompt": ex["prompt"],
+                "chosen": ex["chosen"],
+                "rejected": ex["rejected"],
+                "truncation_mode": ex["truncation_mode"],
+                "prompt_ids": el["prompt_input_ids"],
+                "chosen_ids": el["chosen_input_ids"][p:],
+                "rejected_ids": el["rejected_input_ids"][p:],
+            }
+        )
+
+    # TRL's collator on our ids == our collate + concatenated_inputs, batch by batch
+    from trl.trainer.dpo_trainer import DataCollatorForPreference
+
+    trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_len, truncation_mode="keep_start")
+    bs = spec["batch_size"]
+    tokens = []
+    for k in range(0, n_pairs, bs):
+        rows = pairs[k : k + bs]
+        ours = trainers.concatenated_inputs(
+            pdata.collate(
+                [
+                    pdata.tokenize_element(
+                        r["prompt"],
+                        r["chosen"],
+                        r["rejected"],
+                        r["truncation_mode"],
+                        tokenizer,
+                        max_len,
+                        spec["max_prompt_length"],
+                    )
+                    for r in rows
+                ],
+                tokenizer.pad_token_id,
+            )
+        )
+        theirs = trl_collate([{key: r[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
+        # padding positions (attention mask 0) may hold different ids: ours pads the shorter side with 0, TRL with pad_token_id
+        assert torch.equal(ours["attention_mask"], theirs["attention_mask"]), f"batch {k // bs}: attention_mask differs"
+        real = ours["attention_mask"].bool()
+        assert torch.equal(ours["input_ids"][real], theirs["input_ids"][real]), f"batch {k // bs}: input_ids differ"
+        assert torch.equal((ours["labels"] != -100).long(), theirs["completion_mask"]), f"batch {k // bs}: response mask differs"
+        tokens.append(int(ours["attention_mask"].sum()))
+
+    # What TRL's own text tokenization (its _prepare_dataset) would have made of the same pairs
+    trl_text_same = None
+    try:
+        from datasets import Dataset
+        from trl import DPOConfig, DPOTrainer
+
+        class _Fake:
+            _tokenizer = tokenizer
+
+        args = DPOConfig(output_dir=spec["tmp"], max_length=None, report_to="none", bf16=False, use_cpu=True)
+        text = Dataset.from_dict({k: [r[k] for r in pairs] for k in ("prompt", "chosen", "rejected")})
+        tokenized = DPOTrainer._prepare_dataset(_Fake(), text, tokenizer, args, "check")
+        trl_text_same = sum(
+            t["prompt_ids"] == r["prompt_ids"] and t["chosen_ids"] == r["chosen_ids"] and t["rejected_ids"] == r["rejected_ids"]
+            for t, r in zip(tokenized, pairs)
+        )
+    except Exception as e:  # informational only
+        print(f"[prepare] could not run TRL's text tokenization for comparison: {e!r}", file=sys.stderr)
+
+    # the random Llama, saved with the stories260K tokenizer
+    random_dir = Path(spec["tmp"]) / "random-llama"
+    if "random" in spec["models"]:
+        torch.manual_seed(spec["seed"])
+        cfg = LlamaConfig(**RANDOM_LLAMA, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+        model = LlamaForCausalLM(cfg)
+        model.save_pretrained(random_dir)
+        tokenizer.save_pretrained(random_dir)
+    with open(spec["pairs_file"], "w") as f:
+        json.dump(pairs, f)
+    return {
+        "n_hh_pairs": len(examples),
+        "n_fitting": len(fitting),
+        "tokens_per_batch": tokens,
+        "widths": [
+            max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in pairs[k : k + bs])
+            for k in range(0, n_pairs, bs)
+        ],
+        "trl_text_tokenization_identical": trl_text_same,
+        "random_dir": str(random_dir),
+    }
+
+
+# ============================================================================ worker: this project
+
+
+def _our_trainer(spec: dict, run_dir: str):
+    """A BasicTrainer built as tests/test_train.py's build_trainer builds one (and train.py the
+    precomputed reference), from the saved model folder. Returns (trainer, elements, precompute_s)."""
+    sys.path.insert(0, str(REPO))
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import preference_datasets as pdata
+    import trainers
+    import utils
+
+    overrides = [
+        "model=blank_model",
+        f"model.name_or_path={spec['model_dir']}",
+        "loss=dpo",
+        f"loss.beta={spec['beta']}",
+        "optimizer=AdamW",
+        f"lr={spec['lr']}",
+        "weight_decay=0.0",
+        "lr_scheduler=constant",
+        "warmup_steps=0",
+        f"max_grad_norm={spec['max_grad_norm']}",
+        f"batch_size={spec['batch_size']}",
+        f"eval_batch_size={spec['batch_size']}",
+        f"n_eval_examples={spec['batch_size']}",
+        f"n_examples={spec['n_pairs']}",
+        f"max_length={spec['max_length']}",
+        f"max_prompt_length={spec['max_prompt_length']}",
+        f"num_threads={spec['threads']}",
+        f"seed={spec['seed']}",
+        "do_first_eval=false",
+        "sample_during_eval=false",
+        "progress_bar=false",
+        f"output_root={run_dir}",
+        f"cache_dir={Path(run_dir) / 'cache'}",  # fresh: a cached precompute would not be measured
+    ]
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        config = compose(config_name="config", overrides=overrides)
+    OmegaConf.resolve(config)
+    utils.validate_config(config)
+    utils.set_seed(config.seed)
+    utils.set_threads(config.num_threads)
+    with open(spec["pairs_file"]) as f:
+        pairs = json.load(f)
+    examples = [{k: p[k] for k in ("prompt", "chosen", "rejected", "truncation_mode")} for p in pairs]
+    tokenizer = utils.load_tokenizer(config.model)
+    elements = [
+        pdata.tokenize_element(
+            e["prompt"], e["chosen"], e["rejected"], e["truncation_mode"], tokenizer, config.max_length, config.max_prompt_length
+        )
+        for e in examples
+    ]
+    for el, p in zip(elements, pairs):  # the ids TRL gets
+        assert el["chosen_input_ids"] == p["prompt_ids"] + p["chosen_ids"]
+        assert el["rejected_input_ids"] == p["prompt_ids"] + p["rejected_ids"]
+    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    precompute_s = None
+    cache = None
+    if spec["mode"] == "precomputed":
+        t0 = time.perf_counter()
+        cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
+        precompute_s = time.perf_counter() - t0
+        reference = None  # not kept in memory, as train.py
+    os.makedirs(Path(run_dir) / "run", exist_ok=True)
+    trainer = trainers.BasicTrainer(
+        policy, config, str(Path(run_dir) / "run"), tokenizer, examples, examples[: config.batch_size], reference
+    )
+    if cache is not None:
+        trainer.reference_cache = cache
+        trainer.reference_model = None
+    return trainer, elements, precompute_s
+
+
+def worker_ours(spec: dict) -> dict:
+    _set_threads(spec["threads"])
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer, elements, precompute_s = _our_trainer(spec, tmp)
+        from collections import defaultdict
+
+        import torch
+
+        from preference_datasets import collate
+
+        pad = trainer.tokenizer.pad_token_id
+        bs = spec["batch_size"]
+        rss_setup = _rss_now_mib()
+        losses, pending = [], defaultdict(list)
+        trainer.policy.train()
+        marks = [_mark()]
+        for k in range(spec["warmup"] + spec["steps"]):
+            batch = collate(elements[k * bs : (k + 1) * bs], pad)
+            metrics = trainer.train_step(batch)
+            for key, v in metrics.items():  # what train() keeps between logs
+                pending[key].extend(v)
+            losses.append(sum(metrics["loss/train"]) / len(metrics["loss/train"]))
+            marks.append(_mark())
+        timing = _steady(marks, spec["warmup"])
+        threads = torch.get_num_threads()
+    return {
+        **timing,
+        "losses": losses,
+        "precompute_s": precompute_s,
+        "rss_setup": rss_setup,
+        "threads": threads,
+        "optimizer": _opt_desc(trainer.optimizer),
+    }
+
+
+# ============================================================================ worker: TRL
+
+
+def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    class BenchDPOTrainer(DPOTrainer):
+        """DPOTrainer, fed our token ids: a dataset that already holds prompt_ids /
+        chosen_ids / rejected_ids (what DataCollatorForPreference reads) is used as is."""
+
+        precompute_s = 0.0
+
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            if {"prompt_ids", "chosen_ids", "rejected_ids"} <= set(dataset.column_names):
+                return dataset
+            return super()._prepare_dataset(dataset, processing_class, args, dataset_name)
+
+        def _precompute_ref_logps(self, dataset, name, batch_size):
+            t0 = time.perf_counter()
+            out = super()._precompute_ref_logps(dataset, name, batch_size)
+            self.precompute_s += time.perf_counter() - t0
+            return out
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            if model.training:
+                self.bench_losses.append((loss[0] if return_outputs else loss).detach())
+            return loss
+
+    with open(spec["pairs_file"]) as f:
+        pairs = json.load(f)
+    dataset = Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    args = DPOConfig(
+        output_dir=out_dir,
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1,
+        max_steps=spec["warmup"] + spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=spec["max_grad_norm"],
+        optim=spec["trl_optim"],
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        max_length=spec["max_length"],
+        beta=spec["beta"],
+        loss_type=["sigmoid"],
+        precompute_ref_log_probs=spec["mode"] == "precomputed",
+        train_sampling_strategy="sequential",
+        seed=spec["seed"],
+        use_cpu=True,
+        dataloader_pin_memory=False,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=10,  # TRL's default
+    )
+    trainer = BenchDPOTrainer(
+        model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=list(callbacks)
+    )
+    trainer.bench_losses = []
+    assert trainer.model.dtype == torch.float32 and not trainer.args.bf16 and not trainer.args.gradient_checkpointing
+    return trainer
+
+
+def worker_trl(spec: dict) -> dict:
+    _set_threads(spec["threads"])
+    import torch
+    from transformers import TrainerCallback
+
+    class Clock(TrainerCallback):
+        def __init__(self):
+            self.marks: list[float] = []
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.marks.append(_mark())
+            self.rss_setup = _rss_now_mib()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.marks.append(_mark())
+
+    clock = Clock()
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = _trl_trainer(spec, tmp, callbacks=[clock])
+        trainer.train()
+        timing = _steady(clock.marks, spec["warmup"])
+        threads = torch.get_num_threads()
+    return {
+        **timing,
+        "losses": [float(x) for x in trainer.bench_losses],
+        "precompute_s": trainer.precompute_s if spec["mode"] == "precomputed" else None,
+        "rss_setup": clock.rss_setup,
+        "threads": threads,
+        "optimizer": _opt_desc(trainer.optimizer),
+    }
+
+
+# ============================================================================ worker: profile
+
+
+def worker_profile(spec: dict) -> dict:
+    """torch.profiler over a few steps (after warm-up) of one side; for ours also a phase
+    breakdown that replays BasicTrainer.get_batch_metrics / train_step piece by piece."""
+    sys.path.insert(0, str(REPO))
+    _set_threads(spec["threads"])
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    n_warm, n_prof = spec["warmup"], spec["steps"]
+    out: dict = {}
+    if spec["side"] == "ours":
+        import cProfile
+        import io
+        import pstats
+        from collections import defaultdict
+
+        import losses as L
+        from preference_datasets import collate
+
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer, elements, _ = _our_trainer(spec, tmp)
+            pad, bs = trainer.tokenizer.pad_token_id, spec["batch_size"]
+            batches = [collate(elements[k * bs : (k + 1) * bs], pad) for k in range(n_warm + 3 * n_prof)]
+            trainer.policy.train()
+            for b in batches[:n_warm]:
+                trainer.train_step(b)
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+                for k in range(n_warm, n_warm + n_prof):
+                    trainer.train_step(collate(elements[k * bs : (k + 1) * bs], pad))
+            out["ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48)
+            pr = cProfile.Profile()
+            pr.enable()
+            for k in range(n_warm + n_prof, n_warm + 2 * n_prof):
+                trainer.train_step(collate(elements[k * bs : (k + 1) * bs], pad))
+            pr.disable()
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(28)
+            out["cprofile"] = s.getvalue()
+
+            # phase breakdown: the real train_step, with timers wrapped around its pieces (model
+            # forwards by hooks; no file of the project is changed); "other" is the rest of the step
+            phases: dict[str, float] = defaultdict(float)
+
+            def timed(name, fn):
+                def wrapper(*a, **kw):
+                    t0 = time.perf_counter()
+                    try:
+                        return fn(*a, **kw)
+                    finally:
+                        label = name() if callable(name) else name
+                        phases[label] += time.perf_counter() - t0
+
+                return wrapper
+
+            def grad_label(what):
+                return lambda: f"{what} ({'policy' if torch.is_grad_enabled() else 'reference'})"
+
+            for label, model in (("policy", trainer.policy), ("reference", trainer.reference_model)):
+                if model is not None:
+                    starts: list[float] = []
+                    model.register_forward_pre_hook(lambda m, a, s=starts: s.append(time.perf_counter()))
+                    model.register_forward_hook(
+                        lambda m, a, o, s=starts, n=label: phases.__setitem__(
+                            f"{n} model forward", phases[f"{n} model forward"] + time.perf_counter() - s.pop()
+                        )
+                    )
+            L.get_batch_logps = timed(grad_label("get_batch_logps"), L.get_batch_logps)
+            L.dpo_loss = timed("dpo_loss", L.dpo_loss)
+            torch.Tensor.backward = timed("backward", torch.Tensor.backward)
+            trainer.clip_gradients = timed("clip_gradients", trainer.clip_gradients)
+            trainer.optimizer.step = timed("optimizer.step (AdamW)", trainer.optimizer.step)
+            total = 0.0
+            m0 = _mark()
+            for k in range(n_warm + 2 * n_prof, n_warm + 3 * n_prof):
+                t0 = time.perf_counter()
+                batch = timed("collate", collate)(elements[k * bs : (k + 1) * bs], pad)
+                trainer.train_step(batch)
+                total += time.perf_counter() - t0
+            phases["other (python, metrics, inputs, scheduler, zero_grad)"] = total - sum(phases.values())
+            out["others_cpu"] = _steady([m0, _mark()], 0)["others_cpu"]
+            out["phases"] = {k: v / n_prof for k, v in phases.items()}
+    else:
+        from transformers import TrainerCallback
+
+        class Prof(TrainerCallback):
+            def __init__(self):
+                self.prof = profile(activities=[ProfilerActivity.CPU])
+
+            def on_step_end(self, args, state, control, **kwargs):
+                if state.global_step == n_warm:
+                    self.prof.__enter__()
+                elif state.global_step == n_warm + n_prof:
+                    self.prof.__exit__(None, None, None)
+
+        p = Prof()
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = _trl_trainer({**spec, "steps": n_prof}, tmp, callbacks=[p])
+            trainer.train()
+        out["ops"] = p.prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=48)
+    return out
+
+
+# ============================================================================ parent
+
+
+def wait_quiet(max_wait: float, threshold: float = 0.15) -> tuple[float, float]:
+    """Wait (at most ``max_wait`` s) until the machine's other processes use under ``threshold``
+    CPUs over a 2-second window. Returns (seconds waited, CPUs in use at the last look)."""
+    t0 = time.time()
+    while True:
+        b0 = _busy_cpu_s()
+        time.sleep(2)
+        used = (_busy_cpu_s() - b0) / 2
+        if used < threshold or time.time() - t0 >= max_wait:
+            return time.time() - t0, used
+
+
+def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200) -> dict:
+    """Run one worker in a fresh interpreter; return its JSON result."""
+    spec_file = tmp / f"spec-{role}-{time.monotonic_ns()}.json"
+    result_file = spec_file.with_suffix(".out.json")
+    spec_file.write_text(json.dumps(spec))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(spec["threads"]),
+        "MKL_NUM_THREADS": str(spec["threads"]),
+        "CUDA_VISIBLE_DEVICES": "",  # a CPU benchmark, on both sides
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "TQDM_DISABLE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        role,
+        "--spec",
+        str(spec_file),
+        "--result",
+        str(result_file),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode or not result_file.exists():
+        sys.exit(f"worker {role} ({spec.get('model')}, {spec.get('mode')}) failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+    return json.loads(result_file.read_text())
+
+
+def run_worker(role: str, spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    fn = {"prepare": worker_prepare, "ours": worker_ours, "trl": worker_trl, "profile": worker_profile}[role]
+    out = fn(spec)
+    out["wall_s"] = time.perf_counter() - t0
+    out["rss_peak"], out["rss_hwm"] = _peak_rss_mib()
+    Path(result_path).write_text(json.dumps(out))
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["stories", "random", "both"], default="both", help="which model (default both)")
+    parser.add_argument("--mode", choices=["live", "precomputed", "both"], default="both", help="reference mode (default both)")
+    parser.add_argument("--steps", type=int, default=20, help="measured optimizer steps per run (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="steps run first and not measured (default 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds per model and mode (default 2)")
+    parser.add_argument("--batch-size", type=int, default=8, help="pairs per step (default 8)")
+    parser.add_argument("--max-length", type=int, default=256, help="prompt + response tokens (default 256)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate, both sides (default 1e-4)")
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping, both sides (default 1.0)")
+    parser.add_argument("--beta", type=float, default=0.1, help="DPO beta (default 0.1)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads, both sides (default: CPU count)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trl-optim",
+        default="adamw_torch",
+        help="TRL's optim (default adamw_torch = ours; TRL's own default is adamw_torch_fused)",
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=120,
+        help="before each run, wait up to this many seconds for other processes to leave the CPUs (default 120)",
+    )
+    parser.add_argument(
+        "--max-others",
+        type=float,
+        default=0.25,
+        help="a run during which other processes used more CPUs than this (mean) is contended and rerun (default 0.25)",
+    )
+    parser.add_argument(
+        "--retries", type=int, default=2, help="reruns of a contended run; the least contended is kept (default 2)"
+    )
+    parser.add_argument("--json", help="also write all figures to this file")
+    parser.add_argument("--profile", action="store_true", help="instead of the benchmark: profile a few steps of each side")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        run_worker(args.worker, args.spec, args.result)
+        return
+    for path in (HH, STORIES):
+        if not path.exists():
+            sys.exit(f"{path} is absent: this benchmark reads ../shared (the folder beside the repository).")
+    models = ["stories", "random"] if args.model == "both" else [args.model]
+    modes = ["live", "precomputed"] if args.mode == "both" else [args.mode]
+    if args.profile:
+        args.warmup, args.steps = 2, 5
+    n_pairs = (args.warmup + args.steps * (3 if args.profile else 1)) * args.batch_size
+    started = time.time()
+    code_before = _code_hash()
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: 1-minute load average is {load_before:.2f} before starting: other work shares the CPUs", flush=True)
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        base = {
+            "threads": args.threads,
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "max_length": args.max_length,
+            "max_prompt_length": args.max_length // 2,
+            "lr": args.lr,
+            "max_grad_norm": args.max_grad_norm,
+            "beta": args.beta,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "n_pairs": n_pairs,
+            "trl_optim": args.trl_optim,
+            "pairs_file": str(tmp / "pairs.json"),
+            "tmp": str(tmp),
+            "models": models,
+        }
+        prep = spawn("prepare", base, tmp)
+        model_dirs = {"stories": str(STORIES), "random": prep["random_dir"]}
+        measured = slice(args.warmup, args.warmup + args.steps)
+        tokens = prep["tokens_per_batch"][measured]
+        print(
+            f"pairs: {prep['n_fitting']} of {prep['n_hh_pairs']} HH harmless-base train pairs fit max_length {args.max_length} "
+            f"untruncated; using {n_pairs} ({len(prep['tokens_per_batch'])} batches of {args.batch_size}, "
+            f"{_mean(tokens):.0f} non-padding tokens and width {_mean(prep['widths'][measured]):.0f} per measured batch). "
+            f"TRL's collator gives our exact batches: checked for all.",
+            flush=True,
+        )
+        if prep["trl_text_tokenization_identical"] is not None:
+            print(
+                f"(TRL tokenizing the texts itself would give the same ids for {prep['trl_text_tokenization_identical']}/{n_pairs} "
+                "pairs, hence the pre-tokenized dataset.)",
+                flush=True,
+            )
+
+        if args.profile:
+            for model in models:
+                for mode in modes:
+                    for side in SIDES:
+                        wait_quiet(args.wait_quiet)
+                        r = spawn(
+                            "profile", {**base, "model": model, "mode": mode, "side": side, "model_dir": model_dirs[model]}, tmp
+                        )
+                        print(f"\n===== profile: {side}, {model}, {mode} reference ({args.steps} steps) =====")
+                        if "phases" in r:
+                            total = sum(r["phases"].values())
+                            print(
+                                f"phase breakdown, ms per step (sum {total * 1e3:.0f} ms; other processes used "
+                                f"{r['others_cpu']:.2f} CPUs meanwhile):"
+                            )
+                            for name, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
+                                print(f"  {name:48} {v * 1e3:8.1f}  {v / total:6.1%}")
+                        print(r["ops"])
+                        if "cprofile" in r:
+                            print(r["cprofile"])
+            return
+
+        results: dict = {}
+        for rnd in range(args.rounds):
+            for model in models:
+                for mode in modes:
+                    for side in SIDES:  # A B A B
+                        spec = {**base, "model": model, "mode": mode, "side": side, "model_dir": model_dirs[model]}
+                        best = None
+                        for _attempt in range(1 + args.retries):
+                            waited, _ = wait_quiet(args.wait_quiet)
+                            r = spawn(side, spec, tmp)
+                            r["waited_s"] = waited
+                            contended = r["others_cpu"] > args.max_others
+                            print(
+                                f"round {rnd + 1}: {model:7} {mode:11} {side:4} {args.batch_size / r['step_s']:6.2f} pairs/s, "
+                                f"peak RSS {r['rss_peak']:.0f} MiB (VmHWM {r['rss_hwm']:.0f}), {r['threads']} threads at "
+                                f"{r['cpu_util']:.2f} CPUs, other processes {r['others_cpu']:.2f} CPUs"
+                                + (" (CONTENDED)" if contended else "")
+                                + f", step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
+                                flush=True,
+                            )
+                            if best is None or r["others_cpu"] < best["others_cpu"]:
+                                best = r
+                            if not contended:
+                                break
+                        results.setdefault((model, mode, side), []).append(best)
+    elapsed = time.time() - started
+    if _code_hash() != code_before:
+        print("WARNING: the project's code changed on disk during this run: rounds may have measured different code.")
+
+    tok_per_step = _mean(tokens)
+    print(
+        f"\nDPO step, this project (BasicTrainer) vs TRL {_version('trl')} DPOTrainer: batch {args.batch_size} pairs, "
+        f"max_length {args.max_length}, fp32, {args.threads} threads, {args.steps} steps after {args.warmup} warm-up, "
+        f"mean of {args.rounds} rounds; {_code_state()}"
+    )
+    header = (
+        f"{'model':8} {'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>7} | "
+        f"{'peak RSS MiB ours':>17} {'TRL':>6} {'ratio':>6} | {'precompute s ours':>17} {'TRL':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    table = []
+    for model in models:
+        for mode in modes:
+            row = {"model": model, "mode": mode}
+            for side in SIDES:
+                rs = results[(model, mode, side)]
+                step_s = _mean([r["step_s"] for r in rs])
+                row[side] = {
+                    "pairs_per_s": _mean([args.batch_size / r["step_s"] for r in rs]),
+                    "tokens_per_s": _mean([tok_per_step / r["step_s"] for r in rs]),
+                    "step_ms": step_s * 1e3,
+                    "rss_peak_mib": max(r["rss_peak"] for r in rs),
+                    "rss_setup_mib": max(r["rss_setup"] for r in rs),
+                    "precompute_s": _mean([r["precompute_s"] for r in rs]) if rs[0]["precompute_s"] is not None else None,
+                    "pairs_per_s_rounds": [args.batch_size / r["step_s"] for r in rs],
+                    "losses": rs[0]["losses"],
+                    "threads": rs[0]["threads"],
+                    "optimizer": rs[0]["optimizer"],
+                    "others_cpu_max": max(r["others_cpu"] for r in rs),
+                    "cpu_util": [r["cpu_util"] for r in rs],
+                }
+            o, t = row["ours"], row["trl"]
+            row["speed_ratio"] = o["pairs_per_s"] / t["pairs_per_s"]
+            row["rss_ratio"] = o["rss_peak_mib"] / t["rss_peak_mib"]
+            row["loss0"] = (o["losses"][0], t["losses"][0])
+            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
+            table.append(row)
+            pre = f"{'-':>17} {'-':>6}" if o["precompute_s"] is None else f"{o['precompute_s']:17.2f} {t['precompute_s']:6.2f}"
+            print(
+                f"{model:8} {mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['speed_ratio']:6.2f} | "
+                f"{o['tokens_per_s']:13.0f} {t['tokens_per_s']:7.0f} | {o['rss_peak_mib']:17.0f} {t['rss_peak_mib']:6.0f} "
+                f"{row['rss_ratio']:6.2f} | {pre}"
+            )
+    print(f"\nsame work, checked (ln 2 = {math.log(2):.6f}):")
+    for row in table:
+        o, t = row["ours"], row["trl"]
+        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(o["pairs_per_s_rounds"], t["pairs_per_s_rounds"]))
+        print(
+            f"  {row['model']:8} {row['mode']:12} step-0 loss ours {row['loss0'][0]:.6f}  TRL {row['loss0'][1]:.6f}; "
+            f"max |loss ours - loss TRL| over {len(o['losses'])} steps {row['max_loss_diff']:.1e}; "
+            f"speed ratio per round {per_round}; RSS after set-up ours {o['rss_setup_mib']:.0f} / TRL {t['rss_setup_mib']:.0f} MiB; "
+            f"threads {o['threads']}/{t['threads']}; other processes at most {max(o['others_cpu_max'], t['others_cpu_max']):.2f} CPUs"
+        )
+    print(f"  optimizers: ours {table[0]['ours']['optimizer']}; TRL {table[0]['trl']['optimizer']}")
+    print(f"\ntotal wall time {elapsed:.0f} s; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "prepare": prep, "rows": table}, indent=1))
+
+
+def _code_hash() -> str:
+    """A hash of the project's code and config as they are on disk now."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for path in sorted([*REPO.glob("*.py"), *(REPO / "config").rglob("*.yaml")]):
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _code_state() -> str:
+    """The commit measured, and whether the project's files differ from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "*.py", "config"], cwd=REPO, capture_output=True, text=True
+        ).stdout.split()
+        changed = [d for d in dirty[1::2] if not d.startswith("bench/")]
+        return f"commit {head}" + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
+    except OSError:
+        return "commit unknown"
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+
+    return version(pkg)
+
+
+if __name__ == "__main__":
+    main()
