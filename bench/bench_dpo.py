@@ -22,9 +22,12 @@ Each (model, mode, side) runs in its own subprocess, so its peak RSS
 (getrusage(RUSAGE_SELF).ru_maxrss) is its own; sides alternate A B A B over --rounds. The
 parent process imports no torch, so no child inherits its peak. Step time is wall time from
 the end of one optimizer step to the end of the next (TRL: on_step_end callbacks; ours: a
-loop of preference_datasets.collate + BasicTrainer.train_step), averaged over --steps steps
+loop of preference_datasets.collate + BasicTrainer.train_step), the median over --steps steps
 after --warmup steps; it includes data collation, each side's per-step metrics and logging.
-Tokens are the non-padding tokens (attention-mask ones) of chosen + rejected.
+Tokens are the non-padding tokens (attention-mask ones) of chosen + rejected. The CPUs are
+easily shared (two threads on two cores slow down several-fold when anything else runs), so
+each run waits for a quiet machine first, measures the CPUs other processes used during its
+timed steps (/proc/stat minus its own CPU time) and is rerun when that exceeds --max-others.
 
 Fairness (what differs between the defaults, and what this script does about it):
   * TRL tokenizes text itself (no BOS with this tokenizer, prompt+response tokenized jointly),
@@ -41,6 +44,12 @@ Fairness (what differs between the defaults, and what this script does about it)
     batch k = pairs [8k, 8k+8); the per-step losses of the two sides are compared.
   * TRL computes extra metrics every step (entropy, mean logits, top-1 accuracy, token
     counts) and ours its own (rewards, log-probs as lists): each counts in its own time.
+  * Left as they are, and small: TRL computes log-probs with its chunked fused LM head, ours
+    from full logits over the response positions; padding positions (attention mask 0) hold
+    0 or EOS ids on our side and EOS on TRL's; our precompute loads a second model as the
+    reference (as train.py does) where TRL uses the policy before its first step; ours is
+    timed on pre-tokenized pairs, where BasicTrainer.train() tokenizes each batch as it goes
+    (about 1 ms a pair with this tokenizer, not counted).
 
     python bench/bench_dpo.py [--model stories|random|both] [--mode live|precomputed|both]
                               [--steps 20] [--warmup 3] [--rounds 2] [--threads N]
