@@ -50,10 +50,10 @@ FAMILIES = {
 }
 
 
-def cli(args: list[str], out: Path, timeout: int = 300) -> tuple[int, str]:
-    """Run ``python train.py args`` in its own process group; kill the group on timeout."""
+def start_train(args: list[str], out: Path) -> subprocess.Popen:
+    """Start ``python train.py args`` in its own process group, output captured as text."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [sys.executable, "train.py", *args, f"output_root={out}"],
         cwd=REPO,
         env=env,
@@ -62,6 +62,11 @@ def cli(args: list[str], out: Path, timeout: int = 300) -> tuple[int, str]:
         text=True,
         start_new_session=True,
     )
+
+
+def cli(args: list[str], out: Path, timeout: int = 300) -> tuple[int, str]:
+    """Run ``python train.py args`` in its own process group; kill the group on timeout."""
+    proc = start_train(args, out)
     try:
         text, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -250,7 +255,6 @@ def test_parallel_mistakes_are_one_sentence_before_any_process_starts(tmp_path, 
 
 def test_sigterm_to_train_py_stops_all_ranks_after_a_checkpoint(tmp_path):
     # SIGTERM to the launching process reaches every rank once; they save, and it waits for them.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     args = [
         *COMMON,
         "trainer=FSDPTrainer",
@@ -260,15 +264,7 @@ def test_sigterm_to_train_py_stops_all_ranks_after_a_checkpoint(tmp_path):
         "eval_every=100000",
         "sample_during_eval=false",
     ]
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args, f"output_root={tmp_path}"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_train(args, tmp_path)
     try:
         import time
 
