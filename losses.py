@@ -183,3 +183,51 @@ def sft_loss(policy_logps_sum: torch.Tensor, n_tokens_total: float | torch.Tenso
         Scalar loss in nats per token.
     """
     return -policy_logps_sum.sum() / n_tokens_total
+
+
+def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
+    """Reward-model loss of the Bradley–Terry preference model, per pair.
+
+    P(chosen > rejected) = sigmoid(r(x, y_c) - r(x, y_r)) (Bradley & Terry 1952; the reward
+    model loss of Ouyang et al. 2022, Eq. 1, with one comparison per prompt), so the loss is
+    ``-log sigmoid(r_c - r_r)``: ln 2 when the scores are equal.
+
+    Args:
+        chosen_scores, rejected_scores: (B,) scalar rewards of the chosen and rejected sequences.
+
+    Returns:
+        (B,) float32 losses, in nats.
+    """
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float())
+
+
+def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Scalar score of each right-padded sequence at its last real token, from a Hugging Face
+    ``*ForSequenceClassification`` model with one label (its head is ``model.score``).
+
+    The head's output is read at index ``attention_mask.sum(1) - 1`` of each row, not where the
+    model's own pooling looks (the last token that is not ``pad_token_id``, which is wrong when
+    the pad token is EOS and a sequence ends with EOS). Gradients flow (reward-model training).
+
+    Args:
+        model: e.g. ``LlamaForSequenceClassification`` with ``num_labels=1``.
+        input_ids, attention_mask: (N, T) long, right-padded, each row with at least one real token.
+
+    Returns:
+        (N,) float32 scores.
+
+    Raises:
+        ValueError: if the model has no ``score`` head with one output.
+    """
+    head = getattr(model, "score", None)
+    if head is None or getattr(head, "out_features", 1) != 1:
+        raise ValueError(f"{type(model).__name__} has no one-output `score` head; load it with num_labels=1.")
+    captured = []
+    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+    finally:
+        handle.remove()
+    per_position = captured[0][..., 0]  # (N, T)
+    last = (attention_mask.sum(1) - 1).clamp(min=0).to(per_position.device)
+    return per_position.gather(1, last.unsqueeze(1)).squeeze(1).float()

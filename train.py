@@ -6,6 +6,7 @@ reference, and hands off to the trainer named by ``config.trainer``.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import socket
@@ -17,6 +18,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import preference_datasets
 import trainers
 import utils
 from preference_datasets import DataError, load_examples
@@ -85,9 +87,11 @@ def main(config: DictConfig) -> tuple[str, int | None]:
 
     tokenizer = utils.load_tokenizer(config.model)
     sft_mode = config.loss.name == "sft"
+    online = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
-    train_examples = load_examples(list(config.datasets), "train", options, sft_mode, silent=rank != 0)
-    eval_examples = load_examples(list(config.datasets), "test", options, sft_mode, silent=rank != 0)
+    load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
+    train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
+    eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
     utils.check_eval_size(config, len(eval_examples))
 
     run_dir = resume_dir
@@ -102,7 +106,15 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     policy_dtype = utils.get_dtype(config.model.policy_dtype)
-    policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed)
+    scorer = None
+    if online:  # before the policy loads, so a wrong reward model path fails fast
+        import rewards
+
+        scorer = rewards.build_scorer(
+            config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        )
+    reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
+    policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed, reward_head=reward_head)
     needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
     reference = None
     if needs_reference:
@@ -113,7 +125,13 @@ def main(config: DictConfig) -> tuple[str, int | None]:
         into = "the policy and reference" if reference is not None else "the policy"
         if rank == 0:
             print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
-        policy.load_state_dict(state["state"])
+        if reward_head:  # a causal LM's weights under a score head: all but the heads must match
+            missing, unexpected = policy.load_state_dict(state["state"], strict=False)
+            body = [k for k in missing + unexpected if k.split(".")[0] not in ("score", "lm_head")]
+            if body:
+                raise utils.ConfigError(f"model.archive={config.model.archive} does not fit this model (e.g. {body[0]!r}).")
+        else:
+            policy.load_state_dict(state["state"])
         if reference is not None:
             reference.load_state_dict(state["state"])
     n_params = sum(p.numel() for p in policy.parameters())
@@ -132,6 +150,7 @@ def main(config: DictConfig) -> tuple[str, int | None]:
         reference = None  # not kept in memory
     trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
     trainer.reference_cache = reference_cache
+    trainer.scorer = scorer
     if resume_dir is not None:
         trainer.load(os.path.join(resume_dir, "LATEST"))
         if rank == 0:

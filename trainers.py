@@ -41,6 +41,15 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return warm * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def beta_for_epoch(beta, epoch: int) -> float:
+    """``loss.beta`` in ``epoch`` (0-based): a number, or a list with one value per epoch whose
+    last value repeats (TRL's OnlineDPOConfig ``beta`` list has the same meaning)."""
+    if isinstance(beta, (int, float)):
+        return float(beta)
+    values = list(beta)
+    return float(values[min(epoch, len(values) - 1)])
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient became NaN or inf; the message names the step."""
 
@@ -124,6 +133,8 @@ class BasicTrainer:
         self.train_examples = train_examples
         self.loss_config = config.loss
         self.sft = config.loss.name == "sft"
+        self.reward = config.loss.name == "reward"  # a Bradley-Terry reward model, not a policy
+        self.online = bool(config.get("online") and config.online.enabled)  # online DPO: pairs sampled each step
         self.average_log_prob = bool(config.loss.get("average_log_prob", False))
 
         if self.reference_model is not None:
@@ -295,8 +306,21 @@ class BasicTrainer:
             metrics[f"loss/{split}"] = [(-logps_sum.sum() / n_tokens.sum().clamp(min=1)).item()]
             return loss, metrics
 
+        if self.reward:
+            inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+            scores = losses.last_token_scores(self.policy, inputs["input_ids"], inputs["attention_mask"])
+            chosen_scores, rejected_scores = scores[:n], scores[n:]
+            per_example = losses.bradley_terry_loss(chosen_scores, rejected_scores)
+            metrics[f"scores_{split}/chosen"] = chosen_scores.detach().tolist()
+            metrics[f"scores_{split}/rejected"] = rejected_scores.detach().tolist()
+            metrics[f"scores_{split}/accuracies"] = (chosen_scores > rejected_scores).float().tolist()
+            metrics[f"scores_{split}/margins"] = (chosen_scores - rejected_scores).detach().tolist()
+            metrics[f"loss/{split}"] = per_example.detach().tolist()
+            return per_example.sum() / n_batch_examples, metrics
+
         cfg = self.loss_config
-        policy_chosen, policy_rejected, _ = self.concatenated_forward(self.policy, batch)
+        beta = self.beta
+        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
         if cfg.name == "dpo" and cfg.reference_free:
             ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
         else:
@@ -307,30 +331,46 @@ class BasicTrainer:
                 policy_rejected,
                 ref_chosen,
                 ref_rejected,
-                beta=cfg.beta,
+                beta=beta,
                 label_smoothing=cfg.label_smoothing,
                 reference_free=cfg.reference_free,
             )
         else:
             per_example, chosen_rewards, rejected_rewards = losses.ipo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=cfg.beta
+                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta
             )
-        loss = per_example.sum() / n_batch_examples
-        metrics[f"rewards_{split}/chosen"] = chosen_rewards.tolist()
-        metrics[f"rewards_{split}/rejected"] = rejected_rewards.tolist()
-        metrics[f"rewards_{split}/accuracies"] = (chosen_rewards > rejected_rewards).float().tolist()
-        metrics[f"rewards_{split}/margins"] = (chosen_rewards - rejected_rewards).tolist()
-        metrics[f"logps_{split}/chosen"] = policy_chosen.detach().tolist()
-        metrics[f"logps_{split}/rejected"] = policy_rejected.detach().tolist()
-        metrics[f"loss/{split}"] = per_example.detach().tolist()
         assert n == len(per_example)
+        if "weight" not in batch:  # offline pairs: every pair counts
+            loss = per_example.sum() / n_batch_examples
+            keep = slice(None)
+        else:  # online pairs: ties (with ties=skip) and failed judgements weigh 0
+            weight = batch["weight"].to(per_example.device)
+            loss = (per_example * weight).sum() / n_batch_examples
+            keep = weight > 0
+            metrics.update(self.online_metrics(batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens))
+        rewards = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
+        metrics[f"{rewards}/chosen"] = chosen_rewards[keep].tolist()
+        metrics[f"{rewards}/rejected"] = rejected_rewards[keep].tolist()
+        metrics[f"{rewards}/accuracies"] = (chosen_rewards > rejected_rewards)[keep].float().tolist()
+        metrics[f"{rewards}/margins"] = (chosen_rewards - rejected_rewards)[keep].tolist()
+        metrics[f"logps_{split}/chosen"] = policy_chosen.detach()[keep].tolist()
+        metrics[f"logps_{split}/rejected"] = policy_rejected.detach()[keep].tolist()
+        metrics[f"loss/{split}"] = per_example.detach()[keep].tolist()
         return loss, metrics
+
+    @property
+    def beta(self) -> float:
+        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`)."""
+        epoch = self.example_counter // max(len(self.train_examples), 1)
+        return beta_for_epoch(self.loss_config.beta, epoch)
 
     # ------------------------------------------------------------------ eval and samples
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean metrics over the eval set (``n_eval_examples``), logged as ``*_eval/*``."""
+        if self.online:
+            return self.evaluate_online()
         self.policy.eval()
         collected = defaultdict(list)
         bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.is_main))
@@ -342,7 +382,7 @@ class BasicTrainer:
                 collected[k].extend(v)
         collected = self.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
-        if self.config.sample_during_eval:
+        if self.config.sample_during_eval and not self.reward:  # a reward model does not generate
             self.sample()
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
@@ -410,6 +450,195 @@ class BasicTrainer:
             )
         return rows
 
+    # ------------------------------------------------------------------ online DPO
+
+    scorer = None
+    """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
+    (``.judge``), colocated or on remote workers."""
+
+    @torch.no_grad()
+    def sample_completions(self, batch: dict, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample ``n_per_prompt`` completions per prompt from the policy with ``online.*``
+        (temperature, top_k, top_p, max_new_tokens), in eval mode.
+
+        Prompts are left-padded; ``generate`` derives the position ids from the attention mask,
+        so a padded prompt continues exactly as it would alone (absolute-position models too).
+
+        Returns:
+            (prompt_ids, prompt_mask, completions): (B, P), (B, P) with the unused left-padding
+            columns dropped, and (B * n_per_prompt, T) generated tokens on the CPU, rows
+            ``i * n_per_prompt + j`` answering prompt i (padded after EOS).
+        """
+        from transformers import GenerationConfig
+
+        cfg = self.config.online
+        ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+        width = int(mask.sum(1).max())
+        ids, mask = ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :]
+        generation = GenerationConfig(
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            num_return_sequences=n_per_prompt,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+        )
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            out = self.policy.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=generation,
+                **self.generate_kwargs(),
+            )
+        finally:
+            self.policy.train(training)
+        return ids, mask, out[:, width:].cpu()
+
+    def online_pairs(self, batch: dict) -> tuple[dict, dict]:
+        """Online DPO's data step (Guo et al. 2024, Algorithm 1): two completions per prompt from
+        the current policy, labelled by the scorer; the better one is chosen.
+
+        Ties are counted and, with ``online.ties=skip``, weigh 0 in the loss (``random``: a
+        seeded coin picks); failed judgements are counted and weigh 0. Nothing is dropped, so
+        every rank runs the same forward and backward passes (FSDP's collectives match).
+
+        Returns:
+            (pairs, metrics): a collated DPO batch of B pairs (right-padded, as the offline
+            pipeline's) plus ``weight`` (B,), and per-completion/per-pair metric lists.
+        """
+        from preference_datasets import collate
+
+        cfg = self.config.online
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        prompts = list(batch["prompt"])
+        ids, mask, completions = self.sample_completions(batch, 2)
+        cmask = completion_mask(completions, eos)
+        has_eos = ((completions == eos) & cmask).any(1)
+        texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+        preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
+
+        import rewards
+
+        coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
+        elements, weights, ties, failed, order = [], [], [], [], []
+        for i, preference in enumerate(preferences):
+            ties.append(float(preference == rewards.TIE))
+            failed.append(float(preference is None))
+            weight = 1.0
+            if preference is None or (preference == rewards.TIE and cfg.ties == "skip"):
+                preference, weight = 0, 0.0
+            elif preference == rewards.TIE:
+                preference = int(coin.random() < 0.5)
+            weights.append(weight)
+            first, second = 2 * i + preference, 2 * i + 1 - preference  # chosen, rejected rows
+            order.append((first, second))
+            prompt_ids = ids[i][mask[i].bool()].tolist()
+            element = {"prompt": prompts[i], "prompt_input_ids": prompt_ids}
+            for side, row in (("chosen", first), ("rejected", second)):
+                response = completions[row][cmask[row]].tolist()
+                element[f"{side}_input_ids"] = prompt_ids + response
+                element[f"{side}_attention_mask"] = [1] * (len(prompt_ids) + len(response))
+                element[f"{side}_labels"] = [losses.IGNORE_INDEX] * len(prompt_ids) + response
+            elements.append(element)
+        pairs = collate(elements, pad)
+        pairs["weight"] = torch.tensor(weights)
+        metrics = {
+            "val/contain_eos_token": has_eos.float().tolist(),
+            "online/ties": ties,
+            "online/failed_judgements": failed,
+            "online/labelled_pairs": weights,
+            "online/completion_length": cmask.sum(1).float().tolist(),
+        }
+        if scores is not None:
+            flat = scores.view(-1)
+            pairs["chosen_scores"] = flat[[c for c, _ in order]]
+            pairs["rejected_scores"] = flat[[r for _, r in order]]
+            metrics["objective/scores"] = flat.tolist()
+            metrics["objective/scores_margin"] = (pairs["chosen_scores"] - pairs["rejected_scores"]).tolist()
+        return pairs, metrics
+
+    def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens) -> dict:
+        """TRL's OnlineDPOTrainer statistics over the sampled completions, each a list with one
+        value per completion (chosen rows, then rejected): ``objective/kl`` (sum over completion
+        tokens of log pi - log ref), ``objective/entropy`` (-log pi of the sample),
+        ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward`` (score - beta kl) and
+        ``beta``. Log-probs are summed per sequence even when the loss averages them."""
+        policy = torch.cat([policy_chosen, policy_rejected]).detach().float()
+        reference = torch.cat([ref_chosen, ref_rejected]).float()
+        if self.average_log_prob:
+            policy, reference = policy * n_tokens, reference * n_tokens
+        kl = (policy - reference).cpu()
+        beta = self.beta
+        metrics = {
+            "objective/kl": kl.tolist(),
+            "objective/entropy": (-policy).cpu().tolist(),
+            "objective/non_score_reward": (-beta * kl).tolist(),
+            "beta": [beta],
+        }
+        if "chosen_scores" in batch:
+            scores = torch.cat([batch["chosen_scores"], batch["rejected_scores"]]).float()
+            metrics["objective/rlhf_reward"] = (scores - beta * kl).tolist()
+        return metrics
+
+    @torch.no_grad()
+    def evaluate_online(self) -> dict:
+        """Sample one completion for each eval prompt, score it with the reward model (when the
+        labeller has one), and log ``eval/scores``, ``eval/contain_eos_token`` and
+        ``eval/completion_length``; the first ``online.n_log_completions`` rows go to
+        ``completions.jsonl`` / ``completions.html`` and a W&B table. Sampling is seeded and
+        does not disturb the training RNG. Every rank generates its part (no deadlock)."""
+        scorer = self.scorer if hasattr(self.scorer, "score") else getattr(self.scorer, "scorer", None)
+        eos = self.tokenizer.eos_token_id
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        rows, start = [], 0
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.config.seed + 1 + self.rank)
+            for global_batch in self.eval_batches:
+                n = len(global_batch["prompt"])
+                batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
+                start += n
+                _, _, completions = self.sample_completions(batch, 1)
+                cmask = completion_mask(completions, eos)
+                texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+                scores = (
+                    scorer.score(list(batch["prompt"]), texts).float().tolist() if scorer is not None else [None] * len(texts)
+                )
+                if not weight:
+                    continue
+                for i, text in enumerate(texts):
+                    rows.append(
+                        {
+                            "index": batch["index"][i],
+                            "prompt": batch["prompt"][i],
+                            "completion": text,
+                            "score": scores[i],
+                            "contain_eos": bool(((completions[i] == eos) & cmask[i]).any()),
+                            "length": int(cmask[i].sum()),
+                        }
+                    )
+        rows = sorted(self.gather_metrics({"rows": rows})["rows"], key=lambda r: r["index"])
+        means = {
+            "eval/contain_eos_token": float(np.mean([r["contain_eos"] for r in rows])),
+            "eval/completion_length": float(np.mean([r["length"] for r in rows])),
+        }
+        if scorer is not None:
+            means["eval/scores"] = float(np.mean([r["score"] for r in rows]))
+        if self.is_main:
+            self.logger.log(means, step=self.example_counter)
+            table = [
+                {"step": self.example_counter, "prompt": r["prompt"], "completion": r["completion"], "score": r["score"]}
+                for r in rows[: self.config.online.n_log_completions]
+            ]
+            write_completions(self.run_dir, table)
+            cols = ["step", "prompt", "completion", "score"]
+            self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
+            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+        return means
+
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: dict) -> dict:
@@ -420,9 +649,17 @@ class BasicTrainer:
                 optimizer step, so the weights stay as they were).
         """
         n_examples = len(batch["prompt"])
+        self.step_tokens = count_tokens(batch)
         batch, weight = self.local_batch(batch)
-        n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         collected = defaultdict(list)
+        if self.online:  # sample and label this step's pairs; only labelled pairs count
+            batch, sampled = self.online_pairs(batch)
+            n_examples = max(self.global_sum(float(batch["weight"].sum()) * weight), 1.0)
+            self.step_tokens = int(self.global_sum(count_tokens(batch) * weight))
+            if weight:
+                for k, v in sampled.items():
+                    collected[k].extend(v)
+        n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
             self.set_grad_sync(i == len(chunks) - 1)  # one gradient reduction per step
@@ -499,9 +736,7 @@ class BasicTrainer:
                     while self.next_eval_at <= self.example_counter:
                         self.next_eval_at += config.eval_every
                 metrics = self.train_step(batch)
-                tokens += int(batch["chosen_attention_mask"].sum()) + int(
-                    batch["rejected_attention_mask"].sum() if "rejected_attention_mask" in batch else 0
-                )
+                tokens += self.step_tokens
                 self.batch_counter += 1
                 self.example_counter += len(batch["prompt"])
                 bar.update(len(batch["prompt"]))
@@ -635,6 +870,85 @@ class BasicTrainer:
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+def count_tokens(batch: dict) -> int:
+    """Non-padding tokens of a batch: prompt + responses of every sequence (prompts alone for a
+    batch of prompts)."""
+    keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
+    return sum(int(batch[k].sum()) for k in keys)
+
+
+def completion_mask(completions: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+    """Which generated tokens belong to each completion: those up to and including its first
+    EOS (all of them when it has none); what ``generate`` pads after EOS is excluded.
+
+    Args:
+        completions: (N, T) long, generated tokens only (the prompt removed).
+
+    Returns:
+        (N, T) bool.
+    """
+    is_eos = (completions == eos_token_id).long()
+    return (is_eos.cumsum(1) - is_eos) == 0
+
+
+def label_pairs(
+    scorer,
+    prompts: list[str],
+    texts: list[str],
+    completions: torch.Tensor,
+    mask: torch.Tensor,
+    eos_token_id: int,
+    missing_eos_penalty: float | None,
+) -> tuple[list[int | None], torch.Tensor | None]:
+    """Which completion of each pair is better, by a reward model's scores or a pairwise judge.
+
+    Args:
+        scorer: a ``rewards`` scorer (``.score(prompts, completions) -> (N,)``) or pairwise judge
+            (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
+        prompts: B prompts; texts: 2B decoded completions, rows 2i and 2i+1 answering prompt i.
+        completions, mask: (2B, T) generated token ids and :func:`completion_mask`, for the EOS penalty.
+        missing_eos_penalty: subtracted from the score of a completion with no EOS (scores only).
+
+    Returns:
+        (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
+        (a failed judgement); scores (B, 2) float32 after the penalty, or None for a judge.
+    """
+    import rewards
+
+    pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
+    if not hasattr(scorer, "score"):
+        return list(scorer.judge(prompts, pairs)), None
+    scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
+    scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
+    preferences = [0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()]
+    return preferences, scores
+
+
+def write_completions(run_dir: str, rows: list[dict]) -> None:
+    """Append rows of (step, prompt, completion, score) to ``completions.jsonl`` in the run folder
+    and rewrite ``completions.html``, a table of all of them that a browser opens."""
+    import html
+
+    path = os.path.join(run_dir, "completions.jsonl")
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    with open(path) as f:
+        everything = [json.loads(line) for line in f if line.strip()]
+    cols = ["step", "prompt", "completion", "score"]
+    cells = lambda row: "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in cols)  # noqa: E731
+    body = "\n".join(f"<tr>{cells(r)}</tr>" for r in everything)
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>completions</title>"
+        "<style>td{vertical-align:top;white-space:pre-wrap;border:1px solid #ccc;padding:4px}</style>"
+        f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>\n{body}</table>\n"
+    )
+    tmp = os.path.join(run_dir, "completions.html.tmp")
+    with open(tmp, "w") as f:
+        f.write(page)
+    os.replace(tmp, os.path.join(run_dir, "completions.html"))
 
 
 def _md_cell(text: str) -> str:

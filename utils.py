@@ -25,6 +25,7 @@ LOSS_KEYS = {
     "sft": {"name"},
     "dpo": {"name", "beta", "label_smoothing", "reference_free", "average_log_prob"},
     "ipo": {"name", "beta", "average_log_prob"},
+    "reward": {"name"},
 }
 """The keys each loss accepts: IPO has no label smoothing or reference_free, and says so."""
 
@@ -44,15 +45,19 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
 
     loss = config.loss
     if loss.name not in LOSS_KEYS:
-        raise ConfigError(f"Unknown loss {loss.name!r}; choose loss=sft, loss=dpo or loss=ipo.")
+        raise ConfigError(f"Unknown loss {loss.name!r}; choose loss=sft, loss=dpo, loss=ipo or loss=reward.")
     extra = sorted(set(loss) - LOSS_KEYS[loss.name])
     if extra:
         raise ConfigError(f"loss={loss.name} has no key {extra[0]!r} (its keys: {sorted(LOSS_KEYS[loss.name])}); remove it.")
     if loss.name in ("dpo", "ipo"):
         if loss.get("beta") is None:
             raise ConfigError(f"loss={loss.name} needs loss.beta (e.g. loss.beta=0.1).")
-        if not loss.beta > 0:
-            raise ConfigError(f"loss.beta must be > 0, got {loss.beta}.")
+        betas = list(loss.beta) if OmegaConf.is_list(loss.beta) else [loss.beta]
+        if not betas or not all(isinstance(b, (int, float)) and b > 0 for b in betas):
+            raise ConfigError(f"loss.beta must be > 0, or a list of values > 0 (one per epoch), got {loss.beta}.")
+    if loss.name == "reward" and config.trainer == "TensorParallelTrainer":
+        raise ConfigError("loss=reward trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs.")
+    validate_online(config)
     if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
         raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
     for name in config.datasets:
@@ -92,6 +97,40 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+
+
+def validate_online(config: DictConfig) -> None:
+    """Check the ``online:`` section (online DPO) when ``online.enabled``.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    online = config.get("online")
+    if online is None or not online.enabled:
+        return
+    if config.loss.name not in ("dpo", "ipo"):
+        raise ConfigError(f"online.enabled=true trains with loss=dpo or loss=ipo, not loss={config.loss.name}.")
+    if config.loss.get("reference_free", False):
+        raise ConfigError("online DPO needs the reference model: set loss.reference_free=false.")
+    if config.precompute_ref_log_probs:
+        raise ConfigError(
+            "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
+        )
+    if online.scorer not in ("reward_model", "reward_model_judge", "http_judge"):
+        raise ConfigError(f"online.scorer must be reward_model, reward_model_judge or http_judge, got {online.scorer}.")
+    if online.ties not in ("skip", "random"):
+        raise ConfigError(f"online.ties must be skip or random, got {online.ties}.")
+    if not online.max_new_tokens >= 1:
+        raise ConfigError(f"online.max_new_tokens must be >= 1, got {online.max_new_tokens}.")
+    if config.max_prompt_length + online.max_new_tokens > config.max_length:
+        raise ConfigError(
+            f"max_prompt_length ({config.max_prompt_length}) + online.max_new_tokens ({online.max_new_tokens}) "
+            f"must be at most max_length ({config.max_length}); raise max_length or lower one of them."
+        )
+    if not online.temperature > 0:
+        raise ConfigError(f"online.temperature must be > 0 (online DPO samples), got {online.temperature}.")
+    if config.trainer == "TensorParallelTrainer":
+        raise ConfigError("online DPO runs with BasicTrainer or FSDPTrainer.")
 
 
 def n_eval_used(config: DictConfig, n_eval: int) -> int:
@@ -174,22 +213,34 @@ def check_parallel_model(config: DictConfig, world_size: int) -> None:
     check_tensor_parallel(transformers_config(config.model), world_size)
 
 
-def load_model(model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int) -> torch.nn.Module:
+def load_model(
+    model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int, reward_head: bool = False
+) -> torch.nn.Module:
     """A causal LM: weights from ``model.name_or_path`` (hub id or folder), or, when
     ``model.config`` is set, a random model built from that config (``model_type`` plus
     fields; vocab_size defaults to the tokenizer's size). Dropout is disabled, since the
-    policy and reference must agree at step 0."""
+    policy and reference must agree at step 0.
+
+    With ``reward_head`` it is the same network with a one-output sequence-classification
+    head instead of the LM head (``AutoModelForSequenceClassification``, ``num_labels=1``):
+    a reward model for ``loss=reward``; the head starts random."""
     import transformers
 
+    auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    extra = {"num_labels": 1} if reward_head else {}
     if model_config.get("config") is not None:
         cfg = transformers_config(model_config, tokenizer)
+        for key, value in extra.items():
+            setattr(cfg, key, value)
         torch.manual_seed(seed)  # same random weights for policy and reference
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = auto.from_config(cfg, dtype=dtype)
     else:
-        kwargs = {"dtype": dtype}
+        kwargs = {"dtype": dtype, **extra}
         if model_config.get("device_map"):
             kwargs["device_map"] = model_config.device_map
-        model = transformers.AutoModelForCausalLM.from_pretrained(model_config.name_or_path, **kwargs)
+        model = auto.from_pretrained(model_config.name_or_path, **kwargs)
+    if reward_head and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # batches are padded
     disable_dropout(model)
     return model
 
