@@ -58,8 +58,30 @@ def effective_config(config: DictConfig) -> DictConfig:
     return config
 
 
-def main(config: DictConfig) -> tuple[str, int | None]:
-    """Run one training job.
+def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
+    """The frozen reference: the model ``model.*`` describes (a random one is seeded by ``seed``,
+    so it equals the policy's start) in ``model.reference_dtype`` (null: the policy's dtype), with
+    ``model.archive``'s weights when set and ``apply_archive`` (main() reads the archive once for
+    policy and reference). Ray's reference actors (``ray_launcher.ReferenceActor``) load it here too."""
+    dtype = utils.get_dtype(config.model.reference_dtype) or utils.get_dtype(config.model.policy_dtype)
+    reference = utils.load_model(config.model, tokenizer, dtype, config.seed)
+    if apply_archive and config.model.archive is not None:
+        reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
+    return reference
+
+
+def main(
+    config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None
+) -> tuple[str, int | None]:
+    """Run one training job (one rank of it under FSDP/TP, torchrun or Ray).
+
+    Args:
+        config: the composed config.
+        run_dir: the run folder when a launcher made it already (Ray); else ``resume``'s or a new one.
+        checkpoint_dir: the checkpoint to continue from (Ray's latest reported one); default
+            ``<resume>/LATEST`` with ``resume=``, else none.
+        attach: called with the trainer before it loads that checkpoint and trains (Ray: the
+            remote reference and scorer, checkpoint reports).
 
     Returns:
         (run folder, None) when training finished, or (run folder, signal number) when
@@ -70,6 +92,8 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     """
     config = effective_config(config)
     resume_dir = config.resume
+    if checkpoint_dir is None and resume_dir is not None:
+        checkpoint_dir = os.path.join(resume_dir, "LATEST")
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else world_size)
@@ -94,8 +118,8 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
     utils.check_eval_size(config, len(eval_examples))
 
-    run_dir = resume_dir
-    if resume_dir is None and rank == 0:
+    run_dir = run_dir or resume_dir
+    if run_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
         OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
     if distributed:
@@ -116,10 +140,10 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
     policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed, reward_head=reward_head)
     needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
     reference = None
-    if needs_reference:
-        reference_dtype = utils.get_dtype(config.model.reference_dtype) or policy_dtype
-        reference = utils.load_model(config.model, tokenizer, reference_dtype, config.seed)
+    if needs_reference and not remote_reference:
+        reference = load_reference(config, tokenizer, apply_archive=False)
     if config.model.archive is not None:
         state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
         into = "the policy and reference" if reference is not None else "the policy"
@@ -140,8 +164,8 @@ def main(config: DictConfig) -> tuple[str, int | None]:
         print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples.")
 
     resume_state = None
-    if resume_dir is not None:
-        resume_state = torch.load(os.path.join(resume_dir, "LATEST", "trainer_state.pt"), weights_only=False)
+    if checkpoint_dir is not None:
+        resume_state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None
@@ -151,8 +175,10 @@ def main(config: DictConfig) -> tuple[str, int | None]:
     trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
     trainer.reference_cache = reference_cache
     trainer.scorer = scorer
-    if resume_dir is not None:
-        trainer.load(os.path.join(resume_dir, "LATEST"))
+    if attach is not None:
+        attach(trainer)
+    if checkpoint_dir is not None:
+        trainer.load(checkpoint_dir)
         if rank == 0:
             print(f"Resuming after {trainer.example_counter} examples.")
     stop_signal = trainer.train()
@@ -229,6 +255,10 @@ def hydra_main(config: DictConfig) -> None:
             if ignored:
                 print(f"Note: resume= continues with the run's saved config; ignoring {ignored}.")
         config = effective_config(config)
+        if config.get("launcher") == "ray":
+            import ray_launcher
+
+            sys.exit(ray_launcher.launch(config))
         code = launch(config)
         if code is not None:
             sys.exit(code)

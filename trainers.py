@@ -13,6 +13,7 @@ import math
 import os
 import random
 import signal
+import threading
 import time
 from collections import defaultdict
 
@@ -260,6 +261,7 @@ class BasicTrainer:
         return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
+    remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,8 +271,12 @@ class BasicTrainer:
         a precomputed cache or remote workers can stand behind it without the loss knowing.
 
         Raises:
-            RuntimeError: if the loss needs a reference and none was given.
+            RuntimeError: if the loss needs a reference and none was given, or the remote
+                reference is unreachable (never the policy in its place).
         """
+        if self.remote_reference is not None:
+            chosen, rejected = self.remote_reference(batch)
+            return chosen.to(self.device), rejected.to(self.device)
         if self.reference_cache is not None:
             pairs = [self.reference_cache[key] for key in batch["key"]]
             return (
@@ -714,7 +720,8 @@ class BasicTrainer:
             start_example=self.example_counter,
             length_grouped=config.length_grouped,
         )
-        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
+        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
         bar = tqdm.tqdm(
             total=self.total_examples,
             initial=self.example_counter,
