@@ -48,6 +48,21 @@ class DatasetSpec:
 
 
 DATASETS: dict[str, DatasetSpec] = {}
+PROMPT_DATASETS: dict[str, DatasetSpec] = {}
+"""Prompt-only datasets for online DPO: loaders return a list of prompt strings."""
+
+
+def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncation_mode: str):
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
+
+    def wrap(fn):
+        if name in registry:
+            raise ValueError(f"A {kind} named {name!r} is already registered.")
+        registry[name] = DatasetSpec(fn, truncation_mode)
+        return fn
+
+    return wrap
 
 
 def register_dataset(name: str, truncation_mode: str = "keep_start"):
@@ -59,16 +74,18 @@ def register_dataset(name: str, truncation_mode: str = "keep_start"):
     Raises:
         ValueError: if the name is taken or the truncation mode is unknown.
     """
-    if truncation_mode not in ("keep_start", "keep_end"):
-        raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
+    return _registrar(DATASETS, "dataset", name, truncation_mode)
 
-    def wrap(fn):
-        if name in DATASETS:
-            raise ValueError(f"A dataset named {name!r} is already registered.")
-        DATASETS[name] = DatasetSpec(fn, truncation_mode)
-        return fn
 
-    return wrap
+def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
+    """Decorator: register ``fn(split, report, **options) -> list[str]`` (prompts, in a stable
+    order) under ``name`` for online DPO, which samples its own responses. Arguments as
+    :func:`register_dataset`; see :func:`load_prompts`.
+
+    Raises:
+        ValueError: if the name is taken or the truncation mode is unknown.
+    """
+    return _registrar(PROMPT_DATASETS, "prompt dataset", name, truncation_mode)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -420,7 +437,130 @@ def get_arithmetic(
     return data
 
 
+# ----------------------------------------------------------------------------- prompt datasets (online DPO)
+
+
+def prompt_rows_to_list(rows, report: collections.Counter, source: str, name: str) -> list[str]:
+    """The ``prompt`` field of each row, in order; empty and repeated prompts are skipped and counted.
+
+    Raises:
+        DataError: if a row has no string ``prompt`` (naming ``source`` and the 1-based row).
+    """
+    prompts: list[str] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DataError(
+                f"{source}, row {i}: field 'prompt' is missing or not a string; every {name} row needs a string prompt."
+            )
+        prompt = row["prompt"]
+        if not prompt.strip():
+            report["skipped: empty prompt"] += 1
+        elif prompt in seen:
+            report["skipped: repeated prompt"] += 1
+        else:
+            seen.add(prompt)
+            prompts.append(prompt)
+    return prompts
+
+
+def read_records(path: str) -> list[dict]:
+    """Rows of a .parquet file (via pyarrow, which ``datasets`` is built on), else of a
+    .json/.jsonl file (see :func:`read_json_records`).
+
+    Raises:
+        DataError: if the file is missing or unreadable (naming it).
+    """
+    if not path.endswith(".parquet"):
+        return read_json_records(path)
+    if not os.path.exists(path):
+        raise DataError(f"Data file {path} does not exist; check the path in your data.* override.")
+    import pyarrow.parquet
+
+    try:
+        return pyarrow.parquet.read_table(path).to_pylist()
+    except (OSError, ValueError) as e:  # pyarrow's ArrowIOError and ArrowInvalid
+        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}); check the path.") from None
+
+
+RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
+
+
+def split_files(folder: str, split_names: tuple[str, ...]) -> list[str]:
+    """The data files under ``folder`` (any depth) of the first of ``split_names`` that has any:
+    files named ``<split>.jsonl``, ``<split>-00000-of-00001.parquet`` (a hub snapshot's
+    ``data/`` folder), ``<split>_part2.json`` and so on, sorted."""
+    found = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(RECORD_SUFFIXES)]
+    for name in split_names:
+        files = [f for f in found if os.path.basename(f).startswith((f"{name}.", f"{name}-", f"{name}_"))]
+        if files:
+            return sorted(files)
+    return []
+
+
+TLDR_SPLITS = {"train": ("train",), "test": ("validation", "test")}
+"""Source splits read for each split of ``tldr``, first found wins."""
+
+
+@register_prompt_dataset("hh", truncation_mode="keep_end")
+def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[str]:
+    """The prompts of Anthropic HH: the unique prompts of :func:`get_hh`'s pairs (dialogues up
+    to the last shared ``"\n\nAssistant:"``), in first-seen order, with the same options
+    (``data.hh.local_dir``, ``subsets``, ``holdout_fraction``, ``cache_dir``) and errors."""
+    return list(get_hh(split, report, **options))
+
+
+@register_prompt_dataset("tldr", truncation_mode="keep_end")
+def get_tldr(split: str, report: collections.Counter, path: str | dict | None = None, cache_dir: str | None = None) -> list[str]:
+    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr``
+    (columns ``prompt``, ``completion``; a prompt is "SUBREDDIT: r/... TITLE: ... POST: ...
+    TL;DR:"): the summarisation task of the online DPO paper and TRL's online DPO example.
+
+    Split "test" reads the source's ``validation`` split (``test`` if there is none): the
+    eval during training picks models, so the source's test split stays untouched. Too-long
+    prompts keep their end (``keep_end``): it holds the ``TL;DR:`` cue. Empty and repeated
+    prompts are skipped and counted.
+
+    Options (``data.tldr.*``):
+        path: None loads from the hub. A folder: the files of the split under it, any depth
+            (``train.jsonl``, or a hub snapshot's ``data/validation-00000-of-00001.parquet``;
+            see :func:`split_files`). A mapping {train: file, test: file}. One file
+            (.jsonl, .json, .parquet; .gz for JSON) serves both splits, with a warning.
+            Rows need a string ``prompt``; other fields are ignored.
+
+    Raises:
+        DataError: if the path holds no file for the split, or a row has no string prompt
+            (naming the file and the row).
+    """
+    if path is None:
+        source = TLDR_SPLITS.get(split, (split,))[0]
+        rows = load_from_hub("trl-lib/tldr", "data.tldr.path", split=source, cache_dir=cache_dir)
+        return prompt_rows_to_list(rows, report, f"trl-lib/tldr ({source} split)", "tldr")
+    if not isinstance(path, str):
+        files = [path[split]] if path.get(split) else []
+    elif os.path.isdir(path):
+        files = split_files(path, TLDR_SPLITS.get(split, (split,)))
+    else:
+        files = [path]
+        print(f"[data] warning: tldr/{split} reads all of {path} (one file for both splits): eval prompts are training prompts.")
+    if not files:
+        names = " or ".join(TLDR_SPLITS.get(split, (split,)))
+        raise DataError(f"data.tldr.path={path} has no {names} file for split {split!r}; give one (.jsonl, .json or .parquet).")
+    rows_by_file = [(f, read_records(f)) for f in files]
+    return [p for f, rows in rows_by_file for p in prompt_rows_to_list(rows, report, f, "tldr")]
+
+
 # ----------------------------------------------------------------------------- loading
+
+
+def call_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, report: collections.Counter):
+    """``spec.loader(split, report, **options)``; an unknown option is a DataError naming it."""
+    try:
+        return spec.loader(split, report, **(options or {}))
+    except TypeError as e:
+        if "unexpected keyword" in str(e):
+            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
+        raise
 
 
 def load_dataset_dict(name: str, split: str, options: dict | None = None, silent: bool = False) -> DatasetDict:
@@ -432,12 +572,7 @@ def load_dataset_dict(name: str, split: str, options: dict | None = None, silent
     if name not in DATASETS:
         raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
     report: collections.Counter = collections.Counter()
-    try:
-        data = DATASETS[name].loader(split, report, **(options or {}))
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
-            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
-        raise
+    data = call_loader(DATASETS[name], name, split, options, report)
     if not silent:
         n_pairs = sum(len(v["pairs"]) for v in data.values())
         notes = ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
@@ -467,6 +602,72 @@ def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, s
     return examples
 
 
+def _unknown_prompt_dataset(name: str) -> DataError:
+    return DataError(
+        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(PROMPT_DATASETS)}, "
+        f"and any preference dataset ({sorted(DATASETS)}) gives its prompts."
+    )
+
+
+def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list[str]:
+    """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data).
+
+    A name registered with :func:`register_prompt_dataset` uses that loader; a preference
+    dataset that is not also a prompt dataset gives the unique prompts of its pairs, in
+    first-seen order (so ``datasets=[json]`` works). ``options`` maps a name to its
+    ``data.<name>`` options. Each dataset's count (and what was skipped) is printed unless
+    ``silent``. :func:`prompt_truncation_mode` says how to cut each dataset's prompts.
+
+    Raises:
+        DataError: if a name is in neither registry (listing both), or its loader rejects
+            its options or data.
+    """
+    prompts: list[str] = []
+    for name in names:
+        if name in PROMPT_DATASETS:
+            report: collections.Counter = collections.Counter()
+            got = call_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), report)
+            if not silent:
+                notes = ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
+                print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
+        elif name in DATASETS:
+            got = list(load_dataset_dict(name, split, (options or {}).get(name), silent))
+        else:
+            raise _unknown_prompt_dataset(name)
+        prompts.extend(got)
+    return prompts
+
+
+def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
+    """:func:`load_prompts` as examples that :func:`get_batch_iterator` batches: one
+    ``{"prompt", "chosen": "", "truncation_mode"}`` per prompt, in order. ``chosen`` is empty:
+    online DPO samples its responses; the batches' left-padded ``prompt_input_ids`` are its input.
+
+    Raises:
+        DataError: as :func:`load_prompts`.
+    """
+    examples = []
+    for name in names:
+        mode = prompt_truncation_mode(name)
+        examples.extend(
+            {"prompt": p, "chosen": "", "truncation_mode": mode} for p in load_prompts([name], split, options, silent)
+        )
+    return examples
+
+
+def prompt_truncation_mode(name: str) -> str:
+    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to
+    keep (its prompt-dataset registration, else its preference-dataset registration).
+
+    Raises:
+        DataError: if ``name`` is in neither registry.
+    """
+    spec = PROMPT_DATASETS.get(name) or DATASETS.get(name)
+    if spec is None:
+        raise _unknown_prompt_dataset(name)
+    return spec.truncation_mode
+
+
 # ----------------------------------------------------------------------------- tokenization
 
 
@@ -479,6 +680,24 @@ def _encode(tokenizer, text: str) -> list[int]:
 def example_key(prompt: str, chosen: str, rejected: str | None) -> str:
     """A stable id of one example (its texts), e.g. to look up precomputed reference log-probs."""
     return hashlib.sha256(json.dumps([prompt, chosen, rejected]).encode("utf-8")).hexdigest()[:32]
+
+
+def truncate_prompt_ids(prompt_ids: list[int], max_prompt_length: int, truncation_mode: str, bos_id: int | None) -> list[int]:
+    """``prompt_ids`` cut to at most ``max_prompt_length`` tokens: its first tokens
+    (``keep_start``), or its last ones (``keep_end``) behind the BOS that starts it when the
+    tokenizer has one (``bos_id`` not None).
+
+    Raises:
+        ValueError: if ``truncation_mode`` is neither keep_start nor keep_end.
+    """
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
+    if len(prompt_ids) <= max_prompt_length:
+        return prompt_ids
+    if truncation_mode == "keep_start":
+        return prompt_ids[:max_prompt_length]
+    head = prompt_ids[:1] if bos_id is not None and max_prompt_length > 0 else []
+    return head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
 
 
 def tokenize_element(
@@ -522,12 +741,8 @@ def tokenize_element(
         response_ids[side] = _encode(tokenizer, text) + [eos_id]
 
     longest = max(len(r) for r in response_ids.values())
-    if len(prompt_ids) + longest > max_length and len(prompt_ids) > max_prompt_length:
-        if truncation_mode == "keep_start":
-            prompt_ids = prompt_ids[:max_prompt_length]
-        else:
-            head = prompt_ids[:1] if bos_id is not None and max_prompt_length > 0 else []
-            prompt_ids = head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
+    if len(prompt_ids) + longest > max_length:
+        prompt_ids = truncate_prompt_ids(prompt_ids, max_prompt_length, truncation_mode, bos_id)
     room = max_length - len(prompt_ids)
     for side, ids in response_ids.items():
         if len(ids) > room:
@@ -559,10 +774,58 @@ def collate(elements: list[dict], pad_token_id: int) -> dict:
         pad = IGNORE_INDEX if key.endswith("_labels") else 0 if key.endswith("_attention_mask") else pad_token_id
         width = max(len(v) for v in values)
         if key == "prompt_input_ids":
-            batch[key] = torch.tensor([[pad] * (width - len(v)) + v for v in values])
-            batch["prompt_attention_mask"] = torch.tensor([[0] * (width - len(v)) + [1] * len(v) for v in values])
+            batch[key], batch["prompt_attention_mask"] = left_pad(values, pad)
         else:
             batch[key] = torch.tensor([v + [pad] * (width - len(v)) for v in values])
+    return batch
+
+
+def left_pad(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad ``seqs`` to the longest: (ids, attention_mask), both (B, P) long, the mask 0
+    over the padding. Left padding puts every sequence's last token at position -1, where
+    generation continues."""
+    width = max(len(v) for v in seqs)
+    ids = torch.tensor([[pad_token_id] * (width - len(v)) + list(v) for v in seqs], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(v)) + [1] * len(v) for v in seqs], dtype=torch.long)
+    return ids, mask
+
+
+def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_mode: str) -> dict:
+    """Tokenize one prompt for sampling (online DPO), as :func:`tokenize_element` tokenizes its
+    prompt: BOS in front when the tokenizer has one, no EOS, text that spells a special token
+    kept as text; a prompt longer than ``max_prompt_length`` tokens is cut by
+    :func:`truncate_prompt_ids` (``keep_end`` for dialogues such as hh, ``keep_start`` otherwise).
+
+    Returns:
+        ``{"prompt": prompt, "prompt_input_ids": list[int]}``, at most ``max_prompt_length`` ids.
+
+    Raises:
+        ValueError: if ``max_prompt_length`` < 1 or ``truncation_mode`` is unknown.
+    """
+    if max_prompt_length < 1:
+        raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
+    ids = _encode(tokenizer, prompt)
+    if tokenizer.bos_token_id is not None:
+        ids = [tokenizer.bos_token_id] + ids
+    ids = truncate_prompt_ids(ids, max_prompt_length, truncation_mode, tokenizer.bos_token_id)
+    return {"prompt": prompt, "prompt_input_ids": ids}
+
+
+def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
+    """Batch :func:`tokenize_prompt` elements for generation.
+
+    Returns:
+        ``prompt_input_ids`` (B, P) long, left-padded with ``pad_token_id``;
+        ``prompt_attention_mask`` (B, P) long, 0 over the padding; ``prompt`` (list[str]);
+        any other key of the elements as a list.
+
+    Raises:
+        ValueError: if ``elements`` is empty.
+    """
+    if not elements:
+        raise ValueError("collate_prompts needs at least one element; the prompt batch is empty.")
+    batch = {key: [e[key] for e in elements] for key in elements[0] if key != "prompt_input_ids"}
+    batch["prompt_input_ids"], batch["prompt_attention_mask"] = left_pad([e["prompt_input_ids"] for e in elements], pad_token_id)
     return batch
 
 

@@ -695,3 +695,219 @@ def test_length_grouped_order_is_a_seeded_permutation_that_cuts_padding():
         return sum(8 * max(lengths[j] for j in b) - sum(lengths[j] for j in b) for b in batches)
 
     assert padding(grouped) < padding(plain) / 3
+
+
+# ----------------------------------------------------------------------------- prompt datasets (online DPO)
+
+
+def hh_prompts_by_hand(rows) -> list[str]:
+    """Independent of the loader: the prompt is the chosen text up to the last Assistant tag
+    inside the two dialogues' common prefix (os.path.commonprefix); a row with an empty or
+    identical response gives no pair, hence no prompt; first-seen order, no repeats."""
+    import os
+
+    prompts = []
+    for r in rows:
+        common = os.path.commonprefix([r["chosen"], r["rejected"]])
+        cut = common.rfind(ASSISTANT_TAG) + len(ASSISTANT_TAG)
+        usable = r["chosen"][cut:].strip() and r["rejected"][cut:].strip() and r["chosen"] != r["rejected"]
+        if usable and r["chosen"][:cut] not in prompts:
+            prompts.append(r["chosen"][:cut])
+    return prompts
+
+
+def test_hh_prompts_of_a_small_subset(tmp_path):
+    import gzip
+
+    rows = [json.loads(line) for line in gzip.open(shared_path(HH_DIR / "harmless-base" / "test.jsonl.gz"), "rt")][:30]
+    same = {"chosen": f"{H} twice{A} same", "rejected": f"{H} twice{A} same"}  # identical responses: no pair
+    subset = rows + [rows[0], rows[5], same]  # two repeated prompts
+    (tmp_path / "harmless-base").mkdir()
+    with gzip.open(tmp_path / "harmless-base" / "test.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in subset)
+    got = pd.load_prompts(["hh"], "test", {"hh": {"local_dir": str(tmp_path), "subsets": ["harmless-base"]}}, silent=True)
+    # 33 rows: 30 distinct prompts (the first 30 rows of the file all differ), 2 repeats, 1 without a pair.
+    assert len(got) == 30
+    assert got == hh_prompts_by_hand(subset)
+    assert got[0] == rows[0]["chosen"][: rows[0]["chosen"].rindex(A) + len(A)]
+
+
+def test_hh_prompts_offline_from_the_shared_copy_with_the_config():
+    import gzip
+
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    config = compose_config(["datasets=[hh]", f"data.hh.local_dir={shared_path(HH_DIR)}", "data.hh.holdout_fraction=0.1"])
+    options = OmegaConf.to_container(config.data)
+    train = pd.load_prompts(list(config.datasets), "train", options, silent=True)
+    test = pd.load_prompts(list(config.datasets), "test", options, silent=True)
+    rows = [json.loads(line) for line in gzip.open(HH_DIR / "harmless-base" / "test.jsonl.gz", "rt")]
+    expected = hh_prompts_by_hand(rows)
+    assert len(expected) == 2306  # 2312 rows, 2 repeated prompts, 4 with an empty response
+    assert not set(train) & set(test) and sorted(train + test) == sorted(expected)
+    assert train == [p for p in expected if p in set(train)]  # first-seen order kept
+    assert 0.07 < len(test) / len(expected) < 0.13
+
+
+TLDR_ROWS = [
+    {"prompt": "SUBREDDIT: r/cats\n\nTITLE: My cat\n\nPOST: It sleeps a lot.\n\nTL;DR:", "completion": " sleepy cat"},
+    {"prompt": "SUBREDDIT: r/dogs\n\nTITLE: Walks\n\nPOST: Two a day?\n\nTL;DR:", "completion": " how many walks"},
+    {"prompt": "SUBREDDIT: r/dogs\n\nTITLE: Walks\n\nPOST: Two a day?\n\nTL;DR:", "completion": " walks?"},  # repeated
+    {"prompt": "   ", "completion": " nothing"},  # empty
+]
+
+
+def test_tldr_from_a_local_jsonl(tmp_path, capsys):
+    f = write_jsonl(tmp_path / "tldr.jsonl", TLDR_ROWS)
+    got = pd.load_prompts(["tldr"], "train", {"tldr": {"path": f}})
+    assert got == [TLDR_ROWS[0]["prompt"], TLDR_ROWS[1]["prompt"]]
+    out = capsys.readouterr().out
+    assert "[data] tldr/train: 2 prompts (1 skipped: empty prompt, 1 skipped: repeated prompt)" in out
+    assert "one file for both splits" in out
+    assert pd.prompt_truncation_mode("tldr") == "keep_end"  # the prompt ends with the TL;DR: cue
+
+
+def test_tldr_folder_in_the_hub_layout_reads_validation_for_test(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "validation", "test"):
+        table = pyarrow.Table.from_pylist([{"prompt": f"{split} post {i} TL;DR:", "completion": " c"} for i in range(2)])
+        pyarrow.parquet.write_table(table, data / f"{split}-00000-of-00001.parquet")
+    options = {"tldr": {"path": str(tmp_path)}}
+    assert pd.load_prompts(["tldr"], "train", options, silent=True) == ["train post 0 TL;DR:", "train post 1 TL;DR:"]
+    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["validation post 0 TL;DR:", "validation post 1 TL;DR:"]
+    (data / "validation-00000-of-00001.parquet").unlink()  # no validation split: test reads test
+    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["test post 0 TL;DR:", "test post 1 TL;DR:"]
+
+
+def test_tldr_split_mapping_and_missing_split(tmp_path):
+    train = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}])
+    test = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b"}])
+    options = {"tldr": {"path": {"train": train, "test": test}}}
+    assert pd.load_prompts(["tldr"], "train", options, silent=True) == ["a"]
+    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["b"]
+    (tmp_path / "only").mkdir()
+    write_jsonl(tmp_path / "only" / "train.jsonl", [{"prompt": "a"}])
+    with pytest.raises(DataError, match="has no validation or test file for split 'test'"):
+        pd.load_prompts(["tldr"], "test", {"tldr": {"path": str(tmp_path / "only")}}, silent=True)
+    with pytest.raises(DataError, match="does not exist"):
+        pd.load_prompts(["tldr"], "train", {"tldr": {"path": str(tmp_path / "missing.parquet")}}, silent=True)
+
+
+@pytest.mark.parametrize("bad", [{"prompt": 5}, {"text": "no prompt field"}, ["not", "an", "object"]])
+def test_tldr_malformed_row_names_the_row_and_the_file(tmp_path, bad):
+    f = write_jsonl(tmp_path / "t.jsonl", [TLDR_ROWS[0], bad])
+    with pytest.raises(DataError, match=f"^{re.escape(f)}, row 2: field 'prompt' is missing or not a string"):
+        pd.load_prompts(["tldr"], "train", {"tldr": {"path": f}}, silent=True)
+
+
+def test_tldr_hub_call_and_offline_error(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(hub_id, **kwargs):
+        calls.append((hub_id, kwargs))
+        return [{"prompt": f"{kwargs['split']} p", "completion": " c"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    assert pd.load_prompts(["tldr"], "test", {}, silent=True) == ["validation p"]
+    assert pd.load_prompts(["tldr"], "train", {"tldr": {"path": None}}, silent=True) == ["train p"]
+    assert calls == [
+        ("trl-lib/tldr", {"split": "validation", "cache_dir": None}),
+        ("trl-lib/tldr", {"split": "train", "cache_dir": None}),
+    ]
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'trl-lib/tldr' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="Could not load trl-lib/tldr .*set data.tldr.path"):
+        pd.load_prompts(["tldr"], "train", {}, silent=True)
+
+
+def test_load_prompts_concatenates_and_falls_back_to_preference_prompts(tmp_path):
+    tldr = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "t1"}, {"prompt": "t2"}])
+    rows = [{"prompt": "j1", "chosen": "a", "rejected": "b"}, {"prompt": "j2", "chosen": "a", "rejected": "b"}]
+    rows.append({"prompt": "j1", "chosen": "c", "rejected": "d"})  # j1 again: one prompt
+    pairs = write_jsonl(tmp_path / "p.jsonl", rows)
+    options = {"tldr": {"path": tldr}, "json": {"path": pairs, "holdout_fraction": 0}}
+    assert pd.load_prompts(["tldr", "json"], "train", options, silent=True) == ["t1", "t2", "j1", "j2"]
+    examples = pd.load_prompt_examples(["json", "arithmetic"], "test", {**options, "arithmetic": {"n_test": 1}}, silent=True)
+    assert examples[:2] == [
+        {"prompt": "j1", "chosen": "", "truncation_mode": "keep_end"},
+        {"prompt": "j2", "chosen": "", "truncation_mode": "keep_end"},
+    ]
+    assert len(examples) == 3 and examples[2]["truncation_mode"] == "keep_start"
+    assert pd.prompt_truncation_mode("hh") == "keep_end" and pd.prompt_truncation_mode("arithmetic") == "keep_start"
+
+
+def test_unknown_prompt_dataset_lists_both_registries():
+    for call in (lambda: pd.load_prompts(["nope"], "train", {}), lambda: pd.prompt_truncation_mode("nope")):
+        with pytest.raises(DataError, match="Unknown prompt dataset 'nope'; registered prompt datasets are \\['hh', 'tldr'") as e:
+            call()
+        assert "'arithmetic'" in str(e.value)
+    with pytest.raises(DataError, match="data.tldr: .*unexpected keyword"):
+        pd.load_prompts(["tldr"], "train", {"tldr": {"bogus": 1}})
+
+
+def test_register_prompt_dataset_usable_by_name(capsys):
+    name = "toy_prompts_for_test"
+    try:
+
+        @pd.register_prompt_dataset(name, truncation_mode="keep_end")
+        def toy(split, report, n=1):
+            report["skipped: nothing"] += 1
+            return [f"{split} {i}" for i in range(n)]
+
+        assert pd.load_prompts([name], "test", {name: {"n": 2}}) == ["test 0", "test 1"]
+        assert f"[data] {name}/test: 2 prompts (1 skipped: nothing)" in capsys.readouterr().out
+        with pytest.raises(ValueError, match="A prompt dataset named 'toy_prompts_for_test' is already registered"):
+            pd.register_prompt_dataset(name)(toy)
+        with pytest.raises(ValueError, match="keep_start or keep_end"):
+            pd.register_prompt_dataset("other", truncation_mode="middle")
+    finally:
+        pd.PROMPT_DATASETS.pop(name, None)
+
+
+def test_tokenize_prompt_byt5_exact_ids_and_truncation(byt5):
+    # ByT5: id = byte + 3, no BOS; no EOS is added to a prompt.
+    assert pd.tokenize_prompt("abcdef", byt5, 16, "keep_start") == {
+        "prompt": "abcdef",
+        "prompt_input_ids": [100, 101, 102, 103, 104, 105],
+    }
+    assert pd.tokenize_prompt("abcdef", byt5, 4, "keep_start")["prompt_input_ids"] == [100, 101, 102, 103]
+    assert pd.tokenize_prompt("abcdef", byt5, 4, "keep_end")["prompt_input_ids"] == [102, 103, 104, 105]
+    # "</s>" in the text stays text: '<' 60, '/' 47, 's' 115, '>' 62, each + 3.
+    assert pd.tokenize_prompt("a</s>", byt5, 16, "keep_end")["prompt_input_ids"] == [100, 63, 50, 118, 65]
+    with pytest.raises(ValueError, match="max_prompt_length must be >= 1"):
+        pd.tokenize_prompt("a", byt5, 0, "keep_end")
+    with pytest.raises(ValueError, match="keep_start or keep_end, not 'middle'"):
+        pd.tokenize_prompt("abcdef", byt5, 4, "middle")
+
+
+def test_tokenize_prompt_keeps_bos_and_matches_the_pair_pipeline(stories):
+    el = pd.tokenize_prompt(PROMPT, stories, 5, "keep_end")
+    full = tokenize_element(PROMPT, " x", None, "keep_end", stories, 10_000, 5)["prompt_input_ids"]  # fits: not cut
+    assert full[0] == stories.bos_token_id == 1 and len(full) > 5
+    assert el["prompt_input_ids"] == [1] + full[-4:]
+    assert pd.tokenize_prompt(PROMPT, stories, 5, "keep_start")["prompt_input_ids"] == full[:5]
+    assert pd.tokenize_prompt(PROMPT, stories, 10_000, "keep_end")["prompt_input_ids"] == full
+    # the pair pipeline cuts a too-long prompt the same way
+    cut = tokenize_element(PROMPT, " x", None, "keep_end", stories, 8, 5)["prompt_input_ids"]
+    assert cut == el["prompt_input_ids"]
+
+
+def test_collate_prompts_left_pads_by_hand():
+    elements = [{"prompt": "long", "prompt_input_ids": [5, 6, 7]}, {"prompt": "short", "prompt_input_ids": [8]}]
+    batch = pd.collate_prompts(elements, pad_token_id=0)
+    assert batch["prompt"] == ["long", "short"]
+    assert batch["prompt_input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert batch["prompt_attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
+    assert batch["prompt_input_ids"].dtype == batch["prompt_attention_mask"].dtype == torch.long
+    with pytest.raises(ValueError, match="at least one element"):
+        pd.collate_prompts([], 0)

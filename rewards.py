@@ -1,0 +1,458 @@
+"""Reward models and judges: the scoring side of online DPO.
+
+Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback",
+https://arxiv.org/abs/2402.04792) samples two completions per prompt from the policy and asks
+an annotator which is better. The annotator is one of:
+
+- :class:`RewardModelScorer`: a sequence-classification reward model; one float per text.
+- :class:`RewardModelJudge`: the same model used pairwise (the higher score wins).
+- :class:`HTTPJudge`: an LLM judge behind an OpenAI-compatible chat-completions endpoint,
+  as the paper's AI feedback (TRL's ``OnlineDPOTrainer`` and its judges are the peer).
+
+Pairwise judges answer 0 (the first completion is better), 1 (the second), :data:`TIE`, or
+None when the judgement failed; the caller counts a None and skips that pair, it never labels
+it. :func:`build_scorer` picks one from the ``online``, ``reward_model`` and ``judge`` config
+sections.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import difflib
+import http.client
+import json
+import os
+import random
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from utils import ConfigError, get_dtype
+
+TIE = -1
+"""A pairwise judgement saying neither completion is better."""
+
+SCORERS = ("reward_model", "reward_model_judge", "http_judge")
+"""The values of ``online.scorer``."""
+
+JUDGE_THREADS = 8
+"""Requests :class:`HTTPJudge` keeps in flight at once."""
+
+DEFAULT_JUDGE_TEMPLATE = """Two AI assistant responses to the same user prompt follow. Decide which one serves the user better: more helpful, more accurate, and harmless.
+
+### Prompt
+{prompt}
+
+### Response 0
+{response0}
+
+### Response 1
+{response1}
+
+Answer with one character and nothing else: 0 if Response 0 is better, 1 if Response 1 is better."""
+"""The built-in pairwise prompt of :class:`HTTPJudge` (placeholders {prompt}, {response0}, {response1})."""
+
+
+# ----------------------------------------------------------------------------- reward models
+
+
+class RewardModelScorer:
+    """Scores prompt + completion texts with a sequence-classification reward model.
+
+    Any ``AutoModelForSequenceClassification`` checkpoint of a decoder model with one output
+    (num_labels 1) and a ``score`` head: Llama, Qwen2, Mistral, Gemma, GPT-2, GPT-NeoX, ...
+    (e.g. Skywork-Reward, or TRL's reward-trained Pythia). The text ``prompt + completion`` is
+    tokenized with the reward model's own tokenizer, so policy and reward model may have
+    different vocabularies.
+
+    The score is the head's output at the last real token of each sequence. Hugging Face's
+    own pooling takes the rightmost token that is not ``pad_token_id``, which is wrong when pad
+    == eos and the text ends with EOS (it scores the token before). Here sequences are
+    left-padded, get position ids counted from their first real token (so absolute-position
+    models like GPT-2 see the same positions as unpadded), and the head is applied to the
+    backbone's hidden state at position -1: a sequence scores the same alone or in any batch.
+
+    Args:
+        name_or_path: a local folder or hub id. A checkpoint saved as a causal LM (no trained
+            score head) loads with a random head and a printed warning: fine for tests only.
+        device: where the model runs ("cpu", "cuda", "cuda:1").
+        batch_size: texts per forward pass.
+        max_length: tokens per text; a longer text keeps its end (and its BOS, if any).
+        dtype: a torch dtype or its name ("bfloat16"); None loads the checkpoint's default.
+
+    Raises:
+        ValueError: if the checkpoint's head has more than one output, or the model has no
+            ``score`` head (an encoder classifier such as DeBERTa pools its first token).
+    """
+
+    def __init__(self, name_or_path: str, device="cpu", batch_size: int = 16, max_length: int = 1024, dtype=None):
+        import transformers
+
+        config = transformers.AutoConfig.from_pretrained(name_or_path)
+        trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
+        if trained_head and config.num_labels != 1:
+            raise ValueError(f"Reward model {name_or_path} has {config.num_labels} outputs; a reward model needs exactly one.")
+        if not trained_head:
+            print(f"[reward_model] warning: {name_or_path} has no sequence-classification head; its score head is random.")
+        dtype = get_dtype(dtype) if isinstance(dtype, str) else dtype
+        model = transformers.AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=dtype)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        self._attach(model, tokenizer, device, batch_size, max_length)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, device=None, batch_size: int = 16, max_length: int = 1024) -> RewardModelScorer:
+        """A scorer over an already loaded ``model`` and its ``tokenizer`` (e.g. a tiny random
+        model built from a config in tests). ``device`` None leaves the model where it is.
+
+        Raises:
+            ValueError: as the constructor.
+        """
+        scorer = cls.__new__(cls)
+        scorer._attach(model, tokenizer, device, batch_size, max_length)
+        return scorer
+
+    def _attach(self, model, tokenizer, device, batch_size: int, max_length: int) -> None:
+        if not isinstance(getattr(model, "score", None), torch.nn.Linear):
+            raise ValueError(
+                f"{type(model).__name__} has no `score` head; RewardModelScorer needs a decoder reward model (Llama, Qwen2, GPT-2, ...)."
+            )
+        if model.score.out_features != 1:
+            raise ValueError(f"The reward model's head has {model.score.out_features} outputs; a reward model needs exactly one.")
+        if max_length < 1 or batch_size < 1:
+            raise ValueError(f"reward_model.max_length and batch_size must be >= 1, got {max_length} and {batch_size}.")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.model = model if device is None else model.to(device)
+        self.model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    def _encode(self, text: str) -> list[int]:
+        ids = self.tokenizer(text)["input_ids"]
+        if len(ids) <= self.max_length:
+            return ids
+        bos = self.tokenizer.bos_token_id
+        if bos is not None and ids[0] == bos and self.max_length > 1:
+            return [bos] + ids[len(ids) - self.max_length + 1 :]
+        return ids[len(ids) - self.max_length :]
+
+    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """Reward of each ``prompts[i] + completions[i]``.
+
+        Returns:
+            (N,) float32 tensor on the CPU, in the reward model's units (unnormalized logits).
+
+        Raises:
+            ValueError: if the two lists differ in length.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"score() got {len(prompts)} prompts and {len(completions)} completions; pass one of each per text.")
+        encoded = [self._encode(p + c) for p, c in zip(prompts, completions)]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths share a batch
+        scores = torch.zeros(len(encoded), dtype=torch.float32)
+        backbone = getattr(self.model, self.model.base_model_prefix)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model.eval()
+        with torch.inference_mode():
+            for start in range(0, len(order), self.batch_size):
+                chunk = order[start : start + self.batch_size]
+                seqs = [encoded[i] for i in chunk]
+                width = max(len(s) for s in seqs)
+                ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
+                mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
+                scores[chunk] = self.model.score(hidden[:, -1]).float().cpu()[:, 0]
+        return scores
+
+
+def apply_missing_eos_penalty(
+    scores: torch.Tensor,
+    completion_ids: torch.Tensor,
+    eos_token_id: int,
+    penalty: float | None,
+    completion_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Subtract ``penalty`` from the score of every completion that has no EOS token.
+
+    A completion cut off at ``max_new_tokens`` (no EOS) is penalised, so the policy learns to
+    finish its answers (TRL's ``missing_eos_penalty``). Only completion tokens are passed: the
+    caller strips the prompt, so an EOS inside the prompt never counts.
+
+    With a pad == eos tokenizer, padding after a completion's first EOS is harmless, but a
+    completion that ended without EOS and was then padded with pad == eos would look as if it
+    had one: pass ``completion_mask`` (True on the real generated tokens, the EOS included) and
+    only those tokens are looked at.
+
+    Args:
+        scores: (N,) rewards, one per completion.
+        completion_ids: (N, T) long, the generated tokens only.
+        eos_token_id: the policy tokenizer's EOS id.
+        penalty: in reward units; None (or 0) returns ``scores`` unchanged.
+        completion_mask: (N, T) bool or 0/1, or None to look at every token.
+
+    Returns:
+        (N,) a new tensor, ``scores`` minus ``penalty`` where no EOS was found.
+
+    Raises:
+        ValueError: if the shapes do not agree.
+    """
+    if not penalty:
+        return scores
+    if completion_ids.dim() != 2 or scores.shape != completion_ids.shape[:1]:
+        raise ValueError(
+            f"scores must be (N,) and completion_ids (N, T), got {tuple(scores.shape)} and {tuple(completion_ids.shape)}."
+        )
+    is_eos = completion_ids == eos_token_id
+    if completion_mask is not None:
+        if completion_mask.shape != completion_ids.shape:
+            raise ValueError(
+                f"completion_mask {tuple(completion_mask.shape)} must have completion_ids' shape {tuple(completion_ids.shape)}."
+            )
+        is_eos &= completion_mask.bool()
+    missing = ~is_eos.any(dim=-1)
+    return scores - penalty * missing.to(scores.dtype)
+
+
+# ----------------------------------------------------------------------------- judges
+
+
+class PairwiseJudge:
+    """Says which of two completions of a prompt is better.
+
+    Attributes:
+        failures: judgements that failed (None), counted over the judge's lifetime.
+        last_errors: why each judgement of the last :meth:`judge` call failed.
+    """
+
+    def __init__(self):
+        self.failures = 0
+        self.last_errors: list[str] = []
+
+    def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
+        """One judgement per (prompt, pair): 0 if ``pair[0]`` is better, 1 if ``pair[1]`` is,
+        :data:`TIE` if neither, None if the judgement failed (counted in ``failures``)."""
+        raise NotImplementedError
+
+    def _fail(self, why: str) -> None:
+        self.failures += 1
+        self.last_errors.append(why)
+
+
+class RewardModelJudge(PairwiseJudge):
+    """A pairwise judge from any scorer with ``score(prompts, completions) -> (N,)``: the
+    completion with the higher score wins, equal scores are a :data:`TIE`, a NaN score fails.
+
+    Attributes:
+        last_scores: (N, 2) float32, the scores behind the last call's judgements.
+    """
+
+    def __init__(self, scorer):
+        super().__init__()
+        self.scorer = scorer
+        self.last_scores = torch.empty(0, 2)
+
+    def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
+        """See :meth:`PairwiseJudge.judge`. Both completions of every pair are scored in one call."""
+        if len(prompts) != len(pairs):
+            raise ValueError(f"judge() got {len(prompts)} prompts and {len(pairs)} pairs; pass one pair per prompt.")
+        self.last_errors = []
+        scores = self.scorer.score([p for p in prompts for _ in range(2)], [c for pair in pairs for c in pair])
+        self.last_scores = scores.reshape(-1, 2)
+        results: list[int | None] = []
+        for a, b in self.last_scores.tolist():
+            if a != a or b != b:  # NaN
+                self._fail(f"NaN score ({a}, {b})")
+                results.append(None)
+            else:
+                results.append(0 if a > b else 1 if b > a else TIE)
+        return results
+
+
+class HTTPJudge(PairwiseJudge):
+    """An LLM judge behind an OpenAI-compatible chat-completions endpoint (OpenAI, vLLM,
+    llama.cpp, TGI, ...): the paper's AI feedback, and TRL's ``OpenAIPairwiseJudge``.
+
+    Each pair is one request ``POST {base_url}/chat/completions`` with the ``template`` filled
+    in as the user message, ``max_tokens`` 1 and temperature 0; the answer's first non-space
+    character must be "0" or "1". With ``shuffle_order`` a seeded RNG swaps the pair before
+    asking (LLM judges favour one position) and the answer is mapped back. Requests of a batch
+    run on up to :data:`JUDGE_THREADS` threads.
+
+    A judgement never raises: malformed JSON, missing fields or any other answer fail (None)
+    at once; HTTP 429 and 5xx, connection errors and timeouts are retried ``max_retries``
+    times, waiting ``backoff * 2**k`` seconds before retry k; other 4xx fail at once.
+
+    Args:
+        base_url: e.g. ``http://127.0.0.1:8000/v1``.
+        model: the model name the endpoint serves.
+        template: a string with {prompt}, {response0}, {response1}; None uses
+            :data:`DEFAULT_JUDGE_TEMPLATE`.
+        timeout: seconds per request.
+        api_key_env: the environment variable holding the key, sent as ``Authorization:
+            Bearer <key>`` when set (read once, here).
+        seed: of the order-shuffling RNG.
+
+    Raises:
+        ConfigError: if base_url or model is missing, base_url is not http(s), the
+            template lacks a placeholder, max_retries < 0 or timeout <= 0.
+    """
+
+    def __init__(
+        self,
+        base_url,
+        model,
+        template=None,
+        timeout=30.0,
+        max_retries=3,
+        api_key_env="OPENAI_API_KEY",
+        shuffle_order=True,
+        seed=0,
+        backoff=0.5,
+    ):
+        super().__init__()
+        if not base_url:
+            raise ConfigError("The HTTP judge needs judge.base_url, e.g. judge.base_url=http://127.0.0.1:8000/v1.")
+        if not str(base_url).startswith(("http://", "https://")):
+            raise ConfigError(f"judge.base_url={base_url} must start with http:// or https://.")
+        if not model:
+            raise ConfigError("The HTTP judge needs judge.model, the model name its endpoint serves.")
+        self.template = DEFAULT_JUDGE_TEMPLATE if template is None else template
+        try:
+            self.template.format(prompt="", response0="", response1="")
+        except (KeyError, IndexError, ValueError) as e:
+            raise ConfigError(
+                f"judge.template must use only the placeholders {{prompt}}, {{response0}}, {{response1}} ({type(e).__name__}: {e})."
+            ) from None
+        for name in ("prompt", "response0", "response1"):
+            if "{" + name + "}" not in self.template:
+                raise ConfigError(
+                    f"judge.template has no {{{name}}} placeholder; it needs {{prompt}}, {{response0}} and {{response1}}."
+                )
+        if int(max_retries) < 0 or not float(timeout) > 0:
+            raise ConfigError(f"judge.max_retries must be >= 0 and judge.timeout > 0, got {max_retries} and {timeout}.")
+        self.url = str(base_url).rstrip("/") + "/chat/completions"
+        self.model = model
+        self.timeout = float(timeout)
+        self.max_retries = int(max_retries)
+        self.backoff = float(backoff)
+        self.shuffle_order = shuffle_order
+        self.rng = random.Random(seed)
+        key = os.environ.get(api_key_env) if api_key_env else None
+        self._headers = {"Content-Type": "application/json"}
+        if key:
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._lock = threading.Lock()
+
+    def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
+        """See :meth:`PairwiseJudge.judge`; never raises for a failed judgement.
+
+        Raises:
+            ValueError: if the two lists differ in length.
+        """
+        if len(prompts) != len(pairs):
+            raise ValueError(f"judge() got {len(prompts)} prompts and {len(pairs)} pairs; pass one pair per prompt.")
+        self.last_errors = []
+        swaps = [self.shuffle_order and self.rng.random() < 0.5 for _ in pairs]  # drawn here: reproducible order
+        jobs = [(p, (b, a) if s else (a, b)) for p, (a, b), s in zip(prompts, pairs, swaps)]
+        if not jobs:
+            return []
+        with concurrent.futures.ThreadPoolExecutor(min(JUDGE_THREADS, len(jobs))) as pool:
+            answers = list(pool.map(lambda job: self._ask(*job), jobs))
+        return [None if a is None else 1 - a if s else a for a, s in zip(answers, swaps)]
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            super()._fail(why)
+
+    def _ask(self, prompt: str, pair: tuple[str, str]) -> int | None:
+        content = self.template.format(prompt=prompt, response0=pair[0], response1=pair[1])
+        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+        data = json.dumps(body).encode("utf-8")
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    raw = response.read()
+            except urllib.error.HTTPError as e:
+                e.close()
+                why = f"HTTP {e.code} from {self.url}"
+                if e.code != 429 and e.code < 500:
+                    break
+                continue
+            except (OSError, http.client.HTTPException) as e:  # connection refused or reset, timeouts
+                why = f"{type(e).__name__} from {self.url}: {e}"
+                continue
+            return self._parse(raw)
+        self._fail(f"{why} (after {attempt + 1} attempts)")
+        return None
+
+    def _parse(self, raw: bytes) -> int | None:
+        try:
+            answer = json.loads(raw)["choices"][0]["message"]["content"].lstrip()
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            self._fail(f"malformed chat-completions response ({type(e).__name__}): {raw[:200]!r}")
+            return None
+        if answer[:1] in ("0", "1"):
+            return int(answer[0])
+        self._fail(f"the judge answered {answer[:50]!r}, not 0 or 1")
+        return None
+
+
+# ----------------------------------------------------------------------------- from the config
+
+
+def build_scorer(config, device=None):
+    """The scorer ``online.scorer`` names, from the composed Hydra config.
+
+    - ``reward_model``: a :class:`RewardModelScorer` over ``reward_model.*``.
+    - ``reward_model_judge``: a :class:`RewardModelJudge` over that scorer.
+    - ``http_judge``: an :class:`HTTPJudge` over ``judge.*`` (seeded by ``config.seed``).
+
+    ``device`` (None: "cuda" when available, else "cpu") is where a reward model runs;
+    ``reward_model.dtype``, if the config has it, is its dtype.
+
+    Raises:
+        ConfigError: if ``online.scorer`` is unknown, ``reward_model.name_or_path`` is null
+            or a local path that is not a folder, or ``judge.base_url``/``judge.model`` is null.
+    """
+    kind = config.online.scorer
+    if kind not in SCORERS:
+        close = difflib.get_close_matches(str(kind), SCORERS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"Unknown online.scorer={kind}; {hint}choose one of {', '.join(SCORERS)}.")
+    if kind == "http_judge":
+        judge = config.judge
+        if judge.base_url is None or judge.model is None:
+            missing = "judge.base_url" if judge.base_url is None else "judge.model"
+            raise ConfigError(
+                f"online.scorer=http_judge needs {missing} (e.g. judge.base_url=http://127.0.0.1:8000/v1 judge.model=<name>)."
+            )
+        return HTTPJudge(
+            judge.base_url,
+            judge.model,
+            template=judge.template,
+            timeout=judge.timeout,
+            max_retries=judge.max_retries,
+            api_key_env=judge.api_key_env,
+            shuffle_order=judge.shuffle_order,
+            seed=config.get("seed", 0),
+        )
+    rm = config.reward_model
+    path = rm.name_or_path
+    if path is None:
+        raise ConfigError(f"online.scorer={kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
+    if str(path).startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+        raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    scorer = RewardModelScorer(
+        os.path.expanduser(path), device=device, batch_size=rm.batch_size, max_length=rm.max_length, dtype=rm.get("dtype")
+    )
+    return RewardModelJudge(scorer) if kind == "reward_model_judge" else scorer
