@@ -640,8 +640,8 @@ def load_prompts(names: list[str], split: str, options: dict, silent: bool = Fal
 
 def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
     """:func:`load_prompts` as examples that :func:`get_batch_iterator` batches: one
-    ``{"prompt", "chosen": "", "truncation_mode"}`` per prompt, in order. ``chosen`` is empty:
-    online DPO samples its responses; the batches' left-padded ``prompt_input_ids`` are its input.
+    ``{"prompt", "truncation_mode"}`` per prompt, in order, with no responses: online DPO
+    samples them; the batches' left-padded ``prompt_input_ids`` are its input.
 
     Raises:
         DataError: as :func:`load_prompts`.
@@ -649,9 +649,7 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
     examples = []
     for name in names:
         mode = prompt_truncation_mode(name)
-        examples.extend(
-            {"prompt": p, "chosen": "", "truncation_mode": mode} for p in load_prompts([name], split, options, silent)
-        )
+        examples.extend({"prompt": p, "truncation_mode": mode} for p in load_prompts([name], split, options, silent))
     return examples
 
 
@@ -861,7 +859,9 @@ def get_batch_iterator(
     start_example: int = 0,
     length_grouped: bool = False,
 ) -> Iterator[dict]:
-    """Yield collated batches from ``examples``, tokenizing lazily.
+    """Yield collated batches from ``examples``, tokenizing lazily (pairs or SFT targets by
+    :func:`tokenize_element`; prompt-only examples, which have no ``chosen``, by
+    :func:`tokenize_prompt`, giving batches of left-padded prompts).
 
     ``length_grouped`` orders each epoch by :func:`epoch_order` with groups of 64 batches
     sorted by text length, so a batch pads less (it changes the work: off by default).
@@ -884,7 +884,7 @@ def get_batch_iterator(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     lengths = None
     if length_grouped:
-        lengths = [len(e["prompt"]) + max(len(e["chosen"]), len(e.get("rejected") or "")) for e in examples]
+        lengths = [len(e["prompt"]) + max(len(e.get("chosen", "")), len(e.get("rejected") or "")) for e in examples]
     orders: dict[int, np.ndarray] = {}
     k = start_example
     while k < total:
@@ -894,6 +894,9 @@ def get_batch_iterator(
             if epoch not in orders:
                 orders = {epoch: epoch_order(n, seed, epoch, shuffle, lengths, 64 * batch_size)}
             ex = examples[orders[epoch][idx % n]]
+            if "chosen" not in ex:  # a prompt alone (online DPO)
+                elements.append(tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"]))
+                continue
             elements.append(
                 tokenize_element(
                     ex["prompt"],

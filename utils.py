@@ -41,7 +41,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     Raises:
         ConfigError: naming the first bad key and how to fix it.
     """
-    from preference_datasets import DATASETS
+    from preference_datasets import DATASETS, PROMPT_DATASETS
 
     loss = config.loss
     if loss.name not in LOSS_KEYS:
@@ -60,11 +60,15 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     validate_online(config)
     if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
         raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
+    online = bool(config.get("online") and config.online.enabled)
     for name in config.datasets:
-        if name not in DATASETS:
-            close = difflib.get_close_matches(name, DATASETS, n=1)
+        if name in PROMPT_DATASETS and name not in DATASETS and not online:
+            raise ConfigError(f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true).")
+        if name not in DATASETS and name not in PROMPT_DATASETS:
+            known = sorted({*DATASETS, *PROMPT_DATASETS})
+            close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {sorted(DATASETS)}.")
+            raise ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")
     if config.batch_size % config.gradient_accumulation_steps:
         raise ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
@@ -85,6 +89,8 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
     if config.trainer not in TRAINERS:
         raise ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
+    if config.get("launcher", "local") not in ("local", "ray"):
+        raise ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
     if config.model.name_or_path is None and config.model.get("config") is None:
         raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
     path = config.model.name_or_path

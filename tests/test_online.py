@@ -186,3 +186,144 @@ def test_reward_loss_refuses_tensor_parallel():
     config = compose_config(["loss=reward", "trainer=TensorParallelTrainer"])
     with pytest.raises(utils.ConfigError, match="loss=reward trains with BasicTrainer or FSDPTrainer"):
         utils.validate_config(config)
+
+
+# ----------------------------------------------------------------------------- the online loop
+
+
+def save_tiny_reward_model(folder: Path) -> str:
+    """A random one-label Llama scorer with the tiny model's byte-level tokenizer, saved as a folder."""
+    from transformers import ByT5Tokenizer
+
+    tokenizer = ByT5Tokenizer()
+    model = tiny_reward_model(tokenizer.pad_token_id)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+ONLINE = ["online.enabled=true", "online.max_new_tokens=8", "online.n_log_completions=3", "loss.beta=0.1"]
+
+
+def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> trainers.BasicTrainer:
+    """A BasicTrainer for online DPO built as train.main builds it, without running it."""
+    from preference_datasets import load_prompt_examples
+
+    config = compose_config([*TINY, f"output_root={tmp_path}", *ONLINE, *overrides])
+    OmegaConf.resolve(config)
+    utils.validate_config(config)
+    tokenizer = utils.load_tokenizer(config.model)
+    options = OmegaConf.to_container(config.data)
+    tr = load_prompt_examples(list(config.datasets), "train", options, silent=True)
+    ev = load_prompt_examples(list(config.datasets), "test", options, silent=True)
+    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    (tmp_path / "run").mkdir(parents=True, exist_ok=True)
+    trainer = trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
+    trainer.scorer = scorer
+    return trainer
+
+
+class LengthScorer:
+    """Scores a completion by its length in characters, so ties are common and checkable."""
+
+    def score(self, prompts, completions):
+        return torch.tensor([float(len(c)) for c in completions])
+
+
+@pytest.mark.parametrize("ties", ["skip", "random"])
+def test_online_pairs_put_the_higher_score_first_and_count_ties(tmp_path, ties):
+    trainer = build_online_trainer(tmp_path, [f"online.ties={ties}", "online.temperature=2.0"], LengthScorer())
+    batch = next(iter(trainers.get_batch_iterator(trainer.train_examples, trainer.tokenizer, 8, 64, 32, seed=0, n_examples=8)))
+    pairs, metrics = trainer.online_pairs(batch)
+    tok = trainer.tokenizer
+    for i in range(8):
+        prompt_len = len(pairs["prompt_input_ids"][i][pairs["prompt_attention_mask"][i].bool()])
+        texts = []
+        for side in ("chosen", "rejected"):
+            ids = pairs[f"{side}_input_ids"][i][pairs[f"{side}_attention_mask"][i].bool()]
+            labels = pairs[f"{side}_labels"][i][pairs[f"{side}_attention_mask"][i].bool()]
+            assert (labels[:prompt_len] == losses.IGNORE_INDEX).all() and (labels[prompt_len:] == ids[prompt_len:]).all()
+            texts.append(tok.decode(ids[prompt_len:], skip_special_tokens=True))
+        chosen_score, rejected_score = float(pairs["chosen_scores"][i]), float(pairs["rejected_scores"][i])
+        assert (chosen_score, rejected_score) == (float(len(texts[0])), float(len(texts[1])))
+        tie = chosen_score == rejected_score
+        assert chosen_score >= rejected_score
+        assert metrics["online/ties"][i] == float(tie)
+        assert float(pairs["weight"][i]) == (0.0 if tie and ties == "skip" else 1.0)
+    assert len(metrics["objective/scores"]) == 16 and len(metrics["val/contain_eos_token"]) == 16
+
+
+def test_unlabelled_pairs_weigh_nothing_in_the_loss(tmp_path):
+    # The loss over pairs weighted [1, 0] is the loss of the first pair alone (n_batch_examples = 1).
+    trainer = build_online_trainer(tmp_path, [])
+    from preference_datasets import load_examples
+
+    examples = load_examples(["arithmetic"], "train", {"arithmetic": {"n_train": 8, "n_test": 4}}, False, silent=True)
+    batch = next(iter(trainers.get_batch_iterator(examples, trainer.tokenizer, 2, 64, 32, seed=0, n_examples=2)))
+    first = trainers.split_batch(batch, 2)[0]
+    with torch.no_grad():
+        alone, _ = trainer.get_batch_metrics(first, 1, 1.0, "train")
+        weighted, metrics = trainer.get_batch_metrics({**batch, "weight": torch.tensor([1.0, 0.0])}, 1, 1.0, "train")
+    torch.testing.assert_close(weighted, alone)
+    assert len(metrics["rewards/accuracies"]) == 1  # only the labelled pair is in the metrics
+
+
+def test_sampling_a_left_padded_prompt_continues_it_as_alone_on_gpt2(tmp_path):
+    gpt2 = ["~model.config", "+model.config={model_type:gpt2,n_embd:32,n_layer:2,n_head:2,n_positions:128}"]
+    trainer = build_online_trainer(tmp_path, [*gpt2, "online.top_k=1", "model.block_name=GPT2Block"])  # top_k=1: greedy
+    from preference_datasets import collate, tokenize_prompt
+
+    elements = [tokenize_prompt(p, trainer.tokenizer, 32, "keep_start") for p in ["1+1=", "123456+654321="]]
+    both = collate(elements, trainer.tokenizer.pad_token_id)
+    alone = collate(elements[:1], trainer.tokenizer.pad_token_id)
+    _, _, padded_out = trainer.sample_completions(both, 1)
+    _, _, alone_out = trainer.sample_completions(alone, 1)
+    assert padded_out[0, : alone_out.shape[1]].tolist() == alone_out[0].tolist()
+
+
+def test_online_run_logs_trl_metrics_kl_zero_at_step_zero_and_writes_completions(tmp_path):
+    rm = save_tiny_reward_model(tmp_path / "rm")
+    run_dir = run([*ONLINE, f"reward_model.name_or_path={rm}", "n_examples=16", "eval_every=8"], tmp_path / "out")
+    rows = records(run_dir)
+    train_rows = [r for r in rows if "objective/kl" in r]
+    names = ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward", "objective/scores"]
+    names += ["objective/scores_margin", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"]
+    names += ["val/contain_eos_token", "beta", "online/ties", "online/failed_judgements"]
+    for name in names:
+        assert name in train_rows[0], name
+    # Step 0: the policy is the reference, so KL and the non-score reward are exactly 0 and the
+    # RLHF reward equals the score.
+    first = train_rows[0]
+    assert first["objective/kl"] == 0.0 and first["objective/non_score_reward"] == 0.0
+    assert first["objective/rlhf_reward"] == pytest.approx(first["objective/scores"])
+    assert first["objective/entropy"] > 0 and first["beta"] == 0.1
+    evals = [r for r in rows if "eval/scores" in r]
+    assert len(evals) == 3  # at 0, 8 and 16 examples
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [0] * 3 + [8] * 3 + [16] * 3
+    assert [r["prompt"] for r in table[:3]] == [r["prompt"] for r in table[3:6]]  # a fixed set of eval prompts
+    assert (run_dir / "completions.html").exists()
+
+
+def test_prompt_only_datasets_are_for_online_dpo():
+    with pytest.raises(utils.ConfigError, match="has prompts only; use it for online DPO"):
+        utils.validate_config(compose_config(["datasets=[tldr]"]))
+    utils.validate_config(compose_config(["datasets=[tldr]", *ONLINE]))  # accepted online
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss=sft"], "online.enabled=true trains with loss=dpo or loss=ipo"),
+        (["precompute_ref_log_probs=true"], "precompute_ref_log_probs=true cannot apply"),
+        (["online.ties=first"], "online.ties must be skip or random"),
+        (["online.max_new_tokens=40"], "must be at most max_length"),
+        (["online.temperature=0"], "online.temperature must be > 0"),
+    ],
+)
+def test_online_mistakes_are_one_sentence(overrides, message):
+    with pytest.raises(utils.ConfigError, match=message):
+        online = [o for o in ONLINE if not o.startswith("loss.")]  # loss=sft has no beta
+        utils.validate_config(compose_config([*TINY, *online, *overrides]))
