@@ -801,7 +801,7 @@ class BasicTrainer:
     def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
         """Log the means of the train metrics gathered since the last log, then clear them;
         throughput counts examples and non-padding tokens (prompt + responses) per second."""
-        means = {k: float(np.mean(v)) for k, v in pending.items()}
+        means = {k: float(np.mean(v)) for k, v in pending.items() if len(v)}  # none when every pair tied
         means["examples_per_second"] = n_examples / seconds
         means["tokens_per_second"] = n_tokens / seconds
         means["counters/examples"] = self.example_counter

@@ -286,3 +286,43 @@ def test_sigterm_to_train_py_stops_all_ranks_after_a_checkpoint(tmp_path):
     assert len(list((run_dir / "LATEST" / "sharded").glob("*.distcp"))) == 2
     leftover = subprocess.run(["pgrep", "-f", f"output_root={tmp_path}"], capture_output=True, text=True).stdout
     assert not leftover.strip(), "worker processes outlived train.py"
+
+
+def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp_path):
+    # Every rank samples its own prompts (one 1-character prompt, one 90-character prompt, so the
+    # ranks' generations differ in length) and scores them; the completions table is gathered on
+    # rank 0. The peer's equivalent deadlocks under ZeRO-3 when only one rank generates.
+    from test_online import save_tiny_reward_model
+
+    rm = save_tiny_reward_model(tmp_path / "rm")
+    rows = [{"prompt": "Q" * n, "chosen": " yes", "rejected": " no"} for n in (1, 90)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = [
+        "trainer=FSDPTrainer",
+        "world_size=2",
+        "datasets=[json]",
+        f"data.json.path={{train: {data}, test: {data}}}",
+        "online.enabled=true",
+        f"reward_model.name_or_path={rm}",
+        "online.max_new_tokens=24",
+        "online.n_log_completions=2",
+        "batch_size=2",
+        "eval_batch_size=2",
+        "n_eval_examples=2",
+        "n_examples=4",
+        "eval_every=2",
+        "max_length=128",
+        "max_prompt_length=100",
+        "progress_bar=false",
+        "minimum_log_interval_secs=0",
+    ]
+    run_dir = finished_run(args, tmp_path / "out")
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in table] == [0, 0, 2, 2, 4, 4]
+    assert sorted(len(r["prompt"]) for r in table[:2]) == [1, 90]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_recs = [r for r in recs if "objective/kl" in r]
+    assert train_recs[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # policy = reference at step 0
+    if train_recs[0].get("loss/train") is not None:
+        assert train_recs[0]["loss/train"] == pytest.approx(math.log(2), abs=1e-4)

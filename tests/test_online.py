@@ -327,3 +327,23 @@ def test_online_mistakes_are_one_sentence(overrides, message):
     with pytest.raises(utils.ConfigError, match=message):
         online = [o for o in ONLINE if not o.startswith("loss.")]  # loss=sft has no beta
         utils.validate_config(compose_config([*TINY, *online, *overrides]))
+
+
+class ConstantScorer:
+    def score(self, prompts, completions):
+        return torch.zeros(len(completions))
+
+
+def test_a_step_where_every_pair_ties_changes_nothing_and_logs_no_nan(tmp_path):
+    trainer = build_online_trainer(tmp_path, ["online.ties=skip", "weight_decay=0"], ConstantScorer())
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    batch = next(iter(trainers.get_batch_iterator(trainer.train_examples, trainer.tokenizer, 8, 64, 32, seed=0, n_examples=8)))
+    metrics = trainer.train_step(batch)
+    assert metrics["online/ties"] == [1.0] * 8 and metrics["online/labelled_pairs"] == [0.0] * 8
+    assert metrics["loss/train"] == []  # no labelled pair: nothing to average
+    for name, value in trainer.policy.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    pending = dict(metrics)
+    trainer.log_train(pending, 8, 100, 1.0, type("Bar", (), {"set_postfix": lambda self, x: None})())
+    logged = records(Path(trainer.run_dir))[-1]
+    assert "loss/train" not in logged and all(not (isinstance(v, float) and math.isnan(v)) for v in logged.values())
