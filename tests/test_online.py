@@ -347,3 +347,72 @@ def test_a_step_where_every_pair_ties_changes_nothing_and_logs_no_nan(tmp_path):
     trainer.log_train(pending, 8, 100, 1.0, type("Bar", (), {"set_postfix": lambda self, x: None})())
     logged = records(Path(trainer.run_dir))[-1]
     assert "loss/train" not in logged and all(not (isinstance(v, float) and math.isnan(v)) for v in logged.values())
+
+
+class LongerIsBetterJudgeServer:
+    """A local chat-completions endpoint (127.0.0.1) that prefers the longer response; with
+    ``broken`` it answers malformed JSON."""
+
+    def __init__(self, broken: bool = False):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                text = body["messages"][0]["content"]
+                first = text.split("<<<A>>>")[1].split("<<<B>>>")[0]
+                second = text.split("<<<B>>>")[1].split("<<<END>>>")[0]
+                answer = "0" if len(first) >= len(second) else "1"
+                payload = {"choices": [{"message": {"role": "assistant", "content": answer}}]}
+                data = b'{"choices": [' if broken else json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_online_pairs_labelled_by_an_http_judge(tmp_path, broken):
+    server = LongerIsBetterJudgeServer(broken)
+    try:
+        template = "'Q {prompt} <<<A>>>{response0}<<<B>>>{response1}<<<END>>> answer 0 or 1'"
+        overrides = ["online.scorer=http_judge", f"judge.base_url={server.url}", "judge.model=m", f"judge.template={template}"]
+        overrides += ["judge.max_retries=0", "judge.timeout=5", "online.temperature=2.0"]
+        trainer = build_online_trainer(tmp_path, overrides)
+        trainer.scorer = rewards.build_scorer(trainer.config, device="cpu")
+        batch = next(
+            iter(trainers.get_batch_iterator(trainer.train_examples, trainer.tokenizer, 8, 64, 32, seed=0, n_examples=8))
+        )
+        pairs, metrics = trainer.online_pairs(batch)
+    finally:
+        server.close()
+    if broken:  # every judgement failed: counted, and no pair is trained on
+        assert metrics["online/failed_judgements"] == [1.0] * 8 and pairs["weight"].tolist() == [0.0] * 8
+        return
+    assert metrics["online/failed_judgements"] == [0.0] * 8 and pairs["weight"].tolist() == [1.0] * 8
+    lengths = pairs["chosen_attention_mask"].sum(1), pairs["rejected_attention_mask"].sum(1)
+    # Byte-level tokens: a longer completion in characters is at least as long in tokens here
+    # (the judge saw decoded text; the order was shuffled and mapped back).
+    texts = [
+        trainer.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(pairs["chosen_input_ids"], pairs["chosen_attention_mask"])
+    ]
+    rejected = [
+        trainer.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+        for ids, m in zip(pairs["rejected_input_ids"], pairs["rejected_attention_mask"])
+    ]
+    assert all(len(c) >= len(r) for c, r in zip(texts, rejected)), (lengths, texts, rejected)
+    assert "objective/scores" not in metrics  # a judge gives preferences, not scores
