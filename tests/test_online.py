@@ -245,6 +245,11 @@ def test_online_pairs_put_the_higher_score_first_and_count_ties(tmp_path, ties):
             ids = pairs[f"{side}_input_ids"][i][pairs[f"{side}_attention_mask"][i].bool()]
             labels = pairs[f"{side}_labels"][i][pairs[f"{side}_attention_mask"][i].bool()]
             assert (labels[:prompt_len] == losses.IGNORE_INDEX).all() and (labels[prompt_len:] == ids[prompt_len:]).all()
+            # Statistics cover completion tokens only: what generate padded after EOS is cut off,
+            # so an EOS, if any, is the last labelled token (TRL once summed KL over that padding).
+            response = ids[prompt_len:].tolist()
+            eos = tok.eos_token_id
+            assert eos not in response[:-1]
             texts.append(tok.decode(ids[prompt_len:], skip_special_tokens=True))
         chosen_score, rejected_score = float(pairs["chosen_scores"][i]), float(pairs["rejected_scores"][i])
         assert (chosen_score, rejected_score) == (float(len(texts[0])), float(len(texts[1])))
@@ -416,3 +421,15 @@ def test_online_pairs_labelled_by_an_http_judge(tmp_path, broken):
     ]
     assert all(len(c) >= len(r) for c, r in zip(texts, rejected)), (lengths, texts, rejected)
     assert "objective/scores" not in metrics  # a judge gives preferences, not scores
+
+
+def test_beta_schedule_in_the_trainer_follows_the_integer_epoch(tmp_path):
+    # TRL crashed when its epoch counter was a float or None before training; here the epoch is
+    # examples seen // train prompts, an integer from step 0 on.
+    trainer = build_online_trainer(tmp_path, ["loss.beta=[0.5,0.2]"], LengthScorer())
+    n = len(trainer.train_examples)
+    got = []
+    for seen in (0, n - 1, n, 5 * n):
+        trainer.example_counter = seen
+        got.append(trainer.beta)
+    assert got == [0.5, 0.5, 0.2, 0.2]
