@@ -131,7 +131,8 @@ def main(
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     policy_dtype = utils.get_dtype(config.model.policy_dtype)
     scorer = None
-    if online:  # before the policy loads, so a wrong reward model path fails fast
+    remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
+    if online and not remote_scorer:  # before the policy loads, so a wrong reward model path fails fast
         import rewards
 
         scorer = rewards.build_scorer(

@@ -1,0 +1,561 @@
+"""Ray: the same training worker on a Ray cluster, and the reference and reward models on
+Ray actors of their own.
+
+``python train.py launcher=ray ray.num_workers=N trainer=FSDPTrainer ...`` runs ``train.main``
+(what each torchrun rank runs) on N Ray Train workers (``TorchTrainer``). Ray Train sets up the
+process group (gloo on CPU, NCCL on GPUs) and ``train.main`` joins it. Each checkpoint the
+trainer saves is reported with ``ray.train.report``; after a worker failure Ray restarts the
+workers (``ray.max_failures`` times) and they continue from the last one
+(``ray.train.get_checkpoint``), as does a resubmitted run (``resume=<run folder>``).
+
+With ``ray.reference_workers=K`` the frozen reference lives on K actors (:class:`ReferenceActor`)
+instead of in every policy worker, and the trainer's ``reference_logps`` seam asks them
+(:class:`RemoteReference`); with ``ray.reward_workers=K`` online DPO's reward model or judge
+lives on K actors (:class:`RemoteScorer`, :class:`RemoteJudge`). Ray is imported only here and
+only on this path: the core install does not need it (``pip install -r requirements-ray.txt``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import math
+import os
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import losses
+import trainers
+import utils
+
+EXIT_ONCE_ENV = "DPO_RAY_TEST_EXIT_ONCE"
+"""Test hook: a marker file's path. When set in the launching process, rank 1 exits (status 1)
+right after the first checkpoint it reports, unless the marker exists; it creates the marker
+first, so it happens once, and the restarted worker trains on."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def check_config(config: DictConfig) -> None:
+    """Check the ``ray:`` section with the rest of the config, before Ray starts.
+
+    Raises:
+        utils.ConfigError: naming the first bad key and how to fix it.
+    """
+    ray_cfg = config.ray
+    n = ray_cfg.num_workers
+    if not isinstance(n, int) or n < 1:
+        raise utils.ConfigError(f"ray.num_workers must be a whole number >= 1, got {n}.")
+    if config.trainer == "BasicTrainer" and n != 1:
+        raise utils.ConfigError(f"trainer=BasicTrainer is one process; use ray.num_workers=1 or trainer=FSDPTrainer (got {n}).")
+    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else n)
+    utils.check_parallel_model(config, n)
+    if not ray_cfg.cpus_per_worker > 0:
+        raise utils.ConfigError(f"ray.cpus_per_worker must be > 0, got {ray_cfg.cpus_per_worker}.")
+    for key in ("reference_workers", "reward_workers", "max_failures"):
+        value = ray_cfg[key]
+        if not isinstance(value, int) or value < (-1 if key == "max_failures" else 0):
+            least = "-1 (no limit)" if key == "max_failures" else "0"
+            raise utils.ConfigError(f"ray.{key} must be a whole number >= {least}, got {value}.")
+    for key in ("reference_resources", "reward_resources"):
+        resources = ray_cfg[key]
+        bad = [k for k, v in resources.items() if not isinstance(v, (int, float)) or v < 0]
+        if bad:
+            raise utils.ConfigError(f"ray.{key}.{bad[0]} must be a number >= 0, got {resources[bad[0]]}.")
+    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    if ray_cfg.reference_workers > 0:
+        if not needs_reference:
+            raise utils.ConfigError(
+                f"ray.reference_workers={ray_cfg.reference_workers} but loss={config.loss.name} uses no reference; "
+                "set ray.reference_workers=0."
+            )
+        if config.precompute_ref_log_probs:
+            raise utils.ConfigError(
+                "precompute_ref_log_probs=true runs the reference once in the policy workers; set ray.reference_workers=0 with it."
+            )
+    online = config.get("online")
+    if ray_cfg.reward_workers > 0 and not (online is not None and online.enabled):
+        raise utils.ConfigError(
+            f"ray.reward_workers={ray_cfg.reward_workers} serves online DPO's scorer; set online.enabled=true or ray.reward_workers=0."
+        )
+
+
+def import_ray():
+    """The ``ray`` module (with Ray Train).
+
+    Raises:
+        utils.ConfigError: if Ray is not installed.
+    """
+    try:
+        import ray
+        import ray.train.torch  # noqa: F401
+    except ImportError as e:
+        raise utils.ConfigError(
+            f"launcher=ray needs Ray Train, which is not installed ({e.name}); pip install -r requirements-ray.txt."
+        ) from None
+    return ray
+
+
+def _actor_options(resources) -> dict:
+    """Ray actor options from a ``{CPU: x, GPU: y, <custom>: z}`` mapping."""
+    resources = dict(resources)
+    options = {"num_cpus": resources.pop("CPU", 1), "num_gpus": resources.pop("GPU", 0)}
+    if resources:
+        options["resources"] = resources
+    return options
+
+
+def required_resources(config: DictConfig) -> dict:
+    """CPUs and GPUs the policy workers and the actors ask for together, e.g. ``{"CPU": 4, "GPU": 16}``."""
+    ray_cfg = config.ray
+    need = {"CPU": ray_cfg.num_workers * ray_cfg.cpus_per_worker, "GPU": ray_cfg.num_workers if ray_cfg.use_gpu else 0}
+    for count, resources in (
+        (ray_cfg.reference_workers, ray_cfg.reference_resources),
+        (ray_cfg.reward_workers, ray_cfg.reward_resources),
+    ):
+        options = _actor_options(resources)
+        need["CPU"] += count * options["num_cpus"]
+        need["GPU"] += count * options["num_gpus"]
+    return need
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def launch(config: DictConfig) -> int:
+    """Run the job on Ray: ``python train.py launcher=ray ...`` ends here.
+
+    Connects to ``ray.address`` (or starts a local cluster of ``ray.num_cpus`` CPUs, by default
+    this machine's or what the run asks for if more), makes the run folder, starts the reference
+    and reward actors, then ``ray.num_workers`` Ray Train workers that each run ``train.main``.
+    Uses a cluster this process is already connected to (``ray.init`` called before, as the
+    tests do) and leaves it running; a cluster it started, it shuts down.
+
+    Returns:
+        The exit status: 0 when training finished, 1 when it failed after ``ray.max_failures``
+        restarts (the error is printed).
+
+    Raises:
+        utils.ConfigError: a bad config value, Ray missing, or a cluster too small for the run
+            (before any worker starts).
+    """
+    check_config(config)
+    ray = import_ray()
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    config = copy.deepcopy(config)
+    ray_cfg = config.ray
+    need = required_resources(config)
+    started = not ray.is_initialized()
+    if started:
+        if ray_cfg.address is None:
+            ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
+        else:
+            try:
+                ray.init(address=ray_cfg.address)
+            except ConnectionError as e:
+                raise utils.ConfigError(
+                    f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
+                    "or leave ray.address=null for a local cluster."
+                ) from None
+    actors = []
+    try:
+        have = ray.cluster_resources()
+        short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
+        if short:
+            raise utils.ConfigError(
+                f"The Ray cluster has {have.get(short[0], 0):g} {short[0]}s and this run asks for {need[short[0]]:g} "
+                "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
+            )
+        fresh = config.resume is None
+        run_dir = os.path.abspath(utils.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
+        ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
+        ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
+        if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
+            OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+        print(f"Run folder: {run_dir}")
+        reference = scorer = None
+        if ray_cfg.reference_workers > 0:
+            reference = start_reference(config)
+            actors += reference.actors
+        if ray_cfg.reward_workers > 0:
+            scorer = start_scorer(config)
+            actors += scorer.actors
+        payload = {
+            "config": OmegaConf.to_container(config, resolve=True),
+            "run_dir": run_dir,
+            "cwd": os.getcwd(),
+            "reference": reference,
+            "scorer": scorer,
+            "exit_once": os.environ.get(EXIT_ONCE_ENV),
+        }
+        os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
+        worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
+        keep = config.keep_checkpoints if config.keep_checkpoints and config.keep_checkpoints > 0 else None
+        trainer = TorchTrainer(
+            train_worker,
+            train_loop_config=payload,
+            scaling_config=ScalingConfig(
+                num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu, resources_per_worker=worker_resources
+            ),
+            run_config=RunConfig(
+                name=ray_cfg.name,
+                storage_path=ray_cfg.storage_path,
+                failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
+                checkpoint_config=CheckpointConfig(num_to_keep=keep),
+            ),
+        )
+        try:
+            result = trainer.fit()
+        except Exception as e:  # Ray's TrainingFailedError and friends: the workers' error is in the text
+            print(f"Error: training on Ray failed after ray.max_failures={ray_cfg.max_failures} restarts: {e}")
+            return 1
+        where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
+        print(f"Ray run {ray_cfg.name} done: run folder {run_dir}{where}.")
+        return 0
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
+# ----------------------------------------------------------------------------- the workers
+
+
+def train_worker(payload: dict) -> None:
+    """What each Ray Train worker runs: ``train.main`` as one rank of the job.
+
+    Ray Train has set up the process group and RANK / WORLD_SIZE / LOCAL_RANK, so ``main`` joins
+    it instead of starting one. The run folder is the one the driver made; the checkpoint to
+    continue from is Ray's latest reported one (after a worker failure or for a resubmitted
+    run), else ``resume``'s LATEST. Every checkpoint the trainer saves is then reported.
+
+    Args:
+        payload: from :func:`launch`: ``config`` (a plain dict), ``run_dir``, ``cwd`` (the
+            driver's, for relative paths in the config), ``reference`` (a
+            :class:`RemoteReference` or None), ``scorer`` (a :class:`RemoteScorer` /
+            :class:`RemoteJudge` or None) and ``exit_once`` (see :data:`EXIT_ONCE_ENV`).
+    """
+    import ray.train
+    import ray.train.torch
+
+    import train
+
+    if os.path.isdir(payload["cwd"]):
+        os.chdir(payload["cwd"])  # Ray starts workers in a folder of its own
+    if torch.cuda.is_available():
+        # Ray gives each worker its GPU as an index among the node's visible ones, which need not
+        # be the local rank; LOCAL_RANK is what the trainers read as the CUDA device.
+        os.environ["LOCAL_RANK"] = str(ray.train.torch.get_device().index)
+    config = OmegaConf.create(payload["config"])
+    checkpoint = ray.train.get_checkpoint()
+    with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as checkpoint_dir:
+        train.main(config, run_dir=payload["run_dir"], checkpoint_dir=checkpoint_dir, attach=functools.partial(_attach, payload))
+
+
+def _attach(payload: dict, trainer) -> None:
+    """Put the remote reference and scorer behind the trainer's seams, and report each checkpoint
+    it saves to Ray (rank 0 reports the folder, which holds every rank's shard; the others
+    report with no checkpoint, since ``ray.train.report`` is a barrier over all workers)."""
+    import ray.train
+
+    if payload["reference"] is not None:
+        trainer.remote_reference = payload["reference"]
+    if payload["scorer"] is not None:
+        trainer.scorer = payload["scorer"]
+    save = trainer.save
+
+    def save_and_report() -> str:
+        path = save()
+        checkpoint = ray.train.Checkpoint.from_directory(path) if trainer.is_main else None
+        ray.train.report({"examples": trainer.example_counter, "updates": trainer.batch_counter}, checkpoint=checkpoint)
+        marker = payload["exit_once"]
+        if marker and trainer.rank == 1 and not os.path.exists(marker):
+            # once Ray has registered the checkpoint (a worker dying right after a report can
+            # otherwise beat its registration, and the restart would begin from the one before)
+            ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
+            open(marker, "w").close()
+            print(f"[test hook] rank 1 exits after the checkpoint of {trainer.example_counter} examples.", flush=True)
+            os._exit(1)
+        return path
+
+    trainer.save = save_and_report
+
+
+# ----------------------------------------------------------------------------- remote reference
+
+
+class ReferenceActor:
+    """A Ray actor holding the frozen reference, loaded from the config as ``train.main`` loads a
+    colocated one (``train.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
+    actor's GPU if Ray gave it one, else the CPU.
+
+    Args:
+        config: the run's config as a plain dict.
+    """
+
+    def __init__(self, config: dict):
+        import train
+
+        config = OmegaConf.create(config)
+        utils.set_threads(config.num_threads)
+        tokenizer = utils.load_tokenizer(config.model)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.model = train.load_reference(config, tokenizer).to(self.device)
+        self.model.eval()
+        self.model.requires_grad_(False)
+        self.average_log_prob = bool(config.loss.get("average_log_prob", False))
+
+    def ready(self) -> bool:
+        """True once the model is loaded (a call that waits for ``__init__``)."""
+        return True
+
+    @torch.inference_mode()
+    def logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference log-probs of a (slice of a) batch, as ``BasicTrainer.reference_logps``.
+
+        Args:
+            batch: ``chosen_*`` / ``rejected_*`` ``input_ids``, ``attention_mask``, ``labels``
+                tensors of shape (B, T_c) / (B, T_r).
+
+        Returns:
+            (chosen, rejected): (B,) float32 on the CPU.
+        """
+        inputs = {k: v.to(self.device) for k, v in trainers.concatenated_inputs(batch).items()}
+        logits, labels = trainers.response_logits(self.model, inputs)
+        logps, _ = losses.get_batch_logps(logits, labels, self.average_log_prob)
+        n = batch["chosen_input_ids"].shape[0]
+        return logps[:n].float().cpu(), logps[n:].float().cpu()
+
+
+REFERENCE_KEYS = tuple(f"{side}_{key}" for side in ("chosen", "rejected") for key in ("input_ids", "attention_mask", "labels"))
+
+
+def _slices(n: int, k: int) -> list[tuple[int, int]]:
+    """Up to ``k`` contiguous, non-empty (lo, hi) slices of range(n), sizes differing by at most one."""
+    bounds = [round(i * n / k) for i in range(k + 1)]
+    return [(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+
+
+def _unreachable(what: str, error: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"The {what} on Ray actors is unreachable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+        f"training stops rather than go on without it. Check the actors' logs, then resume the run."
+    )
+
+
+class RemoteReference:
+    """Reference log-probs from K :class:`ReferenceActor` s: ``reference(batch) -> (chosen, rejected)``.
+
+    The batch is cut into K contiguous slices (sizes differ by at most one), one per actor, all
+    computed at once; the results are concatenated in the batch's order.
+
+    Args:
+        actors: handles of running :class:`ReferenceActor` s.
+
+    Raises:
+        RuntimeError: when there are no actors; when called, if an actor has died or cannot be
+            reached. A policy worker never uses the policy in the reference's place.
+    """
+
+    def __init__(self, actors: list):
+        if not actors:
+            raise RuntimeError("No reference actors: the loss needs a reference, and the policy is never used as its own.")
+        self.actors = list(actors)
+
+    def __call__(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) reference log-probs, each (B,) float32 on the CPU, in batch order."""
+        import ray
+
+        n = batch["chosen_input_ids"].shape[0]
+        futures = [
+            actor.logps.remote({k: batch[k][lo:hi] for k in REFERENCE_KEYS})
+            for actor, (lo, hi) in zip(self.actors, _slices(n, len(self.actors)))
+        ]
+        try:
+            results = ray.get(futures)
+        except ray.exceptions.RayError as e:
+            raise _unreachable("reference model", e) from e
+        return torch.cat([c for c, _ in results]), torch.cat([r for _, r in results])
+
+
+def _start_actors(config: DictConfig, cls: type, count: int, resources, probe: str, *args) -> tuple[list, list]:
+    """Start ``count`` Ray actors ``cls(config as a dict, *args)`` with ``resources`` each (restarted
+    up to ``ray.max_failures`` times if a process dies) and wait for each one's ``probe()``.
+
+    Returns:
+        (actor handles, the probe's answers).
+
+    Raises:
+        RuntimeError: if an actor fails to start (the actor's error is in the message).
+    """
+    import ray
+
+    restarts = max(config.ray.max_failures, 0)
+    remote = ray.remote(cls).options(max_restarts=restarts, max_task_retries=restarts, **_actor_options(resources))
+    plain = OmegaConf.to_container(config, resolve=True)
+    actors = [remote.remote(plain, *args) for _ in range(count)]
+    try:
+        answers = ray.get([getattr(actor, probe).remote() for actor in actors])
+    except ray.exceptions.RayError as e:
+        for actor in actors:
+            ray.kill(actor)
+        raise RuntimeError(f"A {cls.__name__} failed to start: {e}") from e
+    print(f"{cls.__name__}: {count} Ray actor(s), {_actor_options(resources)} each.")
+    return actors, answers
+
+
+def start_reference(config: DictConfig) -> RemoteReference:
+    """Start ``ray.reference_workers`` :class:`ReferenceActor` s with ``ray.reference_resources``
+    each, and wait until every one has loaded the reference.
+
+    Raises:
+        RuntimeError: if an actor fails to load the model (the actor's error is in the message).
+    """
+    actors, _ = _start_actors(config, ReferenceActor, config.ray.reference_workers, config.ray.reference_resources, "ready")
+    return RemoteReference(actors)
+
+
+# ----------------------------------------------------------------------------- remote scorer
+
+
+class ScorerActor:
+    """A Ray actor holding online DPO's scorer or pairwise judge, built inside the actor by
+    ``build(config, device=...)`` (default ``rewards.build_scorer``) on this actor's GPU if Ray
+    gave it one, else the CPU.
+
+    Args:
+        config: the run's config as a plain dict.
+        build: ``"module.function"`` that builds the scorer (tests pass a stub).
+    """
+
+    def __init__(self, config: dict, build: str = "rewards.build_scorer"):
+        module, name = build.rsplit(".", 1)
+        config = OmegaConf.create(config)
+        utils.set_threads(config.get("num_threads"))
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.scorer = getattr(importlib.import_module(module), name)(config, device=device)
+
+    def kind(self) -> tuple[str, bool]:
+        """("score", _) for a scorer, ("judge", has_scorer) for a judge; has_scorer: the judge
+        wraps a scorer (``.scorer``, e.g. ``rewards.RewardModelJudge``) whose scores can be asked."""
+        if hasattr(self.scorer, "score"):
+            return "score", True
+        return "judge", hasattr(self.scorer, "scorer")
+
+    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """The scorer's (or the judge's inner scorer's) ``score``: (N,) float32 on the CPU."""
+        scorer = self.scorer if hasattr(self.scorer, "score") else self.scorer.scorer
+        return scorer.score(prompts, completions).float().cpu()
+
+    def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> tuple[list, int, list[str]]:
+        """The judge's ``judge``, with the failures this call added and their reasons."""
+        before = self.scorer.failures
+        results = list(self.scorer.judge(prompts, pairs))
+        return results, self.scorer.failures - before, list(getattr(self.scorer, "last_errors", []))
+
+
+class _RemoteScoring:
+    """What :class:`RemoteScorer` and :class:`RemoteJudge` share: the actors and the fan-out."""
+
+    def __init__(self, actors: list):
+        if not actors:
+            raise RuntimeError("No scorer actors: online DPO needs its reward model or judge.")
+        self.actors = list(actors)
+
+    def _map(self, method: str, *columns: list) -> list:
+        import ray
+
+        n = len(columns[0])
+        calls = [
+            getattr(actor, method).remote(*(c[lo:hi] for c in columns))
+            for actor, (lo, hi) in zip(self.actors, _slices(n, len(self.actors)))
+        ]
+        try:
+            return ray.get(calls)
+        except ray.exceptions.RayError as e:
+            raise _unreachable("reward model or judge", e) from e
+
+
+class RemoteScorer(_RemoteScoring):
+    """A scorer on K :class:`ScorerActor` s, used as a local ``rewards`` scorer is.
+
+    Args:
+        actors: handles of running :class:`ScorerActor` s.
+
+    Raises:
+        RuntimeError: when there are no actors; when called, if an actor died or is unreachable.
+    """
+
+    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
+        """Reward of each ``prompts[i] + completions[i]``: (N,) float32 on the CPU, in input order;
+        the N texts are cut into K contiguous slices, one per actor.
+
+        Raises:
+            ValueError: if the two lists differ in length.
+        """
+        if len(prompts) != len(completions):
+            raise ValueError(f"score() got {len(prompts)} prompts and {len(completions)} completions; pass one of each per text.")
+        if not prompts:
+            return torch.zeros(0, dtype=torch.float32)
+        return torch.cat(self._map("score", list(prompts), list(completions))).float()
+
+
+class RemoteJudge(_RemoteScoring):
+    """A pairwise judge on K :class:`ScorerActor` s, used as a local ``rewards`` judge is.
+
+    Attributes:
+        failures: judgements that failed (None), over all actors and calls.
+        last_errors: why each judgement of the last call failed.
+        scorer: a :class:`RemoteScorer` over the same actors when the judge wraps a scorer
+            (``rewards.RewardModelJudge``), else None.
+
+    Raises:
+        RuntimeError: when there are no actors; when called, if an actor died or is unreachable.
+    """
+
+    def __init__(self, actors: list, has_scorer: bool = False):
+        super().__init__(actors)
+        self.failures = 0
+        self.last_errors: list[str] = []
+        self.scorer = RemoteScorer(actors) if has_scorer else None
+
+    def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
+        """One judgement per (prompt, pair), in input order: 0, 1, a tie, or None (failed, counted
+        in ``failures``); the pairs are cut into K contiguous slices, one per actor.
+
+        Raises:
+            ValueError: if the two lists differ in length.
+        """
+        if len(prompts) != len(pairs):
+            raise ValueError(f"judge() got {len(prompts)} prompts and {len(pairs)} pairs; pass one pair per prompt.")
+        self.last_errors = []
+        results: list[int | None] = []
+        if not prompts:
+            return results
+        for part, failed, errors in self._map("judge", list(prompts), list(pairs)):
+            results.extend(part)
+            self.failures += failed
+            self.last_errors.extend(errors)
+        return results
+
+
+def start_scorer(config: DictConfig, build: str = "rewards.build_scorer") -> RemoteScorer | RemoteJudge:
+    """Start ``ray.reward_workers`` :class:`ScorerActor` s with ``ray.reward_resources`` each,
+    each building ``build(config, device=...)``, and wait until all are built.
+
+    Returns:
+        A :class:`RemoteScorer` if the built object has ``.score``, else a :class:`RemoteJudge`.
+
+    Raises:
+        RuntimeError: if an actor fails to build its scorer (the actor's error is in the message).
+    """
+    actors, kinds = _start_actors(config, ScorerActor, config.ray.reward_workers, config.ray.reward_resources, "kind", build)
+    kind, has_scorer = kinds[0]
+    return RemoteScorer(actors) if kind == "score" else RemoteJudge(actors, has_scorer)
