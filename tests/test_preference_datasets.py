@@ -839,8 +839,8 @@ def test_load_prompts_concatenates_and_falls_back_to_preference_prompts(tmp_path
     assert pd.load_prompts(["tldr", "json"], "train", options, silent=True) == ["t1", "t2", "j1", "j2"]
     examples = pd.load_prompt_examples(["json", "arithmetic"], "test", {**options, "arithmetic": {"n_test": 1}}, silent=True)
     assert examples[:2] == [
-        {"prompt": "j1", "chosen": "", "truncation_mode": "keep_end"},
-        {"prompt": "j2", "chosen": "", "truncation_mode": "keep_end"},
+        {"prompt": "j1", "truncation_mode": "keep_end"},
+        {"prompt": "j2", "truncation_mode": "keep_end"},
     ]
     assert len(examples) == 3 and examples[2]["truncation_mode"] == "keep_start"
     assert pd.prompt_truncation_mode("hh") == "keep_end" and pd.prompt_truncation_mode("arithmetic") == "keep_start"
