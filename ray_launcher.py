@@ -27,7 +27,6 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import losses
 import trainers
 import utils
 
@@ -312,6 +311,8 @@ class ReferenceActor:
         self.model.requires_grad_(False)
         self.average_log_prob = bool(config.loss.get("average_log_prob", False))
 
+    max_forward_chunks = None  # what BasicTrainer.concatenated_forward reads besides the two above
+
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""
         return True
@@ -327,11 +328,9 @@ class ReferenceActor:
         Returns:
             (chosen, rejected): (B,) float32 on the CPU.
         """
-        inputs = {k: v.to(self.device) for k, v in trainers.concatenated_inputs(batch).items()}
-        logits, labels = trainers.response_logits(self.model, inputs)
-        logps, _ = losses.get_batch_logps(logits, labels, self.average_log_prob)
-        n = batch["chosen_input_ids"].shape[0]
-        return logps[:n].float().cpu(), logps[n:].float().cpu()
+        # The trainer's own log-prob code, so the remote reference computes what a colocated one would.
+        chosen, rejected, _ = trainers.BasicTrainer.concatenated_forward(self, self.model, batch)
+        return chosen.float().cpu(), rejected.float().cpu()
 
 
 REFERENCE_KEYS = tuple(f"{side}_{key}" for side in ("chosen", "rejected") for key in ("input_ids", "attention_mask", "labels"))

@@ -180,12 +180,14 @@ def test_online_dpo_with_reference_and_reward_model_on_actors_matches_the_local_
     config = compose_config([*args, *on_actors, f"output_root={tmp_path / 'ray'}"])
     assert ray_launcher.launch(config) == 0
     # The same completions were sampled, scored by the same reward model and trained on.
+    # (accuracies count rewards strictly above others: at step 0 the rewards are 0 up to float
+    # noise, which a reference computed elsewhere may flip; the rewards themselves are compared.)
     timing = ("examples_per_second", "tokens_per_second", "memory/")
     local, remote = records(Path(local_dir)), records(run_folder(tmp_path / "ray"))
     assert [r["step"] for r in remote] == [r["step"] for r in local]
     for a, b in zip(local, remote):
         for key, value in a.items():
-            if isinstance(value, float) and not key.startswith(timing):
+            if isinstance(value, float) and not key.startswith(timing) and not key.endswith("accuracies"):
                 assert b[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
     for name, value in weights(Path(local_dir)).items():
         torch.testing.assert_close(weights(run_folder(tmp_path / "ray"))[name], value, rtol=1e-4, atol=5e-5, msg=name)
