@@ -136,7 +136,8 @@ def launch(config: DictConfig) -> int:
 
     Returns:
         The exit status: 0 when training finished, 1 when it failed after ``ray.max_failures``
-        restarts (the error is printed).
+        restarts (the error is printed), 130 after Ctrl-C (the workers stop where they are;
+        ``resume=<run folder>`` continues from the last reported checkpoint).
 
     Raises:
         utils.ConfigError: a bad config value, Ray missing, or a cluster too small for the run
@@ -211,6 +212,9 @@ def launch(config: DictConfig) -> int:
         )
         try:
             result = trainer.fit()
+        except (KeyboardInterrupt, SystemExit):  # Ray Train's Ctrl-C handler aborts the run and exits
+            print(f"\nInterrupted. Continue from the last checkpoint Ray recorded with: python train.py resume={run_dir}")
+            return 130
         except Exception as e:  # Ray's TrainingFailedError and friends: the workers' error is in the text
             print(f"Error: training on Ray failed after ray.max_failures={ray_cfg.max_failures} restarts: {e}")
             return 1

@@ -76,10 +76,12 @@ def cluster(tmp_path_factory):
 
 
 def run_folder(out: Path) -> Path:
+    """The one run folder under ``out``."""
     return next(p for p in out.iterdir() if p.is_dir())
 
 
 def records(run_dir: Path) -> list[dict]:
+    """Every record of the run's metrics.jsonl, in order."""
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
