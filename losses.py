@@ -59,6 +59,56 @@ def get_batch_logps(
     return total, n_tokens
 
 
+def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits[rows[k]])[targets[k]] for every k, in float32, as in :func:`get_batch_logps`.
+
+    For logits that were computed only where a token is predicted (the packed forward of
+    ``trainers.packed_sequence_logps``): one row of logits may predict several targets (a shared
+    prompt's last position predicts the first token of both responses). Computed as
+    ``logit[target] - logsumexp(logits)``, the logsumexp once per row of ``logits``, so no
+    full-vocabulary log-softmax copy is made.
+
+    Args:
+        logits: (M, V) unnormalised scores, any float dtype.
+        rows: (N,) long, which row of ``logits`` predicts each target (values in [0, M)).
+        targets: (N,) long token ids (no ``IGNORE_INDEX``: only real targets are passed).
+
+    Returns:
+        (N,) float32 log-probabilities in nats.
+
+    Raises:
+        ValueError: if ``logits`` is not 2-D or ``rows`` and ``targets`` differ in shape.
+    """
+    if logits.dim() != 2 or rows.shape != targets.shape or rows.dim() != 1:
+        raise ValueError(
+            f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
+        )
+    picked = logits[rows, targets].float()
+    return picked - torch.logsumexp(logits.float(), dim=-1)[rows]
+
+
+def sum_by_sequence(
+    token_logps: torch.Tensor, sequence: torch.Tensor, n_sequences: int, average_log_prob: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence totals of per-token log-probs, the same reduction as :func:`get_batch_logps`.
+
+    Args:
+        token_logps: (N,) float32 log-probs of the labelled tokens of all sequences.
+        sequence: (N,) long, which sequence each token belongs to (values in [0, n_sequences)).
+        n_sequences: S, the number of sequences (one with no token gets 0 and a count of 0).
+        average_log_prob: if True the mean per labelled token (0 for none), else the sum.
+
+    Returns:
+        (logps, n_tokens): each (S,) float32; logps in nats.
+    """
+    zeros = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device)
+    total = zeros.index_add(0, sequence, token_logps.float())
+    n_tokens = zeros.index_add(0, sequence, torch.ones_like(token_logps, dtype=torch.float32))
+    if average_log_prob:
+        return total / n_tokens.clamp(min=1.0), n_tokens
+    return total, n_tokens
+
+
 def dpo_loss(
     policy_chosen_logps: torch.Tensor,
     policy_rejected_logps: torch.Tensor,

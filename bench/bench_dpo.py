@@ -44,9 +44,13 @@ Fairness (what differs between the defaults, and what this script does about it)
     batch k = pairs [8k, 8k+8); the per-step losses of the two sides are compared.
   * TRL computes extra metrics every step (entropy, mean logits, top-1 accuracy, token
     counts) and ours its own (rewards, log-probs as lists): each counts in its own time.
-  * Left as they are, and small: TRL computes log-probs with its chunked fused LM head, ours
-    from full logits over the response positions; padding positions (attention mask 0) hold
-    0 or EOS ids on our side and EOS on TRL's; our precompute loads a second model as the
+  * How each side computes the same log-probs is its own: TRL 1.16 forwards chosen and
+    rejected padded to a common width (its padding_free option is disabled in 1.16) and uses
+    its chunked fused LM head; ours (trainers.packed_sequence_logps) forwards no padding and
+    each prompt once, with the output layer only where a response token is predicted. The
+    batches, the log-probs and the losses are the same (the losses are compared per step).
+  * Left as they are, and small: padding positions (attention mask 0) hold 0 or EOS ids on
+    our side and EOS on TRL's; our precompute loads a second model as the
     reference (as train.py does) where TRL uses the policy before its first step; ours is
     timed on pre-tokenized pairs, where BasicTrainer.train() tokenizes each batch as it goes
     (about 1 ms a pair with this tokenizer, not counted).
@@ -130,7 +134,11 @@ def _busy_cpu_s() -> float:
 
 
 def _mark() -> tuple[float, float, float]:
-    """(wall clock, this process's CPU seconds, the machine's busy CPU seconds)."""
+    """(wall clock, this process's CPU seconds, the machine's busy CPU seconds), after the GPU's
+    queued work has finished when a GPU is in use (bench_gpu_dpo.py), so a step is its own."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     return time.perf_counter(), time.process_time(), _busy_cpu_s()
 
 
@@ -306,6 +314,7 @@ def _our_trainer(spec: dict, run_dir: str):
     overrides = [
         "model=blank_model",
         f"model.name_or_path={spec['model_dir']}",
+        f"model.policy_dtype={spec.get('dtype', 'float32')}",
         "loss=dpo",
         f"loss.beta={spec['beta']}",
         "optimizer=AdamW",
@@ -347,8 +356,11 @@ def _our_trainer(spec: dict, run_dir: str):
     for el, p in zip(elements, pairs):  # the ids TRL gets
         assert el["chosen_input_ids"] == p["prompt_ids"] + p["chosen_ids"]
         assert el["rejected_input_ids"] == p["prompt_ids"] + p["rejected_ids"]
-    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
-    reference = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    dtype = getattr(torch, spec.get("dtype", "float32"))  # float32 here; bench_gpu_dpo.py: bfloat16 on a GPU
+    policy = utils.load_model(config.model, tokenizer, dtype, config.seed)
+    reference = utils.load_model(config.model, tokenizer, dtype, config.seed)
+    if torch.cuda.is_available():  # as train.py's precomputed_reference
+        reference.to("cuda")
     precompute_s = None
     cache = None
     if spec["mode"] == "precomputed":
@@ -448,7 +460,7 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
         weight_decay=0.0,
         max_grad_norm=spec["max_grad_norm"],
         optim=spec["trl_optim"],
-        bf16=False,
+        bf16=spec.get("dtype", "float32") == "bfloat16",
         fp16=False,
         gradient_checkpointing=False,
         max_length=spec["max_length"],
@@ -457,7 +469,8 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
         precompute_ref_log_probs=spec["mode"] == "precomputed",
         train_sampling_strategy="sequential",
         seed=spec["seed"],
-        use_cpu=True,
+        use_cpu=not spec.get("cuda", False),
+        model_init_kwargs={"dtype": spec.get("dtype", "float32")},  # TRL's default; bench_gpu_dpo.py: bfloat16 like ours
         dataloader_pin_memory=False,
         save_strategy="no",
         eval_strategy="no",
@@ -469,7 +482,8 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
         model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=list(callbacks)
     )
     trainer.bench_losses = []
-    assert trainer.model.dtype == torch.float32 and not trainer.args.bf16 and not trainer.args.gradient_checkpointing
+    assert trainer.model.dtype == getattr(torch, spec.get("dtype", "float32")) and not trainer.args.gradient_checkpointing
+    assert trainer.args.bf16 == (spec.get("dtype", "float32") == "bfloat16")
     return trainer
 
 
@@ -625,8 +639,9 @@ def wait_quiet(max_wait: float, threshold: float = 0.15) -> tuple[float, float]:
             return time.time() - t0, used
 
 
-def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200) -> dict:
-    """Run one worker in a fresh interpreter; return its JSON result."""
+def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200, script: str | None = None) -> dict:
+    """Run one worker (``script --worker role``, this file by default) in a fresh interpreter;
+    return its JSON result."""
     spec_file = tmp / f"spec-{role}-{time.monotonic_ns()}.json"
     result_file = spec_file.with_suffix(".out.json")
     spec_file.write_text(json.dumps(spec))
@@ -634,7 +649,7 @@ def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200) -> dict:
         **os.environ,
         "OMP_NUM_THREADS": str(spec["threads"]),
         "MKL_NUM_THREADS": str(spec["threads"]),
-        "CUDA_VISIBLE_DEVICES": "",  # a CPU benchmark, on both sides
+        **({} if spec.get("cuda") else {"CUDA_VISIBLE_DEVICES": ""}),  # a CPU benchmark (bench_gpu_dpo.py: a GPU), both sides
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_HUB_DISABLE_TELEMETRY": "1",
@@ -644,7 +659,7 @@ def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200) -> dict:
     }
     cmd = [
         sys.executable,
-        str(Path(__file__).resolve()),
+        script or str(Path(__file__).resolve()),
         "--worker",
         role,
         "--spec",
@@ -665,6 +680,9 @@ def run_worker(role: str, spec_path: str, result_path: str) -> None:
     out = fn(spec)
     out["wall_s"] = time.perf_counter() - t0
     out["rss_peak"], out["rss_hwm"] = _peak_rss_mib()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        out["cuda_peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     Path(result_path).write_text(json.dumps(out))
 
 

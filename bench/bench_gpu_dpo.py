@@ -1,0 +1,296 @@
+"""This project's DPO step vs TRL 1.16's DPOTrainer on one GPU at bf16: tokens/s and MFU.
+
+The GPU part of bench_dpo.py (the same workers, the same fairness settings: see its --help),
+as one command for a lent GPU machine, which has no ../shared folder: so the model and the
+data are made here.
+
+  * Model: a Pythia-410M-sized GPT-NeoX built from config (24 layers, hidden 1024, 16 heads,
+    intermediate 4096, Pythia's 50,304-entry vocabulary, rotary on 25% of each head, parallel
+    residual), random weights (seed 0), saved in --dtype to a temporary folder, from which
+    both sides load the policy and TRL rebuilds its reference. ``--size tiny`` is a 2-layer,
+    hidden-64 model of the same family, for checking the mechanics on a CPU.
+  * Data: synthetic pairs as text that the byte-level ByT5 tokenizer (built with no files)
+    turns into one token per character: prompt lengths uniform in [16, max_length / 2],
+    each response uniform in [8, min(max_length / 2, what is left) - 1] plus EOS, seeded, so
+    nothing is truncated on either side. Both sides get the same token ids in the same
+    batches (bench_dpo.py's checks: our tokenizer's ids are TRL's ``prompt_ids`` /
+    ``chosen_ids`` / ``rejected_ids``, TRL's dataset preparation bypassed).
+  * Precision: both sides hold bf16 weights and run AdamW on them (ours:
+    ``model.policy_dtype=bfloat16``; TRL: ``model_init_kwargs={"dtype": "bfloat16"}`` and
+    ``bf16=True``); TRL's gradient checkpointing off; log-probs in float32 on both sides.
+  * Timing: the median step after --warmup steps, the GPU synchronised at each mark; each
+    (mode, side) in its own process, alternating ours, TRL; live and precomputed reference.
+
+Reported per side: pairs/s, tokens/s (non-padding tokens of chosen + rejected, the prompt
+counted in both, the same count for both sides), MFU = 6 N tokens/s / peak, with N the
+parameters that do matrix products (all but the input embedding: 6N is the policy's forward
+and backward per token; the reference's forward and attention are not counted, the same on
+both sides), peak CUDA memory (``torch.cuda.max_memory_allocated``) and peak RSS. The peak is
+the GPU's dense bf16 FLOP/s from PEAK_BF16_TFLOPS by device name, or --peak-tflops.
+
+    python bench/bench_gpu_dpo.py                      # pythia-410m, cuda, bf16, batch 16, 512 tokens
+    python bench/bench_gpu_dpo.py --size tiny --device cpu --dtype float32 --steps 2 --warmup 1 --batch-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_dpo  # noqa: E402
+
+REPO = bench_dpo.REPO
+SIZES = {  # GPT-NeoX configs: EleutherAI's Pythia-410M, and a tiny one for CPU checks
+    "pythia-410m": {"hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16, "intermediate_size": 4096},
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256},
+}
+VOCAB = 50304
+PEAK_BF16_TFLOPS = [  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets; first match wins
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("GH200", 989.0),
+    ("H200", 989.0),
+    ("H100", 989.0),
+    ("H800", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.0),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("A10", 125.0),
+    ("RTX 4090", 165.0),
+    ("RTX 3090", 71.0),
+]
+SIDES = ("ours", "trl")
+
+
+def peak_tflops(device_name: str, override: float | None) -> float | None:
+    """The dense bf16 peak (TFLOP/s) of the device named ``device_name`` (None if unknown)."""
+    if override:
+        return override
+    for key, value in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return value
+    return None
+
+
+def synthetic_texts(n_pairs: int, max_length: int, seed: int) -> list[dict]:
+    """``n_pairs`` prompt/chosen/rejected texts of lowercase letters (one ByT5 token each),
+    lengths as in the module docstring; no pair needs truncation at ``max_length``."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+
+    def text(n):
+        return "".join(rng.choice(letters) for _ in range(n))
+
+    pairs = []
+    for _ in range(n_pairs):
+        p = rng.randint(16, max_length // 2)
+        room = min(max_length // 2, max_length - p) - 1  # - 1 for the EOS tokenize_element appends
+        pairs.append({"prompt": text(p), "chosen": text(rng.randint(8, room)), "rejected": text(rng.randint(8, room))})
+    return pairs
+
+
+def worker_prepare(spec: dict) -> dict:
+    """Build and save the model and tokenizer; tokenize the pairs with this project's code and
+    write them (texts and ids) where bench_dpo's workers read them."""
+    sys.path.insert(0, str(REPO))
+    import torch
+    from transformers import ByT5Tokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import preference_datasets as pdata
+
+    tokenizer = ByT5Tokenizer()
+    torch.manual_seed(spec["seed"])
+    cfg = GPTNeoXConfig(
+        **SIZES[spec["size"]],
+        vocab_size=VOCAB,
+        max_position_embeddings=2048,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = GPTNeoXForCausalLM(cfg).to(getattr(torch, spec["dtype"]))
+    model_dir = Path(spec["tmp"]) / "model"
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_matmul = n_params - model.get_input_embeddings().weight.numel()
+    max_len = spec["max_length"]
+    pairs = []
+    for ex in synthetic_texts(spec["n_pairs"], max_len, spec["seed"]):
+        el = pdata.tokenize_element(
+            ex["prompt"], ex["chosen"], ex["rejected"], "keep_end", tokenizer, max_len, spec["max_prompt_length"]
+        )
+        p = len(el["prompt_input_ids"])
+        assert len(el["chosen_input_ids"]) <= max_len and len(el["rejected_input_ids"]) <= max_len
+        assert p == len(ex["prompt"]) + (tokenizer.bos_token_id is not None), "a prompt was truncated"
+        pairs.append(
+            {
+                **ex,
+                "truncation_mode": "keep_end",
+                "prompt_ids": el["prompt_input_ids"],
+                "chosen_ids": el["chosen_input_ids"][p:],
+                "rejected_ids": el["rejected_input_ids"][p:],
+            }
+        )
+    with open(spec["pairs_file"], "w") as f:
+        json.dump(pairs, f)
+    bs = spec["batch_size"]
+    tokens = [
+        sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in pairs[k : k + bs])
+        for k in range(0, len(pairs), bs)
+    ]
+    return {"model_dir": str(model_dir), "n_params": n_params, "n_matmul_params": n_matmul, "tokens_per_batch": tokens}
+
+
+def worker_device(spec: dict) -> dict:
+    """The device's name and the torch / CUDA versions, from a process of its own."""
+    import torch
+
+    if spec["cuda"]:
+        return {"name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    return {"name": "cpu", "torch": torch.__version__, "cuda": None}
+
+
+def spawn(role: str, spec: dict, tmp: Path) -> dict:
+    """bench_dpo's workers (ours, trl), or this file's own (prepare, device), in a fresh process."""
+    script = None if role in ("ours", "trl") else str(Path(__file__).resolve())
+    return bench_dpo.spawn(role, spec, tmp, timeout=spec["timeout"], script=script)
+
+
+def main() -> None:
+    """Parse the arguments, run the workers (ours, TRL alternating per mode), print the table."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="pythia-410m", help="model size (default pythia-410m)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda (cpu: mechanics check)")
+    parser.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="weights and compute (default bfloat16)"
+    )
+    parser.add_argument("--mode", choices=["live", "precomputed", "both"], default="both", help="reference mode (default both)")
+    parser.add_argument("--batch-size", type=int, default=16, help="pairs per step (default 16)")
+    parser.add_argument("--max-length", type=int, default=512, help="prompt + response tokens (default 512)")
+    parser.add_argument("--steps", type=int, default=20, help="measured steps per run (default 20)")
+    parser.add_argument("--warmup", type=int, default=5, help="steps run first, not measured (default 5)")
+    parser.add_argument("--rounds", type=int, default=1, help="ours, TRL rounds per mode (default 1)")
+    parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, both sides (default 1e-5)")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by device name)")
+    parser.add_argument("--timeout", type=int, default=540, help="seconds allowed to each worker process (default 540)")
+    parser.add_argument("--json", help="also write all figures to this file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        out = {"prepare": worker_prepare, "device": worker_device}[args.worker](spec)
+        Path(args.result).write_text(json.dumps(out))
+        return
+    started = time.time()
+    modes = ["live", "precomputed"] if args.mode == "both" else [args.mode]
+    n_pairs = (args.warmup + args.steps) * args.batch_size
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        base = {
+            "cuda": args.device == "cuda",
+            "dtype": args.dtype,
+            "size": args.size,
+            "threads": os.cpu_count() or 1,
+            "seed": 0,
+            "batch_size": args.batch_size,
+            "max_length": args.max_length,
+            "max_prompt_length": args.max_length // 2,
+            "lr": args.lr,
+            "max_grad_norm": 1.0,
+            "beta": 0.1,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "n_pairs": n_pairs,
+            "trl_optim": "adamw_torch",
+            "pairs_file": str(tmp / "pairs.json"),
+            "tmp": str(tmp),
+            "timeout": args.timeout,
+        }
+        device = spawn("device", base, tmp)
+        peak = peak_tflops(device["name"], args.peak_tflops)
+        prep = spawn("prepare", base, tmp)
+        tokens = prep["tokens_per_batch"][args.warmup : args.warmup + args.steps]
+        tok_per_step = sum(tokens) / len(tokens)
+        print(
+            f"{device['name']} (torch {device['torch']}, CUDA {device['cuda']}); {args.size}: {prep['n_params'] / 1e6:.1f}M "
+            f"parameters ({prep['n_matmul_params'] / 1e6:.1f}M in matrix products), {args.dtype}; {n_pairs} synthetic pairs, "
+            f"batch {args.batch_size}, {tok_per_step:.0f} non-padding tokens per measured batch; "
+            f"peak {peak if peak else 'unknown'} TFLOP/s",
+            flush=True,
+        )
+        results: dict = {}
+        for rnd in range(args.rounds):
+            for mode in modes:
+                for side in SIDES:
+                    r = spawn(side, {**base, "mode": mode, "side": side, "model_dir": prep["model_dir"]}, tmp)
+                    results.setdefault((mode, side), []).append(r)
+                    print(
+                        f"round {rnd + 1}: {mode:11} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, "
+                        f"{tok_per_step / r['step_s']:9.0f} tokens/s, peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, "
+                        f"RSS {r['rss_peak']:.0f} MiB, step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
+                        flush=True,
+                    )
+    rows = []
+    header = (
+        f"{'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>8} | "
+        f"{'MFU ours':>8} {'TRL':>6} | {'CUDA MiB ours':>13} {'TRL':>6} | {'max |dloss|':>11}"
+    )
+    print(f"\nDPO step, ours vs TRL DPOTrainer, {args.dtype}, {args.size}, median of {args.steps} steps, {args.rounds} round(s)")
+    print(header)
+    print("-" * len(header))
+    for mode in modes:
+        row = {"mode": mode}
+        for side in SIDES:
+            rs = results[(mode, side)]
+            step_s = sum(r["step_s"] for r in rs) / len(rs)
+            tps = tok_per_step / step_s
+            row[side] = {
+                "pairs_per_s": args.batch_size / step_s,
+                "tokens_per_s": tps,
+                "mfu": 6 * prep["n_matmul_params"] * tps / (peak * 1e12) if peak else None,
+                "cuda_peak_mib": max(r.get("cuda_peak_mib", float("nan")) for r in rs),
+                "rss_peak_mib": max(r["rss_peak"] for r in rs),
+                "losses": rs[0]["losses"],
+                "precompute_s": rs[0]["precompute_s"],
+            }
+        o, t = row["ours"], row["trl"]
+        row["ratio"] = o["pairs_per_s"] / t["pairs_per_s"]
+        row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
+        rows.append(row)
+
+        def mfu(x):
+            return f"{x['mfu']:.1%}" if x["mfu"] is not None else "n/a"
+
+        print(
+            f"{mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['ratio']:6.2f} | {o['tokens_per_s']:13.0f} "
+            f"{t['tokens_per_s']:8.0f} | {mfu(o):>8} {mfu(t):>6} | {o['cuda_peak_mib']:13.0f} {t['cuda_peak_mib']:6.0f} | "
+            f"{row['max_loss_diff']:11.1e}"
+        )
+    print(
+        "step-0 losses (ln 2 = 0.693147): "
+        + ", ".join(f"{r['mode']} {r['ours']['losses'][0]:.6f} / {r['trl']['losses'][0]:.6f}" for r in rows)
+    )
+    print(f"total wall time {time.time() - started:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "device": device, "prepare": prep, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
