@@ -63,7 +63,7 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
     """log softmax(logits[rows[k]])[targets[k]] for every k, in float32, as in :func:`get_batch_logps`.
 
     For logits that were computed only where a token is predicted (the packed forward of
-    ``trainers.packed_sequence_logps``): one row of logits may predict several targets (a shared
+    ``packing.packed_sequence_logps``): one row of logits may predict several targets (a shared
     prompt's last position predicts the first token of both responses). Computed as
     ``logit[target] - logsumexp(logits)``, the logsumexp once per row of ``logits``, so no
     full-vocabulary log-softmax copy is made.

@@ -46,7 +46,7 @@ Fairness (what differs between the defaults, and what this script does about it)
     counts) and ours its own (rewards, log-probs as lists): each counts in its own time.
   * How each side computes the same log-probs is its own: TRL 1.16 forwards chosen and
     rejected padded to a common width (its padding_free option is disabled in 1.16) and uses
-    its chunked fused LM head; ours (trainers.packed_sequence_logps) forwards no padding and
+    its chunked fused LM head; ours (packing.packed_sequence_logps) forwards no padding and
     each prompt once, with the output layer only where a response token is predicted. The
     batches, the log-probs and the losses are the same (the losses are compared per step).
   * Left as they are, and small: padding positions (attention mask 0) hold 0 or EOS ids on

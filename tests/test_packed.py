@@ -1,4 +1,4 @@
-"""The packed DPO forward (trainers.packed_sequence_logps): no padding computed, each prompt
+"""The packed DPO forward (packing.packed_sequence_logps): no padding computed, each prompt
 forwarded once per pair. It must give what the plain forward gives: log-probs, token counts,
 losses and gradients, checked against each sequence forwarded alone (no padding at all) and
 against the padded forward of chosen stacked over rejected that it replaced."""
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import losses
+import packing
 import trainers
 import utils
 from losses import IGNORE_INDEX
@@ -141,7 +142,7 @@ def test_packed_gradients_equal_padded_forward(family, attn):
     model = make_model(family, attn)
     elements = random_pairs(CASES["mixed"], seed=3)
     batch = collate(elements, pad_token_id=0)
-    assert trainers.packed_forward_support(model) == (True, True)
+    assert packing.packed_forward_support(model) == (True, True)
     expected = grads_of(model, lambda: plain(model, batch))
     for max_chunks in (None, 1):
         got = grads_of(model, lambda m=max_chunks: forward(model, batch, max_chunks=m))
@@ -161,7 +162,7 @@ def test_rows_share_the_common_prefix_and_mixed_rows_go_together():
         element([2, 3], [4, 5], [4, 5]),
     ]
     batch = collate(elements, pad_token_id=0)
-    rows = trainers.pack_preference_rows(batch)
+    rows = packing.pack_preference_rows(batch)
     assert len(rows) == 5
     first = rows[0]
     assert first.ids == [5, 6, 7, 8, 9, 10, 11]  # prompt + 8 once, then 9 10 (chosen), then 11 (rejected)
@@ -177,7 +178,7 @@ def test_rows_share_the_common_prefix_and_mixed_rows_go_together():
     ]
     assert [r.branch for r in rows[1:3]] == [None, None]
     assert rows[4].ids == [2, 3, 4, 5] and rows[4].branch == [0, 0, 0, 0]
-    assert trainers.pack_preference_rows(batch, share_prompt=False)[0].branch is None
+    assert packing.pack_preference_rows(batch, share_prompt=False)[0].branch is None
     model = make_model()
     with torch.no_grad():
         for max_chunks in (None, 1):  # one call holding plain and shared rows together
@@ -195,8 +196,8 @@ def test_batch_that_is_not_right_padded_takes_the_plain_forward():
             n = int(batch[f"{side}_attention_mask"][1].sum())
             t[1] = torch.cat([torch.full((t.shape[1] - n,), pad), t[1, :n]])
             left[f"{side}_{key}"] = t
-    assert trainers.pack_preference_rows(left) is None
-    assert trainers.packed_sequence_logps(model, left, False, "cpu") is None
+    assert packing.pack_preference_rows(left) is None
+    assert packing.packed_sequence_logps(model, left, False, "cpu") is None
     with torch.no_grad():
         assert_same(forward(model, left), plain(model, left), tol=0)
 
@@ -207,20 +208,20 @@ def test_without_boolean_logits_to_keep_or_prompt_sharing_the_result_is_the_same
     model = make_model()
     elements = random_pairs(CASES["mixed"], seed=5)
     batch = collate(elements, pad_token_id=0)
-    monkeypatch.setattr(trainers, "packed_forward_support", lambda m: (keep_bool, share))
+    monkeypatch.setattr(packing, "packed_forward_support", lambda m: (keep_bool, share))
     with torch.no_grad():
         assert_same(forward(model, batch), alone(model, elements))
 
 
 def test_packed_support_refuses_sliding_windows_and_other_attention():
     model = make_model()
-    assert trainers.packed_forward_support(model) == (True, True)
+    assert packing.packed_forward_support(model) == (True, True)
     model.config._attn_implementation = "flash_attention_2"
-    assert trainers.packed_forward_support(model) == (True, False)
+    assert packing.packed_forward_support(model) == (True, False)
     model.config._attn_implementation = "sdpa"
     model.config.sliding_window = 16
-    assert trainers.packed_forward_support(model) == (True, False)
-    assert trainers.packed_forward_support(torch.nn.Linear(2, 2)) == (False, False)
+    assert packing.packed_forward_support(model) == (True, False)
+    assert packing.packed_forward_support(torch.nn.Linear(2, 2)) == (False, False)
 
 
 @pytest.mark.parametrize(
@@ -228,21 +229,21 @@ def test_packed_support_refuses_sliding_windows_and_other_attention():
 )
 @pytest.mark.parametrize("max_chunks", [None, 1, 2, 3])
 def test_plan_chunks_takes_every_row_once_in_few_calls(lengths, max_chunks):
-    groups = trainers.plan_chunks(lengths, max_chunks)
+    groups = packing.plan_chunks(lengths, max_chunks)
     flat = [i for g in groups for i in g]
     assert sorted(flat) == list(range(len(lengths)))
     assert all(g for g in groups)
     assert [lengths[i] for i in flat] == sorted(lengths)
     if max_chunks is not None:
         assert len(groups) <= max_chunks
-    assert len(groups) <= int(1 / trainers.PACKED_CHUNK_COST) + 1
+    assert len(groups) <= int(1 / packing.PACKED_CHUNK_COST) + 1
 
 
 def test_plan_chunks_splits_two_length_modes_and_keeps_equal_lengths_together():
-    assert trainers.plan_chunks([10] * 8 + [200] * 8) == [list(range(8)), list(range(8, 16))]
-    assert trainers.plan_chunks([50] * 16) == [list(range(16))]
+    assert packing.plan_chunks([10] * 8 + [200] * 8) == [list(range(8)), list(range(8, 16))]
+    assert packing.plan_chunks([50] * 16) == [list(range(16))]
     with pytest.raises(ValueError):
-        trainers.plan_chunks([1, 2], max_chunks=0)
+        packing.plan_chunks([1, 2], max_chunks=0)
 
 
 def test_gathered_token_logps_and_sum_by_sequence_by_hand():
