@@ -38,3 +38,40 @@ def needs_shared(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (the ../shared folder beside the repository)")
     return path
+
+
+def tiny_llama_scorer(vocab_size: int, pad_token_id: int, num_labels: int = 1, seed: int = 0):
+    """A random 2-layer ``LlamaForSequenceClassification`` (hidden 16): a tiny reward model."""
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        num_labels=num_labels,
+        pad_token_id=pad_token_id,
+    )
+    return LlamaForSequenceClassification(config)
+
+
+def run_train(overrides: list[str], tmp_path: Path) -> Path:
+    """Run train.main in-process on the TINY settings plus ``overrides``; returns the run folder."""
+    import train
+
+    config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
+    run_dir, stop_signal = train.main(config)
+    assert stop_signal is None
+    return Path(run_dir)
+
+
+def metric_records(run_dir: Path) -> list[dict]:
+    """The records of a run's metrics.jsonl."""
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose_config
+from conftest import TINY, compose_config, metric_records, run_train, tiny_llama_scorer
 from omegaconf import OmegaConf
 
 import losses
 import rewards
-import train
 import trainers
 import utils
 
@@ -105,20 +104,7 @@ def test_bradley_terry_loss_by_hand():
 
 
 def tiny_reward_model(pad_token_id: int):
-    from transformers import LlamaConfig, LlamaForSequenceClassification
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=pad_token_id,
-    )
-    return LlamaForSequenceClassification(cfg).eval()
+    return tiny_llama_scorer(32, pad_token_id).eval()
 
 
 def test_last_token_scores_read_the_last_real_token_even_when_pad_is_eos():
@@ -139,15 +125,7 @@ def test_last_token_scores_read_the_last_real_token_even_when_pad_is_eos():
     torch.testing.assert_close(alone_a, by_hand, rtol=1e-5, atol=1e-6)
 
 
-def run(overrides: list[str], tmp_path: Path) -> Path:
-    config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
-    run_dir, stop_signal = train.main(config)
-    assert stop_signal is None
-    return Path(run_dir)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+run, records = run_train, metric_records
 
 
 def test_reward_model_training_starts_at_ln2_learns_and_exports_a_loadable_scorer(tmp_path):

@@ -18,13 +18,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import compose_config, needs_shared
+from conftest import compose_config, needs_shared, tiny_llama_scorer
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
     GPT2Config,
     GPT2ForSequenceClassification,
-    LlamaConfig,
     LlamaForCausalLM,
     LlamaForSequenceClassification,
 )
@@ -44,20 +43,7 @@ from utils import ConfigError
 # ----------------------------------------------------------------------------- tiny reward models
 
 
-def tiny_llama(vocab_size: int, pad_token_id: int, num_labels: int = 1, seed: int = 0) -> LlamaForSequenceClassification:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=256,
-        num_labels=num_labels,
-        pad_token_id=pad_token_id,
-    )
-    return LlamaForSequenceClassification(config)
+tiny_llama = tiny_llama_scorer
 
 
 @pytest.fixture(scope="module")

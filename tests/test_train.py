@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose_config
+from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
 import train
@@ -51,16 +50,7 @@ REFERENCE_KEYS = [
 ]
 
 
-def run(overrides: list[str], tmp_path: Path) -> Path:
-    """Run train.main in-process; returns the run folder."""
-    config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
-    run_dir, stop_signal = train.main(config)
-    assert stop_signal is None
-    return Path(run_dir)
-
-
-def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+run, records = run_train, metric_records
 
 
 # ----------------------------------------------------------------------------- config
