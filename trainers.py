@@ -216,6 +216,11 @@ class BasicTrainer:
         """Per-example metric lists of all processes, concatenated in rank order."""
         return metrics
 
+    def gather_per_rank(self, metrics: dict) -> dict:
+        """Lists of every process, in rank order, even when all processes see the same data
+        (tensor parallelism): for per-process figures such as peak memory."""
+        return metrics
+
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward synchronises gradients across processes."""
 
@@ -799,9 +804,7 @@ class BasicTrainer:
         mine = {"rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}  # KiB on Linux
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
-        gathered = self.gather_metrics(mine) if self.data_world_size > 1 else mine
-        if self.world_size > 1 and self.data_world_size == 1:  # tensor parallel: gather per rank too
-            gathered = _DistributedTrainer.gather_metrics(self, mine)
+        gathered = self.gather_per_rank(mine)
         record = {}
         for kind, values in gathered.items():
             for rank, value in enumerate(values):
@@ -1103,6 +1106,9 @@ class _DistributedTrainer(BasicTrainer):
         return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
 
     def gather_metrics(self, metrics: dict) -> dict:
+        return self.gather_per_rank(metrics)
+
+    def gather_per_rank(self, metrics: dict) -> dict:
         import torch.distributed as dist
 
         parts: list = [None] * self.world_size

@@ -143,6 +143,10 @@ def test_tensor_parallel_matches_basic(basic_runs, tmp_path, family):
         [*COMMON, *FAMILIES[family], "trainer=TensorParallelTrainer", "world_size=2", "sample_during_eval=false"], tmp_path
     )
     assert_same_run(basic_runs[family], run_dir)
+    # Each rank's peak memory is logged, though both ranks see the same data.
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    memory = {k for r in recs for k in r if k.startswith("memory/")}
+    assert {"memory/rank0_peak_rss_mib", "memory/rank1_peak_rss_mib"} <= memory
     # The export is the family's own Hugging Face layout (GPT-2's Conv1D restored).
     from transformers import AutoModelForCausalLM
 
