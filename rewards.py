@@ -30,7 +30,7 @@ import urllib.request
 
 import torch
 
-from utils import ConfigError, get_dtype
+from utils import ConfigError, get_dtype, looks_local
 
 TIE = -1
 """A pairwise judgement saying neither completion is better."""
@@ -449,7 +449,7 @@ def build_scorer(config, device=None):
     path = rm.name_or_path
     if path is None:
         raise ConfigError(f"online.scorer={kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
-    if str(path).startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(path)):
+    if looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
         raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardModelScorer(

@@ -61,6 +61,8 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
         raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
     online = bool(config.get("online") and config.online.enabled)
+    if not OmegaConf.is_list(config.datasets):
+        raise ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
     for name in config.datasets:
         if name in PROMPT_DATASETS and name not in DATASETS and not online:
             raise ConfigError(f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true).")
@@ -97,12 +99,18 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     if (
         path is not None
         and config.model.get("config") is None
-        and path.startswith((".", "/", "~"))
+        and looks_local(path)
         and not os.path.isdir(os.path.expanduser(path))
     ):
         raise ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+
+
+def looks_local(path: str) -> bool:
+    """True if ``path`` can only be a local folder, not a hub id ("org/name" has one slash at most)."""
+    path = str(path)
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path.split("/")[0])
 
 
 def validate_online(config: DictConfig) -> None:
@@ -124,6 +132,12 @@ def validate_online(config: DictConfig) -> None:
         )
     if online.scorer not in ("reward_model", "reward_model_judge", "http_judge"):
         raise ConfigError(f"online.scorer must be reward_model, reward_model_judge or http_judge, got {online.scorer}.")
+    if online.scorer in ("reward_model", "reward_model_judge") and config.reward_model.name_or_path is None:
+        raise ConfigError(
+            f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
+        )
+    if online.scorer == "http_judge" and (config.judge.base_url is None or config.judge.model is None):
+        raise ConfigError("online.scorer=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
     if online.ties not in ("skip", "random"):
         raise ConfigError(f"online.ties must be skip or random, got {online.ties}.")
     if not online.max_new_tokens >= 1:

@@ -182,6 +182,7 @@ def save_tiny_reward_model(folder: Path) -> str:
 
 
 ONLINE = ["online.enabled=true", "online.max_new_tokens=8", "online.n_log_completions=3", "loss.beta=0.1"]
+ONLINE += ["reward_model.name_or_path=org/reward-model"]  # a hub id that is never loaded: tests set trainer.scorer
 
 
 def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> trainers.BasicTrainer:
@@ -411,3 +412,28 @@ def test_beta_schedule_in_the_trainer_follows_the_integer_epoch(tmp_path):
         trainer.example_counter = seen
         got.append(trainer.beta)
     assert got == [0.5, 0.5, 0.2, 0.2]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["datasets=hh"], "datasets must be a list: write datasets=\\[hh\\]"),
+        ([*ONLINE, "reward_model.name_or_path=null"], "needs reward_model.name_or_path"),
+        ([*ONLINE, "online.scorer=http_judge"], "needs judge.base_url"),
+        (["model=blank_model", "model.name_or_path=shared/models/nope"], "is not a folder"),
+    ],
+)
+def test_user_mistakes_found_by_a_new_user_are_one_sentence(overrides, message):
+    # From a first-time user's trial: a string instead of a list was read letter by letter, and a
+    # relative path without "./" (or online DPO without a reward model) reached transformers.
+    with pytest.raises(utils.ConfigError, match=message):
+        utils.validate_config(compose_config(overrides))
+
+
+def test_a_mistyped_relative_reward_model_folder_is_one_sentence(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    config = compose_config([*ONLINE, "reward_model.name_or_path=outputs/rm_typo"])
+    with pytest.raises(utils.ConfigError, match="is not a folder"):
+        rewards.build_scorer(config, device="cpu")
+    assert not utils.looks_local("EleutherAI/pythia-2.8b")  # a hub id stays a hub id
