@@ -162,7 +162,9 @@ def main(
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:
-        print(f"Policy: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples.")
+        print(
+            f"{'Reward model' if reward_head else 'Policy'}: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples."
+        )
 
     resume_state = None
     if checkpoint_dir is not None:
