@@ -249,6 +249,7 @@ def launch(config: DictConfig) -> int | None:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted)."""
     rank = int(os.environ.get("RANK", 0))
     try:
         if config.resume is not None and rank == 0 and "RANK" not in os.environ:

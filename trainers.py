@@ -704,6 +704,7 @@ class BasicTrainer:
         return collected
 
     def raise_non_finite(self, what: str):
+        """Raise NonFiniteLossError naming the step and the last good checkpoint."""
         latest = os.path.join(self.run_dir, "LATEST")
         where = os.path.realpath(latest) if os.path.exists(latest) else "none was written yet"
         raise NonFiniteLossError(
@@ -873,6 +874,7 @@ class BasicTrainer:
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):
+        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU."""
         return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
 
     def load(self, checkpoint_dir: str) -> None:
@@ -883,6 +885,7 @@ class BasicTrainer:
         self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
 
     def restore_trainer_state(self, state: dict) -> None:
+        """Restore counters and Python/NumPy/torch RNG states saved by :meth:`trainer_state`."""
         self.example_counter = state["example_counter"]
         self.batch_counter = state["batch_counter"]
         self.next_eval_at = state["next_eval_at"]
@@ -1091,16 +1094,19 @@ class _DistributedTrainer(BasicTrainer):
         return t.item()
 
     def global_sum(self, value: float) -> float:
+        """Sum of ``value`` over all ranks (an all-reduce)."""
         import torch.distributed as dist
 
         return self._all_reduce(value, dist.ReduceOp.SUM)
 
     def all_finite(self, value: torch.Tensor) -> bool:
+        """True if ``value`` is finite on every rank (all ranks agree)."""
         import torch.distributed as dist
 
         return self._all_reduce(float(torch.isfinite(value).all()), dist.ReduceOp.MIN) == 1.0
 
     def any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any rank."""
         import torch.distributed as dist
 
         return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
@@ -1109,6 +1115,7 @@ class _DistributedTrainer(BasicTrainer):
         return self.gather_per_rank(metrics)
 
     def gather_per_rank(self, metrics: dict) -> dict:
+        """Every rank's lists, concatenated in rank order (an all-gather of Python objects)."""
         import torch.distributed as dist
 
         parts: list = [None] * self.world_size
@@ -1204,15 +1211,18 @@ class FSDPTrainer(_DistributedTrainer):
             fully_shard(model, **kwargs)
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
+        """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
         parts = split_batch(batch, self.world_size)
         if self.rank < len(parts):
             return parts[self.rank], 1.0
         return parts[0], 0.0  # fewer examples than ranks: run a stand-in so collectives match
 
     def set_grad_sync(self, enabled: bool) -> None:
+        """FSDP2: reduce gradients on the next backward only when ``enabled`` (the last micro-batch)."""
         self.policy.set_requires_gradient_sync(enabled)
 
     def generate_kwargs(self) -> dict:
+        """``synced_gpus``: every rank keeps stepping ``generate`` until all ranks' samples are done."""
         return {"synced_gpus": True}
 
 
@@ -1332,17 +1342,21 @@ class TensorParallelTrainer(_DistributedTrainer):
 
     # Every process sees the same data: sums and metrics are already global.
     def global_sum(self, value: float) -> float:
+        """``value`` itself: every rank already holds the global figure."""
         return value
 
     def gather_metrics(self, metrics: dict) -> dict:
+        """``metrics`` itself: every rank computed the same examples' metrics."""
         return metrics
 
     @property
     def data_rank(self) -> int:
+        """Every rank takes the whole batch (the model, not the data, is split)."""
         return 0
 
     @property
     def data_world_size(self) -> int:
+        """One data part: all ranks see the same examples."""
         return 1
 
     def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:

@@ -384,6 +384,7 @@ class MetricsLogger:
             self.wandb.log({name: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def finish(self) -> None:
+        """Close the W&B run, if any."""
         if self.wandb is not None:
             self.wandb.finish()
 
