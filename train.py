@@ -118,6 +118,15 @@ def main(
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
     utils.check_eval_size(config, len(eval_examples))
 
+    scorer = None
+    remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
+    if online and not remote_scorer:  # before the run folder and the policy: a wrong reward model fails fast
+        import rewards
+
+        scorer = rewards.build_scorer(
+            config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        )
+
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
@@ -130,14 +139,6 @@ def main(
     if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     policy_dtype = utils.get_dtype(config.model.policy_dtype)
-    scorer = None
-    remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if online and not remote_scorer:  # before the policy loads, so a wrong reward model path fails fast
-        import rewards
-
-        scorer = rewards.build_scorer(
-            config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        )
     reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
     policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed, reward_head=reward_head)
     needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 import losses
 import rewards
+import train
 import trainers
 import utils
 
@@ -437,3 +438,11 @@ def test_a_mistyped_relative_reward_model_folder_is_one_sentence(tmp_path, monke
     with pytest.raises(utils.ConfigError, match="is not a folder"):
         rewards.build_scorer(config, device="cpu")
     assert not utils.looks_local("EleutherAI/pythia-2.8b")  # a hub id stays a hub id
+
+
+def test_a_missing_reward_model_folder_stops_before_any_run_folder_is_made(tmp_path):
+    # A new user's trial left outputs/<run>/ holding only config.yaml after such an error.
+    config = compose_config([*TINY, *ONLINE, f"output_root={tmp_path / 'out'}", f"reward_model.name_or_path={tmp_path / 'nope'}"])
+    with pytest.raises(utils.ConfigError, match="is not a folder"):
+        train.main(config)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
