@@ -22,6 +22,7 @@ import torch
 import tqdm
 
 import losses
+import rewards
 import utils
 from packing import packed_sequence_logps
 from preference_datasets import get_batch_iterator
@@ -369,7 +370,7 @@ class BasicTrainer:
             weight = batch["weight"].to(per_example.device)
             loss = (per_example * weight).sum() / n_batch_examples
             keep = weight > 0
-            metrics.update(self.online_metrics(batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens))
+            metrics.update(self.online_metrics(batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta))
         rewards = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
         metrics[f"{rewards}/chosen"] = chosen_rewards[keep].tolist()
         metrics[f"{rewards}/rejected"] = rejected_rewards[keep].tolist()
@@ -543,8 +544,6 @@ class BasicTrainer:
         texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
         preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
 
-        import rewards
-
         coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
         elements, weights, ties, failed, order = [], [], [], [], []
         for i, preference in enumerate(preferences):
@@ -583,7 +582,7 @@ class BasicTrainer:
             metrics["objective/scores_margin"] = (pairs["chosen_scores"] - pairs["rejected_scores"]).tolist()
         return pairs, metrics
 
-    def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens) -> dict:
+    def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta: float) -> dict:
         """TRL's OnlineDPOTrainer statistics over the sampled completions, each a list with one
         value per completion (chosen rows, then rejected): ``objective/kl`` (sum over completion
         tokens of log pi - log ref), ``objective/entropy`` (-log pi of the sample),
@@ -594,7 +593,6 @@ class BasicTrainer:
         if self.average_log_prob:
             policy, reference = policy * n_tokens, reference * n_tokens
         kl = (policy - reference).cpu()
-        beta = self.beta
         metrics = {
             "objective/kl": kl.tolist(),
             "objective/entropy": (-policy).cpu().tolist(),
@@ -939,8 +937,6 @@ def label_pairs(
         (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
         (a failed judgement); scores (B, 2) float32 after the penalty, or None for a judge.
     """
-    import rewards
-
     pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
     if not hasattr(scorer, "score"):
         return list(scorer.judge(prompts, pairs)), None

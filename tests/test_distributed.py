@@ -154,15 +154,18 @@ def test_tensor_parallel_matches_basic(basic_runs, tmp_path, family):
     assert model.config.model_type == family
 
 
-def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path):
+def two_prompt_fsdp_args(tmp_path: Path) -> list[str]:
+    """FSDP on 2 ranks over a json dataset of two prompts of very different lengths (1 and 90
+    characters), one per rank, so the ranks' generations differ in length."""
     rows = [{"prompt": "Q" * n, "chosen": " yes", "rejected": " no"} for n in (1, 90)]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["trainer=FSDPTrainer", "world_size=2", "datasets=[json]", f"data.json.path={{train: {data}, test: {data}}}"]
+
+
+def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path):
     args = [
-        "trainer=FSDPTrainer",
-        "world_size=2",
-        "datasets=[json]",
-        f"data.json.path={{train: {data}, test: {data}}}",
+        *two_prompt_fsdp_args(tmp_path),
         "batch_size=2",
         "eval_batch_size=2",
         "n_eval_examples=2",
@@ -299,14 +302,8 @@ def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp
     from test_online import save_tiny_reward_model
 
     rm = save_tiny_reward_model(tmp_path / "rm")
-    rows = [{"prompt": "Q" * n, "chosen": " yes", "rejected": " no"} for n in (1, 90)]
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = [
-        "trainer=FSDPTrainer",
-        "world_size=2",
-        "datasets=[json]",
-        f"data.json.path={{train: {data}, test: {data}}}",
+        *two_prompt_fsdp_args(tmp_path),
         "online.enabled=true",
         f"reward_model.name_or_path={rm}",
         "online.max_new_tokens=24",
