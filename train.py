@@ -26,19 +26,15 @@ from preference_datasets import DataError, load_examples
 
 def precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed: bool, rank: int) -> dict:
     """Reference log-probs of every train and eval example, from the disk cache or one pass of
-    the reference (on rank 0; the other ranks then read the cache)."""
-    if torch.cuda.is_available():
-        reference.to(f"cuda:{torch.cuda.current_device()}")
-    examples = train_examples + eval_examples
-    if not distributed:
-        return trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
-    import torch.distributed as dist
-
-    cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir) if rank == 0 else None
-    dist.barrier()
-    if cache is None:  # the other ranks read what rank 0 wrote
-        cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
-    return cache
+    the reference. Under FSDP/TP rank 0 (the only rank holding the reference's weights) computes
+    or reads them and sends them to the other ranks."""
+    if rank == 0:
+        if torch.cuda.is_available():
+            reference.to(f"cuda:{torch.cuda.current_device()}")
+        cache = trainers.precompute_reference_logps(
+            reference, train_examples + eval_examples, tokenizer, config, config.cache_dir
+        )
+    return utils.broadcast_object(cache if rank == 0 else None) if distributed else cache
 
 
 def effective_config(config: DictConfig) -> DictConfig:
@@ -68,6 +64,68 @@ def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) ->
     if apply_archive and config.model.archive is not None:
         reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
     return reference
+
+
+def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """The policy (a reward model for ``loss=reward``) and, for DPO/IPO with a local reference,
+    the frozen reference, both with ``model.archive``'s weights when set (read once).
+
+    Under FSDP/TP only rank 0 reads weights; the other ranks get the architecture on the meta
+    device and receive their shards when the trainer shards the models (``utils.rank0_model``).
+
+    Raises:
+        utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, or does not
+            fit a reward model's body (on every rank under FSDP/TP).
+    """
+    reward_head = config.loss.name == "reward"
+    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
+
+    @functools.cache
+    def archive() -> dict:
+        try:
+            state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
+        except Exception as e:
+            raise utils.ConfigError(
+                f"model.archive={config.model.archive} could not be read ({type(e).__name__}); give the policy.pt of an earlier run."
+            ) from e
+        if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+            raise utils.ConfigError(
+                f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."
+            )
+        return state
+
+    def build_policy() -> torch.nn.Module:
+        policy = utils.load_model(config.model, tokenizer, utils.get_dtype(config.model.policy_dtype), config.seed, reward_head)
+        if config.model.archive is None:
+            return policy
+        state = archive()
+        into = "the policy and reference" if needs_reference and not remote_reference else "the policy"
+        print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
+        if reward_head:  # a causal LM's weights under a score head: all but the heads must match
+            missing, unexpected = policy.load_state_dict(state["state"], strict=False)
+            body = [k for k in missing + unexpected if k.split(".")[0] not in ("score", "lm_head")]
+            if body:
+                raise utils.ConfigError(f"model.archive={config.model.archive} does not fit this model (e.g. {body[0]!r}).")
+        else:
+            policy.load_state_dict(state["state"])
+        return policy
+
+    def build_reference() -> torch.nn.Module:
+        reference = load_reference(config, tokenizer, apply_archive=False)
+        if config.model.archive is not None:
+            reference.load_state_dict(archive()["state"])
+        return reference
+
+    if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
+        config.model.device_map = "balanced"  # one process, the model split over the local GPUs
+    if not distributed:
+        return build_policy(), build_reference() if needs_reference and not remote_reference else None
+    policy = utils.rank0_model(build_policy, rank, reward_head)
+    reference = None
+    if needs_reference and not remote_reference:
+        reference = utils.rank0_model(build_reference, rank)
+    return policy, reference
 
 
 def main(
@@ -136,30 +194,8 @@ def main(
     if rank == 0:
         print(f"Run folder: {run_dir}")
 
-    if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
-        config.model.device_map = "balanced"  # one process, the model split over the local GPUs
-    policy_dtype = utils.get_dtype(config.model.policy_dtype)
     reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
-    policy = utils.load_model(config.model, tokenizer, policy_dtype, config.seed, reward_head=reward_head)
-    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
-    remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
-    reference = None
-    if needs_reference and not remote_reference:
-        reference = load_reference(config, tokenizer, apply_archive=False)
-    if config.model.archive is not None:
-        state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
-        into = "the policy and reference" if reference is not None else "the policy"
-        if rank == 0:
-            print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
-        if reward_head:  # a causal LM's weights under a score head: all but the heads must match
-            missing, unexpected = policy.load_state_dict(state["state"], strict=False)
-            body = [k for k in missing + unexpected if k.split(".")[0] not in ("score", "lm_head")]
-            if body:
-                raise utils.ConfigError(f"model.archive={config.model.archive} does not fit this model (e.g. {body[0]!r}).")
-        else:
-            policy.load_state_dict(state["state"])
-        if reference is not None:
-            reference.load_state_dict(state["state"])
+    policy, reference = load_models(config, tokenizer, rank, distributed)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:

@@ -146,6 +146,7 @@ class BasicTrainer:
         if config.activation_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.prepare_models()
+        self.setup_peak_rss_mib = _peak_rss_mib()  # loading and sharding, before any step
 
         self.optimizer = self.build_optimizer()
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
@@ -797,10 +798,9 @@ class BasicTrainer:
             self.logger.finish()
 
     def log_peak_memory(self) -> None:
-        """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``."""
-        import resource
-
-        mine = {"rss": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]}  # KiB on Linux
+        """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``, and
+        its peak resident memory up to the end of model loading and sharding (``setup_peak_rss``)."""
+        mine = {"rss": [_peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
         gathered = self.gather_per_rank(mine)
@@ -892,6 +892,13 @@ class BasicTrainer:
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def count_tokens(batch: dict) -> int:
@@ -1060,6 +1067,17 @@ def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[ty
     return classes
 
 
+def fully_shard_blocks(model: torch.nn.Module, blocks: set[type], **kwargs) -> None:
+    """FSDP2: ``fully_shard`` every module of ``model`` whose class is in ``blocks``, then the root
+    (``kwargs``: ``mesh``, ``mp_policy``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module) in blocks:
+            fully_shard(module, **kwargs)
+    fully_shard(model, **kwargs)
+
+
 class _DistributedTrainer(BasicTrainer):
     """What FSDP and tensor parallelism share: a process group, collectives for the hooks
     of BasicTrainer, and sharded checkpoints with torch.distributed.checkpoint (DCP)."""
@@ -1121,6 +1139,32 @@ class _DistributedTrainer(BasicTrainer):
             for k, v in part.items():
                 out[k].extend(v)
         return out
+
+    def shard_from_rank0(self, model: torch.nn.Module, shard) -> None:
+        """Shard ``model`` over ``self.mesh`` with ``shard`` (FSDP or a TP plan), its weights sent from rank 0.
+
+        Rank 0 holds the loaded weights and the other ranks the same architecture on the meta
+        device (``utils.rank0_model``). Every rank moves the model to meta, shards it there,
+        allocates only its own slice on ``self.device`` and receives that slice from rank 0
+        (``set_model_state_dict`` with ``broadcast_from_rank0``); buffers kept out of the state
+        dict (rotary ``inv_freq``) are broadcast as well. No rank ever holds the full model on
+        its device, and only rank 0 read the checkpoint.
+        """
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state = model.state_dict()
+        full = state if self.rank == 0 else {}
+        unsaved = {n: b.detach().clone() for n, b in model.named_buffers() if n not in state}
+        utils.keeping_ties(model, lambda model: model.to("meta"))
+        shard(model)
+        utils.keeping_ties(model, lambda model: model.to_empty(device=self.device))
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for name, buffer in model.named_buffers():
+            if name in unsaved:
+                if self.rank == 0:
+                    buffer.copy_(unsaved[name])
+                dist.broadcast(buffer, src=0)
 
     def save(self) -> str:
         """Each rank writes its own shard of policy and optimizer (DCP, no full gather) into
@@ -1190,21 +1234,16 @@ class FSDPTrainer(_DistributedTrainer):
         return float(self.world_size)  # FSDP averages gradients over ranks; losses are global sums
 
     def prepare_models(self) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mp = None
+        kwargs = {"mesh": self.mesh}
         if self.config.model.fsdp_policy_mp:
-            mp = MixedPrecisionPolicy(param_dtype=utils.get_dtype(self.config.model.fsdp_policy_mp), reduce_dtype=torch.float32)
+            dtype = utils.get_dtype(self.config.model.fsdp_policy_mp)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         for model in (self.policy, self.reference_model):
-            if model is None:
-                continue
-            model.to(self.device)
-            kwargs = {"mesh": self.mesh} if mp is None else {"mesh": self.mesh, "mp_policy": mp}
-            blocks = find_block_classes(model, self.config.model.block_name)
-            for module in model.modules():
-                if type(module) in blocks:
-                    fully_shard(module, **kwargs)
-            fully_shard(model, **kwargs)
+            if model is not None:
+                blocks = find_block_classes(model, self.config.model.block_name)
+                self.shard_from_rank0(model, lambda model, blocks=blocks: fully_shard_blocks(model, blocks, **kwargs))
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
@@ -1318,8 +1357,8 @@ class TensorParallelTrainer(_DistributedTrainer):
         for model in (self.policy, self.reference_model):
             if model is None:
                 continue
-            model.to(self.device)
-            parallelize_module(model, self.mesh, tensor_parallel_plan(model, self.world_size))
+            plan = tensor_parallel_plan(model, self.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
+            self.shard_from_rank0(model, lambda model, plan=plan: parallelize_module(model, self.mesh, plan))
 
     def clip_gradients(self) -> torch.Tensor:
         # Sharded (DTensor) and replicated (plain) gradients mixed: torch's foreach norm refuses

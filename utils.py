@@ -265,6 +265,66 @@ def load_model(
     return model
 
 
+def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
+    """``build()`` on rank 0 only, where the weights are read; on every other rank the same
+    architecture with no weights (parameters on the meta device), built from rank 0's
+    transformers config and generation config. The FSDP/TP trainers then give each rank its
+    slice from rank 0 (``trainers._DistributedTrainer.shard_from_rank0``), so only rank 0 reads
+    the checkpoint and holds the whole model, on CPU.
+
+    Args:
+        build: returns the loaded model (``load_model`` plus ``model.archive``); called on rank 0.
+        rank: this process's rank (every rank must call this, in the same order).
+        reward_head: the model is a reward model (``AutoModelForSequenceClassification``).
+
+    Raises:
+        ConfigError: on every rank, when ``build`` raised a ConfigError or DataError on rank 0.
+        RuntimeError: on the other ranks, when ``build`` raised anything else on rank 0 (which
+            raises the original error).
+    """
+    import transformers
+
+    model, spec = None, None
+    if rank == 0:
+        try:
+            model = build()
+            spec = ("ok", model.config, model.generation_config, next(model.parameters()).dtype)
+        except Exception as e:
+            from preference_datasets import DataError
+
+            broadcast_object(("config" if isinstance(e, (ConfigError, DataError)) else "error", str(e), None, None))
+            raise
+    status, config, generation_config, dtype = broadcast_object(spec)
+    if rank == 0:
+        return model
+    if status == "config":
+        raise ConfigError(config)
+    if status == "error":
+        raise RuntimeError(f"Rank 0 could not load the model: {config}")
+    auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=dtype)
+    model.generation_config = generation_config
+    disable_dropout(model)
+    return model
+
+
+def keeping_ties(model: torch.nn.Module, apply) -> None:
+    """``apply(model)`` (e.g. ``Module.to("meta")`` or ``Module.to_empty``) with tied parameters
+    (e.g. input embeddings and LM head) still one parameter afterwards: converting a model's
+    parameters to or from the meta device makes one new parameter per place, untying them."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module, _, attr = name.rpartition(".")
+        places.setdefault(id(param), []).append((module, attr))
+    apply(model)
+    for (first_module, first_attr), *others in places.values():
+        shared = getattr(model.get_submodule(first_module), first_attr)
+        for module, attr in others:
+            if getattr(model.get_submodule(module), attr) is not shared:
+                setattr(model.get_submodule(module), attr, shared)
+
+
 def disable_dropout(model: torch.nn.Module) -> None:
     """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, and the
     float attributes that attention implementations pass to SDPA as ``dropout_p``

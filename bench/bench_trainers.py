@@ -1,12 +1,13 @@
 """Basic vs FSDP vs tensor-parallel DPO on the same CPU work, in one run.
 
-Each trainer trains the same random Llama (4 layers, hidden 256, 8 heads, intermediate 688,
-byte-level tokenizer) on the same real HH pairs from ../shared/data/hh-rlhf, with the same
+Each trainer trains the same random model (``--size``: a Llama with 4 layers, hidden 256, 8 heads,
+intermediate 688, or a Pythia-160M-shaped GPT-NeoX; byte-level tokenizer) on the same real HH pairs from ../shared/data/hh-rlhf, with the same
 global batch, max_length and steps; FSDP and TP use 2 processes (gloo). Prints DPO pairs/s
-(steady state: the mean of the logged rates after the first) and each rank's peak RSS, with
-ratios to BasicTrainer.
+(steady state: the mean of the logged rates after the first), each rank's peak RSS over the
+whole run and up to the end of model loading and sharding (under FSDP/TP only rank 0 reads the
+weights), with ratios to BasicTrainer.
 
-    python bench/bench_trainers.py [--examples 192] [--batch-size 8] [--max-length 256]
+    python bench/bench_trainers.py [--examples 192] [--batch-size 8] [--max-length 256] [--size llama-4x256]
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HH = REPO.parent / "shared" / "data" / "hh-rlhf"
-MODEL = [
-    "~model.config",
-    "+model.config={model_type:llama,hidden_size:256,intermediate_size:688,num_hidden_layers:4,"
+MODELS = {  # random models built from config; the byte-level tokenizer's vocabulary
+    "llama-4x256": "{model_type:llama,hidden_size:256,intermediate_size:688,num_hidden_layers:4,"
     "num_attention_heads:8,num_key_value_heads:8,max_position_embeddings:512}",
-    "num_threads=null",
-]
+    "pythia-160m": "{model_type:gpt_neox,hidden_size:768,intermediate_size:3072,num_hidden_layers:12,"
+    "num_attention_heads:12,max_position_embeddings:512,tie_word_embeddings:false}",
+}
+BLOCKS = {"llama-4x256": "LlamaDecoderLayer", "pythia-160m": "GPTNeoXLayer"}
 
 
 def run(trainer: str, procs: int, args, out: Path) -> dict:
     overrides = [
-        *MODEL,
+        "~model.config",
+        f"+model.config={MODELS[args.size]}",
+        f"model.block_name={BLOCKS[args.size]}",
+        "num_threads=null",
         f"trainer={trainer}",
         f"world_size={procs}",
         "datasets=[hh]",
@@ -62,7 +67,11 @@ def run(trainer: str, procs: int, args, out: Path) -> dict:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["examples_per_second"] for r in recs if "examples_per_second" in r][1:]
     memory = {k: v for r in recs for k, v in r.items() if k.startswith("memory/")}
-    return {"pairs_per_s": sum(rates) / len(rates), "rss": [memory[k] for k in sorted(memory) if "rss" in k]}
+    return {
+        "pairs_per_s": sum(rates) / len(rates),
+        "rss": [memory[k] for k in sorted(memory) if k.endswith("_peak_rss_mib")],
+        "setup_rss": [memory[k] for k in sorted(memory) if k.endswith("_peak_setup_rss_mib")],
+    }
 
 
 def main() -> None:
@@ -70,6 +79,7 @@ def main() -> None:
     parser.add_argument("--examples", type=int, default=192, help="DPO pairs per trainer")
     parser.add_argument("--batch-size", type=int, default=8, help="global batch (pairs)")
     parser.add_argument("--max-length", type=int, default=256, help="prompt + response bytes")
+    parser.add_argument("--size", choices=sorted(MODELS), default="llama-4x256", help="the random model to train")
     args = parser.parse_args()
     if not HH.exists():
         sys.exit(f"{HH} is absent: this benchmark reads the real HH pairs in ../shared.")
@@ -79,12 +89,13 @@ def main() -> None:
             results[name] = run(name, procs, args, Path(tmp) / name)
             print(f"done: {name}", flush=True)
     base = results["BasicTrainer"]
-    print(f"\nDPO, random Llama 4x256, batch {args.batch_size}, max_length {args.max_length}, {args.examples} pairs, fp32, CPU")
-    print(f"{'trainer':24} {'procs':>5} {'pairs/s':>8} {'vs Basic':>8}  peak RSS per rank (MiB)")
+    print(f"\nDPO, random {args.size}, batch {args.batch_size}, max_length {args.max_length}, {args.examples} pairs, fp32, CPU")
+    print(f"{'trainer':24} {'procs':>5} {'pairs/s':>8} {'vs Basic':>8}  {'peak RSS per rank (MiB)':>24}  after loading")
     for name, r in results.items():
         procs = len(r["rss"])
         rss = ", ".join(f"{v:.0f}" for v in r["rss"])
-        print(f"{name:24} {procs:>5} {r['pairs_per_s']:8.2f} {r['pairs_per_s'] / base['pairs_per_s']:8.2f}  {rss}")
+        setup = ", ".join(f"{v:.0f}" for v in r["setup_rss"])
+        print(f"{name:24} {procs:>5} {r['pairs_per_s']:8.2f} {r['pairs_per_s'] / base['pairs_per_s']:8.2f}  {rss:>24}  {setup}")
 
 
 if __name__ == "__main__":

@@ -147,11 +147,24 @@ def test_tensor_parallel_matches_basic(basic_runs, tmp_path, family):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     memory = {k for r in recs for k in r if k.startswith("memory/")}
     assert {"memory/rank0_peak_rss_mib", "memory/rank1_peak_rss_mib"} <= memory
+    assert {"memory/rank0_peak_setup_rss_mib", "memory/rank1_peak_setup_rss_mib"} <= memory
     # The export is the family's own Hugging Face layout (GPT-2's Conv1D restored).
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(run_dir / "LATEST" / "hf")
     assert model.config.model_type == family
+
+
+def test_fsdp_with_precomputed_reference_matches_basic_live_reference(basic_runs, tmp_path):
+    # Rank 0 alone holds the reference's weights: it computes the log-probs once and sends them
+    # to rank 1; training must equal the single-process run with a live reference.
+    cache = tmp_path / "cache"
+    args = [*COMMON, "trainer=FSDPTrainer", "world_size=2", "sample_during_eval=false", "precompute_ref_log_probs=true"]
+    code, text = cli([*args, f"cache_dir={cache}"], tmp_path / "out")
+    assert code == 0, text[-4000:]
+    assert text.count("pairs cached in") == 1, text[-3000:]
+    assert len(list(cache.glob("reference_logps-*.pt"))) == 1
+    assert_same_run(basic_runs["llama"], next(p for p in (tmp_path / "out").iterdir() if p.is_dir()))
 
 
 def two_prompt_fsdp_args(tmp_path: Path) -> list[str]:
@@ -217,6 +230,43 @@ def test_fsdp_bfloat16_mixed_precision_runs(tmp_path):
         tmp_path,
     )
     assert all(math.isfinite(r["loss/eval"]) for r in evals(run_dir))
+
+
+def test_only_rank_0_loads_weights_and_every_rank_gets_its_shard():
+    # rank 1 builds its model on the meta device and receives its FSDP / TP shard from rank 0;
+    # the sharded model must give the whole model's logits, with ties and rotary buffers kept.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/shard_from_rank0_worker.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        text, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        pytest.fail(f"the worker did not finish in 240 s (killed):\n{text[-3000:]}")
+    assert proc.returncode == 0, text[-4000:]
+    for rank in (0, 1):
+        for family in ("llama", "gpt_neox", "gpt2"):
+            for how in ("fsdp", "tp"):
+                assert f"rank {rank}: {family} {how} ok" in text
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", None], ids=["garbage", "no-state"])
+def test_unreadable_archive_under_fsdp_is_one_sentence_on_every_rank(tmp_path, content):
+    # Only rank 0 reads model.archive: its error must reach rank 1 (which would otherwise wait
+    # for its shard forever) and be said once.
+    archive = tmp_path / "policy.pt"
+    if content is None:
+        torch.save({"step_idx": 8}, archive)
+    else:
+        archive.write_bytes(content)
+    code, text = cli([*COMMON, "trainer=FSDPTrainer", "world_size=2", f"model.archive={archive}"], tmp_path / "out", timeout=180)
+    assert code == 2, text[-3000:]
+    assert text.count(f"Error: model.archive={archive}") == 1, text[-3000:]
+    assert "give the policy.pt of an earlier run" in text
+    assert "Traceback" not in text
 
 
 def test_tensor_parallel_rejects_other_families_by_name():

@@ -217,6 +217,13 @@ def test_sft_then_dpo_from_archive_starts_at_ln2(tmp_path):
     assert first["logps_eval/chosen"] == pytest.approx(sft_last["logps_eval/chosen"], rel=1e-4)
 
 
+def test_an_archive_that_is_not_a_checkpoint_is_one_sentence(tmp_path):
+    archive = tmp_path / "policy.pt"
+    archive.write_text("not a checkpoint")
+    with pytest.raises(utils.ConfigError, match=r"could not be read \(UnpicklingError\); give the policy.pt of an earlier run"):
+        run([f"model.archive={archive}"], tmp_path)
+
+
 @pytest.mark.parametrize(
     "loss", [["loss=ipo"], ["loss=dpo", "loss.label_smoothing=0.2"], ["loss=dpo", "loss.reference_free=true"]]
 )
