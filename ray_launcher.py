@@ -51,7 +51,7 @@ def check_config(config: DictConfig) -> None:
         raise utils.ConfigError(f"ray.num_workers must be a whole number >= 1, got {n}.")
     if config.trainer == "BasicTrainer" and n != 1:
         raise utils.ConfigError(f"trainer=BasicTrainer is one process; use ray.num_workers=1 or trainer=FSDPTrainer (got {n}).")
-    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else n)
+    utils.validate_config(config, n)
     utils.check_parallel_model(config, n)
     if not ray_cfg.cpus_per_worker > 0:
         raise utils.ConfigError(f"ray.cpus_per_worker must be > 0, got {ray_cfg.cpus_per_worker}.")

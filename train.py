@@ -154,7 +154,7 @@ def main(
         checkpoint_dir = os.path.join(resume_dir, "LATEST")
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else world_size)
+    utils.validate_config(config, world_size)
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
     rank = 0
@@ -244,7 +244,7 @@ def launch(config: DictConfig) -> int | None:
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
-    utils.validate_config(config, 1 if config.trainer == "TensorParallelTrainer" else n)
+    utils.validate_config(config, n)
     utils.check_parallel_model(config, n)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

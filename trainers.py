@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -617,7 +618,7 @@ class BasicTrainer:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         rows, start = [], 0
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.config.seed + 1 + self.rank)
+            torch.manual_seed(self.config.seed + 1 + self.data_rank)  # tensor-parallel peers sample alike
             for global_batch in self.eval_batches:
                 n = len(global_batch["prompt"])
                 batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
@@ -1097,21 +1098,38 @@ class _DistributedTrainer(BasicTrainer):
             self.device = torch.device("cpu")
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        config = args[1] if len(args) > 1 else kwargs["config"]
+        self.tp_size = self.tensor_parallel_size(config)
+        dp_size = self.world_size // self.tp_size
+        self.mesh = init_device_mesh(self.device.type, (dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
         super().__init__(*args, **kwargs)
 
-    def _all_reduce(self, value: float, op) -> float:
+    def tensor_parallel_size(self, config) -> int:
+        """Over how many processes each weight matrix is split (the mesh's ``tp`` dimension)."""
+        return 1
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's place along the mesh's data-parallel dimension (tensor-parallel peers share it)."""
+        return self.mesh["dp"].get_local_rank()
+
+    @property
+    def data_world_size(self) -> int:
+        """The number of data-parallel groups: world size / tensor-parallel size."""
+        return self.mesh["dp"].size()
+
+    def _all_reduce(self, value: float, op, group=None) -> float:
         import torch.distributed as dist
 
         t = torch.tensor([float(value)], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
         return t.item()
 
     def global_sum(self, value: float) -> float:
-        """Sum of ``value`` over all ranks (an all-reduce)."""
+        """Sum of ``value`` over the data-parallel groups (an all-reduce; tensor-parallel peers hold the same value)."""
         import torch.distributed as dist
 
-        return self._all_reduce(value, dist.ReduceOp.SUM)
+        return self._all_reduce(value, dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
 
     def all_finite(self, value: torch.Tensor) -> bool:
         """True if ``value`` is finite on every rank (all ranks agree)."""
@@ -1126,14 +1144,15 @@ class _DistributedTrainer(BasicTrainer):
         return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
 
     def gather_metrics(self, metrics: dict) -> dict:
-        return self.gather_per_rank(metrics)
+        """Every data-parallel group's lists, concatenated in order (tensor-parallel peers computed the same)."""
+        return self.gather_per_rank(metrics, group=self.mesh["dp"].get_group())
 
-    def gather_per_rank(self, metrics: dict) -> dict:
-        """Every rank's lists, concatenated in rank order (an all-gather of Python objects)."""
+    def gather_per_rank(self, metrics: dict, group=None) -> dict:
+        """Every rank's lists (of ``group``, default all), concatenated in rank order (an all-gather of Python objects)."""
         import torch.distributed as dist
 
-        parts: list = [None] * self.world_size
-        dist.all_gather_object(parts, dict(metrics))
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, dict(metrics), group=group)
         out: dict = defaultdict(list)
         for part in parts:
             for k, v in part.items():
@@ -1194,8 +1213,42 @@ class _DistributedTrainer(BasicTrainer):
         dist.barrier()
         return path
 
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip to ``max_grad_norm`` by the global L2 norm. With tensor parallelism, gradients on
+        different meshes (FSDP-only and FSDP x TP) and plain ones mix, which torch's foreach
+        norm refuses, so the norm is summed parameter by parameter."""
+        if self.tp_size == 1:
+            return super().clip_gradients()
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+        total = total_sq.sqrt()
+        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
+
     def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
-        """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``."""
+        """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``;
+        a tensor-parallel GPT-2's weights go back to its own Conv1D layout first."""
+        if self.tp_size > 1 and self.policy.config.model_type == "gpt2":
+            from transformers import AutoModelForCausalLM
+
+            full_state = _gpt2_state_to_conv1d(full_state, self.policy.config, self.tp_size)
+            exporter = AutoModelForCausalLM.from_config(self.policy.config)
+            exporter.load_state_dict(full_state)
+            self.policy, policy = exporter, self.policy
+            try:
+                self._write_rank0_files(folder, step, full_state)
+            finally:
+                self.policy = policy
+            return
+        self._write_rank0_files(folder, step, full_state)
+
+    def _write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
         torch.save({"step_idx": step, "state": full_state}, os.path.join(folder, "policy.pt"))
         torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
         torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
@@ -1231,25 +1284,42 @@ class FSDPTrainer(_DistributedTrainer):
 
     @property
     def grad_scale(self) -> float:
-        return float(self.world_size)  # FSDP averages gradients over ranks; losses are global sums
+        return float(self.data_world_size)  # FSDP averages gradients over its ranks; losses are global sums
+
+    def tensor_parallel_size(self, config) -> int:
+        """``tensor_parallel_size`` (default 1: plain FSDP over every rank)."""
+        return config.get("tensor_parallel_size") or 1
 
     def prepare_models(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        kwargs = {"mesh": self.mesh}
+        kwargs = {}
         if self.config.model.fsdp_policy_mp:
             dtype = utils.get_dtype(self.config.model.fsdp_policy_mp)
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        kwargs["mesh"] = self.mesh["dp"]
+        if self.tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
+            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         for model in (self.policy, self.reference_model):
-            if model is not None:
-                blocks = find_block_classes(model, self.config.model.block_name)
-                self.shard_from_rank0(model, lambda model, blocks=blocks: fully_shard_blocks(model, blocks, **kwargs))
+            if model is None:
+                continue
+            blocks = find_block_classes(model, self.config.model.block_name)
+            plan = tensor_parallel_plan(model, self.tp_size) if self.tp_size > 1 else None
+
+            def shard(model, blocks=blocks, plan=plan):
+                if plan is not None:  # 2-D: tensor parallel within each group of tp_size ranks, then FSDP across groups
+                    from torch.distributed.tensor.parallel import parallelize_module
+
+                    parallelize_module(model, self.mesh["tp"], plan)
+                fully_shard_blocks(model, blocks, **kwargs)
+
+            self.shard_from_rank0(model, shard)
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
-        parts = split_batch(batch, self.world_size)
-        if self.rank < len(parts):
-            return parts[self.rank], 1.0
+        parts = split_batch(batch, self.data_world_size)
+        if self.data_rank < len(parts):
+            return parts[self.data_rank], 1.0
         return parts[0], 0.0  # fewer examples than ranks: run a stand-in so collectives match
 
     def set_grad_sync(self, enabled: bool) -> None:
@@ -1358,56 +1428,13 @@ class TensorParallelTrainer(_DistributedTrainer):
             if model is None:
                 continue
             plan = tensor_parallel_plan(model, self.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
-            self.shard_from_rank0(model, lambda model, plan=plan: parallelize_module(model, self.mesh, plan))
+            self.shard_from_rank0(model, lambda model, plan=plan: parallelize_module(model, self.mesh["tp"], plan))
 
-    def clip_gradients(self) -> torch.Tensor:
-        # Sharded (DTensor) and replicated (plain) gradients mixed: torch's foreach norm refuses
-        # the mix, so the global norm is summed parameter by parameter.
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
-            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
-        total = total_sq.sqrt()
-        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total
+    def tensor_parallel_size(self, config) -> int:
+        """Every process holds a slice of every block: the whole world is one tensor-parallel group."""
+        import torch.distributed as dist
 
-    # Every process sees the same data: sums and metrics are already global.
-    def global_sum(self, value: float) -> float:
-        """``value`` itself: every rank already holds the global figure."""
-        return value
-
-    def gather_metrics(self, metrics: dict) -> dict:
-        """``metrics`` itself: every rank computed the same examples' metrics."""
-        return metrics
-
-    @property
-    def data_rank(self) -> int:
-        """Every rank takes the whole batch (the model, not the data, is split)."""
-        return 0
-
-    @property
-    def data_world_size(self) -> int:
-        """One data part: all ranks see the same examples."""
-        return 1
-
-    def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
-        if self.policy.config.model_type == "gpt2":
-            full_state = _gpt2_state_to_conv1d(full_state, self.policy.config, self.world_size)
-            from transformers import AutoModelForCausalLM
-
-            exporter = AutoModelForCausalLM.from_config(self.policy.config)
-            exporter.load_state_dict(full_state)
-            self.policy, policy = exporter, self.policy
-            try:
-                super().write_rank0_files(folder, step, full_state)
-            finally:
-                self.policy = policy
-            return
-        super().write_rank0_files(folder, step, full_state)
+        return dist.get_world_size()
 
 
 def _gpt2_state_to_conv1d(state: dict, config, world_size: int) -> dict:

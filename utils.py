@@ -75,8 +75,24 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
         )
-    if config.batch_size % world_size:
-        raise ConfigError(f"batch_size ({config.batch_size}) must be divisible by the number of processes ({world_size}).")
+    tp = config.get("tensor_parallel_size") or 1
+    if tp != 1:
+        if not isinstance(tp, int) or tp < 1:
+            raise ConfigError(f"tensor_parallel_size must be a whole number >= 1, got {tp}.")
+        if config.trainer != "FSDPTrainer":
+            raise ConfigError(
+                f"tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {config.trainer} does not use it: remove it."
+            )
+        if loss.name == "reward":
+            raise ConfigError(
+                "loss=reward does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
+            )
+        if world_size % tp:
+            raise ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
+    data_parallel = data_parallel_size(config, world_size)
+    if config.batch_size % data_parallel:
+        groups = "processes" if tp == 1 else "data-parallel groups (processes / tensor_parallel_size)"
+        raise ConfigError(f"batch_size ({config.batch_size}) must be divisible by the number of {groups} ({data_parallel}).")
     if config.max_prompt_length >= config.max_length:
         raise ConfigError(
             f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
@@ -105,6 +121,17 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+
+
+def data_parallel_size(config: DictConfig, world_size: int) -> int:
+    """Into how many parts each batch is split over ``world_size`` processes: 1 under
+    TensorParallelTrainer (every process sees the whole batch), ``world_size /
+    tensor_parallel_size`` under FSDPTrainer, ``world_size`` otherwise."""
+    if config.trainer == "TensorParallelTrainer":
+        return 1
+    if config.trainer == "FSDPTrainer":
+        return world_size // (config.get("tensor_parallel_size") or 1)
+    return world_size
 
 
 def looks_local(path: str) -> bool:
@@ -221,16 +248,18 @@ def transformers_config(model_config: DictConfig, tokenizer=None):
 
 
 def check_parallel_model(config: DictConfig, world_size: int) -> None:
-    """Before any process starts: can TensorParallelTrainer split this model over ``world_size``?
+    """Before any process starts: can tensor parallelism split this model (TensorParallelTrainer
+    over ``world_size`` processes, or FSDPTrainer's ``tensor_parallel_size``)?
 
     Raises:
-        ConfigError: for an unsupported family or a head count not divisible by ``world_size``.
+        ConfigError: for an unsupported family or a head count not divisible by the TP size.
     """
-    if config.trainer != "TensorParallelTrainer":
+    tp = world_size if config.trainer == "TensorParallelTrainer" else (config.get("tensor_parallel_size") or 1)
+    if tp == 1:
         return
     from trainers import check_tensor_parallel
 
-    check_tensor_parallel(transformers_config(config.model), world_size)
+    check_tensor_parallel(transformers_config(config.model), tp)
 
 
 def load_model(

@@ -105,6 +105,22 @@ def assert_same_run(a: Path, b: Path, atol: float = 5e-5) -> None:
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=atol, msg=name)
 
 
+def assert_resumes_exactly_from_step_32(run_dir: Path, tmp_path: Path) -> None:
+    """A copy of ``run_dir`` cut back to its step-32 checkpoint and resumed must end with the
+    same weights as the full 64-example run."""
+    cut = tmp_path / "cut" / run_dir.name
+    shutil.copytree(run_dir, cut, symlinks=True)
+    shutil.rmtree(cut / "step-64")
+    (cut / "LATEST").unlink()
+    (cut / "LATEST").symlink_to("step-32")
+    (cut / "metrics.jsonl").write_text("")
+    code, text = cli([f"resume={cut}"], tmp_path / "unused")
+    assert code == 0, text[-4000:]
+    assert "Resuming after 32 examples" in text
+    for name, value in weights(run_dir).items():
+        torch.testing.assert_close(weights(cut)[name], value, rtol=0, atol=1e-6, msg=name)
+
+
 @pytest.fixture(scope="module")
 def basic_runs(tmp_path_factory):
     """One BasicTrainer run per model family: what the parallel trainers must reproduce."""
@@ -123,18 +139,7 @@ def test_fsdp_matches_basic_with_accumulation_and_resumes_exactly_from_shards(ba
     assert_same_run(basic_runs["llama"], run_dir)
     assert sorted(p.name for p in (run_dir / "LATEST" / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
-    # Resume from the sharded checkpoint written after 32 examples: same end as the full run.
-    cut = tmp_path / "cut" / run_dir.name
-    shutil.copytree(run_dir, cut, symlinks=True)
-    shutil.rmtree(cut / "step-64")
-    (cut / "LATEST").unlink()
-    (cut / "LATEST").symlink_to("step-32")
-    (cut / "metrics.jsonl").write_text("")
-    code, text = cli([f"resume={cut}"], tmp_path / "unused")
-    assert code == 0, text[-4000:]
-    assert "Resuming after 32 examples" in text
-    for name, value in weights(run_dir).items():
-        torch.testing.assert_close(weights(cut)[name], value, rtol=0, atol=1e-6, msg=name)
+    assert_resumes_exactly_from_step_32(run_dir, tmp_path)  # from the shards written after 32 examples
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -167,18 +172,39 @@ def test_fsdp_with_precomputed_reference_matches_basic_live_reference(basic_runs
     assert_same_run(basic_runs["llama"], next(p for p in (tmp_path / "out").iterdir() if p.is_dir()))
 
 
-def two_prompt_fsdp_args(tmp_path: Path) -> list[str]:
-    """FSDP on 2 ranks over a json dataset of two prompts of very different lengths (1 and 90
-    characters), one per rank, so the ranks' generations differ in length."""
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_fsdp_by_tensor_parallel_2d_matches_basic_and_resumes_from_shards(basic_runs, tmp_path, family):
+    # 4 processes: a 2 x 2 mesh, tensor parallel within each pair, FSDP across the pairs; each
+    # pair takes half of every batch. Losses and weights must equal the single-process run's.
+    args = [*COMMON, *FAMILIES[family], "trainer=FSDPTrainer", "world_size=4", "tensor_parallel_size=2"]
+    run_dir = finished_run([*args, "sample_during_eval=false"], tmp_path / "2d")
+    assert_same_run(basic_runs[family], run_dir)
+    assert len(list((run_dir / "LATEST" / "sharded").glob("*.distcp"))) == 4
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "LATEST" / "hf").config.model_type == family
+    if family != "llama":
+        return
+    assert_resumes_exactly_from_step_32(run_dir, tmp_path)  # from the 2-D shards
+
+
+# FSDP over 2 ranks, and 2-D: 2 data-parallel groups of 2 tensor-parallel ranks
+TOPOLOGIES = {"fsdp": ["world_size=2"], "fsdp_x_tp": ["world_size=4", "tensor_parallel_size=2"]}
+
+
+def two_prompt_fsdp_args(tmp_path: Path, topology: str = "fsdp") -> list[str]:
+    """FSDP over a json dataset of two prompts of very different lengths (1 and 90 characters),
+    one per data-parallel group, so the groups' generations differ in length."""
     rows = [{"prompt": "Q" * n, "chosen": " yes", "rejected": " no"} for n in (1, 90)]
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return ["trainer=FSDPTrainer", "world_size=2", "datasets=[json]", f"data.json.path={{train: {data}, test: {data}}}"]
+    return ["trainer=FSDPTrainer", *TOPOLOGIES[topology], "datasets=[json]", f"data.json.path={{train: {data}, test: {data}}}"]
 
 
-def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path):
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path, topology):
     args = [
-        *two_prompt_fsdp_args(tmp_path),
+        *two_prompt_fsdp_args(tmp_path, topology),
         "batch_size=2",
         "eval_batch_size=2",
         "n_eval_examples=2",
@@ -192,7 +218,7 @@ def test_fsdp_sampling_with_very_different_prompt_lengths_does_not_hang(tmp_path
     ]
     run_dir = finished_run(args, tmp_path / "out")
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    assert sorted(len(s["prompt"]) for s in samples if s["step"] == 0) == [1, 90]  # one prompt per rank
+    assert sorted(len(s["prompt"]) for s in samples if s["step"] == 0) == [1, 90]  # one prompt per data-parallel group
 
 
 def test_fsdp_world_size_one_saves_and_checkpoints_load_in_other_trainers(tmp_path):
@@ -298,6 +324,16 @@ def test_tensor_parallel_rejects_other_families_by_name():
             "not 'opt'",
         ),
         (["trainer=FSDPTrainer", "world_size=2", "model=blank_model", "model.name_or_path=../no/such/model"], "is not a folder"),
+        (
+            ["trainer=FSDPTrainer", "world_size=2", "tensor_parallel_size=3"],
+            "tensor_parallel_size \\(3\\) must divide the number of processes \\(2\\)",
+        ),
+        (["trainer=FSDPTrainer", "world_size=3", "tensor_parallel_size=3"], "cannot be split over 3 processes"),
+        (["trainer=FSDPTrainer", "world_size=4", "tensor_parallel_size=2", "batch_size=3"], "data-parallel groups .* \\(2\\)"),
+        (
+            ["trainer=TensorParallelTrainer", "world_size=2", "tensor_parallel_size=2"],
+            "tensor_parallel_size is for trainer=FSDPTrainer",
+        ),
     ],
 )
 def test_parallel_mistakes_are_one_sentence_before_any_process_starts(tmp_path, args, message):
@@ -345,7 +381,8 @@ def test_sigterm_to_train_py_stops_all_ranks_after_a_checkpoint(tmp_path):
     assert not leftover.strip(), "worker processes outlived train.py"
 
 
-def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp_path):
+@pytest.mark.parametrize("topology", list(TOPOLOGIES))
+def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp_path, topology):
     # Every rank samples its own prompts (one 1-character prompt, one 90-character prompt, so the
     # ranks' generations differ in length) and scores them; the completions table is gathered on
     # rank 0. The peer's equivalent deadlocks under ZeRO-3 when only one rank generates.
@@ -353,7 +390,7 @@ def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp
 
     rm = save_tiny_reward_model(tmp_path / "rm")
     args = [
-        *two_prompt_fsdp_args(tmp_path),
+        *two_prompt_fsdp_args(tmp_path, topology),
         "online.enabled=true",
         f"reward_model.name_or_path={rm}",
         "online.max_new_tokens=24",
