@@ -178,12 +178,15 @@ def main(
 
     scorer = None
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if online and not remote_scorer:  # before the run folder and the policy: a wrong reward model fails fast
+    if online and not remote_scorer:  # before the run folder: a wrong reward model fails fast
         import rewards
 
         scorer = rewards.build_scorer(
             config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         )
+
+    reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
+    policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
@@ -193,9 +196,6 @@ def main(
         run_dir = utils.broadcast_object(run_dir)
     if rank == 0:
         print(f"Run folder: {run_dir}")
-
-    reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
-    policy, reference = load_models(config, tokenizer, rank, distributed)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:

@@ -216,17 +216,36 @@ def get_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
+_LOAD_HINT = "Check model.name_or_path (a hub id, which needs the internet or the hub cache, or a local model folder)."
+
+
+def _first_line(error: Exception) -> str:
+    """The first line of ``error``'s message, ending in a full stop."""
+    line = (str(error).strip().splitlines() or [type(error).__name__])[0].strip()
+    return line if line.endswith(".") else line + "."
+
+
 def load_tokenizer(model_config: DictConfig):
     """The tokenizer named by ``model.tokenizer_class`` (built with no files, e.g. ByT5Tokenizer),
     else ``model.tokenizer_name_or_path``, else ``model.name_or_path``. A pad token is set
-    to EOS when the tokenizer has none."""
+    to EOS when the tokenizer has none.
+
+    Raises:
+        ConfigError: when the tokenizer cannot be loaded (no such hub id or folder, offline).
+    """
     import transformers
 
     if model_config.get("tokenizer_class"):
         tokenizer = getattr(transformers, model_config.tokenizer_class)()
     else:
         path = model_config.tokenizer_name_or_path or model_config.name_or_path
-        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"Could not load the tokenizer {path!r} (model.tokenizer_name_or_path, else model.name_or_path): "
+                f"{_first_line(e)} {_LOAD_HINT}"
+            ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -272,7 +291,12 @@ def load_model(
 
     With ``reward_head`` it is the same network with a one-output sequence-classification
     head instead of the LM head (``AutoModelForSequenceClassification``, ``num_labels=1``):
-    a reward model for ``loss=reward``; the head starts random."""
+    a reward model for ``loss=reward``; the head starts random.
+
+    Raises:
+        ConfigError: when the weights cannot be loaded (no such hub id or folder, offline, no
+            weights file in the folder).
+    """
     import transformers
 
     auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
@@ -287,7 +311,12 @@ def load_model(
         kwargs = {"dtype": dtype, **extra}
         if model_config.get("device_map"):
             kwargs["device_map"] = model_config.device_map
-        model = auto.from_pretrained(model_config.name_or_path, **kwargs)
+        try:
+            model = auto.from_pretrained(model_config.name_or_path, **kwargs)
+        except (OSError, ValueError) as e:  # no such id or folder, offline, no weights, no model_type
+            raise ConfigError(
+                f"Could not load model.name_or_path={model_config.name_or_path}: {_first_line(e)} {_LOAD_HINT}"
+            ) from e
     if reward_head and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # batches are padded
     disable_dropout(model)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -126,6 +127,19 @@ def test_bad_override_is_one_clear_sentence(overrides, message):
     config = compose_config(overrides)
     with pytest.raises(utils.ConfigError, match=message):
         utils.validate_config(config)
+
+
+def test_a_model_folder_without_weights_is_one_sentence_and_leaves_no_run_folder(tmp_path):
+    # The tokenizer loads but the model does not: the run folder is made only after the models
+    # load, so no folder holding just config.yaml is left behind.
+    from conftest import SHARED
+
+    folder = tmp_path / "no_weights"
+    shutil.copytree(SHARED / "tokenizers" / "gpt2", folder)
+    config = compose_config(["model=blank_model", f"model.name_or_path={folder}", f"output_root={tmp_path / 'out'}"])
+    with pytest.raises(utils.ConfigError, match=f"Could not load model.name_or_path={folder}: .* Check model.name_or_path"):
+        train.main(config)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 def test_batch_size_must_divide_by_world_size():
