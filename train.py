@@ -66,6 +66,23 @@ def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) ->
     return reference
 
 
+def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
+    """Load ``state`` (a policy.pt's weights) into ``model``.
+
+    Raises:
+        utils.ConfigError: naming the first missing/unexpected/mismatched key when the weights
+            are another model's.
+    """
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        lines = [line.strip() for line in str(e).splitlines()[1:] if line.strip()]
+        detail = (lines[0] if lines else str(e))[:200]
+        raise utils.ConfigError(
+            f"model.archive={path} holds another model's weights ({detail}); give the policy.pt of a run of this model."
+        ) from e
+
+
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The policy (a reward model for ``loss=reward``) and, for DPO/IPO with a local reference,
     the frozen reference, both with ``model.archive``'s weights when set (read once).
@@ -108,13 +125,13 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
             if body:
                 raise utils.ConfigError(f"model.archive={config.model.archive} does not fit this model (e.g. {body[0]!r}).")
         else:
-            policy.load_state_dict(state["state"])
+            load_archive(policy, state["state"], config.model.archive)
         return policy
 
     def build_reference() -> torch.nn.Module:
         reference = load_reference(config, tokenizer, apply_archive=False)
         if config.model.archive is not None:
-            reference.load_state_dict(archive()["state"])
+            load_archive(reference, archive()["state"], config.model.archive)
         return reference
 
     if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
@@ -155,6 +172,7 @@ def main(
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
+    utils.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
     rank = 0
@@ -289,7 +307,8 @@ def hydra_main(config: DictConfig) -> None:
     """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted)."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        if config.resume is not None and rank == 0 and "RANK" not in os.environ:
+        torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+        if config.resume is not None and rank == 0 and ("RANK" not in os.environ or torchrun):
             from hydra.core.hydra_config import HydraConfig
 
             ignored = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
@@ -305,8 +324,10 @@ def hydra_main(config: DictConfig) -> None:
             sys.exit(code)
         _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:
-        if rank == 0:  # the same sentence on every process: say it once
-            print(f"Error: {e}", file=sys.stderr)
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # the same sentence on every process: once per node
+            print(f"Error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(1)  # let the node's first process say it before torchrun stops the group
         sys.exit(2)
     except KeyboardInterrupt:
         if rank == 0:

@@ -781,7 +781,12 @@ class BasicTrainer:
                 if self.is_main:
                     utils.plot_curves(self.run_dir)
                     print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-                    print(f"Resume with: python train.py resume={self.run_dir}")
+                    how = (
+                        "the same torchrun command on every node, with"
+                        if "TORCHELASTIC_RUN_ID" in os.environ
+                        else "python train.py"
+                    )
+                    print(f"Resume with: {how} resume={self.run_dir}")
                 return self.stop_signal or signal.SIGTERM
             self.evaluate()
             path = self.save()
@@ -1334,21 +1339,24 @@ class FSDPTrainer(_DistributedTrainer):
 TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
 
 
-def check_tensor_parallel(cfg, world_size: int) -> None:
+def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None:
     """Raise utils.ConfigError unless tensor parallelism can split a model with transformers
-    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible)."""
+    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible); the
+    message names ``key``, the setting to change (``tensor_parallel_size`` for 2-D FSDP x TP)."""
     family = cfg.model_type
     if family not in TP_FAMILIES:
+        fix = (
+            "use FSDPTrainer for this model" if key == "world_size" else "set tensor_parallel_size=1 (FSDP alone) for this model"
+        )
         raise utils.ConfigError(
-            f"TensorParallelTrainer supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; "
-            "use FSDPTrainer for this model."
+            f"Tensor parallelism supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; {fix}."
         )
     heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     if heads % world_size or kv_heads % world_size:
         raise utils.ConfigError(
             f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes; "
-            "choose a world_size that divides them."
+            f"choose a {key} that divides them."
         )
 
 

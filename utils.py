@@ -273,12 +273,15 @@ def check_parallel_model(config: DictConfig, world_size: int) -> None:
     Raises:
         ConfigError: for an unsupported family or a head count not divisible by the TP size.
     """
-    tp = world_size if config.trainer == "TensorParallelTrainer" else (config.get("tensor_parallel_size") or 1)
+    if config.trainer == "TensorParallelTrainer":
+        tp, key = world_size, "world_size"
+    else:
+        tp, key = (config.get("tensor_parallel_size") or 1) if config.trainer == "FSDPTrainer" else 1, "tensor_parallel_size"
     if tp == 1:
         return
     from trainers import check_tensor_parallel
 
-    check_tensor_parallel(transformers_config(config.model), tp)
+    check_tensor_parallel(transformers_config(config.model), tp, key)
 
 
 def load_model(

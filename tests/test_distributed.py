@@ -279,6 +279,18 @@ def test_only_rank_0_loads_weights_and_every_rank_gets_its_shard():
                 assert f"rank {rank}: {family} {how} ok" in text
 
 
+def test_under_torchrun_a_model_tp_cannot_split_is_one_sentence_and_leaves_no_run_folder(tmp_path):
+    # torchrun starts the ranks itself, so train.py's launcher check never runs: each rank must
+    # check before making the run folder.
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "train.py"]
+    cmd += [*COMMON, "trainer=TensorParallelTrainer", f"output_root={tmp_path / 'out'}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "cannot be split over 3 processes; choose a world_size that divides them" in done.stderr, done.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("content", [b"not a checkpoint", None], ids=["garbage", "no-state"])
 def test_unreadable_archive_under_fsdp_is_one_sentence_on_every_rank(tmp_path, content):
     # Only rank 0 reads model.archive: its error must reach rank 1 (which would otherwise wait
@@ -328,7 +340,10 @@ def test_tensor_parallel_rejects_other_families_by_name():
             ["trainer=FSDPTrainer", "world_size=2", "tensor_parallel_size=3"],
             "tensor_parallel_size \\(3\\) must divide the number of processes \\(2\\)",
         ),
-        (["trainer=FSDPTrainer", "world_size=3", "tensor_parallel_size=3"], "cannot be split over 3 processes"),
+        (
+            ["trainer=FSDPTrainer", "world_size=3", "tensor_parallel_size=3"],
+            "cannot be split over 3 processes; choose a tensor_parallel_size",
+        ),
         (["trainer=FSDPTrainer", "world_size=4", "tensor_parallel_size=2", "batch_size=3"], "data-parallel groups .* \\(2\\)"),
         (
             ["trainer=TensorParallelTrainer", "world_size=2", "tensor_parallel_size=2"],

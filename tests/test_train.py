@@ -142,6 +142,17 @@ def test_a_model_folder_without_weights_is_one_sentence_and_leaves_no_run_folder
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+def test_an_archive_of_another_model_is_one_sentence(tmp_path):
+    # SFT with one model, DPO with another: the weights do not fit.
+    archive = tmp_path / "policy.pt"
+    torch.save({"step_idx": 8, "state": {"lm_head.weight": torch.zeros(3, 3)}}, archive)
+    config = compose_config([f"model.archive={archive}", f"output_root={tmp_path / 'out'}"])
+    with pytest.raises(
+        utils.ConfigError, match="holds another model's weights .*Missing key.*; give the policy.pt of a run of this model"
+    ):
+        train.main(config)
+
+
 def test_batch_size_must_divide_by_world_size():
     with pytest.raises(utils.ConfigError, match="number of processes"):
         utils.validate_config(compose_config(["batch_size=6"]), world_size=4)
