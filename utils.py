@@ -121,6 +121,11 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+    if config.model.archive is not None and os.path.isdir(config.model.archive):
+        raise ConfigError(
+            f"model.archive={config.model.archive} is a folder; give a checkpoint's policy.pt, "
+            f"e.g. {os.path.join(config.model.archive, 'LATEST', 'policy.pt')}."
+        )
 
 
 def data_parallel_size(config: DictConfig, world_size: int) -> int:

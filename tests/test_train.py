@@ -116,6 +116,10 @@ def test_reference_presets_keep_reference_learning_rate():
         (["batch_size=6", "gradient_accumulation_steps=4"], "divisible by gradient_accumulation_steps"),
         (["max_prompt_length=64", "max_length=64"], "max_prompt_length"),
         (["model.archive=/no/such/policy.pt"], "model.archive=/no/such/policy.pt does not exist"),
+        (
+            [f"model.archive={REPO / 'config'}"],
+            f"model.archive={REPO / 'config'} is a folder; .* e.g. {REPO / 'config' / 'LATEST' / 'policy.pt'}",
+        ),
         (["wandb.mode=sometimes"], "wandb.mode"),
         (["datasets=[hhh]"], "Unknown dataset 'hhh' in datasets; did you mean 'hh'\\?"),
         (["loss=ipo", "+loss.label_smoothing=0.1"], "loss=ipo has no key 'label_smoothing'"),
