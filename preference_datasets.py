@@ -8,12 +8,16 @@ and is registered by name with :func:`register_dataset`, so ``datasets=[name]`` 
 Adding a dataset is adding one decorated function (see the README).
 
 Real records are messy; every loader counts what it skipped or repaired in a
-``collections.Counter`` (``report``) that :func:`load_dataset_dict` prints.
+``collections.Counter`` (``report``, a :class:`DataReport`) that :func:`load_dataset_dict`
+prints, for the split's own rows (:func:`note_row`, :func:`apply_holdout`). Before training,
+:func:`screen_splits` tokenizes every example once, reports how much truncation cuts and skips
+pairs that truncation leaves identical.
 """
 
 from __future__ import annotations
 
 import collections
+import contextvars
 import gzip
 import hashlib
 import html
@@ -21,8 +25,10 @@ import html.parser
 import json
 import os
 import random
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -91,14 +97,78 @@ def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
 # ----------------------------------------------------------------------------- helpers
 
 
+class DataReport(collections.Counter):
+    """The ``report`` a loader gets: a Counter of skipped or repaired records (reason -> count)
+    that also remembers which prompt each count came from when it is counted with
+    :func:`note_row`, so that :func:`apply_holdout` keeps only the counts of the split's rows.
+
+    Attributes:
+        keyed: reason -> Counter(prompt or row key -> count), for counts made by :func:`note_row`.
+        holdout: (fraction, prompts before the cut) of the last :func:`apply_holdout`, or None.
+        files: the data files read for this report (named in messages).
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.keyed: dict[str, collections.Counter] = {}
+        self.holdout: tuple[float, int] | None = None
+        self.files: list[str] = []
+
+    def narrow(self, keep: Callable[[str], bool]) -> None:
+        """Drop the keyed counts whose key ``keep`` refuses (plain ``report[reason] += 1`` counts stay)."""
+        for reason, by_key in self.keyed.items():
+            dropped = sum(n for key, n in by_key.items() if not keep(key))
+            self.keyed[reason] = collections.Counter({key: n for key, n in by_key.items() if keep(key)})
+            self[reason] -= dropped
+            if self[reason] <= 0:
+                del self[reason]
+
+
+def note_row(report: collections.Counter, reason: str, key: str, n: int = 1) -> None:
+    """Count ``n`` records under ``reason`` in ``report``, remembering ``key`` (their prompt, or a
+    text of the row when it has no prompt) so that a held-out split counts only its own rows."""
+    report[reason] += n
+    if isinstance(report, DataReport):
+        report.keyed.setdefault(reason, collections.Counter())[key] += n
+
+
+_KINDS = {str: "string", list: "list", dict: "object", (int, float): "number"}
+
+
+def require_fields(row, fields: dict[str, type | tuple[type, ...]], source: str, i: int, name: str) -> None:
+    """Check that ``row`` (row ``i``, 1-based, of ``source``) has each field of ``fields`` with a
+    value of its type (``(int, float)`` for a number; a boolean is not a number).
+
+    Raises:
+        DataError: naming the source, the row, the first bad field and every field a ``name`` row needs.
+    """
+    for field, types in fields.items():
+        value = row.get(field) if isinstance(row, dict) else None
+        if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
+            kind = _KINDS.get(types, getattr(types, "__name__", str(types)))
+            raise DataError(
+                f"{source}, row {i}: field {field!r} is missing or not a {kind}; every {name} row needs {', '.join(fields)}."
+            )
+
+
+_LOADING: contextvars.ContextVar[DataReport | None] = contextvars.ContextVar("_LOADING", default=None)
+"""The report of the loader call in progress (set by :func:`_run_loader`)."""
+
+
+def _note_file(path: str) -> None:
+    report = _LOADING.get()
+    if report is not None and path not in report.files:
+        report.files.append(path)
+
+
 def add_pair(data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter) -> bool:
     """Add one (prompt, chosen, rejected) pair to ``data``, reusing responses already seen
     for that prompt. Empty or identical responses are skipped and counted. Returns True if added."""
     if not chosen.strip() or not rejected.strip():
-        report["skipped: empty response"] += 1
+        note_row(report, "skipped: empty response", prompt)
         return False
     if chosen == rejected:
-        report["skipped: identical responses"] += 1
+        note_row(report, "skipped: identical responses", prompt)
         return False
     entry = data.setdefault(prompt, {"responses": [], "pairs": [], "sft_target": chosen})
     ids = []
@@ -119,10 +189,21 @@ def in_holdout(prompt: str, fraction: float) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
-def apply_holdout(data: DatasetDict, split: str, fraction: float) -> DatasetDict:
-    """Keep the held-out slice (split "test") or the rest (split "train") of ``data``."""
+def apply_holdout(data: DatasetDict, split: str, fraction: float, report: collections.Counter | None = None) -> DatasetDict:
+    """Keep the held-out slice (split "test") or the rest (split "train") of ``data``.
+
+    ``report`` (default: the report of the loader being run by :func:`load_dataset_dict`) is
+    narrowed the same way: the counts made by :func:`note_row` keep only the split's rows."""
     want_eval = split == "test"
-    return {p: v for p, v in data.items() if in_holdout(p, fraction) == want_eval}
+
+    def keep(prompt: str) -> bool:
+        return in_holdout(prompt, fraction) == want_eval
+
+    report = _LOADING.get() if report is None else report
+    if isinstance(report, DataReport):
+        report.narrow(keep)
+        report.holdout = (fraction, len(data))
+    return {p: v for p, v in data.items() if keep(p)}
 
 
 def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, str] | None:
@@ -162,28 +243,120 @@ def strip_html(text: str) -> str:
     return html.unescape("".join(parser.parts)).strip()
 
 
-def read_json_records(path: str) -> list[dict]:
-    """Rows of a .json (a list of objects) or .jsonl file, .gz allowed.
+def _read_text(path: str) -> str:
+    """The text of the file ``path`` (decompressed when it ends with .gz), a UTF-8 byte-order
+    mark at its start dropped.
 
     Raises:
-        DataError: if the file is missing or a line is not valid JSON (naming the line).
+        DataError: if the path is missing or a folder, or the file cannot be read, is a cut-short
+            or corrupt gzip file, or is not UTF-8 text (one sentence naming the file and the fix).
     """
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a folder, not a data file; give the path of a .jsonl, .json or .parquet file.")
     if not os.path.exists(path):
         raise DataError(f"Data file {path} does not exist; check the path in your data.* override.")
+    _note_file(path)
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        text = f.read()
-    stripped = path[:-3] if path.endswith(".gz") else path
-    if stripped.endswith(".json") and text.lstrip().startswith("["):
-        return json.loads(text)
-    rows = []
-    for i, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
+    try:
+        with opener(path, "rt", encoding="utf-8-sig") as f:
+            return f.read()
+    except EOFError:
+        raise DataError(
+            f"{path} is cut short (its gzip stream ends early, as after an interrupted copy); copy the whole file again."
+        ) from None
+    except gzip.BadGzipFile as e:
+        if "not a gzipped file" in str(e).lower():
+            raise DataError(
+                f"{path} is not a gzip file although its name ends with .gz; rename it without .gz if it is plain text."
+            ) from None
+        raise DataError(f"{path} is a corrupt gzip file ({e}); copy it again.") from None
+    except zlib.error as e:
+        raise DataError(f"{path} is a corrupt gzip file ({e}); copy it again.") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start} of the text cannot be decoded); save it as UTF-8.") from None
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror or e}); check that it is a readable file.") from None
+
+
+def _json_kind(value) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(type(value), "number")
+
+
+def _ends_inside(text: str, e: json.JSONDecodeError) -> bool:
+    """True if the JSON error ``e`` of ``text`` comes from the text ending early (a cut-short file):
+    the error is at the very end, or a string opened at the error runs to the end."""
+    rest = text[e.pos :].rstrip()
+    return e.pos >= len(text.rstrip()) or (e.msg.startswith("Unterminated string") and "\n" not in rest)
+
+
+ONE_OBJECT = "{path} holds one JSON object, not a list of rows; write its rows as a JSON list [{{...}}, ...] or one object a line (.jsonl)."
+
+
+def _is_one_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _first_line_is_json(lines: list[str]) -> bool:
+    try:
+        json.loads(next((line for line in lines if line.strip()), ""))
+        return True
+    except json.JSONDecodeError:
+        return False
+
+
+def read_json_records(path: str) -> list[dict]:
+    """Rows of a .jsonl file (one JSON object a line) or a .json file (a JSON list of objects;
+    JSON lines are read too), .gz allowed; a UTF-8 byte-order mark is ignored. A JSON list is
+    read whatever the suffix. Rows are returned as parsed (the loaders check their fields).
+
+    Raises:
+        DataError: one sentence naming the file and the fix when the file is missing, a folder,
+            unreadable, cut short, not valid JSON (naming the line), a single JSON object rather
+            than rows, or has no rows.
+    """
+    text = _read_text(path)
+    is_json = (path[:-3] if path.endswith(".gz") else path).endswith(".json")
+    stripped = text.strip()
+    lines = text.splitlines()
+    if stripped.startswith("[") or (is_json and stripped and not _first_line_is_json(lines)):
         try:
-            rows.append(json.loads(line))
+            value = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}, line {i}: not valid JSON ({e.msg}); fix or delete that line.") from None
+            if _ends_inside(text, e):
+                raise DataError(
+                    f"{path} is cut short (its JSON ends early, on line {e.lineno}); copy the whole file again."
+                ) from None
+            raise DataError(
+                f"{path} is not valid JSON at line {e.lineno}, column {e.colno} ({e.msg}); fix the file there."
+            ) from None
+        if isinstance(value, dict):
+            raise DataError(ONE_OBJECT.format(path=path))
+        if not isinstance(value, list):
+            raise DataError(f"{path} holds a single JSON {_json_kind(value)}, not rows; write one JSON object a line (.jsonl).")
+        rows = value
+    else:
+        rows = []
+        last = max((i for i, line in enumerate(lines, 1) if line.strip()), default=0)
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                if not rows and _is_one_object(text):  # a pretty-printed object in a .jsonl file
+                    raise DataError(ONE_OBJECT.format(path=path)) from None
+                if i == last and _ends_inside(line, e):
+                    raise DataError(
+                        f"{path}, line {i} (the last) is cut short; copy the whole file again, or delete that line."
+                    ) from None
+                raise DataError(f"{path}, line {i}: not valid JSON ({e.msg}); fix or delete that line.") from None
+        if is_json and len(rows) == 1 and isinstance(rows[0], dict):  # a .json file is a list of rows, not one object
+            raise DataError(ONE_OBJECT.format(path=path))
+    if not rows:
+        raise DataError(f"{path} has no rows; give a file with one JSON object a line, or a JSON list of them.")
     return rows
 
 
@@ -203,20 +376,28 @@ def load_from_hub(hub_id: str, option: str, **kwargs):
 # ----------------------------------------------------------------------------- loaders
 
 
-def hh_rows_to_data(rows, report: collections.Counter, source: str = "hh") -> DatasetDict:
-    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict."""
-    data: DatasetDict = {}
+def hh_rows_to_data(rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None) -> DatasetDict:
+    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to
+    ``data`` when given, so several files make one dict).
+
+    A pair split before the last ``"\\n\\nAssistant:"`` of the chosen dialogue (where the
+    reference repository split) is counted as repaired; a row whose dialogues share no
+    Assistant turn is skipped and counted under its chosen text.
+
+    Raises:
+        DataError: if a row lacks string ``chosen`` and ``rejected`` (naming ``source`` and the row).
+    """
+    data = {} if data is None else data
     for i, row in enumerate(rows):
-        if not isinstance(row.get("chosen"), str) or not isinstance(row.get("rejected"), str):
+        if not isinstance(row, dict) or not isinstance(row.get("chosen"), str) or not isinstance(row.get("rejected"), str):
             raise DataError(f"{source}, row {i}: needs string fields 'chosen' and 'rejected'.")
         split = split_prompt_and_responses(row["chosen"], row["rejected"])
         if split is None:
-            report["skipped: no common Assistant turn"] += 1
+            note_row(report, "skipped: no common Assistant turn", row["chosen"])
             continue
         prompt, chosen, rejected = split
-        if HUMAN_TAG in chosen or HUMAN_TAG in rejected:
-            report["repaired: dialogues diverge before the last Assistant turn"] += 1
-        add_pair(data, prompt, chosen, rejected, report)
+        if add_pair(data, prompt, chosen, rejected, report) and ASSISTANT_TAG in chosen:
+            note_row(report, "repaired: dialogues diverge before the last Assistant turn", prompt)
     return data
 
 
@@ -265,13 +446,26 @@ def get_hh(
                 else ""
             )
             raise DataError(f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{hint}.")
-        rows = [r for p in paths for r in read_json_records(p)]
+        data: DatasetDict = {}
+        for p in paths:
+            hh_rows_to_data(read_json_records(p), report, p, data)
+        return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
     data = hh_rows_to_data(rows, report)
-    return apply_holdout(data, split, holdout_fraction) if holdout_fraction else data
+    return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
+
+
+SHP_FIELDS = {
+    "history": str,
+    "human_ref_A": str,
+    "human_ref_B": str,
+    "score_A": (int, float),
+    "score_B": (int, float),
+    "labels": (int, float),
+}
 
 
 def shp_rows_to_data(
-    rows, report: collections.Counter, max_pairs_per_prompt: int = 5, min_score_ratio: float = 2.0
+    rows, report: collections.Counter, max_pairs_per_prompt: int = 5, min_score_ratio: float = 2.0, source: str = "shp"
 ) -> DatasetDict:
     """Stanford Human Preferences rows to a DatasetDict.
 
@@ -281,25 +475,29 @@ def shp_rows_to_data(
     each prompt keeps at most ``max_pairs_per_prompt`` pairs, those with the largest
     ratios; the sft_target is the best-scored response. Ties (equal scores) are skipped and counted; a zero score against a
     positive one is an infinite ratio (counted), never a division by zero.
+
+    Raises:
+        DataError: if a row lacks one of :data:`SHP_FIELDS` (naming ``source``, the row and the field).
     """
     data: DatasetDict = {}
     ratios: dict[str, list[float]] = {}
     scores: dict[str, dict[str, float]] = {}
-    for row in rows:
+    for i, row in enumerate(rows, 1):
+        require_fields(row, SHP_FIELDS, source, i, "shp")
         prompt = "\n\nHuman: " + row["history"] + "\n\nAssistant:"
         a, b = " " + row["human_ref_A"], " " + row["human_ref_B"]
         sa, sb = float(row["score_A"]), float(row["score_B"])
         if sa == sb:
-            report["skipped: score tie"] += 1
+            note_row(report, "skipped: score tie", prompt)
             continue
         hi, lo = max(sa, sb), min(sa, sb)
         if lo <= 0:
-            report["kept: zero or negative score (ratio taken as infinite)"] += 1
+            note_row(report, "kept: zero or negative score (ratio taken as infinite)", prompt)
             ratio = float("inf")
         else:
             ratio = hi / lo
         if ratio < min_score_ratio:
-            report["skipped: score ratio below min_score_ratio"] += 1
+            note_row(report, "skipped: score ratio below min_score_ratio", prompt)
             continue
         chosen, rejected = (a, b) if int(row["labels"]) == 1 else (b, a)
         if add_pair(data, prompt, chosen, rejected, report):
@@ -308,7 +506,7 @@ def shp_rows_to_data(
     for prompt, entry in data.items():
         order = sorted(range(len(entry["pairs"])), key=lambda k: -ratios[prompt][k])
         if len(order) > max_pairs_per_prompt:
-            report["skipped: over max_pairs_per_prompt"] += len(order) - max_pairs_per_prompt
+            note_row(report, "skipped: over max_pairs_per_prompt", prompt, len(order) - max_pairs_per_prompt)
         entry["pairs"] = [entry["pairs"][k] for k in order[:max_pairs_per_prompt]]
         entry["sft_target"] = max(entry["responses"], key=lambda r: scores[prompt][r])  # as the reference repo
     return data
@@ -329,23 +527,33 @@ def get_shp(
         rows = load_from_hub("stanfordnlp/SHP", "data.shp.path", split=split, cache_dir=cache_dir)
     else:
         rows = read_json_records(path)
-    return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio)
+    return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio, path or "stanfordnlp/SHP")
 
 
-def se_rows_to_data(rows, report: collections.Counter) -> DatasetDict:
+def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> DatasetDict:
     """Stack Exchange preference rows ({question, answers: [{text, pm_score}]}) to a DatasetDict.
 
     Every pair of answers with different scores is a pair (higher score chosen);
-    tied answers form no pair (counted); the sft_target is the best-scored answer."""
+    tied answers form no pair (counted); the sft_target is the best-scored answer.
+
+    Raises:
+        DataError: if a row lacks a string question or a list of answers with string text and
+            numeric pm_score (naming ``source``, the row and the field).
+    """
     data: DatasetDict = {}
-    for row in rows:
+    for k, row in enumerate(rows, 1):
+        require_fields(row, {"question": str, "answers": list}, source, k, "se")
+        for j, answer in enumerate(row["answers"], 1):
+            score = answer.get("pm_score") if isinstance(answer, dict) else None
+            if not isinstance(answer, dict) or not isinstance(answer.get("text"), str) or not isinstance(score, (int, float)):
+                raise DataError(f"{source}, row {k}: answer {j} needs a string 'text' and a numeric 'pm_score'.")
         prompt = "\n\nHuman: " + strip_html(row["question"]) + "\n\nAssistant:"
         answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
         for i in range(len(answers)):
             for j in range(i + 1, len(answers)):
                 (ti, si), (tj, sj) = answers[i], answers[j]
                 if si == sj:
-                    report["skipped: answer score tie"] += 1
+                    note_row(report, "skipped: answer score tie", prompt)
                     continue
                 chosen, rejected = (ti, tj) if si > sj else (tj, ti)
                 add_pair(data, prompt, chosen, rejected, report)
@@ -369,7 +577,9 @@ def get_se(
         rows = load_from_hub("HuggingFaceH4/stack-exchange-preferences", "data.se.path", split="train", cache_dir=cache_dir)
     else:
         rows = read_json_records(path)
-    return apply_holdout(se_rows_to_data(rows, report), split, holdout_fraction)
+    return apply_holdout(
+        se_rows_to_data(rows, report, path or "HuggingFaceH4/stack-exchange-preferences"), split, holdout_fraction, report
+    )
 
 
 @register_dataset("json", truncation_mode="keep_end")
@@ -391,6 +601,8 @@ def get_json(
     """
     if path is None:
         raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
+    if not isinstance(path, (str, dict)):
+        raise DataError(f"data.json.path={path} is neither a file nor a mapping {{train: file, test: file}}; give one of them.")
     file = path if isinstance(path, str) else path.get(split)
     if file is None:
         raise DataError(f"data.json.path has no {split!r} file; give one or a single file with data.json.holdout_fraction.")
@@ -409,7 +621,7 @@ def get_json(
             f"[data] warning: json/{split} reads all of {file} (data.json.holdout_fraction=0): eval examples are training examples."
         )
         return data
-    return apply_holdout(data, split, holdout_fraction)
+    return apply_holdout(data, split, holdout_fraction, report)
 
 
 @register_dataset("arithmetic", truncation_mode="keep_start")
@@ -455,9 +667,9 @@ def prompt_rows_to_list(rows, report: collections.Counter, source: str, name: st
             )
         prompt = row["prompt"]
         if not prompt.strip():
-            report["skipped: empty prompt"] += 1
+            note_row(report, "skipped: empty prompt", prompt)
         elif prompt in seen:
-            report["skipped: repeated prompt"] += 1
+            note_row(report, "skipped: repeated prompt", prompt)
         else:
             seen.add(prompt)
             prompts.append(prompt)
@@ -469,18 +681,26 @@ def read_records(path: str) -> list[dict]:
     .json/.jsonl file (see :func:`read_json_records`).
 
     Raises:
-        DataError: if the file is missing or unreadable (naming it).
+        DataError: if the file is missing, a folder, unreadable (a cut-short or corrupt parquet
+            file) or has no rows, one sentence naming it; JSON files as :func:`read_json_records`.
     """
     if not path.endswith(".parquet"):
         return read_json_records(path)
+    if os.path.isdir(path):
+        raise DataError(f"{path} is a folder, not a data file; give the path of a .parquet file.")
     if not os.path.exists(path):
         raise DataError(f"Data file {path} does not exist; check the path in your data.* override.")
+    _note_file(path)
     import pyarrow.parquet
 
     try:
-        return pyarrow.parquet.read_table(path).to_pylist()
+        rows = pyarrow.parquet.read_table(path).to_pylist()
     except (OSError, ValueError) as e:  # pyarrow's ArrowIOError and ArrowInvalid
-        raise DataError(f"{path} is not a readable parquet file ({type(e).__name__}); check the path.") from None
+        detail = (str(e).split("': ", 1)[-1].splitlines() or [type(e).__name__])[0][:160]  # pyarrow repeats the path
+        raise DataError(f"{path} is not a readable parquet file ({detail}); copy it again if it was cut short.") from None
+    if not rows:
+        raise DataError(f"{path} has no rows (the parquet table is empty); give a file with rows.")
+    return rows
 
 
 RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
@@ -563,19 +783,65 @@ def call_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
         raise
 
 
-def load_dataset_dict(name: str, split: str, options: dict | None = None, silent: bool = False) -> DatasetDict:
-    """Load one registered dataset's split and print what was skipped or repaired.
+def _notes(report: collections.Counter) -> str:
+    return ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
+
+
+def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataError:
+    """The one sentence for a split of dataset ``name`` that came out empty: every row skipped
+    (with the reasons), the held-out slice taking all or none of the prompts, or neither."""
+    where = f"{name}/{split}" + (f" ({', '.join(report.files)})" if report.files else "")
+    notes = _notes(report)
+    skipped = any(k.startswith("skipped") for k in report)
+    if report.holdout is not None and report.holdout[1]:
+        fraction, n = report.holdout
+        taken = f"all {n} of its prompts" if split == "train" else f"none of its {n} prompts"
+        return DataError(
+            f"{where} has no {unit}" + (f" ({notes})" if notes else "") + f": data.{name}.holdout_fraction={fraction} puts "
+            f"{taken} in the eval slice; set it so that both splits get prompts (e.g. 0.1), or give more rows."
+        )
+    if skipped:
+        return DataError(
+            f"Every row of {where} was skipped ({notes}), so it has no {unit}; fix those rows or give data.{name} other data."
+        )
+    return DataError(f"{where} has no {unit} (its loader returned none and skipped no rows); check data.{name}.")
+
+
+def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, unit: str):
+    """Run ``spec``'s loader with a fresh :class:`DataReport` (the one :func:`apply_holdout` narrows).
+
+    Returns:
+        (what the loader returned, the report).
 
     Raises:
-        DataError: if ``name`` is not registered, or the loader rejects its options/data.
+        DataError: as the loader, or :func:`_nothing_left`'s sentence if it returned nothing.
+    """
+    report = DataReport()
+    token = _LOADING.set(report)
+    try:
+        got = call_loader(spec, name, split, options, report)
+    finally:
+        _LOADING.reset(token)
+    empty = not got if unit == "prompts" else not any(v["pairs"] for v in got.values())
+    if empty:
+        raise _nothing_left(name, split, report, unit)
+    return got, report
+
+
+def load_dataset_dict(name: str, split: str, options: dict | None = None, silent: bool = False) -> DatasetDict:
+    """Load one registered dataset's split and print what was skipped or repaired in it
+    (only its own rows when a held-out slice is carved, see :func:`apply_holdout`).
+
+    Raises:
+        DataError: if ``name`` is not registered, the loader rejects its options/data, or the
+            split has no pair (saying why: every row skipped, the held-out slice, ...).
     """
     if name not in DATASETS:
         raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
-    report: collections.Counter = collections.Counter()
-    data = call_loader(DATASETS[name], name, split, options, report)
+    data, report = _run_loader(DATASETS[name], name, split, options, "pairs")
     if not silent:
         n_pairs = sum(len(v["pairs"]) for v in data.values())
-        notes = ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
+        notes = _notes(report)
         print(f"[data] {name}/{split}: {len(data)} prompts, {n_pairs} pairs" + (f" ({notes})" if notes else ""))
     return data
 
@@ -619,16 +885,15 @@ def load_prompts(names: list[str], split: str, options: dict, silent: bool = Fal
     ``silent``. :func:`prompt_truncation_mode` says how to cut each dataset's prompts.
 
     Raises:
-        DataError: if a name is in neither registry (listing both), or its loader rejects
-            its options or data.
+        DataError: if a name is in neither registry (listing both), its loader rejects
+            its options or data, or it gives no prompt for the split.
     """
     prompts: list[str] = []
     for name in names:
         if name in PROMPT_DATASETS:
-            report: collections.Counter = collections.Counter()
-            got = call_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), report)
+            got, report = _run_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), "prompts")
             if not silent:
-                notes = ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
+                notes = _notes(report)
                 print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
         elif name in DATASETS:
             got = list(load_dataset_dict(name, split, (options or {}).get(name), silent))
@@ -698,6 +963,42 @@ def truncate_prompt_ids(prompt_ids: list[int], max_prompt_length: int, truncatio
     return head + prompt_ids[len(prompt_ids) - (max_prompt_length - len(head)) :]
 
 
+def _strip_eos(tokenizer, text: str) -> str:
+    eos = tokenizer.eos_token
+    return text[: -len(eos)] if eos and text.endswith(eos) else text
+
+
+def _with_bos(tokenizer, ids: list[int]) -> list[int]:
+    return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
+
+
+def _with_eos(tokenizer, ids: list[int]) -> list[int]:
+    return ids + [tokenizer.eos_token_id]
+
+
+def truncate_pair_ids(
+    prompt_ids: list[int],
+    response_ids: list[list[int]],
+    truncation_mode: str,
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int,
+) -> tuple[list[int], list[list[int]]]:
+    """The truncation of :func:`tokenize_element`: when prompt + longest response exceed
+    ``max_length`` tokens, the prompt (BOS included) is cut to ``max_prompt_length`` by
+    :func:`truncate_prompt_ids`; then each response (EOS included) longer than the room left is
+    cut to it, still ending with EOS.
+
+    Returns:
+        (prompt ids, [response ids, ...]), new lists where something was cut.
+    """
+    longest = max(len(r) for r in response_ids)
+    if len(prompt_ids) + longest > max_length:
+        prompt_ids = truncate_prompt_ids(prompt_ids, max_prompt_length, truncation_mode, tokenizer.bos_token_id)
+    room = max_length - len(prompt_ids)
+    return prompt_ids, [ids if len(ids) <= room else ids[: room - 1] + [tokenizer.eos_token_id] for ids in response_ids]
+
+
 def tokenize_element(
     prompt: str,
     chosen: str,
@@ -727,24 +1028,11 @@ def tokenize_element(
     """
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
-    eos, eos_id, bos_id = tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.bos_token_id
-    prompt_ids = _encode(tokenizer, prompt)
-    if bos_id is not None:
-        prompt_ids = [bos_id] + prompt_ids
     responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
-    response_ids = {}
-    for side, text in responses.items():
-        if eos and text.endswith(eos):
-            text = text[: -len(eos)]
-        response_ids[side] = _encode(tokenizer, text) + [eos_id]
-
-    longest = max(len(r) for r in response_ids.values())
-    if len(prompt_ids) + longest > max_length:
-        prompt_ids = truncate_prompt_ids(prompt_ids, max_prompt_length, truncation_mode, bos_id)
-    room = max_length - len(prompt_ids)
-    for side, ids in response_ids.items():
-        if len(ids) > room:
-            response_ids[side] = ids[: room - 1] + [eos_id]
+    prompt_ids = _with_bos(tokenizer, _encode(tokenizer, prompt))
+    full = [_with_eos(tokenizer, _encode(tokenizer, _strip_eos(tokenizer, text))) for text in responses.values()]
+    prompt_ids, cut = truncate_pair_ids(prompt_ids, full, truncation_mode, tokenizer, max_length, max_prompt_length)
+    response_ids = dict(zip(responses, cut))
 
     element = {"prompt": prompt, "prompt_input_ids": prompt_ids, "key": example_key(prompt, chosen, rejected)}
     for side, ids in response_ids.items():
@@ -802,11 +1090,153 @@ def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_m
     """
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
-    ids = _encode(tokenizer, prompt)
-    if tokenizer.bos_token_id is not None:
-        ids = [tokenizer.bos_token_id] + ids
-    ids = truncate_prompt_ids(ids, max_prompt_length, truncation_mode, tokenizer.bos_token_id)
+    ids = truncate_prompt_ids(
+        _with_bos(tokenizer, _encode(tokenizer, prompt)), max_prompt_length, truncation_mode, tokenizer.bos_token_id
+    )
     return {"prompt": prompt, "prompt_input_ids": ids}
+
+
+# ----------------------------------------------------------------------------- screening before training
+
+
+class TruncatedIds(NamedTuple):
+    """The token ids one example gets in training (as :func:`tokenize_element` or, for a prompt
+    alone, :func:`tokenize_prompt` gives them), and what truncation cut."""
+
+    prompt_ids: list[int]
+    response_ids: list[list[int]]
+    """chosen (and rejected), each ending with EOS; empty for a prompt alone."""
+    prompt_cut: bool
+    responses_cut: list[bool]
+    tokens_differ: bool | None
+    """For a pair: whether chosen and rejected differ as token ids before truncation; else None."""
+
+
+def truncated_ids(
+    examples: list[dict], tokenizer, max_length: int, max_prompt_length: int, chunk_size: int = 1024
+) -> Iterator[TruncatedIds]:
+    """For each example of ``examples`` (:func:`load_examples` or :func:`load_prompt_examples`
+    rows), in order, its :class:`TruncatedIds`: exactly the ids :func:`get_batch_iterator` will
+    give it, computed with one batched tokenizer call per ``chunk_size`` examples (a fast
+    tokenizer encodes a batch in parallel) and each distinct text encoded once.
+
+    Raises:
+        ValueError: if ``max_prompt_length >= max_length`` (as :func:`tokenize_element`).
+    """
+    if max_prompt_length >= max_length:
+        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
+    sides = ("chosen", "rejected")
+    for start in range(0, len(examples), chunk_size):
+        chunk = examples[start : start + chunk_size]
+        texts: dict[str, None] = {}
+        for ex in chunk:
+            texts[ex["prompt"]] = None
+            texts.update((_strip_eos(tokenizer, ex[side]), None) for side in sides if ex.get(side) is not None)
+        unique = list(texts)
+        encoded = dict(zip(unique, tokenizer(unique, add_special_tokens=False, split_special_tokens=True)["input_ids"]))
+        for ex in chunk:
+            prompt_ids = _with_bos(tokenizer, encoded[ex["prompt"]])
+            mode = ex["truncation_mode"]
+            if "chosen" not in ex:  # a prompt alone (online DPO)
+                cut_prompt = truncate_prompt_ids(prompt_ids, max_prompt_length, mode, tokenizer.bos_token_id)
+                yield TruncatedIds(cut_prompt, [], len(cut_prompt) < len(prompt_ids), [], None)
+                continue
+            full = [_with_eos(tokenizer, encoded[_strip_eos(tokenizer, ex[side])]) for side in sides if ex.get(side) is not None]
+            cut_prompt, cut = truncate_pair_ids(prompt_ids, full, mode, tokenizer, max_length, max_prompt_length)
+            differ = full[0] != full[1] if len(full) == 2 else None
+            yield TruncatedIds(
+                cut_prompt, cut, len(cut_prompt) < len(prompt_ids), [len(c) < len(f) for c, f in zip(cut, full)], differ
+            )
+
+
+def _share(k: int, n: int) -> str:
+    return f"{k / n:.1%} ({k} of {n})" if n else "0"
+
+
+def screen_examples(
+    examples: list[dict], split: str, tokenizer, max_length: int, max_prompt_length: int, silent: bool = False
+) -> list[dict]:
+    """The examples of ``split`` worth training on, decided before any model loads: a pair whose
+    chosen and rejected are the same token ids once truncated (:func:`truncated_ids`, which
+    decides as :func:`tokenize_element`) teaches nothing (its DPO loss stays at ln 2), so it is
+    skipped, with a warning naming ``max_length`` / ``max_prompt_length``. Prints (unless
+    ``silent``) the share of prompts and of responses that truncation cuts.
+
+    Returns:
+        The examples kept, in order (all of them for SFT examples and prompts alone).
+
+    Raises:
+        DataError: if ``examples`` is empty, or no pair is left (one sentence saying why).
+    """
+    label = "eval" if split == "test" else split
+    if not examples:
+        raise DataError(f"The {label} split has no examples; check datasets=[...] and their data.* options.")
+    kept: list[dict] = []
+    n_prompts_cut = n_responses = n_responses_cut = 0
+    same_once_cut = same_tokens = 0
+    for ex, t in zip(examples, truncated_ids(examples, tokenizer, max_length, max_prompt_length)):
+        n_prompts_cut += t.prompt_cut
+        n_responses += len(t.responses_cut)
+        n_responses_cut += sum(t.responses_cut)
+        if t.tokens_differ is not None and t.response_ids[0] == t.response_ids[1]:
+            if t.tokens_differ:
+                same_once_cut += 1
+            else:
+                same_tokens += 1
+            continue
+        kept.append(ex)
+    lengths = f"max_length={max_length} / max_prompt_length={max_prompt_length}"
+    n = len(examples)
+    if not kept:
+        if same_once_cut:
+            raise DataError(
+                f"All {n} {label} pairs have the same chosen and rejected tokens once cut to {lengths} (they differ only "
+                "past the cut), so there is nothing to learn; raise max_length or lower max_prompt_length."
+            )
+        raise DataError(
+            f"All {n} {label} pairs have chosen and rejected that tokenize the same, so there is nothing to learn; fix the data."
+        )
+    if not silent:
+        if n_responses:
+            responses = _share(n_responses_cut, n_responses)
+            print(
+                f"[data] {label}: truncation to {lengths} cuts {_share(n_prompts_cut, n)} of prompts and {responses} of responses"
+            )
+        else:
+            print(
+                f"[data] {label}: truncation to max_prompt_length={max_prompt_length} cuts {_share(n_prompts_cut, n)} of prompts"
+            )
+        if same_once_cut:
+            print(
+                f"[data] warning: {label}: skipped {same_once_cut} of {n} pairs whose chosen and rejected are the same tokens once cut "
+                f"to {lengths} (they differ only past the cut); raise max_length or lower max_prompt_length to keep them."
+            )
+        if same_tokens:
+            print(f"[data] warning: {label}: skipped {same_tokens} of {n} pairs whose chosen and rejected tokenize the same.")
+    return kept
+
+
+def screen_splits(
+    train_examples: list[dict],
+    eval_examples: list[dict],
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int,
+    silent: bool = False,
+) -> tuple[list[dict], list[dict]]:
+    """:func:`screen_examples` of the train and the eval examples (train.main calls it after the
+    data loads, before any model loads or the run folder is made).
+
+    Returns:
+        (train examples kept, eval examples kept).
+
+    Raises:
+        DataError: as :func:`screen_examples`, for either split.
+    """
+    return (
+        screen_examples(train_examples, "train", tokenizer, max_length, max_prompt_length, silent),
+        screen_examples(eval_examples, "test", tokenizer, max_length, max_prompt_length, silent),
+    )
 
 
 def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:

@@ -132,7 +132,9 @@ def launch(config: DictConfig) -> int:
     this machine's or what the run asks for if more), makes the run folder, starts the reference
     and reward actors, then ``ray.num_workers`` Ray Train workers that each run ``train.main``.
     Uses a cluster this process is already connected to (``ray.init`` called before, as the
-    tests do) and leaves it running; a cluster it started, it shuts down.
+    tests do) and leaves it running; a cluster it started, it shuts down. This process holds the
+    run folder (``utils.lock_run_dir``) until it returns; the workers, which write into it, are
+    Ray's, and Ray ends a job's workers and actors when the job's driver (this process) dies.
 
     Returns:
         The exit status: 0 when training finished, 1 when it failed after ``ray.max_failures``
@@ -140,8 +142,8 @@ def launch(config: DictConfig) -> int:
         ``resume=<run folder>`` continues from the last reported checkpoint).
 
     Raises:
-        utils.ConfigError: a bad config value, Ray missing, or a cluster too small for the run
-            (before any worker starts).
+        utils.ConfigError: a bad config value, Ray missing, a cluster too small for the run, or
+            ``resume=`` of a run folder a live run holds (before any worker starts).
     """
     check_config(config)
     ray = import_ray()
@@ -151,20 +153,23 @@ def launch(config: DictConfig) -> int:
     config = copy.deepcopy(config)
     ray_cfg = config.ray
     need = required_resources(config)
+    held = contextlib.ExitStack()  # the run folder's lock (utils.lock_run_dir), held by this driver until it returns
     started = not ray.is_initialized()
-    if started:
-        if ray_cfg.address is None:
-            ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
-        else:
-            try:
-                ray.init(address=ray_cfg.address)
-            except ConnectionError as e:
-                raise utils.ConfigError(
-                    f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
-                    "or leave ray.address=null for a local cluster."
-                ) from None
     actors = []
     try:
+        if config.resume is not None:  # before Ray starts: refused while a live run holds the folder
+            held.enter_context(utils.lock_run_dir(config.resume))
+        if started:
+            if ray_cfg.address is None:
+                ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
+            else:
+                try:
+                    ray.init(address=ray_cfg.address)
+                except ConnectionError as e:
+                    raise utils.ConfigError(
+                        f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
+                        "or leave ray.address=null for a local cluster."
+                    ) from None
         have = ray.cluster_resources()
         short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
         if short:
@@ -174,6 +179,8 @@ def launch(config: DictConfig) -> int:
             )
         fresh = config.resume is None
         run_dir = os.path.abspath(utils.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
+        if fresh:
+            held.enter_context(utils.lock_run_dir(run_dir))
         ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
         ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
         if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
@@ -224,8 +231,9 @@ def launch(config: DictConfig) -> int:
     finally:
         for actor in actors:
             ray.kill(actor)
-        if started:
+        if started and ray.is_initialized():
             ray.shutdown()
+        held.close()  # after the workers are gone
 
 
 # ----------------------------------------------------------------------------- the workers

@@ -6,12 +6,14 @@ reference, and hands off to the trainer named by ``config.trainer``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import hydra
@@ -162,11 +164,23 @@ def main(
         (run folder, None) when training finished, or (run folder, signal number) when
         SIGINT/SIGTERM stopped it after saving a checkpoint.
 
+    The run folder is held (``utils.lock_run_dir``) from before any model loads until this
+    returns, when this process made it or resumes it (under FSDP/TP rank 0 holds it, or takes
+    over the lock of the launcher that started it); a folder a launcher made (Ray) is held there.
+
     Raises:
-        utils.ConfigError, DataError: a bad config value or data file (before any model loads).
+        utils.ConfigError, DataError: a bad config value or data file, or ``resume=`` of a run
+            folder a live run holds (before any model loads).
     """
+    with contextlib.ExitStack() as held:
+        return _main(config, run_dir, checkpoint_dir, attach, held)
+
+
+def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, attach, held: contextlib.ExitStack):
+    """main()'s work; ``held`` keeps the run folder's lock until main() returns."""
     config = effective_config(config)
     resume_dir = config.resume
+    owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     if checkpoint_dir is None and resume_dir is not None:
         checkpoint_dir = os.path.join(resume_dir, "LATEST")
     distributed = config.trainer != "BasicTrainer"
@@ -182,6 +196,17 @@ def main(
             import transformers
 
             transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
+    if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
+        refusal = None
+        if rank == 0:
+            try:
+                held.enter_context(utils.lock_run_dir(resume_dir))
+            except utils.ConfigError as e:
+                refusal = str(e)
+        if distributed:
+            refusal = utils.broadcast_object(refusal)
+        if refusal is not None:
+            raise utils.ConfigError(refusal)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
 
@@ -192,6 +217,9 @@ def main(
     load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
+    train_examples, eval_examples = preference_datasets.screen_splits(
+        train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
+    )
     utils.check_eval_size(config, len(eval_examples))
 
     scorer = None
@@ -209,6 +237,7 @@ def main(
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
+        held.enter_context(utils.lock_run_dir(run_dir))  # before config.yaml: resume= cannot take it
         OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
@@ -247,6 +276,58 @@ def main(
     return run_dir, stop_signal
 
 
+LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
+"""Set by :func:`launch` in each process it starts: the launcher's pid (see :func:`die_with_launcher`)."""
+
+
+def die_with_launcher(poll_s: float = 0.5) -> bool:
+    """In a process :func:`launch` started: be killed when the launcher dies, however it dies.
+    Returns whether this is such a process.
+
+    On Linux the kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before
+    that was set, so the parent pid is checked after it. Elsewhere (or if prctl fails) a daemon
+    thread checks every ``poll_s`` seconds whether the parent is still the launcher. Does
+    nothing in a process :func:`launch` did not start.
+
+    The signal is SIGKILL, not SIGTERM (which makes a rank save a checkpoint and stop): with the
+    launcher gone nobody forwards signals any more, nor kills a rank left waiting in a collective
+    for a rank that is gone, so a rank told to save could hang for ever, still holding the run
+    folder; and a launcher killed with SIGKILL was asked to stop now (a launcher that stops
+    normally forwards SIGTERM itself). SIGKILL loses nothing already saved: checkpoints are
+    written atomically (``utils.save_checkpoint_dir``), ``LATEST`` always names a whole one,
+    and the run folder's lock is free again the moment the last rank is gone.
+    """
+    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
+    if launcher is None:
+        return False
+    launcher = int(launcher)
+    kill = getattr(signal, "SIGKILL", None)
+    armed = False
+    if sys.platform.startswith("linux") and kill is not None:
+        import ctypes
+
+        PR_SET_DEATHSIG = 1  # <linux/prctl.h>
+        with contextlib.suppress(OSError, AttributeError):
+            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DEATHSIG, int(kill), 0, 0, 0) == 0
+
+    def gone() -> None:
+        if kill is not None:
+            os.kill(os.getpid(), kill)
+        os._exit(137)
+
+    if os.getppid() != launcher:  # it died before the death signal was set (or this is not its child)
+        gone()
+    if not armed:
+
+        def watch() -> None:
+            while os.getppid() == launcher:
+                time.sleep(poll_s)
+            gone()
+
+        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return True
+
+
 def launch(config: DictConfig) -> int | None:
     """Start one process per GPU (``world_size`` of them on CPU) when FSDP or tensor
     parallelism is asked for and this process was not started by torchrun.
@@ -254,26 +335,46 @@ def launch(config: DictConfig) -> int | None:
     Each process runs this script with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     ...) and loads what it needs: no model is passed between processes. Each runs in its own
     session, so a Ctrl-C or SIGTERM reaches them once, forwarded from here; they save a
-    checkpoint and stop, and this process waits for them. If one fails, the others are stopped.
+    checkpoint and stop, and this process waits for them. If one fails, the others are stopped;
+    if this process dies (even by SIGKILL), they are killed (:func:`die_with_launcher`).
+
+    With ``resume=`` this process holds the run folder's lock (``utils.lock_run_dir``) from
+    before the processes start until it returns, and passes it to them, so the lock lasts as
+    long as any of them lives.
 
     Returns:
         The exit code to leave with, or None when this process should train itself.
+
+    Raises:
+        utils.ConfigError: a bad config value, or ``resume=`` of a folder a live run holds
+            (before any process starts).
     """
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
     utils.validate_config(config, n)
     utils.check_parallel_model(config, n)
+    lock = utils.lock_run_dir(config.resume) if config.resume is not None else utils.RunLock(None, "")
+    with lock:
+        return _run_processes(config, n, lock)
+
+
+def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
+    """launch()'s work: start the ``n`` processes (passing ``lock`` down when it holds one),
+    forward signals to them and wait; returns the exit code."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print(f"Starting {n} {config.trainer} processes (gloo on CPU, NCCL on GPUs).")
     procs = []
+    shared = {utils.RUN_LOCK_FD_ENV: str(lock.fd)} if lock.fd is not None else {}
     for rank in range(n):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n)}
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), **shared}
         env |= {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        env |= {LAUNCHER_PID_ENV: str(os.getpid())}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env, start_new_session=True))
+        fds = (lock.fd,) if lock.fd is not None else ()
+        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env, start_new_session=True, pass_fds=fds))
 
     received: list[int] = []
 
@@ -300,6 +401,92 @@ def launch(config: DictConfig) -> int | None:
             signal.signal(s, handler)
     failed = [c for c in codes.values() if c != 0]
     return max(failed, key=lambda c: c not in (-9, 128 + signal.SIGINT, 128 + signal.SIGTERM)) if failed else 0
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+
+
+def _keys(node: DictConfig, top: bool) -> str:
+    """``node``'s keys, sorted and comma-separated (Hydra's own node left out at the top)."""
+    return ", ".join(sorted(str(k) for k in node.keys() if not (top and k == "hydra")))
+
+
+def override_error(overrides: list[str]) -> str | None:
+    """One sentence when a command-line override names what the config does not have, else None.
+
+    - a key that is not in the config (``batch_szie=8``, nested: ``loss.betaa=0.1``,
+      ``data.hh.subset=...``): "batch_szie is not a config key; did you mean batch_size? (keys: ...)";
+    - ``+key=value`` adding a top-level key that is a near-miss of an existing one
+      (``+batch_szie=8``: Hydra accepts it and nothing would read it). Other additions
+      (``+data.mine.path=...``, ``+model.config.foo=...``, ``+loss.beta=...``, which
+      ``utils.validate_config`` judges) are left alone;
+    - a config-group option that does not exist (``loss=ipoo``).
+
+    The config is composed as ``hydra_main``'s is (Hydra's override parser and compose API, the
+    same overrides, ``CONFIG_DIR``); the missing key and its siblings come from the error
+    OmegaConf raised. Overrides that fail for any other reason (bad syntax, a sweep) give None:
+    Hydra reports those itself.
+    """
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        try:
+            config = compose(config_name="config", overrides=overrides)
+        except MissingConfigException as e:  # a group option: e.missing_cfg_file is "<group>/<option>"
+            group, _, option = (e.missing_cfg_file or "").rpartition("/")
+            if not e.options or not any(o.key_or_group == group for o in parsed):
+                return None
+            close = difflib.get_close_matches(option, e.options, n=1)
+            hint = f"; did you mean {group}={close[0]}?" if close else ""
+            return f"{group}={option} is not an option of {group}{hint} (options: {', '.join(e.options)})."
+        except ConfigCompositionException as e:
+            cause = e.__cause__
+            if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not isinstance(cause.parent_node, DictConfig):
+                return None
+            missing, name, parent = str(cause.full_key), str(cause.key), cause.parent_node
+            typed = next((o.key_or_group for o in parsed if f"{o.key_or_group}.".startswith(f"{missing}.")), missing)
+            prefix = missing[: len(missing) - len(name)]  # "loss." for loss.betaa, "" at the top
+            where = f" (keys of {prefix[:-1]}: {_keys(parent, False)})" if prefix else f" (keys: {_keys(parent, True)})"
+            close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
+            if close:
+                return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
+            text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
+            add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
+            return f"{typed} is not a config key{where}{add}."
+        added = [
+            (text, o)
+            for text, o in zip(overrides, parsed)
+            if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
+        ]
+        if not added:
+            return None
+        base = compose(config_name="config", overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
+    for text, o in added:
+        if o.key_or_group not in base:
+            close = difflib.get_close_matches(o.key_or_group, [str(k) for k in base.keys()], n=1, cutoff=0.8)
+            if close:
+                return (
+                    f"{o.key_or_group} is not a config key; did you mean {close[0]}? "
+                    f"({text} would add a key nothing reads; keys: {_keys(base, True)})"
+                )
+    return None
+
+
+def command_line_error(argv: list[str]) -> str | None:
+    """:func:`override_error` of the command line's overrides (``sys.argv[1:]``); None when any
+    argument is a Hydra flag (``--cfg``, ``-m``, ``--config-name``, ...): Hydra handles those."""
+    if not argv or any(a.startswith("-") for a in argv):
+        return None
+    return override_error(argv)
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
@@ -329,6 +516,17 @@ def hydra_main(config: DictConfig) -> None:
         else:
             time.sleep(1)  # let the node's first process say it before torchrun stops the group
         sys.exit(2)
+    except (trainers.NonFiniteLossError, utils.CheckpointError) as e:  # a NaN step, a disk full: finished work is kept
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # every rank raises the same sentence: once per node
+            print(f"Error: {e}", file=sys.stderr, flush=True)
+        else:
+            time.sleep(1)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            # Mid-run, gloo's worker threads may still hold the last collective's tensors; freeing
+            # them during interpreter exit aborts the process (SIGABRT, not this exit code).
+            sys.stdout.flush()
+            os._exit(1)
+        sys.exit(1)
     except KeyboardInterrupt:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
@@ -338,4 +536,12 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    if not die_with_launcher():  # a process launch() started: its launcher checked the same command line
+        problem = command_line_error(sys.argv[1:])
+        if problem is not None:
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun
+                print(f"Error: {problem}", file=sys.stderr, flush=True)
+            else:
+                time.sleep(1)  # let the node's first process say it before torchrun stops the group
+            sys.exit(2)
     hydra_main()

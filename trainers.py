@@ -26,7 +26,7 @@ import losses
 import rewards
 import utils
 from packing import packed_sequence_logps
-from preference_datasets import get_batch_iterator
+from preference_datasets import get_batch_iterator, left_pad
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -235,6 +235,9 @@ class BasicTrainer:
         """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
         return flag
 
+    def wait_for_all(self) -> None:
+        """Return once every process has got here (one process: at once)."""
+
     def clip_gradients(self) -> torch.Tensor:
         """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm; return that norm."""
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
@@ -421,19 +424,16 @@ class BasicTrainer:
         ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
         ``samples.md`` in the run folder and log them as W&B tables."""
         n = self.config.n_eval_model_samples
-        prompts, ids, masks = [], [], []
-        for batch in self.eval_batches:
+        prompts, ids = [], []
+        for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
             prompts.extend(batch["prompt"])
-            ids.extend(batch["prompt_input_ids"])
-            masks.extend(batch["prompt_attention_mask"])
+            ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
             if len(prompts) >= n:
                 break
-        part = split_batch({"prompt": prompts[:n], "ids": ids[:n], "masks": masks[:n]}, self.data_world_size)
-        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1], "masks": masks[:1]}
-        prompts, ids, masks = mine["prompt"], torch.stack(mine["ids"]), torch.stack(mine["masks"])
-        width = int(masks.sum(1).max())  # drop the columns of left padding that no prompt here needs
-        ids, masks = ids[:, ids.shape[1] - width :], masks[:, masks.shape[1] - width :]
+        part = split_batch({"prompt": prompts[:n], "ids": ids[:n]}, self.data_world_size)
+        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
         pad_id = self.tokenizer.pad_token_id
+        prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
         models = {"policy": self.policy}
         if self.reference_model is not None:
             models["reference"] = self.reference_model
@@ -704,12 +704,20 @@ class BasicTrainer:
         return collected
 
     def raise_non_finite(self, what: str):
-        """Raise NonFiniteLossError naming the step and the last good checkpoint."""
+        """Raise NonFiniteLossError: one sentence naming the step, the last good checkpoint and
+        what to change (train.py prints it as one ``Error:`` line)."""
         latest = os.path.join(self.run_dir, "LATEST")
-        where = os.path.realpath(latest) if os.path.exists(latest) else "none was written yet"
+        where = (
+            f"the last good checkpoint is {os.path.realpath(latest)}"
+            if os.path.exists(latest)
+            else "no checkpoint was written yet"
+        )
+        fix = "lower lr or max_grad_norm, or check the data"
+        if self.config.model.get("policy_dtype") == "float16":
+            fix += ", or train with model.policy_dtype=bfloat16 (float16 weights overflow and underflow easily)"
         raise NonFiniteLossError(
-            f"Stopped: {what} at step {self.batch_counter + 1} (after {self.example_counter} examples); "
-            f"nothing was saved, the last good checkpoint is {where}. Lower lr or max_grad_norm, or check the data."
+            f"Training stopped: {what} at step {self.batch_counter + 1} (after {self.example_counter} examples), "
+            f"before its optimizer step; nothing was saved and {where}: {fix}."
         )
 
     def train(self) -> int | None:
@@ -723,6 +731,7 @@ class BasicTrainer:
         if self.example_counter >= self.total_examples:
             if self.is_main:
                 print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
+            self.logger.finish()
             return None
         iterator = get_batch_iterator(
             self.train_examples,
@@ -755,10 +764,10 @@ class BasicTrainer:
             for batch in iterator:
                 if self.example_counter >= self.next_eval_at:
                     self.evaluate()
+                    while self.next_eval_at <= self.example_counter:  # before saving: a resume does not evaluate again
+                        self.next_eval_at += config.eval_every
                     if self.example_counter > 0:
                         self.save()
-                    while self.next_eval_at <= self.example_counter:
-                        self.next_eval_at += config.eval_every
                 metrics = self.train_step(batch)
                 tokens += self.step_tokens
                 self.batch_counter += 1
@@ -778,34 +787,47 @@ class BasicTrainer:
             bar.close()
             if self.stop_requested:
                 path = self.save()
+                memory = self.log_peak_memory()
                 if self.is_main:
                     utils.plot_curves(self.run_dir)
                     print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
+                    print(format_peak_memory(memory))
                     how = (
                         "the same torchrun command on every node, with"
                         if "TORCHELASTIC_RUN_ID" in os.environ
                         else "python train.py"
                     )
                     print(f"Resume with: {how} resume={self.run_dir}")
+                self.wait_for_all()
                 return self.stop_signal or signal.SIGTERM
             self.evaluate()
             path = self.save()
-            self.log_peak_memory()
+            memory = self.log_peak_memory()
             if self.is_main:
                 written = utils.plot_curves(self.run_dir)
-                export = f" (Hugging Face export in {path}/hf)" if config.save_hf_export else ""
+                export = ""
+                if config.save_hf_export:
+                    failed = self.hf_export_failure
+                    export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
                 print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
+                print(format_peak_memory(memory))
                 if written:
                     print(f"Training curves: {os.path.dirname(written[0])}/")
+            self.wait_for_all()
             return None
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.finish()
 
-    def log_peak_memory(self) -> None:
+    def log_peak_memory(self) -> dict[str, list[float]]:
         """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``, and
-        its peak resident memory up to the end of model loading and sharding (``setup_peak_rss``)."""
+        its peak resident memory up to the end of model loading and sharding (``setup_peak_rss``).
+        Every process must call it (a gather).
+
+        Returns:
+            {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
+        """
         mine = {"rss": [_peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
@@ -816,6 +838,7 @@ class BasicTrainer:
                 record[f"memory/rank{rank}_peak_{kind}_mib"] = value
         if self.is_main:
             self.logger.log(record, step=self.example_counter)
+        return dict(gathered)
 
     def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
         """Log the means of the train metrics gathered since the last log, then clear them;
@@ -845,8 +868,17 @@ class BasicTrainer:
         ``{step_idx, state, ...}``), trainer_state.pt (example counter, RNG, data position)
         and ``hf/``, a folder that ``AutoModelForCausalLM.from_pretrained`` and
         ``AutoTokenizer.from_pretrained`` load. Returns the checkpoint's path.
+
+        The reference-format files come first; an ``hf/`` export that fails (e.g. a model whose
+        ``save_pretrained`` refuses its ``quantization_config``) is left out with one warning
+        sentence, and the checkpoint is published all the same.
+
+        Raises:
+            utils.CheckpointError: when the checkpoint itself cannot be written (disk full, I/O
+                error): the partial folder is removed and ``LATEST`` keeps its earlier target.
         """
         step = self.example_counter
+        self.hf_export_failure = None
 
         def write(tmp):
             torch.save({"step_idx": step, "state": self.policy.state_dict()}, os.path.join(tmp, "policy.pt"))
@@ -854,12 +886,45 @@ class BasicTrainer:
             torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
             torch.save(self.trainer_state(), os.path.join(tmp, "trainer_state.pt"))
             if self.config.save_hf_export:
-                self.policy.save_pretrained(os.path.join(tmp, "hf"))
-                self.tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+                self.hf_export_failure = self.write_hf_export(os.path.join(tmp, "hf"))
 
         path = utils.save_checkpoint_dir(self.run_dir, f"step-{step}", write)
+        self.warn_export_failure(path)
         utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
+
+    hf_export_failure: str | None = None
+    """Why the last checkpoint has no ``hf/`` export (None: it has one, or none was asked for)."""
+
+    def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
+        """Write the Hugging Face export (policy and tokenizer ``save_pretrained``) into ``folder``.
+
+        Args:
+            state_dict: the full weights when the policy is sharded (FSDP/TP), else None.
+
+        Returns:
+            None, or why the export failed (the type and first line of the error); ``folder``
+            is then removed, and nothing else is touched: an export never costs the checkpoint.
+        """
+        import shutil
+
+        try:
+            self.policy.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
+            self.tokenizer.save_pretrained(folder)
+        except Exception as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            return utils.failure_reason(e)
+        return None
+
+    def warn_export_failure(self, path: str) -> None:
+        """Print one sentence when checkpoint ``path`` was published without its ``hf/`` export."""
+        if self.hf_export_failure and self.is_main:
+            print(
+                f"Warning: the Hugging Face export {path}/hf could not be written ({self.hf_export_failure}); "
+                f"the checkpoint is complete without it: resume= continues from it and "
+                f"model.archive={path}/policy.pt loads its weights.",
+                flush=True,
+            )
 
     def trainer_state(self) -> dict:
         """Counters, RNG states and the W&B run id: what resume needs besides the weights."""
@@ -898,6 +963,26 @@ class BasicTrainer:
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        if self.is_main:  # what was logged after this checkpoint is logged again as training repeats it
+            dropped = self.logger.rewind(self.example_counter)
+            for name in ("samples.jsonl", "completions.jsonl"):
+                utils.rewind_jsonl(os.path.join(self.run_dir, name), self.example_counter)
+            if dropped:
+                print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
+
+
+def format_peak_memory(memory: dict[str, list[float]]) -> str:
+    """One line for the end of a run from :meth:`BasicTrainer.log_peak_memory`'s figures, e.g.
+    ``Peak memory: 812 MiB resident (640 MiB by the end of model loading)``; one clause per rank
+    when there are several, plus CUDA's peak allocation on a GPU."""
+    n = len(memory["rss"])
+    parts = []
+    for rank in range(n):
+        text = f"{memory['rss'][rank]:.0f} MiB resident ({memory['setup_rss'][rank]:.0f} MiB by the end of model loading)"
+        if "cuda" in memory:
+            text += f", {memory['cuda'][rank]:.0f} MiB CUDA"
+        parts.append(f"rank {rank} {text}" if n > 1 else text)
+    return "Peak memory: " + "; ".join(parts) + "."
 
 
 def _peak_rss_mib() -> float:
@@ -1148,6 +1233,16 @@ class _DistributedTrainer(BasicTrainer):
 
         return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
 
+    def wait_for_all(self) -> None:
+        """A barrier. At the end of a run it keeps every rank until rank 0 has said how the run
+        ended, and lets gloo's worker threads release the tensors of the collectives before it
+        while the interpreter still runs: one that frees them during interpreter exit needs the
+        GIL then and aborts the process ("terminate called without an active exception", seen
+        about once in 20 two-rank CPU runs), which made the launcher stop rank 0 mid-sentence."""
+        import torch.distributed as dist
+
+        dist.barrier()
+
     def gather_metrics(self, metrics: dict) -> dict:
         """Every data-parallel group's lists, concatenated in order (tensor-parallel peers computed the same)."""
         return self.gather_per_rank(metrics, group=self.mesh["dp"].get_group())
@@ -1193,29 +1288,66 @@ class _DistributedTrainer(BasicTrainer):
     def save(self) -> str:
         """Each rank writes its own shard of policy and optimizer (DCP, no full gather) into
         ``sharded/``; rank 0 also writes the reference-format policy.pt (gathered), scheduler.pt,
-        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically."""
+        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically.
+
+        Every rank learns from rank 0 whether the checkpoint was written (a broadcast, which is
+        also the barrier that keeps the others until rank 0 is done), so a failure never leaves
+        a rank waiting. An ``hf/`` export that fails is left out with one warning sentence.
+
+        Raises:
+            utils.CheckpointError: on every rank, when the checkpoint itself cannot be written
+                (disk full, I/O error on any rank): the partial folder is removed and ``LATEST``
+                keeps its earlier target.
+        """
         import shutil
 
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
         step = self.example_counter
         name = f"step-{step}"
         tmp = os.path.join(self.run_dir, f".{name}.tmp")
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier()
-        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
-        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "sharded"))
-        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         path = os.path.join(self.run_dir, name)
+        self.hf_export_failure = None
+        failure = None  # why the checkpoint could not be written
+        try:
+            if self.is_main:
+                try:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    os.makedirs(tmp)
+                except OSError as e:
+                    failure = utils.failure_reason(e)
+            failure = utils.broadcast_object(failure)  # the folder exists before any rank writes into it
+            if failure is None:
+                try:
+                    model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+                    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "sharded"))
+                except Exception as e:  # DCP raises on every rank when any rank's write fails
+                    failure = utils.failure_reason(e)
+                if self.any_rank(failure is not None):
+                    failure = failure or "another rank could not write its shard"
+                else:
+                    full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                    if self.is_main:
+                        try:
+                            self.write_rank0_files(tmp, step, full)
+                            utils.publish_checkpoint(self.run_dir, name, tmp)
+                        except Exception as e:
+                            failure = utils.failure_reason(e)
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        message = None
+        if self.is_main and failure is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            message = utils.checkpoint_error_message(self.run_dir, name, failure)
+        message = utils.broadcast_object(message)  # every rank waits here for rank 0's files
+        if message is not None:
+            raise utils.CheckpointError(message)
         if self.is_main:
-            self.write_rank0_files(tmp, step, full)
-            utils.publish_checkpoint(self.run_dir, name, tmp)
+            self.warn_export_failure(path)
             utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
-        dist.barrier()
         return path
 
     def clip_gradients(self) -> torch.Tensor:
@@ -1258,8 +1390,7 @@ class _DistributedTrainer(BasicTrainer):
         torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
         torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
         if self.config.save_hf_export:
-            self.policy.save_pretrained(os.path.join(folder, "hf"), state_dict=full_state)
-            self.tokenizer.save_pretrained(os.path.join(folder, "hf"))
+            self.hf_export_failure = self.write_hf_export(os.path.join(folder, "hf"), full_state)
 
     def load(self, checkpoint_dir: str) -> None:
         """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard)."""

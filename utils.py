@@ -3,6 +3,7 @@ run folders, atomic checkpoints, metric logging and curves."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import difflib
 import json
@@ -10,6 +11,7 @@ import math
 import os
 import random
 import shutil
+import socket
 import tempfile
 
 import numpy as np
@@ -30,6 +32,10 @@ LOSS_KEYS = {
 """The keys each loss accepts: IPO has no label smoothing or reference_free, and says so."""
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
+
+FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
+"""Optimizers whose state and epsilon underflow in float16 weights: tried on a tiny Llama, each
+of these makes every weight NaN at the first step (any lr); SGD does not."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -101,6 +107,12 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError("Set n_epochs or n_examples (e.g. n_epochs=1).")
     if config.optimizer not in ("RMSprop", "AdamW", "Adam", "SGD"):
         raise ConfigError(f"optimizer must be one of RMSprop, AdamW, Adam, SGD, got {config.optimizer}.")
+    if config.model.get("policy_dtype") == "float16" and config.optimizer in FLOAT16_UNSAFE_OPTIMIZERS:
+        raise ConfigError(
+            f"model.policy_dtype=float16 with optimizer={config.optimizer} turns the weights into NaN at the first step "
+            f"(its epsilon 1e-8 is 0 in float16, and so is the square of a small gradient); use model.policy_dtype=bfloat16, "
+            "or float32 weights with model.fsdp_policy_mp=float16 under trainer=FSDPTrainer for float16 compute."
+        )
     if config.lr_scheduler not in ("constant", "linear", "cosine"):
         raise ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
     if config.wandb.mode not in ("online", "offline", "disabled"):
@@ -419,37 +431,168 @@ def make_run_dir(root: str, exp_name: str) -> str:
     return path
 
 
+RUN_LOCK = ".lock"
+"""The lock file in every run folder (see :func:`lock_run_dir`)."""
+
+RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"
+"""Set by ``train.launch`` in the processes it starts: the number of the file descriptor, passed
+down from the launcher, of the run folder's lock it holds (``resume=``)."""
+
+
+class RunLock:
+    """An open, locked ``<run folder>/.lock`` (see :func:`lock_run_dir`); a context manager.
+
+    Attributes:
+        fd: the file descriptor holding the lock (pass it to child processes to share the lock).
+        path: the lock file.
+    """
+
+    def __init__(self, fd: int | None, path: str):
+        self.fd = fd
+        self.path = path
+
+    def release(self) -> None:
+        """Close the descriptor: the lock ends once no process holds a descriptor of it. Never
+        ``LOCK_UN``, which would unlock it for the processes sharing it too."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_run_dir(run_dir: str) -> RunLock:
+    """Hold ``run_dir`` for this run: an exclusive ``flock`` on ``<run_dir>/.lock``, kept while
+    the returned lock (or a process it was passed to) is open. The OS drops the lock when the
+    last process holding it dies, however it dies, so a lock file left by a killed run does not
+    block; the file itself stays (removing it would let two runs lock two different files).
+    The file holds the holder's pid and host, for the refusal message.
+
+    A process ``train.launch`` started with the launcher's lock (:data:`RUN_LOCK_FD_ENV`, the
+    descriptor of this very file) takes that one over instead of locking again. Where
+    ``fcntl`` does not exist (Windows) nothing is locked.
+
+    Raises:
+        ConfigError: if a live process holds the folder (another run, e.g. ``resume=`` of a run
+            that is still training).
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock: nothing to hold
+        return RunLock(None, os.path.join(run_dir, RUN_LOCK))
+    path = os.path.join(run_dir, RUN_LOCK)
+    inherited = os.environ.get(RUN_LOCK_FD_ENV)
+    if inherited is not None:
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(inherited)
+            mine, there = os.fstat(fd), os.stat(path)
+            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                del os.environ[RUN_LOCK_FD_ENV]  # taken over once
+                os.set_inheritable(fd, False)
+                return RunLock(fd, path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        with open(path) as f:
+            holder = f.read().strip() or "unknown pid"
+        os.close(fd)
+        raise ConfigError(
+            f"The run folder {run_dir} is in use by a live run ({holder}); wait for that run to end or stop it, then try again."
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    return RunLock(fd, path)
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (disk full, an I/O error); the message is one sentence
+    saying why, that the partial folder was removed and where ``LATEST`` still points."""
+
+
+def failure_reason(error: BaseException) -> str:
+    """``error`` as a short reason for a sentence: its type and the first line of its message."""
+    line = (str(error).strip().splitlines() or [""])[0].strip().rstrip(".")
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
+    """The sentence for checkpoint ``name`` of ``run_dir`` that could not be written: why
+    (``reason``), the disk's free space, where ``LATEST`` still points, and how to continue."""
+    latest = os.path.join(run_dir, "LATEST")
+    try:
+        free = f"; {shutil.disk_usage(run_dir).free / 2**20:.0f} MiB are free on its disk"
+    except OSError:
+        free = ""
+    if os.path.exists(latest):
+        where = f"LATEST still points at the complete {os.path.basename(os.path.realpath(latest))}"
+        then = f"fix the cause and continue with resume={run_dir}"
+    else:
+        where, then = "no earlier checkpoint exists", "fix the cause and start the run again"
+    return f"Could not write checkpoint {name} in {run_dir} ({reason}{free}); the partial folder was removed and {where}: {then}."
+
+
 def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
     """Atomically write checkpoint folder ``<run_dir>/<name>`` and point ``LATEST`` at it.
 
     ``write(tmp_dir)`` fills a temporary folder; only when it returns is the folder
     renamed into place and the ``LATEST`` symlink swapped (``os.replace``, atomic on
     POSIX), so a crash at any moment leaves ``LATEST`` pointing at a complete checkpoint.
-    Returns the checkpoint's path.
+    Whatever goes wrong (also Ctrl-C), the temporary folder is removed. Returns the
+    checkpoint's path.
+
+    Raises:
+        CheckpointError: when writing or publishing raised an ``Exception`` (a full disk shows
+            as OSError from safetensors or RuntimeError from ``torch.save``); ``LATEST`` is
+            untouched. Other exceptions (KeyboardInterrupt) propagate as they are.
     """
-    tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
-    write(tmp)
-    return publish_checkpoint(run_dir, name, tmp)
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
+        write(tmp)
+        return publish_checkpoint(run_dir, name, tmp)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+            raise CheckpointError(checkpoint_error_message(run_dir, name, failure_reason(e))) from e
+        raise
 
 
 def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap the ``LATEST``
-    symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path."""
+    symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path.
+
+    When ``<name>`` exists already (a checkpoint saved again at the same step, e.g. after a
+    resume), ``LATEST`` points at ``tmp``, then at the old folder moved aside, while the folders
+    are renamed, so that at every moment it names a complete checkpoint."""
     final = os.path.join(run_dir, name)
     os.chmod(tmp, 0o755)
-    if os.path.exists(final):
+    if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
+        point_latest(run_dir, os.path.basename(tmp))
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)
         os.replace(final, os.path.join(old, name))
+        point_latest(run_dir, os.path.join(os.path.basename(old), name))
         os.replace(tmp, final)
+        point_latest(run_dir, name)
         shutil.rmtree(old)
     else:
         os.replace(tmp, final)
+        point_latest(run_dir, name)
+    return final
+
+
+def point_latest(run_dir: str, name: str) -> None:
+    """Swap the ``<run_dir>/LATEST`` symlink to ``name`` atomically (a new link, then ``os.replace``)."""
     link_tmp = os.path.join(run_dir, ".LATEST.tmp")
     if os.path.lexists(link_tmp):
         os.remove(link_tmp)
     os.symlink(name, link_tmp)
     os.replace(link_tmp, os.path.join(run_dir, "LATEST"))
-    return final
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> None:
@@ -469,28 +612,98 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
 # ----------------------------------------------------------------------------- metrics
 
 
+def rewind_jsonl(path: str, step: int) -> int:
+    """Drop the records of the JSON-lines file ``path`` whose ``"step"`` is above ``step`` (and a
+    line cut short by a crash), rewriting it atomically; a missing file is left alone.
+
+    Returns:
+        How many lines were dropped.
+    """
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), (int, float)) and record["step"] > step:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    if dropped:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+    return dropped
+
+
 class MetricsLogger:
-    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases."""
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases.
+
+    A resumed run (``resume_id``, the W&B id saved in the checkpoint) continues the same W&B
+    run; it is opened by :meth:`rewind`, which the trainer calls with the checkpoint's example
+    count once it has loaded it, so that what was logged after that checkpoint is dropped
+    (here and, by W&B's run rewind, there) and every step appears once.
+    """
 
     def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None, enabled: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.enabled = enabled  # False on every process but rank 0
         self.wandb = None
         self.run_id = resume_id
+        self._wandb_init = None  # wandb.init's arguments until the run is opened
         if enabled and config.wandb.enabled and config.wandb.mode != "disabled":
-            import wandb
+            self._wandb_init = {
+                "entity": config.wandb.entity,
+                "project": config.wandb.project,
+                "name": config.exp_name,
+                "mode": config.wandb.mode,
+                "dir": run_dir,
+                "config": OmegaConf.to_container(config, resolve=True),
+            }
+            if resume_id is None:
+                self._open_wandb()
 
-            self.wandb = wandb.init(
-                entity=config.wandb.entity,
-                project=config.wandb.project,
-                name=config.exp_name,
-                mode=config.wandb.mode,
-                dir=run_dir,
-                config=OmegaConf.to_container(config, resolve=True),
-                id=resume_id,
-                resume="allow" if resume_id else None,
-            )
-            self.run_id = self.wandb.id
+    def _open_wandb(self, rewind_to: int | None = None) -> None:
+        """Open the W&B run: a new one, or run ``run_id`` rewound to step ``rewind_to``
+        (``resume_from="<id>?_step=<n>"``: W&B keeps its history up to that step and the next
+        step logged follows it), else continued where W&B has it (``resume="allow"``: W&B then
+        ignores steps below its last one, so none is doubled either)."""
+        import wandb
+
+        kwargs, self._wandb_init = self._wandb_init, None
+        run = None
+        if self.run_id is None:
+            run = wandb.init(**kwargs)
+        elif rewind_to is not None:
+            try:
+                run = wandb.init(**kwargs, resume_from=f"{self.run_id}?_step={int(rewind_to)}")
+            except Exception as e:  # rewind is a W&B preview feature that a server may refuse
+                print(
+                    f"Note: W&B could not rewind run {self.run_id} to step {int(rewind_to)} ({failure_reason(e)}); "
+                    "continuing it instead, where W&B ignores the steps it already has."
+                )
+        if run is None:
+            run = wandb.init(**kwargs, id=self.run_id, resume="allow")
+        self.wandb = run
+        self.run_id = run.id
+
+    def rewind(self, step: int) -> int:
+        """Continue after a checkpoint of ``step`` examples: drop the records logged after it
+        from metrics.jsonl (they are logged again as training repeats those steps) and open
+        the resumed W&B run rewound to ``step``. Returns how many records were dropped."""
+        if not self.enabled:
+            return 0
+        dropped = rewind_jsonl(self.path, step)
+        if self._wandb_init is not None:
+            self._open_wandb(rewind_to=step)
+        return dropped
 
     def log(self, metrics: dict, step: int) -> None:
         """Write one record; ``step`` is the example counter."""
@@ -499,11 +712,15 @@ class MetricsLogger:
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self._wandb_init is not None:
+            self._open_wandb()
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
 
     def log_table(self, name: str, columns: list[str], rows: list[list], step: int) -> None:
         """Log a table (e.g. samples) to W&B; the trainer writes the same rows to a file."""
+        if self._wandb_init is not None:
+            self._open_wandb()
         if self.wandb is not None:
             import wandb
 
@@ -513,11 +730,101 @@ class MetricsLogger:
         """Close the W&B run, if any."""
         if self.wandb is not None:
             self.wandb.finish()
+            self.wandb = None
+
+
+def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
+    """(key pattern, panel, title, y label, y limits) in panel order; panel None: not plotted.
+    Units: log-probabilities, rewards (β·log-ratio), KL and DPO/SFT losses are in nats."""
+    loss_unit = {
+        "sft": "nats per target token",
+        "ipo": "nats², (log-ratio gap − 1/(2β))²",
+        "reward": "nats, −log σ(score margin)",
+    }.get(loss, "nats, −log σ(β·log-ratio gap)")
+    logp_unit = "nats per token, mean over response tokens" if average_log_prob else "nats, summed over response tokens"
+    fraction = (-0.02, 1.02)
+    return [
+        (r"^(memory|counters)/", None, "", "", None),  # one value at the end / the x axis itself
+        (r"/accuracies$", "accuracy", "pair accuracy", "accuracy (fraction of pairs, chosen > rejected)", fraction),
+        (r"^loss/", "loss", "loss", f"loss ({loss_unit})", None),
+        (r"^rewards(_train)?/", "rewards_train", "implicit rewards (train)", "reward β·log(π/π_ref) (nats)", None),
+        (r"^rewards_eval/", "rewards_eval", "implicit rewards (eval)", "reward β·log(π/π_ref) (nats)", None),
+        (r"^logps_train/", "logps_train", "policy log-probabilities (train)", f"log-probability ({logp_unit})", None),
+        (r"^logps_eval/", "logps_eval", "policy log-probabilities (eval)", f"log-probability ({logp_unit})", None),
+        (r"^scores_train/", "scores_train", "reward-model scores (train)", "score (logit)", None),
+        (r"^scores_eval/", "scores_eval", "reward-model scores (eval)", "score (logit)", None),
+        (
+            r"^objective/(kl|entropy|non_score_reward)$",
+            "objective_kl",
+            "KL to the reference, entropy",
+            "nats per completion",
+            None,
+        ),
+        (
+            r"^(objective/(scores|scores_margin|rlhf_reward)|eval/scores)$",
+            "scores",
+            "reward-model scores of samples",
+            "score (logit)",
+            None,
+        ),
+        (
+            r"contain_eos_token$|^online/(ties|failed_judgements|labelled_pairs)$",
+            "online_fractions",
+            "online pairs",
+            "fraction (0-1)",
+            fraction,
+        ),
+        (r"completion_length$", "completion_length", "completion length", "tokens per completion", None),
+        (r"^lr$", "lr", "learning rate", "learning rate (per optimizer step)", None),
+        (r"^grad_norm$", "grad_norm", "gradient norm", "gradient L2 norm (before clipping)", None),
+        (r"^examples_per_second$", "examples_per_second", "throughput", "examples / s", None),
+        (r"^tokens_per_second$", "tokens_per_second", "throughput", "non-padding tokens / s", None),
+        (r"^beta$", "beta", "beta", "β", None),
+    ]
+
+
+def curve_panels(series: dict[str, list], loss: str | None = None, average_log_prob: bool = False) -> list[dict]:
+    """The plan of ``plot_curves``: which panel each metric goes to, with its title and y label.
+
+    Quantities of one unit share a panel: accuracies (0-1) get a panel of their own, apart from
+    rewards and margins (nats); ``memory/*`` (one value at the end, printed then) and
+    ``counters/*`` (the x axis) are not plotted; a panel with no series of two points or more is
+    left out. Keys no rule knows get a panel per prefix, labelled with the prefix.
+
+    Args:
+        series: metric key -> its (step, value) points.
+        loss: ``loss.name`` (the loss's unit), None if unknown.
+        average_log_prob: log-probabilities are per-token means (``loss.average_log_prob``).
+
+    Returns:
+        [{"name": file stem, "title", "ylabel", "ylim": (lo, hi) or None, "keys": sorted}], in panel order.
+    """
+    import re
+
+    rules = _curve_rules(loss, average_log_prob)
+    panels: dict[str, dict] = {}
+    order = {rule[1]: i for i, rule in enumerate(rules)}
+    for key in series:
+        rule = next((r for r in rules if re.search(r[0], key)), None)
+        if rule is None:
+            prefix = key.split("/")[0]
+            rule = (None, prefix, prefix, prefix, None)
+        _, name, title, ylabel, ylim = rule
+        if name is None:
+            continue
+        panel = panels.setdefault(name, {"name": name, "title": title, "ylabel": ylabel, "ylim": ylim, "keys": []})
+        panel["keys"].append(key)
+    plan = []
+    for panel in sorted(panels.values(), key=lambda p: (order.get(p["name"], len(order)), p["name"])):
+        if max(len(series[k]) for k in panel["keys"]) >= 2:
+            plan.append({**panel, "keys": sorted(panel["keys"])})
+    return plan
 
 
 def plot_curves(run_dir: str) -> list[str]:
-    """Write one PNG per metric group from ``metrics.jsonl`` into ``<run_dir>/curves/``.
-    x axis: examples seen. Returns the files written."""
+    """Write one PNG per panel of :func:`curve_panels` from ``metrics.jsonl`` into
+    ``<run_dir>/curves/`` (x axis: examples seen; the loss's unit read from the run's
+    config.yaml), removing PNGs of panels no longer drawn. Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -529,30 +836,42 @@ def plot_curves(run_dir: str) -> list[str]:
     series: dict[str, list[tuple[int, float]]] = {}
     with open(path) as f:
         for line in f:
-            rec = json.loads(line)
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
             for k, v in rec.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     series.setdefault(k, []).append((rec["step"], v))
-    groups: dict[str, list[str]] = {}
-    for key in series:
-        groups.setdefault(key.split("/")[0], []).append(key)
+    loss, average = None, False
+    saved = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(saved):
+        loss_config = OmegaConf.load(saved).get("loss") or {}
+        loss, average = loss_config.get("name"), bool(loss_config.get("average_log_prob", False))
+    plan = curve_panels(series, loss, average)
     out_dir = os.path.join(run_dir, "curves")
     os.makedirs(out_dir, exist_ok=True)
     written = []
-    for group, keys in sorted(groups.items()):
+    for panel in plan:
         fig, ax = plt.subplots(figsize=(6, 4))
-        for key in sorted(keys):
+        for key in panel["keys"]:
             xs, ys = zip(*series[key])
             ax.plot(xs, ys, label=key, marker="." if len(xs) < 30 else None)
-        ax.set_xlabel("examples")
-        ax.set_title(group)
+        ax.set_xlabel("examples seen")
+        ax.set_ylabel(panel["ylabel"])
+        ax.set_title(panel["title"])
+        if panel["ylim"] is not None:
+            ax.set_ylim(*panel["ylim"])
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-        file = os.path.join(out_dir, f"{group}.png")
+        file = os.path.join(out_dir, f"{panel['name']}.png")
         fig.tight_layout()
         fig.savefig(file, dpi=100)
         plt.close(fig)
         written.append(file)
+    for stale in set(os.listdir(out_dir)) - {os.path.basename(f) for f in written}:
+        if stale.endswith(".png"):
+            os.remove(os.path.join(out_dir, stale))
     return written
 
 

@@ -670,12 +670,20 @@ def test_readme_add_a_dataset_example_works_as_written(tmp_path):
     namespace = vars(preference_datasets).copy()
     try:
         exec(code, namespace)
+        assert preference_datasets.DATASETS["mine"].truncation_mode == "keep_start"
         train = load_dataset_dict("mine", "train", {"path": path}, silent=True)
         test = load_dataset_dict("mine", "test", {"path": path}, silent=True)
     finally:
         preference_datasets.DATASETS.pop("mine", None)
-    assert len(train) + len(test) == 30 and test and not set(train) & set(test)
-    assert train["\n\nHuman: q0\n\nAssistant:"]["pairs"] == [(0, 1)] or "\n\nHuman: q0\n\nAssistant:" in test
+    # Every row is one prompt with one pair, " yes" chosen over " no", in exactly one split; the
+    # eval split is the default 10% slice: the prompts whose SHA-256 (first 8 bytes) / 2^64 < 0.1.
+    import hashlib
+
+    prompts = {f"\n\nHuman: q{i}\n\nAssistant:" for i in range(30)}
+    held_out = {p for p in prompts if int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "big") / 2**64 < 0.1}
+    assert held_out and set(test) == held_out and set(train) == prompts - held_out
+    for entry in [*train.values(), *test.values()]:
+        assert entry == {"responses": [" yes", " no"], "pairs": [(0, 1)], "sft_target": " yes"}
 
 
 def test_length_grouped_order_is_a_seeded_permutation_that_cuts_padding():

@@ -136,10 +136,10 @@ def test_bad_override_is_one_clear_sentence(overrides, message):
 def test_a_model_folder_without_weights_is_one_sentence_and_leaves_no_run_folder(tmp_path):
     # The tokenizer loads but the model does not: the run folder is made only after the models
     # load, so no folder holding just config.yaml is left behind.
-    from conftest import SHARED
+    from conftest import needs_shared
 
     folder = tmp_path / "no_weights"
-    shutil.copytree(SHARED / "tokenizers" / "gpt2", folder)
+    shutil.copytree(needs_shared("tokenizers", "gpt2"), folder)  # skipped, with the reason, without ../shared
     config = compose_config(["model=blank_model", f"model.name_or_path={folder}", f"output_root={tmp_path / 'out'}"])
     with pytest.raises(utils.ConfigError, match=f"Could not load model.name_or_path={folder}: .* Check model.name_or_path"):
         train.main(config)
@@ -254,11 +254,38 @@ def test_an_archive_that_is_not_a_checkpoint_is_one_sentence(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "loss", [["loss=ipo"], ["loss=dpo", "loss.label_smoothing=0.2"], ["loss=dpo", "loss.reference_free=true"]]
+    "loss", [["loss=dpo"], ["loss=ipo"], ["loss=dpo", "loss.label_smoothing=0.2"], ["loss=dpo", "loss.reference_free=true"]]
 )
-def test_other_losses_run(tmp_path, loss):
-    run_dir = run([*loss, "sample_during_eval=false"], tmp_path)
+def test_other_losses_start_at_their_formula_and_the_first_step_lowers_the_loss(tmp_path, loss):
+    # One eval example (its means are its values) and 8 training pairs in one batch of 8, two
+    # steps: step 2 sees the same 8 pairs as step 1 with the weights after the first update.
+    small = ["data.arithmetic.n_train=8", "batch_size=8", "n_examples=16", "eval_every=16", "n_eval_examples=1"]
+    run_dir = run([*loss, *small, "eval_batch_size=1", "sample_during_eval=false", "save_hf_export=false"], tmp_path)
     assert (run_dir / "LATEST" / "policy.pt").exists()
+    recs = records(run_dir)
+    first_eval = next(r for r in recs if "loss/eval" in r)
+    step1, step2 = [r for r in recs if "loss/train" in r]
+    assert (first_eval["step"], step1["step"], step2["step"]) == (0, 8, 16)
+    beta = 0.1
+    if "loss.reference_free=true" in loss:
+        # No reference: r = beta * log pi, loss = -log sigmoid(beta * (log pi(y_w) - log pi(y_l))), not ln 2.
+        chosen, rejected = first_eval["logps_eval/chosen"], first_eval["logps_eval/rejected"]
+        assert first_eval["rewards_eval/chosen"] == pytest.approx(beta * chosen, rel=1e-6)
+        assert first_eval["rewards_eval/rejected"] == pytest.approx(beta * rejected, rel=1e-6)
+        expected = math.log1p(math.exp(-beta * (chosen - rejected)))
+        assert abs(expected - math.log(2)) > 0.01  # the data make this case differ from ln 2
+    else:
+        # Policy == reference at step 0: h = 0, so DPO and cDPO give ln 2 (whatever the label
+        # smoothing: (1 - eps) ln 2 + eps ln 2) and IPO gives (0 - 1 / (2 beta))^2 = 25.
+        expected = 25.0 if "loss=ipo" in loss else math.log(2)
+        for record, split in ((first_eval, "eval"), (step1, "train")):
+            assert record[f"loss/{split}"] == pytest.approx(expected, rel=1e-6)
+            assert record[f"rewards_{split}/margins"] == 0.0 and record[f"rewards_{split}/accuracies"] == 0.0
+    assert first_eval["loss/eval"] == pytest.approx(expected, rel=1e-6)
+    # Every loss here falls as the margin beta * h grows: the first update must raise the margin
+    # on the same pairs and lower the loss.
+    assert step2["rewards_train/margins"] > step1["rewards_train/margins"] + 1e-3
+    assert step2["loss/train"] < step1["loss/train"]
 
 
 def build_trainer(overrides: list[str], tmp_path: Path) -> trainers.BasicTrainer:
@@ -461,18 +488,37 @@ def test_reference_defaults_to_policy_dtype_so_step0_rewards_are_zero(tmp_path):
     assert first["loss/eval"] == pytest.approx(math.log(2), abs=1e-6)
 
 
-def test_left_padded_prompts_sample_like_unpadded_ones_on_gpt2():
-    # Absolute position embeddings: left padding must not shift the positions when sampling.
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_eval_samples_continue_a_left_padded_prompt_as_alone_on_gpt2(tmp_path):
+    # BasicTrainer.sample on absolute position embeddings: a short prompt left-padded beside a
+    # longer one (in one eval batch, or in the next batch) must continue token for token as it
+    # does alone. sample_top_p=1e-6 keeps only the most likely token: greedy.
+    from preference_datasets import collate, tokenize_prompt
 
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=2, n_head=2, n_positions=64)).eval()
-    prompt = torch.tensor([[5, 6, 7, 8]])
-    padded = torch.tensor([[0, 0, 0, 5, 6, 7, 8]])
-    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1]])
-    a = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0)
-    b = model.generate(padded, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert a[0, 4:].tolist() == b[0, 7:].tolist()
+    gpt2 = ["~model.config", "+model.config={model_type:gpt2,n_embd:32,n_layer:2,n_head:2,n_positions:128}"]
+    t = build_trainer([*gpt2, "model.block_name=GPT2Block", "sample_top_p=1e-6"], tmp_path)
+    pad = t.tokenizer.pad_token_id
+    short, long = (tokenize_prompt(p, t.tokenizer, 32, "keep_start") for p in ["1+1=", "123456+654321="])
+    n_short, n_long = len(short["prompt_input_ids"]), len(long["prompt_input_ids"])
+    assert n_long > n_short + 5
+    generated = []  # what generate returned, policy then reference
+    for model in (t.policy, t.reference_model):
+        real = model.generate
+        model.generate = lambda *args, real=real, **kwargs: generated.append(real(*args, **kwargs)) or generated[-1]
+
+    def first_row_continuation(batches, n, width):
+        generated.clear()
+        t.eval_batches, t.config.n_eval_model_samples = batches, n
+        rows = t.sample()
+        assert [r["prompt"] for r in rows] == [short["prompt"], long["prompt"]][:n]
+        return [out[0, width:].tolist() for out in generated]
+
+    alone = first_row_continuation([collate([short], pad)], 1, n_short)
+    together = first_row_continuation([collate([short, long], pad)], 2, n_long)
+    next_batch = first_row_continuation([collate([short], pad), collate([long], pad)], 2, n_long)
+    for continuations in (together, next_batch):
+        for got, expected in zip(continuations, alone):  # policy, reference
+            k = min(len(got), len(expected))
+            assert k >= 8 and got[:k] == expected[:k]
 
 
 def test_wandb_offline_run_logs_beside_metrics_jsonl(tmp_path):

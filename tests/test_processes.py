@@ -1,0 +1,377 @@
+"""Processes and run folders (issue 13): ranks die with their launcher, one run at a time per run
+folder, and a mistyped key is one sentence with the key it was probably meant to be.
+
+Every subprocess has a timeout and runs in its own session; on the way out what is left of it is
+killed, so no test can hang or leave processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, compose_config, run_train
+from omegaconf import OmegaConf
+
+import train
+import utils
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+
+def is_dead(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie nobody has reaped yet counts as exited)."""
+    try:
+        import psutil
+
+        return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except ImportError:
+        pass
+    except Exception:  # psutil.NoSuchProcess between the two calls
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid``."""
+    try:
+        import psutil
+
+        return [p.pid for p in psutil.Process(pid).children()]
+    except ImportError:
+        out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    """Poll ``condition()`` every 0.1 s; fail the test naming ``what`` after ``seconds``."""
+    deadline = time.time() + seconds
+    while not condition():
+        if time.time() > deadline:
+            pytest.fail(f"timed out after {seconds} s waiting for {what}")
+        time.sleep(0.1)
+
+
+def kill_all(procs: list[subprocess.Popen], pids: list[int] = ()) -> None:
+    """SIGKILL whatever is left of these processes (their sessions) and pids, the pids first (one
+    may hold a process's output pipe open)."""
+    for pid in pids:
+        if not is_dead(pid):
+            os.kill(pid, signal.SIGKILL)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+
+
+def holder(folder: Path) -> subprocess.Popen:
+    """A process holding ``folder``'s lock (``utils.lock_run_dir``) until it is killed; returns
+    once it holds it."""
+    code = f"import sys, time, utils; lock = utils.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+# ----------------------------------------------------------------------------- ranks die with their launcher
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kill -9 and /proc: Linux")
+def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_refused(tmp_path):
+    # The issue: `kill -9` of `python train.py trainer=FSDPTrainer world_size=2` left both ranks
+    # training under PID 1, moving LATEST, and a resume= started then wrote into the same folder.
+    args = ["trainer=FSDPTrainer", "world_size=2", "n_examples=100000", "data.arithmetic.n_train=400", "eval_every=32"]
+    args += ["batch_size=8", "eval_batch_size=8", "n_eval_examples=16", "data.arithmetic.n_test=16", "progress_bar=false"]
+    args += ["sample_during_eval=false", "save_hf_export=false", "warmup_steps=2", f"output_root={tmp_path}"]
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    resume = None
+    try:
+        wait_until(lambda: list(tmp_path.glob("*/LATEST")), 180, "the first checkpoint")
+        run_dir = next(tmp_path.glob("*/LATEST")).parent
+        ranks = children(launcher.pid)
+        assert len(ranks) == 2
+        with pytest.raises(utils.ConfigError, match="is in use by a live run"):
+            utils.lock_run_dir(str(run_dir))  # rank 0 holds it while training
+
+        # resume= of the folder while it trains: refused before any process starts
+        resume = subprocess.run(
+            [sys.executable, "train.py", f"resume={run_dir}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120
+        )
+        assert resume.returncode == 2, resume.stderr[-2000:]
+        errors = [line for line in resume.stderr.splitlines() if line.strip()]
+        holders = [f"Error: The run folder {run_dir} is in use by a live run (pid {pid} on {os.uname()[1]}); " for pid in ranks]
+        assert len(errors) == 1 and errors[0].startswith(tuple(holders)), resume.stderr  # rank 0 made it and holds it
+        assert "Starting" not in resume.stdout and "Policy:" not in resume.stdout
+
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        wait_until(lambda: all(is_dead(pid) for pid in ranks), 5, "both ranks to die with their launcher")
+        latest, size = os.readlink(run_dir / "LATEST"), (run_dir / "metrics.jsonl").stat().st_size
+        time.sleep(2)
+        assert os.readlink(run_dir / "LATEST") == latest  # LATEST stopped moving
+        assert (run_dir / "metrics.jsonl").stat().st_size == size
+        utils.lock_run_dir(str(run_dir)).release()  # and the folder is free for resume=
+    finally:
+        kill_all([launcher], ranks)
+
+
+def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
+    # The race: the launcher dies between starting the rank and the rank arming its death signal.
+    # Here the "launcher" pid is not this process's parent at all.
+    code = "import train; train.die_with_launcher(); print('still alive', flush=True)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env={**ENV, train.LAUNCHER_PID_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGKILL and "still alive" not in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.timeout(180)
+def test_without_prctl_a_watch_thread_kills_the_rank_when_its_launcher_dies():
+    # What other OSes get (no PR_SET_DEATHSIG): a thread that notices the parent is gone.
+    rank = "import sys, time, train; sys.platform = 'darwin'; train.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
+    parent = (
+        "import os, subprocess, sys, time\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, {train.LAUNCHER_PID_ENV!r}: str(os.getpid())}})\n"
+        "print(child.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    child = None
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.stdout.readline().strip() == "armed"
+        assert not is_dead(child)
+        os.kill(proc.pid, signal.SIGKILL)
+        wait_until(lambda: is_dead(child), 5, "the rank to notice its launcher died")
+    finally:
+        kill_all([proc], [child] if child else [])
+
+
+# ----------------------------------------------------------------------------- one run per run folder
+
+
+def fake_run_folder(tmp_path: Path, overrides: list[str] = ()) -> Path:
+    """A folder resume= accepts (config.yaml and a LATEST link) without any checkpoint in it: a
+    refusal must come before anything is read from it."""
+    folder = tmp_path / "run"
+    (folder / "step-8").mkdir(parents=True)
+    (folder / "LATEST").symlink_to("step-8")
+    OmegaConf.save(compose_config([*TINY, f"output_root={tmp_path}", *overrides]), folder / "config.yaml")
+    return folder
+
+
+@pytest.mark.timeout(180)
+def test_resume_of_a_folder_a_live_run_holds_is_refused_and_a_killed_holders_lock_does_not_block(tmp_path, monkeypatch):
+    run_dir = run_train([], tmp_path)
+    utils.lock_run_dir(str(run_dir)).release()  # main() let go of it when it returned
+    proc = holder(run_dir)
+    try:
+        loaded = []
+        real_load_models = train.load_models
+        monkeypatch.setattr(train, "load_models", lambda *a, **k: loaded.append(1) or real_load_models(*a, **k))
+        with pytest.raises(utils.ConfigError, match=f"^The run folder {run_dir} is in use by a live run \\(pid {proc.pid} on "):
+            train.main(compose_config([f"resume={run_dir}"]))
+        assert not loaded  # refused before any model loads
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert (run_dir / ".lock").read_text().startswith(f"pid {proc.pid} ")  # the dead run's lock file is still there
+        folder, stop = train.main(compose_config([f"resume={run_dir}"]))  # and does not block
+        assert (Path(folder), stop) == (run_dir, None) and loaded
+    finally:
+        kill_all([proc])
+
+
+@pytest.mark.timeout(120)
+def test_a_fresh_run_holds_its_folder_from_before_config_yaml(tmp_path, monkeypatch):
+    # The folder is locked before config.yaml (which resume= needs) exists.
+    seen = {}
+    save = OmegaConf.save
+
+    def spy(config, f, *a, **k):
+        if str(f).endswith("config.yaml") and "locked" not in seen:
+            try:
+                utils.lock_run_dir(os.path.dirname(str(f))).release()
+                seen["locked"] = False
+            except utils.ConfigError:
+                seen["locked"] = True
+        return save(config, f, *a, **k)
+
+    monkeypatch.setattr(OmegaConf, "save", spy)
+    run_train([], tmp_path)
+    assert seen == {"locked": True}
+
+
+@pytest.mark.timeout(120)
+def test_fsdp_launcher_refuses_a_held_folder_before_starting_any_process(tmp_path):
+    folder = fake_run_folder(tmp_path, ["trainer=FSDPTrainer", "world_size=2"])
+    proc = holder(folder)
+    try:
+        done = subprocess.run(
+            [sys.executable, "train.py", f"resume={folder}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120
+        )
+    finally:
+        kill_all([proc])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert [line for line in done.stderr.splitlines() if line.strip()] == [
+        f"Error: The run folder {folder} is in use by a live run (pid {proc.pid} on {os.uname()[1]}); "
+        "wait for that run to end or stop it, then try again."
+    ]
+    assert "Starting" not in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_a_held_folder_is_refused_on_every_rank_and_said_once(tmp_path):
+    # Only rank 0 takes the lock; rank 1 must hear the refusal rather than go on loading.
+    folder = fake_run_folder(tmp_path, ["trainer=FSDPTrainer"])
+    proc = holder(folder)
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py", f"resume={folder}"]
+        done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=180)
+    finally:
+        kill_all([proc])
+    assert done.returncode != 0
+    assert done.stderr.count("is in use by a live run") == 1, done.stderr[-3000:]
+    assert "Policy:" not in done.stdout and "Resuming" not in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
+    # Each rank runs main() itself: rank 1 must raise the refusal too, not load the models and
+    # wait in rank 0's broadcast of them.
+    folder = fake_run_folder(tmp_path, ["trainer=FSDPTrainer"])
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, sys, train, utils\n"
+        "from conftest import compose_config\n"
+        "train.load_tokenizer = utils.load_tokenizer = None  # loading anything fails loudly\n"
+        "try:\n"
+        f"    train.main(compose_config(['resume={folder}']))\n"
+        "except utils.ConfigError as e:\n"
+        f"    open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(str(e))\n"
+    )
+    proc = holder(folder)
+    try:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+        env = {**ENV, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    finally:
+        kill_all([proc])
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = f"The run folder {folder} is in use by a live run (pid {proc.pid} on {os.uname()[1]}); wait for that run to end or stop it, then try again."
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == [expected, expected]
+
+
+@pytest.mark.timeout(120)
+def test_ray_refuses_a_held_folder_before_ray_starts(tmp_path):
+    ray = pytest.importorskip("ray")
+    import ray_launcher
+
+    folder = fake_run_folder(tmp_path, ["launcher=ray"])
+    proc = holder(folder)
+    try:
+        config = train.effective_config(compose_config(["launcher=ray", f"resume={folder}"]))
+        with pytest.raises(utils.ConfigError, match=f"The run folder {folder} is in use by a live run"):
+            ray_launcher.launch(config)
+        assert not ray.is_initialized()
+    finally:
+        kill_all([proc])
+
+
+# ----------------------------------------------------------------------------- mistyped keys
+
+LOSS_KEYS = "average_log_prob, beta, label_smoothing, name, reference_free"  # config/loss/dpo.yaml
+HH_KEYS = "holdout_fraction, local_dir, subsets"  # config/config.yaml, data.hh
+
+
+@pytest.mark.parametrize(
+    "overrides, sentence",
+    [
+        (["loss.betaa=0.1"], f"loss.betaa is not a config key; did you mean loss.beta? (keys of loss: {LOSS_KEYS})"),
+        (
+            ["data.hh.subset=[a]"],
+            f"data.hh.subset is not a config key; did you mean data.hh.subsets? (keys of data.hh: {HH_KEYS})",
+        ),
+        (
+            ["data.hhh.subsets=[a]"],
+            "data.hhh.subsets is not a config key; did you mean data.hh.subsets? (keys of data: arithmetic, hh, json, se, shp, tldr)",
+        ),
+        (["loss=ipoo"], "loss=ipoo is not an option of loss; did you mean loss=ipo? (options: dpo, ipo, reward, sft)."),
+        (
+            ["loss=ipo", "loss.label_smoothing=0.1"],
+            "loss.label_smoothing is not a config key (keys of loss: average_log_prob, beta, name); "
+            "to add it, write +loss.label_smoothing=0.1.",
+        ),
+    ],
+)
+def test_a_mistyped_nested_key_names_the_closest_one(overrides, sentence):
+    assert train.override_error(overrides) == sentence
+
+
+def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
+    top = sorted(set(compose_config([]).keys()))
+    for typed in ("batch_szie=8", "+batch_szie=8", "++batch_szie=8"):
+        message = train.override_error([typed])
+        assert message.startswith("batch_szie is not a config key; did you mean batch_size? ("), message
+        assert message.endswith(f"keys: {', '.join(top)})")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["batch_size=8"],
+        ["++batch_size=8"],
+        ["+data.mine.path=x.jsonl", "datasets=[mine]"],
+        ["+data.json.path=x.jsonl"],
+        ["+model.config.foo=1"],
+        ["+my_tag=x"],
+        ["loss=ipo", "+loss.label_smoothing=0.1"],  # utils.validate_config's own sentence
+        ["batch_size=4,8"],  # not about a key: Hydra says what is wrong
+    ],
+)
+def test_legitimate_overrides_and_other_mistakes_are_left_alone(overrides):
+    assert train.override_error(overrides) is None
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("typed", ["batch_szie=8", "+batch_szie=8"])
+def test_command_line_says_did_you_mean_in_one_sentence_and_exits_2(tmp_path, typed):
+    done = subprocess.run(
+        [sys.executable, "train.py", typed, f"output_root={tmp_path}"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: batch_szie is not a config key; did you mean batch_size? (")
+    assert "HYDRA_FULL_ERROR" not in done.stderr and "Traceback" not in done.stderr
+    assert not done.stdout.strip() and not list(tmp_path.iterdir())
