@@ -25,6 +25,7 @@ import html.parser
 import json
 import os
 import random
+import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -161,9 +162,13 @@ def _note_file(path: str) -> None:
         report.files.append(path)
 
 
-def add_pair(data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter) -> bool:
+def add_pair(
+    data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter, row: str | None = None
+) -> bool:
     """Add one (prompt, chosen, rejected) pair to ``data``, reusing responses already seen
-    for that prompt. Empty or identical responses are skipped and counted. Returns True if added."""
+    for that prompt. Empty or identical responses are skipped and counted. ``row`` (e.g.
+    ``"data.parquet, row 3"``) is kept in the entry's ``"rows"``, one per pair, to name the row
+    in later messages. Returns True if added."""
     if not chosen.strip() or not rejected.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -171,13 +176,111 @@ def add_pair(data: DatasetDict, prompt: str, chosen: str, rejected: str, report:
         note_row(report, "skipped: identical responses", prompt)
         return False
     entry = data.setdefault(prompt, {"responses": [], "pairs": [], "sft_target": chosen})
+    _append_pair(entry, chosen, rejected, row)
+    return True
+
+
+def _append_pair(entry: dict, chosen, rejected, row: str | None) -> None:
     ids = []
     for response in (chosen, rejected):
         if response not in entry["responses"]:
             entry["responses"].append(response)
         ids.append(entry["responses"].index(response))
     entry["pairs"].append((ids[0], ids[1]))
+    if row is not None:
+        entry.setdefault("rows", []).append(row)
+
+
+Messages = list[dict]
+"""A conversation: a list of ``{"role": str, "content": str}`` messages."""
+
+
+def conversation_key(prompt_messages: Messages) -> str:
+    """The DatasetDict key of a conversational prompt: its messages as JSON text (a string, so
+    :func:`apply_holdout` hashes it and the reports count it as they do a text prompt)."""
+    return json.dumps(prompt_messages, ensure_ascii=False)
+
+
+def add_conversation_pair(
+    data: DatasetDict,
+    prompt_messages: Messages,
+    chosen_messages: Messages,
+    rejected_messages: Messages,
+    report: collections.Counter,
+    row: str | None = None,
+) -> bool:
+    """Add one conversational pair to ``data`` under :func:`conversation_key` of ``prompt_messages``
+    (the conversation before the responses). ``chosen_messages`` and ``rejected_messages`` are
+    the response parts (lists of messages, each ending with the assistant's; the loader checks
+    that). The entry holds ``"prompt_messages"`` too, which marks it as conversational, and
+    ``"rows"`` as :func:`add_pair`. A response whose last message is empty, or chosen equal to
+    rejected, is skipped and counted. Returns True if added."""
+    key = conversation_key(prompt_messages)
+    if not chosen_messages[-1]["content"].strip() or not rejected_messages[-1]["content"].strip():
+        note_row(report, "skipped: empty response", key)
+        return False
+    if chosen_messages == rejected_messages:
+        note_row(report, "skipped: identical responses", key)
+        return False
+    entry = data.setdefault(
+        key, {"responses": [], "pairs": [], "sft_target": chosen_messages, "prompt_messages": prompt_messages}
+    )
+    _append_pair(entry, chosen_messages, rejected_messages, row)
     return True
+
+
+def check_messages(value, where: str, column: str) -> Messages:
+    """``value`` (column ``column`` of the row ``where``) as a conversation: a non-empty list of
+    messages, each with a string ``role`` and ``content`` (other keys, such as Arrow's nulls for
+    keys of other rows, are dropped).
+
+    Raises:
+        DataError: if it is not a list of messages, or a message lacks role or content (naming the message).
+    """
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{where}: column {column!r} is not a list of messages ({_json_kind(value)}); give a list of {{role, content}}."
+        )
+    messages = []
+    for k, m in enumerate(value, 1):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(
+                f"{where}: message {k} of {column!r} has no string 'role' and 'content' ({json.dumps(m, ensure_ascii=False)[:80]});"
+                " every message needs both."
+            )
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def check_ends_with_assistant(messages: Messages, where: str, column: str) -> None:
+    """Raises DataError (naming the row and column) if the last message of ``messages`` is not the assistant's."""
+    if messages[-1]["role"] != "assistant":
+        raise DataError(
+            f"{where}: the last message of {column!r} is the {messages[-1]['role']}'s, not the assistant's; "
+            "a response must end with the assistant's turn."
+        )
+
+
+def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages, Messages, Messages] | None:
+    """Split two whole conversations into (prompt, chosen response, rejected response).
+
+    The prompt is their longest common run of messages that is followed, in both, by an
+    assistant message (so each response starts with the assistant's turn). When the two
+    diverge before the last assistant turn, the responses hold the rest of each conversation,
+    as :func:`split_prompt_and_responses` does for HH text. Returns None if there is no such
+    non-empty run (they share no prompt)."""
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    for k in range(min(n, len(chosen) - 1, len(rejected) - 1), 0, -1):
+        if chosen[k]["role"] == "assistant" and rejected[k]["role"] == "assistant":
+            return chosen[:k], chosen[k:], rejected[k:]
+    return None
+
+
+def dataset_prompts(data: DatasetDict) -> list:
+    """The prompts of ``data``'s entries in order: the key (a string), or the prompt messages of a conversational entry."""
+    return [entry.get("prompt_messages", key) for key, entry in data.items()]
 
 
 def in_holdout(prompt: str, fraction: float) -> bool:
@@ -376,13 +479,60 @@ def load_from_hub(hub_id: str, option: str, **kwargs):
 # ----------------------------------------------------------------------------- loaders
 
 
-def hh_rows_to_data(rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None) -> DatasetDict:
+HH_ROLES = {HUMAN_TAG: "user", ASSISTANT_TAG: "assistant"}
+
+
+def hh_messages(text: str) -> tuple[Messages, bool]:
+    """The turns of HH dialogue text as messages: each ``"\\n\\nHuman:"`` / ``"\\n\\nAssistant:"``
+    part becomes a user / assistant message, its text stripped; text before the first tag is a
+    user turn; consecutive turns of one role are merged into one (joined by a blank line).
+
+    Returns:
+        (messages, whether turns were merged).
+    """
+    pieces = re.split(r"(\n\nHuman:|\n\nAssistant:)", text)
+    turns = [("user", pieces[0])] if pieces[0].strip() else []
+    turns += [(HH_ROLES[tag], content) for tag, content in zip(pieces[1::2], pieces[2::2])]
+    messages: Messages = []
+    merged = False
+    for role, content in turns:
+        if messages and messages[-1]["role"] == role:
+            messages[-1]["content"] = (messages[-1]["content"] + "\n\n" + content.strip()).strip()
+            merged = True
+        else:
+            messages.append({"role": role, "content": content.strip()})
+    return messages, merged
+
+
+def _add_hh_conversation(data: DatasetDict, prompt: str, chosen: str, rejected: str, report, row: str) -> bool:
+    """:func:`add_conversation_pair` of one split HH pair (prompt text ending with the Assistant tag)."""
+    prompt_messages, merged = hh_messages(prompt[: -len(ASSISTANT_TAG)])
+    responses = [hh_messages(ASSISTANT_TAG + response) for response in (chosen, rejected)]
+    key = conversation_key(prompt_messages)
+    if not prompt_messages:
+        note_row(report, "skipped: empty prompt", key)
+        return False
+    if any(messages[-1]["role"] != "assistant" for messages, _ in responses):
+        note_row(report, "skipped: dialogue ends with a Human turn", key)
+        return False
+    added = add_conversation_pair(data, prompt_messages, responses[0][0], responses[1][0], report, row)
+    if added and (merged or responses[0][1] or responses[1][1]):
+        note_row(report, "repaired: consecutive turns of one role merged", key)
+    return added
+
+
+def hh_rows_to_data(
+    rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None, conversation: bool = False
+) -> DatasetDict:
     """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to
     ``data`` when given, so several files make one dict).
 
     A pair split before the last ``"\\n\\nAssistant:"`` of the chosen dialogue (where the
     reference repository split) is counted as repaired; a row whose dialogues share no
-    Assistant turn is skipped and counted under its chosen text.
+    Assistant turn is skipped and counted under its chosen text. With ``conversation``, each
+    pair is added as messages (:func:`hh_messages`, :func:`add_conversation_pair`): the prompt's
+    turns, then each response as one assistant message (several when the dialogues diverged
+    before the last turn).
 
     Raises:
         DataError: if a row lacks string ``chosen`` and ``rejected`` (naming ``source`` and the row).
@@ -396,8 +546,13 @@ def hh_rows_to_data(rows, report: collections.Counter, source: str = "hh", data:
             note_row(report, "skipped: no common Assistant turn", row["chosen"])
             continue
         prompt, chosen, rejected = split
-        if add_pair(data, prompt, chosen, rejected, report) and ASSISTANT_TAG in chosen:
-            note_row(report, "repaired: dialogues diverge before the last Assistant turn", prompt)
+        if conversation:
+            added = _add_hh_conversation(data, prompt, chosen, rejected, report, f"{source}, row {i}")
+            key = conversation_key(hh_messages(prompt[: -len(ASSISTANT_TAG)])[0])
+        else:
+            added, key = add_pair(data, prompt, chosen, rejected, report), prompt
+        if added and ASSISTANT_TAG in chosen:
+            note_row(report, "repaired: dialogues diverge before the last Assistant turn", key)
     return data
 
 
@@ -409,6 +564,7 @@ def get_hh(
     subsets: list[str] | None = None,
     holdout_fraction: float = 0.0,
     cache_dir: str | None = None,
+    conversation: bool = False,
 ) -> DatasetDict:
     """Anthropic Helpful-Harmless dialogues (Bai et al. 2022), hub id ``Anthropic/hh-rlhf``.
 
@@ -419,6 +575,9 @@ def get_hh(
         holdout_fraction: if > 0, ignore the source's own splits: read every file of
             the first split that exists (train, else test) and carve a deterministic
             eval slice of this fraction of prompts (see :func:`in_holdout`).
+        conversation: true reads the dialogues as conversations (a chat model then sees its own
+            template): Human / Assistant turns become user / assistant messages, the prompt is
+            the turns before the final assistant response (see :func:`hh_rows_to_data`).
 
     Raises:
         DataError: if the local copy has no file for the subsets and split asked for.
@@ -448,9 +607,9 @@ def get_hh(
             raise DataError(f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{hint}.")
         data: DatasetDict = {}
         for p in paths:
-            hh_rows_to_data(read_json_records(p), report, p, data)
+            hh_rows_to_data(read_json_records(p), report, p, data, conversation)
         return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
-    data = hh_rows_to_data(rows, report)
+    data = hh_rows_to_data(rows, report, conversation=conversation)
     return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
 
 
@@ -624,6 +783,398 @@ def get_json(
     return apply_holdout(data, split, holdout_fraction, report)
 
 
+# ----------------------------------------------------------------------------- hf: any preference data, via `datasets`
+
+HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores")
+"""The columns the ``hf`` formats read; ``data.hf.columns`` maps them to other names."""
+HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked")
+HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
+"""File suffix -> the ``datasets`` builder that reads it (.gz, .bz2, .xz, .zst compressed too)."""
+
+
+def _hf_reader(path: str) -> str | None:
+    base = os.path.basename(path).lower()
+    for suffix in (".gz", ".bz2", ".xz", ".zst"):
+        base = base.removesuffix(suffix)
+    return HF_READERS.get(base.rsplit(".", 1)[-1]) if "." in base else None
+
+
+def _rows(dataset) -> list[dict]:
+    return dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+
+
+def _read_with_datasets(what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` (a ``datasets`` reader of a local file or folder) with its progress bars off.
+
+    Raises:
+        DataError: naming ``what`` when the reader fails (a file cut short, not in its format, ...).
+    """
+    import datasets
+
+    bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:  # the readers raise many kinds (DatasetGenerationError, ArrowInvalid, JSON errors, ...)
+        detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        raise DataError(
+            f"{what} could not be read by the datasets library ({detail}); check that it is complete and in its format."
+        ) from None
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[str], Callable[[str], tuple[list[dict], str]]]:
+    """The splits of ``data.hf.path`` and a reader of one split, through the ``datasets`` library:
+    a file (.json, .jsonl, .parquet, .csv, .arrow; one split, named "train"); a mapping
+    {split: file}; a folder saved by ``save_to_disk`` (``datasets.load_from_disk``); any other
+    folder (``datasets.load_dataset(folder)``: split names from the file names, e.g. a hub
+    snapshot's ``data/train_prefs-00000-of-00001.parquet``); else a hub id, with config ``name``.
+
+    Returns:
+        (split names, ``read(split) -> (rows, source named in messages)``).
+
+    Raises:
+        DataError: if a local path does not exist, a reader fails, or the hub cannot be reached.
+    """
+    import datasets
+
+    def one_file(file: str) -> list[dict]:
+        if not os.path.isfile(file):
+            raise DataError(f"Data file {file} does not exist; check data.hf.path.")
+        reader = _hf_reader(file)
+        if reader is None:
+            raise DataError(
+                f"{file} is not a .json, .jsonl, .parquet, .csv or .arrow file; data.hf.path reads those (or a folder)."
+            )
+        _note_file(file)
+        load = datasets.load_dataset
+        return _rows(_read_with_datasets(file, load, reader, data_files=file, split="train", cache_dir=cache_dir))
+
+    if isinstance(path, dict):
+        return list(path), lambda s: (one_file(path[s]), path[s])
+    path = str(path)
+    if os.path.isfile(path):
+        return ["train"], lambda s: (one_file(path), path)
+    if os.path.isdir(path):
+        _note_file(path)
+        if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
+            got = _read_with_datasets(path, datasets.load_from_disk, path)
+        else:
+            got = _read_with_datasets(path, datasets.load_dataset, path, name=name, cache_dir=cache_dir)
+        if isinstance(got, datasets.Dataset):
+            return ["train"], lambda s: (_rows(got), path)
+        return list(got), lambda s: (_rows(got[s]), f"{path} ({s} split)")
+    if path.startswith((".", "/", "~")) or path.count("/") > 1 or _hf_reader(path):
+        raise DataError(f"data.hf.path={path} does not exist; give a data file, a folder or a hub id (org/name).")
+    try:
+        names = datasets.get_dataset_split_names(path, name)
+    except (ConnectionError, OSError, FileNotFoundError) as e:
+        raise DataError(
+            f"Could not load {path} from the Hugging Face hub ({type(e).__name__}); offline? set data.hf.path to a local copy."
+        ) from None
+    kwargs = {"name": name} if name else {}
+    return list(names), lambda s: (
+        _rows(load_from_hub(path, "data.hf.path", split=s, cache_dir=cache_dir, **kwargs)),
+        f"{path} ({s} split)",
+    )
+
+
+def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], source: str) -> str:
+    """The format of rows with columns ``found`` (``first`` is the first row; ``columns`` maps each
+    of :data:`HF_COLUMNS` to the column that holds it): ``ranked`` (a responses column),
+    ``conversational`` (prompt beside chosen / rejected message lists that are the responses),
+    ``implicit`` (chosen / rejected whole conversations, a prompt string beside them ignored) or
+    ``standard`` (prompt / chosen / rejected strings).
+
+    Raises:
+        DataError: if the columns match no format, naming the columns found and the mapping to set.
+    """
+    has = {key: columns[key] in found for key in HF_COLUMNS}
+    if has["responses"] and has["prompt"]:
+        return "ranked"
+    if has["chosen"] and has["rejected"]:
+        chosen, prompt = first.get(columns["chosen"]), first.get(columns["prompt"])
+        if isinstance(chosen, list):
+            starts_with_answer = bool(chosen) and isinstance(chosen[0], dict) and chosen[0].get("role") == "assistant"
+            return (
+                "conversational" if isinstance(prompt, list) or (isinstance(prompt, str) and starts_with_answer) else "implicit"
+            )
+        if has["prompt"]:
+            return "standard"
+    raise DataError(
+        f"{source} has columns {found}, which match no preference format (prompt / chosen / rejected, chosen / rejected "
+        "conversations, or prompt / responses / scores); name yours with data.hf.columns={prompt: <column>, chosen: <column>, "
+        "rejected: <column>} (or {prompt: ..., responses: ..., scores: ...})."
+    )
+
+
+def _hf_prompt(value, where: str, column: str, conversation: bool) -> str | Messages:
+    if isinstance(value, str) and not conversation:
+        return value
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    return check_messages(value, where, column)
+
+
+def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str):
+    """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists (prompt
+    messages, response messages) for a conversational row.
+
+    Raises:
+        DataError: naming the row for a missing or mistyped column, a message without role or
+            content, a response not ending with the assistant's turn, or chosen and rejected
+            conversations that share no prompt.
+    """
+    c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
+    if fmt == "standard":
+        for column in (p, c, r):
+            if not isinstance(row.get(column), str):
+                raise DataError(
+                    f"{where}: column {column!r} is missing or not a string; standard rows need prompt, chosen and rejected strings."
+                )
+        return row[p], row[c], row[r]
+    chosen, rejected = check_messages(row.get(c), where, c), check_messages(row.get(r), where, r)
+    check_ends_with_assistant(chosen, where, c)
+    check_ends_with_assistant(rejected, where, r)
+    if fmt == "conversational":
+        prompt = _hf_prompt(row.get(p), where, p, True)
+        n = len(prompt)
+        if chosen[:n] == prompt and rejected[:n] == prompt and min(len(chosen), len(rejected)) > n:
+            chosen, rejected = chosen[n:], rejected[n:]  # whole conversations beside their prompt
+        return prompt, chosen, rejected
+    split = split_conversations(chosen, rejected)
+    if split is None:
+        raise DataError(
+            f"{where}: {c!r} and {r!r} share no prompt (no common messages before an assistant turn); "
+            "give the prompt in a column of its own (data.hf.columns={prompt: <column>})."
+        )
+    return split
+
+
+def _hf_ranked(row: dict, columns: dict[str, str], where: str) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
+    """(prompt, [(response, score), ...]) of a ranked row: ``responses`` a list with a parallel
+    ``scores`` list, or a list of {text or response, score} objects; a response is a string or
+    a list of messages (then the row is conversational).
+
+    Raises:
+        DataError: naming the row when the responses or scores are missing or malformed.
+    """
+    rc, sc, pc = columns["responses"], columns["scores"], columns["prompt"]
+    responses, scores = row.get(rc), row.get(sc)
+    if not isinstance(responses, list) or not responses:
+        raise DataError(f"{where}: column {rc!r} is not a list of responses; ranked rows need prompt, responses (and scores).")
+    if scores is None:
+        items = [(a.get("text", a.get("response")), a.get("score")) if isinstance(a, dict) else (a, None) for a in responses]
+    elif not isinstance(scores, list) or len(scores) != len(responses):
+        raise DataError(f"{where}: column {sc!r} is not a list of {len(responses)} scores, one per response in {rc!r}.")
+    else:
+        items = list(zip(responses, scores))
+    conversation = isinstance(row.get(pc), list) or any(isinstance(t, list) for t, _ in items)
+    prompt = _hf_prompt(row.get(pc), where, pc, conversation)
+    if not isinstance(prompt, (str, list)):
+        raise DataError(f"{where}: column {pc!r} is missing or not a string or a list of messages.")
+    ranked = []
+    for k, (text, score) in enumerate(items, 1):
+        if not isinstance(score, (int, float)) or isinstance(score, bool):
+            raise DataError(f"{where}: response {k} has no numeric score; give {sc!r} or a 'score' in each response object.")
+        if conversation:
+            text = [{"role": "assistant", "content": text}] if isinstance(text, str) else check_messages(text, where, rc)
+            check_ends_with_assistant(text, where, rc)
+        elif not isinstance(text, str):
+            raise DataError(f"{where}: response {k} of {rc!r} has no text; give strings or {{text, score}} objects.")
+        ranked.append((text, float(score)))
+    return prompt, ranked
+
+
+def hf_rows_to_data(
+    rows: list[dict],
+    report: collections.Counter,
+    source: str,
+    format: str = "auto",
+    columns: dict | None = None,
+    max_pairs_per_prompt: int | None = None,
+) -> DatasetDict:
+    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict:
+    text pairs by :func:`add_pair`, conversational ones by :func:`add_conversation_pair` (an
+    implicit prompt by :func:`split_conversations`). A ranked row gives every pair of responses
+    with different scores (higher chosen; ties skipped and counted) and its best-scored response
+    as sft_target. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those with
+    the largest score gaps, else the first ones.
+
+    Raises:
+        DataError: for an unknown format or mapping key, columns that match no format, or a bad
+            row (one sentence naming ``source`` and the 1-based row).
+    """
+    if format not in HF_FORMATS:
+        raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
+    unknown = sorted(set(columns or {}) - set(HF_COLUMNS))
+    if unknown:
+        raise DataError(
+            f"data.hf.columns has unknown key(s) {unknown}; its keys are {', '.join(HF_COLUMNS)} (each set to your column)."
+        )
+    columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
+    found = list(rows[0]) if rows else []
+    fmt = detect_hf_format(found, rows[0], columns, source) if format == "auto" and rows else format
+    data: DatasetDict = {}
+    gaps: dict[str, list[float]] = {}
+    for i, row in enumerate(rows, 1):
+        where = f"{source}, row {i}"
+        if fmt == "ranked":
+            prompt, ranked = _hf_ranked(row, columns, where)
+            candidates = []
+            for a in range(len(ranked)):
+                for b in range(a + 1, len(ranked)):
+                    (ta, sa), (tb, sb) = ranked[a], ranked[b]
+                    if sa == sb:
+                        note_row(report, "skipped: score tie", prompt if isinstance(prompt, str) else conversation_key(prompt))
+                    else:
+                        candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
+        else:
+            prompt, chosen, rejected = _hf_pair(row, fmt, columns, where)
+            candidates = [((chosen, rejected), 0.0)]
+        key = prompt if isinstance(prompt, str) else conversation_key(prompt)
+        for (chosen, rejected), gap in candidates:
+            if isinstance(prompt, str):
+                added = add_pair(data, prompt, chosen, rejected, report, where)
+            else:
+                added = add_conversation_pair(data, prompt, chosen, rejected, report, where)
+            if added:
+                gaps.setdefault(key, []).append(gap)
+        if fmt == "ranked" and key in data:
+            data[key]["sft_target"] = max(ranked, key=lambda t: t[1])[0]
+    if max_pairs_per_prompt is not None:
+        for key, entry in data.items():
+            n = len(entry["pairs"])
+            if n > max_pairs_per_prompt:
+                note_row(report, "skipped: over max_pairs_per_prompt", key, n - max_pairs_per_prompt)
+                keep = sorted(sorted(range(n), key=lambda k: -gaps[key][k])[:max_pairs_per_prompt])
+                entry["pairs"] = [entry["pairs"][k] for k in keep]
+                if "rows" in entry:
+                    entry["rows"] = [entry["rows"][k] for k in keep]
+    return data
+
+
+def hf_split_rows(
+    split: str, path, name: str | None, train_split: str, test_split: str | None, holdout_fraction: float, cache_dir: str | None
+) -> tuple[list[dict], str, bool]:
+    """The rows ``hf`` reads for ``split`` ("train" or "test"): the source's ``train_split`` or
+    ``test_split`` (a single file is one split), or, when the source has no ``test_split``
+    (or it is None) and ``holdout_fraction`` > 0, ``train_split`` for both (to be cut by
+    :func:`apply_holdout`).
+
+    Returns:
+        (rows, source named in messages, whether to carve the held-out slice).
+
+    Raises:
+        DataError: as :func:`open_hf_source`; if no path is set, ``train_split`` is missing, or
+            there is no test split and no held-out fraction (naming the splits found).
+    """
+    if path is None:
+        raise DataError("datasets=[hf] needs data.hf.path=<hub id, data file or folder>.")
+    names, read = open_hf_source(path, name, cache_dir)
+    if train_split not in names:
+        if len(names) != 1:
+            raise DataError(
+                f"{path} has no split {train_split!r} (its splits: {', '.join(names)}); set data.hf.train_split to one of them."
+            )
+        train_split = names[0]
+    carve = test_split not in names or test_split == train_split
+    if carve and not holdout_fraction:
+        raise DataError(
+            f"{path} has no split {test_split!r} (its splits: {', '.join(names)}); set data.hf.test_split to one of them, "
+            f"or data.hf.holdout_fraction (e.g. 0.1) to hold out a slice of {train_split!r}."
+        )
+    rows, source = read(train_split if carve or split == "train" else test_split)
+    return rows, source, carve
+
+
+@register_dataset("hf", truncation_mode="keep_end")
+def get_hf(
+    split: str,
+    report: collections.Counter,
+    path: str | dict | None = None,
+    name: str | None = None,
+    train_split: str = "train",
+    test_split: str | None = "test",
+    format: str = "auto",
+    columns: dict | None = None,
+    max_pairs_per_prompt: int | None = None,
+    holdout_fraction: float = 0.1,
+    cache_dir: str | None = None,
+) -> DatasetDict:
+    """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them.
+
+    Options (``data.hf.*``):
+        path: a hub id (``load_dataset(path, name, split=...)``), a data file (.json, .jsonl,
+            .parquet, .csv, .arrow; compressed too), a folder of them (split names from the file
+            names, as the hub's ``data/train_prefs-00000-of-00001.parquet``), a folder written
+            by ``save_to_disk``, or a mapping {split: file}. See :func:`open_hf_source`.
+        name: the hub dataset's config (None: its default).
+        train_split, test_split: the source's splits read for train and eval.
+        format: auto (detected from the columns, :func:`detect_hf_format`), standard,
+            conversational, implicit or ranked (see :func:`hf_rows_to_data`).
+        columns: a mapping from prompt / chosen / rejected / responses / scores to your columns,
+            e.g. {prompt: question, chosen: response_j, rejected: response_k}.
+        max_pairs_per_prompt: cap on the pairs of one prompt (ranked rows; None: all).
+        holdout_fraction: when the source has no ``test_split`` (one file, or test_split null),
+            this deterministic slice of the prompts is the eval split (:func:`apply_holdout`).
+        cache_dir: where ``datasets`` caches what it prepares (None: its default).
+
+    Raises:
+        DataError: one sentence naming the file / split and the row, before any model loads.
+    """
+    rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
+    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt)
+    return apply_holdout(data, split, holdout_fraction, report) if carve else data
+
+
+@register_prompt_dataset("hf", truncation_mode="keep_end")
+def get_hf_prompts(
+    split: str,
+    report: collections.Counter,
+    path: str | dict | None = None,
+    name: str | None = None,
+    train_split: str = "train",
+    test_split: str | None = "test",
+    format: str = "auto",
+    columns: dict | None = None,
+    max_pairs_per_prompt: int | None = None,
+    holdout_fraction: float = 0.1,
+    cache_dir: str | None = None,
+) -> list:
+    """Prompts for online DPO from what :func:`get_hf` reads, with the same options: rows with
+    chosen / rejected or ranked responses give the prompts of their pairs (an implicit prompt
+    included); rows with only a prompt column (mapped by ``columns``; a string or a list of
+    messages) give it. Empty and repeated prompts are skipped and counted.
+
+    Raises:
+        DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
+    """
+    rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
+    mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
+    found = set(rows[0]) if rows else set()
+    if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
+        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt)
+    else:
+        data = {}
+        column = mapped["prompt"]
+        for i, row in enumerate(rows, 1):
+            value = row.get(column)
+            if not isinstance(value, (str, list)):
+                raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
+            prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list))
+            key = prompt if isinstance(prompt, str) else conversation_key(prompt)
+            if not (prompt if isinstance(prompt, str) else prompt[-1]["content"]).strip():
+                note_row(report, "skipped: empty prompt", key)
+            elif key in data:
+                note_row(report, "skipped: repeated prompt", key)
+            else:
+                data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
+    return dataset_prompts(apply_holdout(data, split, holdout_fraction, report) if carve else data)
+
+
 @register_dataset("arithmetic", truncation_mode="keep_start")
 def get_arithmetic(
     split: str, report: collections.Counter, n_train: int = 4000, n_test: int = 256, max_operand: int = 99
@@ -727,7 +1278,7 @@ def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[s
     """The prompts of Anthropic HH: the unique prompts of :func:`get_hh`'s pairs (dialogues up
     to the last shared ``"\n\nAssistant:"``), in first-seen order, with the same options
     (``data.hh.local_dir``, ``subsets``, ``holdout_fraction``, ``cache_dir``) and errors."""
-    return list(get_hh(split, report, **options))
+    return dataset_prompts(get_hh(split, report, **options))
 
 
 @register_prompt_dataset("tldr", truncation_mode="keep_end")
@@ -787,6 +1338,14 @@ def _notes(report: collections.Counter) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
 
 
+def _holdout_hint(fraction: float, n: int, split: str) -> str:
+    """What to set ``holdout_fraction`` to when the slice of ``n`` prompts left ``split`` empty:
+    a fraction expecting about 3 held-out prompts or more (eval empty), or 0.1 (train empty)."""
+    if split == "train":
+        return f"lower it (e.g. {0.1 if fraction > 0.1 else fraction / 2:.2g}) so that some prompts are left to train on"
+    return f"raise it (e.g. {max(fraction * 2, min(0.5, 3 / max(n, 1))):.2g}) so that some prompts are held out"
+
+
 def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataError:
     """The one sentence for a split of dataset ``name`` that came out empty: every row skipped
     (with the reasons), the held-out slice taking all or none of the prompts, or neither."""
@@ -798,7 +1357,7 @@ def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataE
         taken = f"all {n} of its prompts" if split == "train" else f"none of its {n} prompts"
         return DataError(
             f"{where} has no {unit}" + (f" ({notes})" if notes else "") + f": data.{name}.holdout_fraction={fraction} puts "
-            f"{taken} in the eval slice; set it so that both splits get prompts (e.g. 0.1), or give more rows."
+            f"{taken} in the eval slice; {_holdout_hint(fraction, n, split)}, or give more rows."
         )
     if skipped:
         return DataError(
@@ -847,16 +1406,25 @@ def load_dataset_dict(name: str, split: str, options: dict | None = None, silent
 
 
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
-    """One example per pair (DPO) or per prompt (SFT, on its sft_target), in a stable order."""
+    """One example per pair (DPO) or per prompt (SFT, on its sft_target), in a stable order:
+    ``{"prompt", "chosen", "rejected", "truncation_mode"}`` (SFT: no ``"rejected"``). A
+    conversational entry (see :func:`add_conversation_pair`) gives its prompt messages as
+    ``"prompt"``, message lists as responses, and ``"conversation": True``; an entry that keeps
+    the row of each pair adds ``"row"`` (the SFT example: its first pair's row)."""
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
+        extra = {"conversation": True} if "prompt_messages" in entry else {}
+        prompt = entry.get("prompt_messages", prompt)
+        rows = entry.get("rows") if len(entry.get("rows", ())) == len(entry["pairs"]) else None
         if sft_mode:
-            examples.append({"prompt": prompt, "chosen": entry["sft_target"], "truncation_mode": mode})
+            where = {"row": rows[0]} if rows else {}
+            examples.append({"prompt": prompt, "chosen": entry["sft_target"], "truncation_mode": mode, **extra, **where})
             continue
-        for i, j in entry["pairs"]:
+        for k, (i, j) in enumerate(entry["pairs"]):
             r = entry["responses"]
-            examples.append({"prompt": prompt, "chosen": r[i], "rejected": r[j], "truncation_mode": mode})
+            where = {"row": rows[k]} if rows else {}
+            examples.append({"prompt": prompt, "chosen": r[i], "rejected": r[j], "truncation_mode": mode, **extra, **where})
     return examples
 
 
@@ -875,12 +1443,13 @@ def _unknown_prompt_dataset(name: str) -> DataError:
     )
 
 
-def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list[str]:
+def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
     """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data).
 
     A name registered with :func:`register_prompt_dataset` uses that loader; a preference
     dataset that is not also a prompt dataset gives the unique prompts of its pairs, in
-    first-seen order (so ``datasets=[json]`` works). ``options`` maps a name to its
+    first-seen order (so ``datasets=[json]`` works); a conversational prompt is its list of
+    messages, a text prompt a string. ``options`` maps a name to its
     ``data.<name>`` options. Each dataset's count (and what was skipped) is printed unless
     ``silent``. :func:`prompt_truncation_mode` says how to cut each dataset's prompts.
 
@@ -896,7 +1465,7 @@ def load_prompts(names: list[str], split: str, options: dict, silent: bool = Fal
                 notes = _notes(report)
                 print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
         elif name in DATASETS:
-            got = list(load_dataset_dict(name, split, (options or {}).get(name), silent))
+            got = dataset_prompts(load_dataset_dict(name, split, (options or {}).get(name), silent))
         else:
             raise _unknown_prompt_dataset(name)
         prompts.extend(got)
@@ -905,7 +1474,8 @@ def load_prompts(names: list[str], split: str, options: dict, silent: bool = Fal
 
 def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
     """:func:`load_prompts` as examples that :func:`get_batch_iterator` batches: one
-    ``{"prompt", "truncation_mode"}`` per prompt, in order, with no responses: online DPO
+    ``{"prompt", "truncation_mode"}`` per prompt (and ``"conversation": True`` when the prompt is
+    a list of messages), in order, with no responses: online DPO
     samples them; the batches' left-padded ``prompt_input_ids`` are its input.
 
     Raises:
@@ -914,7 +1484,8 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
     examples = []
     for name in names:
         mode = prompt_truncation_mode(name)
-        examples.extend({"prompt": p, "truncation_mode": mode} for p in load_prompts([name], split, options, silent))
+        for p in load_prompts([name], split, options, silent):
+            examples.append({"prompt": p, "truncation_mode": mode, **({"conversation": True} if isinstance(p, list) else {})})
     return examples
 
 
@@ -934,10 +1505,12 @@ def prompt_truncation_mode(name: str) -> str:
 # ----------------------------------------------------------------------------- tokenization
 
 
-def _encode(tokenizer, text: str) -> list[int]:
-    # split_special_tokens: text that spells a special token ("</s>" inside a post) stays
-    # plain text, so no EOS appears mid-sequence and nothing asserts.
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+def _encode(tokenizer, text: str, rendered: bool = False) -> list[int]:
+    # Plain text: split_special_tokens, so text that spells a special token ("</s>" inside a
+    # post) stays plain text, no EOS appears mid-sequence and nothing asserts. Text a chat
+    # template rendered (``rendered``): the special tokens it wrote (<|im_start|>, ...) are
+    # parsed as such, one token each.
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=not rendered)["input_ids"]
 
 
 def example_key(prompt: str, chosen: str, rejected: str | None) -> str:
@@ -976,6 +1549,9 @@ def _with_eos(tokenizer, ids: list[int]) -> list[int]:
     return ids + [tokenizer.eos_token_id]
 
 
+_USE_TOKENIZER = object()
+
+
 def truncate_pair_ids(
     prompt_ids: list[int],
     response_ids: list[list[int]],
@@ -983,20 +1559,75 @@ def truncate_pair_ids(
     tokenizer,
     max_length: int,
     max_prompt_length: int,
+    end_id=None,
+    bos_id=_USE_TOKENIZER,
 ) -> tuple[list[int], list[list[int]]]:
     """The truncation of :func:`tokenize_element`: when prompt + longest response exceed
     ``max_length`` tokens, the prompt (BOS included) is cut to ``max_prompt_length`` by
     :func:`truncate_prompt_ids`; then each response (EOS included) longer than the room left is
-    cut to it, still ending with EOS.
+    cut to it, still ending with EOS (``end_id`` instead when given: a chat template's
+    end-of-turn token). ``bos_id``: the BOS a ``keep_end`` cut keeps in front (None: none;
+    default the tokenizer's). The cut depends on the lengths alone, so the same call cuts a
+    parallel list (e.g. a mask) alike.
 
     Returns:
         (prompt ids, [response ids, ...]), new lists where something was cut.
     """
+    end = tokenizer.eos_token_id if end_id is None else end_id
+    bos = tokenizer.bos_token_id if bos_id is _USE_TOKENIZER else bos_id
     longest = max(len(r) for r in response_ids)
     if len(prompt_ids) + longest > max_length:
-        prompt_ids = truncate_prompt_ids(prompt_ids, max_prompt_length, truncation_mode, tokenizer.bos_token_id)
+        prompt_ids = truncate_prompt_ids(prompt_ids, max_prompt_length, truncation_mode, bos)
     room = max_length - len(prompt_ids)
-    return prompt_ids, [ids if len(ids) <= room else ids[: room - 1] + [tokenizer.eos_token_id] for ids in response_ids]
+    return prompt_ids, [ids if len(ids) <= room else ids[: room - 1] + [end] for ids in response_ids]
+
+
+def _leading_bos(tokenizer, ids: list[int]) -> int | None:
+    """The BOS id when a rendered prompt starts with it (the template wrote it), else None."""
+    bos = tokenizer.bos_token_id
+    return bos if bos is not None and ids[:1] == [bos] else None
+
+
+def _encode_pieces(encode, pieces) -> tuple[list[int], list[bool]]:
+    """Ids of ``pieces`` ([[text, trained], ...]) tokenized one by one, and per id whether it is trained."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for text, trained in pieces:
+        piece = encode(text)
+        ids += piece
+        mask += [bool(trained)] * len(piece)
+    return ids, mask
+
+
+def _example_ids(texts: dict, encode, tokenizer, end_id, pieces, truncation_mode, max_length, max_prompt_length):
+    """The one tokenization of :func:`tokenize_element` and :func:`truncated_ids`.
+
+    ``texts``: prompt, chosen (and rejected); ``encode(text)``: its ids (plain text: EOS already
+    stripped by the caller's key; see below). Plain text (``end_id`` None): BOS in front, EOS after
+    each response, the prompt untrained. Rendered by a chat template (``end_id`` its end-of-turn
+    id): nothing added, ``pieces`` ({field: [[text, trained], ...]}) say which parts are trained.
+
+    Returns:
+        (prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt
+        mask, cut response masks), the masks True on trained tokens.
+    """
+    sides = [s for s in ("chosen", "rejected") if texts.get(s) is not None]
+    pieces = pieces or {}
+    if end_id is None:
+        prompt_ids = _with_bos(tokenizer, encode(texts["prompt"]))
+        prompt_mask = [False] * len(prompt_ids)
+        full = [_with_eos(tokenizer, encode(_strip_eos(tokenizer, texts[s]))) for s in sides]
+        masks = [[True] * len(ids) for ids in full]
+        bos = tokenizer.bos_token_id
+    else:
+        prompt_ids, prompt_mask = _encode_pieces(encode, pieces.get("prompt") or [[texts["prompt"], False]])
+        full, masks = zip(*(_encode_pieces(encode, pieces.get(s) or [[texts[s], True]]) for s in sides))
+        full, masks = list(full), list(masks)
+        bos = _leading_bos(tokenizer, prompt_ids)
+    cut = (truncation_mode, tokenizer, max_length, max_prompt_length)
+    cut_prompt, cut_responses = truncate_pair_ids(prompt_ids, full, *cut, end_id=end_id, bos_id=bos)
+    cut_prompt_mask, cut_masks = truncate_pair_ids(prompt_mask, masks, *cut, end_id=True, bos_id=bos)  # same cut
+    return prompt_ids, prompt_mask, full, cut_prompt, cut_responses, cut_prompt_mask, cut_masks
 
 
 def tokenize_element(
@@ -1007,21 +1638,29 @@ def tokenize_element(
     tokenizer,
     max_length: int,
     max_prompt_length: int,
+    end_token_id: int | None = None,
+    pieces: dict | None = None,
 ) -> dict:
     """Tokenize one example into policy inputs (the reference repository's batch element).
 
     Prompt and responses are tokenized separately (so the prompt's ids are exactly a
     prefix of each sequence, and identical in chosen and rejected), BOS is put in front
     when the tokenizer has one, and EOS ends each response: a response that already
-    ends with the EOS string (chat-templated data) gets one, not two. When prompt +
-    longest response exceed ``max_length``, the prompt is cut to ``max_prompt_length``
-    (keeping its end or start per ``truncation_mode``), then the responses are cut so
-    that they still end with EOS.
+    ends with the EOS string gets one, not two. When prompt + longest response exceed
+    ``max_length``, the prompt is cut to ``max_prompt_length`` (keeping its end or start per
+    ``truncation_mode``), then the responses are cut so that they still end with EOS.
+
+    Texts a chat template rendered (:func:`render_conversations`; ``end_token_id`` is the
+    template's end-of-turn id) are tokenized with the template's special tokens parsed and
+    nothing added (the template wrote its BOS, if any, and each response ends with its
+    end-of-turn token); a cut response ends with ``end_token_id``. ``pieces`` ({"prompt" |
+    "chosen" | "rejected": [[text, trained], ...]}, texts that join to the field) label only
+    the trained parts (assistant turns); without them the prompt is untrained, responses trained.
 
     Returns:
         dict with ``prompt_input_ids`` and, for each of chosen (and rejected),
         ``{side}_input_ids``, ``{side}_attention_mask``, ``{side}_labels`` (IGNORE_INDEX
-        over the prompt), plus the texts. All lists of ints.
+        where not trained: the prompt), plus the texts. All lists of ints.
 
     Raises:
         ValueError: if ``max_prompt_length >= max_length`` (no room for a response).
@@ -1029,17 +1668,23 @@ def tokenize_element(
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
     responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
-    prompt_ids = _with_bos(tokenizer, _encode(tokenizer, prompt))
-    full = [_with_eos(tokenizer, _encode(tokenizer, _strip_eos(tokenizer, text))) for text in responses.values()]
-    prompt_ids, cut = truncate_pair_ids(prompt_ids, full, truncation_mode, tokenizer, max_length, max_prompt_length)
-    response_ids = dict(zip(responses, cut))
-
+    rendered = end_token_id is not None
+    *_, prompt_ids, cut, prompt_mask, masks = _example_ids(
+        {"prompt": prompt, **responses},
+        lambda text: _encode(tokenizer, text, rendered),
+        tokenizer,
+        end_token_id,
+        pieces,
+        truncation_mode,
+        max_length,
+        max_prompt_length,
+    )
     element = {"prompt": prompt, "prompt_input_ids": prompt_ids, "key": example_key(prompt, chosen, rejected)}
-    for side, ids in response_ids.items():
+    for side, ids, mask in zip(responses, cut, masks):
         seq = prompt_ids + ids
         element[f"{side}_input_ids"] = seq
         element[f"{side}_attention_mask"] = [1] * len(seq)
-        element[f"{side}_labels"] = [IGNORE_INDEX] * len(prompt_ids) + ids
+        element[f"{side}_labels"] = [i if m else IGNORE_INDEX for i, m in zip(seq, prompt_mask + mask)]
         element[side] = responses[side]
     return element
 
@@ -1076,10 +1721,18 @@ def left_pad(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_mode: str) -> dict:
+def _prompt_only_ids(ids: list[int], tokenizer, rendered: bool, max_prompt_length: int, truncation_mode: str) -> list[int]:
+    """A prompt's encoded ids as :func:`tokenize_prompt` gives them (before and after the cut)."""
+    if not rendered:
+        return truncate_prompt_ids(_with_bos(tokenizer, ids), max_prompt_length, truncation_mode, tokenizer.bos_token_id)
+    return truncate_prompt_ids(ids, max_prompt_length, truncation_mode, _leading_bos(tokenizer, ids))
+
+
+def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_mode: str, rendered: bool = False) -> dict:
     """Tokenize one prompt for sampling (online DPO), as :func:`tokenize_element` tokenizes its
     prompt: BOS in front when the tokenizer has one, no EOS, text that spells a special token
-    kept as text; a prompt longer than ``max_prompt_length`` tokens is cut by
+    kept as text (``rendered``, a prompt a chat template rendered: its special tokens parsed,
+    nothing added); a prompt longer than ``max_prompt_length`` tokens is cut by
     :func:`truncate_prompt_ids` (``keep_end`` for dialogues such as hh, ``keep_start`` otherwise).
 
     Returns:
@@ -1090,10 +1743,256 @@ def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_m
     """
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
-    ids = truncate_prompt_ids(
-        _with_bos(tokenizer, _encode(tokenizer, prompt)), max_prompt_length, truncation_mode, tokenizer.bos_token_id
-    )
-    return {"prompt": prompt, "prompt_input_ids": ids}
+    ids = _encode(tokenizer, prompt, rendered)
+    return {"prompt": prompt, "prompt_input_ids": _prompt_only_ids(ids, tokenizer, rendered, max_prompt_length, truncation_mode)}
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+_PROBE = "Probe1234"
+"""An assistant's content used to find what a chat template writes after it."""
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    ids.update(i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special)
+    return ids
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token the tokenizer's chat template writes right after an assistant's content
+    (``<|im_end|>``, ``<|eot_id|>``), found by rendering a known one-turn conversation (with a
+    system message if the template wants one); None when there is no template or what follows
+    the content (after whitespace) is not a special token."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    import jinja2
+
+    for head in ([], [{"role": "system", "content": "S"}]):
+        messages = [*head, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except (jinja2.TemplateError, ValueError, TypeError):
+            continue
+        k = text.find(_PROBE)
+        if k < 0:
+            continue
+        after = _encode(tokenizer, text[k + len(_PROBE) :].lstrip(" \t\n"), rendered=True)
+        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in _special_ids(tokenizer) else None
+    return None
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids at which generation stops: EOS, and the chat template's end-of-turn token
+    (:func:`end_of_turn_token`) when it has one that differs (``generate`` takes the list)."""
+    ids = [tokenizer.eos_token_id]
+    eot = end_of_turn_token(tokenizer)
+    if eot is not None and tokenizer.convert_tokens_to_ids(eot) not in ids:
+        ids.append(tokenizer.convert_tokens_to_ids(eot))
+    return ids
+
+
+def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool = False) -> str:
+    """``messages`` rendered by the tokenizer's chat template (text, not ids).
+
+    Raises:
+        DataError: naming ``row``, with the template's own message, when the template rejects them.
+    """
+    import jinja2
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except jinja2.TemplateError as e:
+        roles = [m.get("role") for m in messages]
+        raise DataError(
+            f"{row}: the chat template rejects this conversation (roles {roles}): {e}; fix the roles or set model.chat_template."
+        ) from e
+
+
+def drop_earliest_turn(messages: list[dict]) -> list[dict] | None:
+    """``messages`` without their earliest turn (a user message and what follows it up to the
+    next user message), keeping a leading system message, so that what is left still starts at a
+    user turn; None when only one user turn is left."""
+    head = messages[:1] if messages and messages[0].get("role") == "system" else []
+    rest = messages[len(head) :]
+    later = [j for j, m in enumerate(rest) if j > 0 and m.get("role") == "user"]
+    return head + rest[later[0] :] if later else None
+
+
+def _assistant_spans(tokenizer, messages, indices, text, end_text, has_eot, row) -> list[tuple[int, int]] | None:
+    """Character spans of ``text`` (a rendering of ``messages``) holding the assistant turns
+    ``indices``: each from the end of the rendering of the messages before it with the generation
+    prompt to its end-of-turn token (included). None when the template breaks the prefix property."""
+    spans = []
+    for k in indices:
+        head = _render(tokenizer, messages[:k], row, generation_prompt=True)
+        if not text.startswith(head):
+            return None
+        if has_eot:
+            end = text.find(end_text, len(head))
+            if end < 0:
+                return None
+            end += len(end_text)
+        else:
+            upto = _render(tokenizer, messages[: k + 1], row)
+            if not text.startswith(upto):
+                return None
+            end = len(upto)
+        spans.append((len(head), end))
+    return spans
+
+
+def _split(text: str, spans: list[tuple[int, int]], offset: int = 0) -> list[list]:
+    """``text`` cut into [[piece, trained], ...] pieces, trained inside ``spans`` (shifted by ``offset``)."""
+    pieces, at = [], 0
+    for a, b in spans:
+        a, b = max(a - offset, at), min(b - offset, len(text))
+        if a >= b:
+            continue
+        pieces += [[text[at:a], False], [text[a:b], True]]
+        at = b
+    pieces.append([text[at:], False])
+    return [p for p in pieces if p[0]]
+
+
+def _check_messages(messages, row: str, what: str, last_assistant: bool) -> None:
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise DataError(f"{row}: the {what} is not a non-empty list of {{role, content}} messages.")
+    if last_assistant and messages[-1]["role"] != "assistant":
+        raise DataError(
+            f"{row}: the {what} ends with a {messages[-1]['role']!r} message; a response must end with the assistant's message."
+        )
+
+
+def _render_example(ex: dict, prompt: list[dict], tokenizer, eot: str | None, all_turns: bool, row: str) -> tuple[dict, bool]:
+    """One conversational example rendered (see :func:`render_conversations`); also whether the
+    template broke the prefix property on it."""
+    sides = [s for s in ("chosen", "rejected") if ex.get(s) is not None]
+    end_text = eot or tokenizer.eos_token
+    p = _render(tokenizer, prompt, row, generation_prompt=True)
+    new = {k: v for k, v in ex.items() if k not in ("conversation", "prompt", *sides)}
+    new.update(prompt=p, end_token_id=tokenizer.convert_tokens_to_ids(end_text), messages=prompt)
+    pieces: dict[str, list] = {}
+    broke = False
+    if all_turns:
+        spans = _assistant_spans(
+            tokenizer, prompt, [k for k, m in enumerate(prompt) if m["role"] == "assistant"], p, end_text, eot, row
+        )
+        broke |= spans is None
+        if spans:
+            pieces["prompt"] = _split(p, spans)
+    for side in sides:
+        messages = ex[side]
+        whole = _render(tokenizer, prompt + messages, row)
+        if whole.startswith(p):
+            start = len(p)
+        else:  # the response starts where the template puts the first response message's content
+            broke = True
+            probe = _render(tokenizer, prompt + [{**messages[0], "content": _PROBE}], row)
+            start = probe.find(_PROBE)
+            if start < 0 or not whole.startswith(probe[:start]):
+                raise DataError(
+                    f"{row}: the chat template renders the {side} conversation so that its response cannot be told apart "
+                    "from the prompt (the earlier turns render differently); set model.chat_template to a template that does not."
+                )
+        rest = whole[start:]
+        k = rest.rfind(end_text) if eot else -1
+        body = rest[: k + len(end_text)] if k >= 0 else rest  # what follows the end of turn is not trained
+        response = body if k >= 0 else body + end_text  # no end-of-turn token: EOS ends it
+        new[side] = response
+        if len(messages) > 1 and start == len(p):  # a multi-turn response: only its assistant turns are trained
+            indices = [len(prompt) + j for j, m in enumerate(messages) if m["role"] == "assistant"]
+            spans = _assistant_spans(tokenizer, prompt + messages, indices, whole, end_text, eot, row)
+            broke |= spans is None
+            if spans:
+                pieces[side] = _split(body, spans, offset=start) + ([] if response == body else [[end_text, True]])
+    if pieces:
+        new["pieces"] = pieces
+    return new, broke
+
+
+def render_conversations(
+    examples: list[dict],
+    tokenizer,
+    max_length: int,
+    max_prompt_length: int,
+    silent: bool = False,
+    *,
+    split: str = "train",
+    all_assistant_turns: bool = False,
+) -> list[dict]:
+    """Turn every conversational example (``"conversation": True``; prompt, chosen, rejected as
+    lists of ``{role, content}`` messages) into texts rendered by the tokenizer's chat template
+    (``model.chat_template`` or the tokenizer's own), which :func:`tokenize_element`,
+    :func:`tokenize_prompt` and :func:`screen_splits` consume; plain-text examples pass unchanged.
+
+    - The prompt is rendered with the generation prompt. Each response is the rendering of the
+      whole conversation minus the prompt's rendering, up to and including the template's
+      end-of-turn token (:func:`end_of_turn_token`; what follows it, e.g. a newline, is not
+      trained; a template without one gets EOS). Prompt and responses are tokenized apart, so the
+      prompt ids are exactly a prefix of each sequence; where the template breaks that on a row
+      (the whole does not start with the prompt's rendering), the response is taken from where
+      the template puts its content, and the rows are counted in one warning.
+    - A prompt too long for ``max_length`` / ``max_prompt_length`` loses its earliest whole
+      turns (:func:`drop_earliest_turn`) before tokens are cut; counted in one line per split.
+    - ``all_assistant_turns`` (SFT): the prompt's assistant turns are trained as well.
+    - A multi-message response trains only its assistant turns.
+
+    Rendered examples carry ``end_token_id``, ``messages`` (the prompt's, after any turn was
+    dropped) and, where only parts are trained, ``pieces``. ``split`` names the split in messages.
+
+    Raises:
+        DataError: one sentence naming the row, when the tokenizer has no chat template, the
+            template rejects a conversation (its own message), or a response is not a message
+            list ending with the assistant's message.
+    """
+    label = "eval" if split == "test" else split
+    todo = [i for i, ex in enumerate(examples) if ex.get("conversation")]
+    if not todo:
+        return examples
+    rows = {i: examples[i].get("row") or f"{label} example {i + 1}" for i in todo}
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(
+            f"{rows[todo[0]]} is a conversation but the tokenizer {tokenizer.name_or_path or type(tokenizer).__name__!r} "
+            "has no chat template; set one with model.chat_template=<file or Jinja string>."
+        )
+    eot = end_of_turn_token(tokenizer)
+    out = list(examples)
+    n_broke = n_dropped = n_turns = 0
+    for i in todo:
+        ex, row = examples[i], rows[i]
+        _check_messages(ex["prompt"], row, "prompt", last_assistant=False)
+        for side in ("chosen", "rejected"):
+            if ex.get(side) is not None:
+                _check_messages(ex[side], row, f"{side} response", last_assistant=True)
+        prompt, dropped = ex["prompt"], 0
+        while True:
+            new, broke = _render_example(ex, prompt, tokenizer, eot, all_assistant_turns, row)
+            n_prompt = len(_encode(tokenizer, new["prompt"], rendered=True))
+            responses = [len(_encode(tokenizer, new[s], rendered=True)) for s in ("chosen", "rejected") if s in new]
+            too_long = n_prompt > max_prompt_length and (not responses or n_prompt + max(responses) > max_length)
+            shorter = drop_earliest_turn(prompt) if too_long else None
+            if shorter is None:
+                break
+            prompt, dropped = shorter, dropped + 1
+        out[i] = new
+        n_broke += broke
+        n_dropped += dropped > 0
+        n_turns += dropped
+    if not silent:
+        lengths = f"max_length={max_length} / max_prompt_length={max_prompt_length}"
+        print(
+            f"[data] {label}: {len(todo)} conversations rendered with the chat template (end of turn {eot or tokenizer.eos_token!r}); "
+            f"{n_dropped} prompts lost their earliest turns ({n_turns} turns in all) to fit {lengths}"
+        )
+        if n_broke:
+            print(
+                f"[data] warning: {label}: the chat template renders {_share(n_broke, len(todo))} conversations so that the whole "
+                "does not start with the prompt's rendering (it changes earlier turns, e.g. drops a thinking part or adds a "
+                "default system message in one rendering only); their responses are tokenized after the prompt as rendered "
+                "for generation, so no label shifts."
+            )
+    return out
 
 
 # ----------------------------------------------------------------------------- screening before training
@@ -1128,21 +2027,33 @@ def truncated_ids(
     sides = ("chosen", "rejected")
     for start in range(0, len(examples), chunk_size):
         chunk = examples[start : start + chunk_size]
-        texts: dict[str, None] = {}
+        texts: tuple[dict[str, None], dict[str, None]] = ({}, {})  # plain, rendered by a chat template
         for ex in chunk:
-            texts[ex["prompt"]] = None
-            texts.update((_strip_eos(tokenizer, ex[side]), None) for side in sides if ex.get(side) is not None)
-        unique = list(texts)
-        encoded = dict(zip(unique, tokenizer(unique, add_special_tokens=False, split_special_tokens=True)["input_ids"]))
+            if "end_token_id" in ex:
+                pieces = ex.get("pieces") or {}
+                for field in ("prompt", *sides):
+                    if ex.get(field) is not None:
+                        texts[1].update((text, None) for text, _ in pieces.get(field) or [[ex[field], None]])
+                continue
+            texts[0][ex["prompt"]] = None
+            texts[0].update((_strip_eos(tokenizer, ex[side]), None) for side in sides if ex.get(side) is not None)
+        encoded = []
+        for rendered, unique in enumerate(map(list, texts)):
+            ids = tokenizer(unique, add_special_tokens=False, split_special_tokens=not rendered)["input_ids"] if unique else []
+            encoded.append(dict(zip(unique, ids)))
         for ex in chunk:
-            prompt_ids = _with_bos(tokenizer, encoded[ex["prompt"]])
+            end_id = ex.get("end_token_id")
+            encode = encoded[end_id is not None].__getitem__
             mode = ex["truncation_mode"]
             if "chosen" not in ex:  # a prompt alone (online DPO)
-                cut_prompt = truncate_prompt_ids(prompt_ids, max_prompt_length, mode, tokenizer.bos_token_id)
-                yield TruncatedIds(cut_prompt, [], len(cut_prompt) < len(prompt_ids), [], None)
+                ids = encode(ex["prompt"])
+                n_full = len(ids) + (end_id is None and tokenizer.bos_token_id is not None)
+                cut_prompt = _prompt_only_ids(ids, tokenizer, end_id is not None, max_prompt_length, mode)
+                yield TruncatedIds(cut_prompt, [], len(cut_prompt) < n_full, [], None)
                 continue
-            full = [_with_eos(tokenizer, encoded[_strip_eos(tokenizer, ex[side])]) for side in sides if ex.get(side) is not None]
-            cut_prompt, cut = truncate_pair_ids(prompt_ids, full, mode, tokenizer, max_length, max_prompt_length)
+            prompt_ids, _, full, cut_prompt, cut, _, _ = _example_ids(
+                ex, encode, tokenizer, end_id, ex.get("pieces"), mode, max_length, max_prompt_length
+            )
             differ = full[0] != full[1] if len(full) == 2 else None
             yield TruncatedIds(
                 cut_prompt, cut, len(cut_prompt) < len(prompt_ids), [len(c) < len(f) for c, f in zip(cut, full)], differ
@@ -1325,7 +2236,8 @@ def get_batch_iterator(
                 orders = {epoch: epoch_order(n, seed, epoch, shuffle, lengths, 64 * batch_size)}
             ex = examples[orders[epoch][idx % n]]
             if "chosen" not in ex:  # a prompt alone (online DPO)
-                elements.append(tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"]))
+                rendered = "end_token_id" in ex
+                elements.append(tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered))
                 continue
             elements.append(
                 tokenize_element(
@@ -1336,6 +2248,8 @@ def get_batch_iterator(
                     tokenizer,
                     max_length,
                     max_prompt_length,
+                    ex.get("end_token_id"),
+                    ex.get("pieces"),
                 )
             )
         k += len(elements)

@@ -174,11 +174,12 @@ class RewardModelScorer:
 def apply_missing_eos_penalty(
     scores: torch.Tensor,
     completion_ids: torch.Tensor,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     penalty: float | None,
     completion_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Subtract ``penalty`` from the score of every completion that has no EOS token.
+    """Subtract ``penalty`` from the score of every completion that has no EOS token (nor any
+    other stop token, e.g. a chat template's end-of-turn token, when ``eos_token_id`` is a list).
 
     A completion cut off at ``max_new_tokens`` (no EOS) is penalised, so the policy learns to
     finish its answers (TRL's ``missing_eos_penalty``). Only completion tokens are passed: the
@@ -192,7 +193,7 @@ def apply_missing_eos_penalty(
     Args:
         scores: (N,) rewards, one per completion.
         completion_ids: (N, T) long, the generated tokens only.
-        eos_token_id: the policy tokenizer's EOS id.
+        eos_token_id: the policy tokenizer's EOS id, or the list of ids generation stops at.
         penalty: in reward units; None (or 0) returns ``scores`` unchanged.
         completion_mask: (N, T) bool or 0/1, or None to look at every token.
 
@@ -208,7 +209,7 @@ def apply_missing_eos_penalty(
         raise ValueError(
             f"scores must be (N,) and completion_ids (N, T), got {tuple(scores.shape)} and {tuple(completion_ids.shape)}."
         )
-    is_eos = completion_ids == eos_token_id
+    is_eos = torch.isin(completion_ids, torch.as_tensor(eos_token_id, device=completion_ids.device))
     if completion_mask is not None:
         if completion_mask.shape != completion_ids.shape:
             raise ValueError(

@@ -49,7 +49,11 @@ def effective_config(config: DictConfig) -> DictConfig:
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
         if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
-            raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml.")
+            parent = os.path.dirname(os.path.normpath(resume_dir))
+            hint = ""
+            if os.path.exists(os.path.join(parent, "LATEST")) and os.path.exists(os.path.join(parent, "config.yaml")):
+                hint = f"; it looks like a checkpoint inside one: give the run folder, resume={parent}"
+            raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml{hint}.")
         config = OmegaConf.load(saved)
         config.resume = resume_dir
     OmegaConf.resolve(config)
@@ -217,6 +221,19 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
+    all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
+    train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
+        preference_datasets.render_conversations(
+            examples,
+            tokenizer,
+            config.max_length,
+            config.max_prompt_length,
+            rank != 0,
+            split=split,
+            all_assistant_turns=all_turns,
+        )
+        for examples, split in ((train_examples, "train"), (eval_examples, "test"))
+    )
     train_examples, eval_examples = preference_datasets.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
@@ -459,6 +476,8 @@ def override_error(overrides: list[str]) -> str | None:
             close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
             if close:
                 return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
+            if prefix == "loss." and parent.get("name"):  # a loss has the keys its formula uses: adding one is no fix
+                return f"loss={parent.name} has no key {name!r}{where}; remove it."
             text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
             add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
             return f"{typed} is not a config key{where}{add}."
@@ -487,6 +506,28 @@ def command_line_error(argv: list[str]) -> str | None:
     if not argv or any(a.startswith("-") for a in argv):
         return None
     return override_error(argv)
+
+
+def exit_rank(run) -> None:
+    """Run ``run()`` (``hydra_main``) in an FSDP/TP rank, then leave with its exit code without
+    the interpreter's teardown (``os._exit`` after flushing): gloo's worker threads may still
+    hold the last collective's tensors, and freeing them during teardown aborts the process
+    ("terminate called without an active exception", exit 250 or SIGABRT) after the run has
+    finished, about once in 10 two-rank CPU runs on a loaded machine, so a finished run looked failed.
+    Everything a run writes is closed before ``run()`` returns (checkpoints, metrics, W&B)."""
+    code = 0
+    try:
+        run()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
@@ -544,4 +585,7 @@ if __name__ == "__main__":
             else:
                 time.sleep(1)  # let the node's first process say it before torchrun stops the group
             sys.exit(2)
-    hydra_main()
+    if "RANK" not in os.environ:
+        hydra_main()
+    else:
+        exit_rank(hydra_main)

@@ -26,7 +26,7 @@ import losses
 import rewards
 import utils
 from packing import packed_sequence_logps
-from preference_datasets import get_batch_iterator, left_pad
+from preference_datasets import get_batch_iterator, left_pad, stop_token_ids
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -131,6 +131,7 @@ class BasicTrainer:
         self.config = config
         self.run_dir = run_dir
         self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token: generation stops at either
         self.policy = policy
         self.reference_model = reference_model
         self.logger = logger or utils.MetricsLogger(run_dir, config)
@@ -446,9 +447,10 @@ class BasicTrainer:
                 do_sample=True,
                 top_p=self.config.sample_top_p,
                 pad_token_id=pad_id,
+                eos_token_id=self.stop_ids,
                 **self.generate_kwargs(),
             )
-            completions[name] = self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+            completions[name] = decode_completions(self.tokenizer, out[:, ids.shape[1] :].cpu(), self.stop_ids)
         rows = [
             {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
             for i, p in enumerate(prompts)
@@ -508,7 +510,7 @@ class BasicTrainer:
             max_new_tokens=cfg.max_new_tokens,
             num_return_sequences=n_per_prompt,
             pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
+            eos_token_id=self.stop_ids,
         )
         training = self.policy.training
         self.policy.eval()
@@ -538,11 +540,11 @@ class BasicTrainer:
         from preference_datasets import collate
 
         cfg = self.config.online
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        eos, pad = self.stop_ids, self.tokenizer.pad_token_id
         prompts = list(batch["prompt"])
         ids, mask, completions = self.sample_completions(batch, 2)
         cmask = completion_mask(completions, eos)
-        has_eos = ((completions == eos) & cmask).any(1)
+        has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
         texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
         preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
 
@@ -614,7 +616,7 @@ class BasicTrainer:
         ``completions.jsonl`` / ``completions.html`` and a W&B table. Sampling is seeded and
         does not disturb the training RNG. Every rank generates its part (no deadlock)."""
         scorer = self.scorer if hasattr(self.scorer, "score") else getattr(self.scorer, "scorer", None)
-        eos = self.tokenizer.eos_token_id
+        eos = self.stop_ids
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         rows, start = [], 0
         with torch.random.fork_rng(devices=devices):
@@ -638,7 +640,9 @@ class BasicTrainer:
                             "prompt": batch["prompt"][i],
                             "completion": text,
                             "score": scores[i],
-                            "contain_eos": bool(((completions[i] == eos) & cmask[i]).any()),
+                            "contain_eos": bool(
+                                (torch.isin(completions[i], torch.tensor(eos, device=completions.device)) & cmask[i]).any()
+                            ),
                             "length": int(cmask[i].sum()),
                         }
                     )
@@ -999,18 +1003,38 @@ def count_tokens(batch: dict) -> int:
     return sum(int(batch[k].sum()) for k in keys)
 
 
-def completion_mask(completions: torch.Tensor, eos_token_id: int) -> torch.Tensor:
+def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
     """Which generated tokens belong to each completion: those up to and including its first
     EOS (all of them when it has none); what ``generate`` pads after EOS is excluded.
 
     Args:
         completions: (N, T) long, generated tokens only (the prompt removed).
+        eos_token_id: the EOS id, or the ids generation stops at (EOS and a chat template's
+            end-of-turn token, ``BasicTrainer.stop_ids``): the first of any ends a completion.
 
     Returns:
         (N, T) bool.
     """
-    is_eos = (completions == eos_token_id).long()
+    is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
     return (is_eos.cumsum(1) - is_eos) == 0
+
+
+def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
+    """The text of each generated row up to its first stop token (:func:`completion_mask`),
+    special tokens skipped, with the stop token's own text at the end when it stopped at one
+    (so a chat model's samples show ``<|im_end|>``).
+
+    Args:
+        completions: (N, T) long, generated tokens only.
+    """
+    mask = completion_mask(completions, stop_ids)
+    texts = []
+    for row, m in zip(completions, mask):
+        row = row[m].tolist()
+        stopped = bool(row) and row[-1] in stop_ids
+        text = tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+        texts.append(text + (tokenizer.convert_ids_to_tokens(row[-1]) if stopped else ""))
+    return texts
 
 
 def label_pairs(
@@ -1019,7 +1043,7 @@ def label_pairs(
     texts: list[str],
     completions: torch.Tensor,
     mask: torch.Tensor,
-    eos_token_id: int,
+    eos_token_id: int | list[int],
     missing_eos_penalty: float | None,
 ) -> tuple[list[int | None], torch.Tensor | None]:
     """Which completion of each pair is better, by a reward model's scores or a pairwise judge.

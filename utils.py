@@ -24,7 +24,7 @@ class ConfigError(ValueError):
 
 
 LOSS_KEYS = {
-    "sft": {"name"},
+    "sft": {"name", "all_assistant_turns"},
     "dpo": {"name", "beta", "label_smoothing", "reference_free", "average_log_prob"},
     "ipo": {"name", "beta", "average_log_prob"},
     "reward": {"name"},
@@ -208,7 +208,9 @@ def check_eval_size(config: DictConfig, n_eval: int) -> None:
         raise ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
     used = n_eval_used(config, n_eval)
     if config.eval_batch_size > used:
-        raise ConfigError(f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} examples); lower it.")
+        raise ConfigError(
+            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}); lower it."
+        )
 
 
 # ----------------------------------------------------------------------------- models
@@ -243,19 +245,24 @@ def _first_line(error: Exception) -> str:
 
 
 def load_tokenizer(model_config: DictConfig):
-    """The tokenizer named by ``model.tokenizer_class`` (built with no files, e.g. ByT5Tokenizer),
-    else ``model.tokenizer_name_or_path``, else ``model.name_or_path``. A pad token is set
-    to EOS when the tokenizer has none.
+    """The tokenizer ``model.tokenizer_name_or_path`` names (a hub id or folder), else the one
+    ``model.tokenizer_class`` builds with no files (e.g. ByT5Tokenizer), else
+    ``model.name_or_path``'s: ``tokenizer_name_or_path`` wins, so a random model built from
+    ``model.config`` pairs with any tokenizer (its vocab size follows the tokenizer). A pad token
+    is set to EOS when the tokenizer has none; ``model.chat_template`` (a file or a Jinja
+    string) replaces the tokenizer's chat template.
 
     Raises:
-        ConfigError: when the tokenizer cannot be loaded (no such hub id or folder, offline).
+        ConfigError: when the tokenizer cannot be loaded (no such hub id or folder, offline), or
+            ``model.chat_template`` is neither a file nor a Jinja template.
     """
     import transformers
 
-    if model_config.get("tokenizer_class"):
+    path = model_config.get("tokenizer_name_or_path")
+    if model_config.get("tokenizer_class") and not path:
         tokenizer = getattr(transformers, model_config.tokenizer_class)()
     else:
-        path = model_config.tokenizer_name_or_path or model_config.name_or_path
+        path = path or model_config.name_or_path
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
@@ -265,16 +272,45 @@ def load_tokenizer(model_config: DictConfig):
             ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
+    if model_config.get("chat_template"):
+        tokenizer.chat_template = read_chat_template(model_config.chat_template)
     return tokenizer
 
 
+def read_chat_template(value: str) -> str:
+    """``model.chat_template``: the text of the file it names, or the Jinja string itself.
+
+    Raises:
+        ConfigError: if it is neither an existing file nor text with ``{{`` or ``{%``.
+    """
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ConfigError(
+        f"model.chat_template={value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%'); "
+        "give the path of a .jinja file or the template itself."
+    )
+
+
 def transformers_config(model_config: DictConfig, tokenizer=None):
-    """The transformers config of the model ``model.*`` describes, without loading weights."""
+    """The transformers config of the model ``model.*`` describes, without loading weights
+    (a random model's vocab_size, pad, BOS and EOS ids default to the tokenizer's).
+
+    Raises:
+        ConfigError: if ``model.config.vocab_size`` is smaller than the tokenizer's vocabulary.
+    """
     import transformers
 
     if model_config.get("config") is not None:
         fields = OmegaConf.to_container(model_config.config, resolve=True)
         if tokenizer is not None:
+            if fields.get("vocab_size") is not None and fields["vocab_size"] < len(tokenizer):
+                raise ConfigError(
+                    f"model.config.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+                    "remove it (it follows the tokenizer) or raise it."
+                )
             fields.setdefault("vocab_size", len(tokenizer))
             fields.setdefault("pad_token_id", tokenizer.pad_token_id)
             fields.setdefault("eos_token_id", tokenizer.eos_token_id)

@@ -135,7 +135,7 @@ def test_train_split_left_empty_by_the_holdout_is_one_sentence(tmp_path):
     f.write_text(jsonl(rows(3)))
     assert json_error(tmp_path, f, "data.json.holdout_fraction=1.0") == (
         f"json/train ({f}) has no pairs: data.json.holdout_fraction=1.0 puts all 3 of its prompts in the eval slice; "
-        "set it so that both splits get prompts (e.g. 0.1), or give more rows."
+        "lower it (e.g. 0.1) so that some prompts are left to train on, or give more rows."
     )
     # The smallest natural case: two prompts that both hash into a 0.5 slice.
     both = [p for p in (f"q{i}" for i in range(100)) if held_out(p, 0.5)][:2]
@@ -151,7 +151,8 @@ def test_eval_split_left_empty_by_the_holdout_names_the_option(tmp_path):
     f.write_text(jsonl([{"prompt": p, "chosen": " a", "rejected": " b"} for p in none]))
     assert json_error(tmp_path, f) == (
         f"json/test ({f}) has no pairs: data.json.holdout_fraction=0.1 puts none of its 3 prompts in the eval slice; "
-        "set it so that both splits get prompts (e.g. 0.1), or give more rows."
+        # regression: it suggested "e.g. 0.1", the value already set; 3 held-out prompts of 3 would need 1.0, capped at 0.5
+        "raise it (e.g. 0.5) so that some prompts are held out, or give more rows."
     )
 
 
@@ -455,3 +456,11 @@ def test_hh_repair_and_skip_counts_per_split_on_the_real_file(capsys):
             capsys.readouterr().out
             == f"[data] hh/{split}: {len(data)} prompts, {n_pairs} pairs" + (f" ({notes})" if notes else "") + "\n"
         )
+
+
+def test_an_eval_set_of_one_example_is_named_in_the_singular():
+    # Regression (fresh-user trial): "larger than the eval set (1 examples)".
+    import utils
+
+    with pytest.raises(utils.ConfigError, match=r"^eval_batch_size \(8\) is larger than the eval set \(1 example\); lower it\.$"):
+        utils.check_eval_size(compose_config(["eval_batch_size=8"]), 1)

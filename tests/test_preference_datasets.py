@@ -856,7 +856,9 @@ def test_load_prompts_concatenates_and_falls_back_to_preference_prompts(tmp_path
 
 def test_unknown_prompt_dataset_lists_both_registries():
     for call in (lambda: pd.load_prompts(["nope"], "train", {}), lambda: pd.prompt_truncation_mode("nope")):
-        with pytest.raises(DataError, match="Unknown prompt dataset 'nope'; registered prompt datasets are \\['hh', 'tldr'") as e:
+        with pytest.raises(
+            DataError, match="Unknown prompt dataset 'nope'; registered prompt datasets are \\['hf', 'hh', 'tldr'"
+        ) as e:
             call()
         assert "'arithmetic'" in str(e.value)
     with pytest.raises(DataError, match="data.tldr: .*unexpected keyword"):
