@@ -300,3 +300,39 @@ def test_tiny_run_on_conversations_with_smollm2_tokenizer(tmp_path, monkeypatch,
     assert any("loss/eval" in r for r in records)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["prompt"].endswith("<|im_start|>assistant\n") and s["prompt"].startswith(SYS) for s in samples)
+
+
+def test_online_dpo_on_conversational_prompts_samples_after_the_rendered_prompt(tmp_path):
+    """Online DPO end to end on a prompt-only parquet file of message prompts (datasets=[hf]): the
+    policy samples after the template's generation prompt, and the reward model scores that."""
+    import datasets
+    from conftest import tiny_llama_scorer
+
+    path = str(needs_shared("tokenizers", "smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(path)
+    scorer = tiny_llama_scorer(len(tok), tok.pad_token_id)
+    scorer.save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rows = [{"prompt": [user(f"Name a colour, {i}.")]} for i in range(12)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "prompts.parquet"))
+    run_dir = run_train(
+        [
+            f"model.tokenizer_name_or_path={path}",
+            "datasets=[hf]",
+            f"data.hf.path={tmp_path / 'prompts.parquet'}",
+            "data.hf.holdout_fraction=0.5",
+            "online.enabled=true",
+            "online.max_new_tokens=4",
+            "online.n_log_completions=2",
+            f"reward_model.name_or_path={tmp_path / 'rm'}",
+            "n_examples=8",
+            "eval_every=8",
+            "eval_batch_size=2",
+            "n_eval_examples=2",
+            "batch_size=4",
+        ],
+        tmp_path / "out",
+    )
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    assert table and all(r["prompt"].startswith(SYS) and r["prompt"].endswith("<|im_start|>assistant\n") for r in table)
+    assert any("objective/kl" in r for r in metric_records(run_dir))
