@@ -1009,13 +1009,22 @@ def hf_rows_to_data(
     """
     if format not in HF_FORMATS:
         raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
+    if columns is not None and not isinstance(columns, dict):  # e.g. bash split an unquoted {a:b,c:d} into three overrides
+        raise DataError(
+            f"data.hf.columns must be a mapping such as {{prompt: question, chosen: good, rejected: bad}}, got {columns!r}; "
+            "quote the whole override in the shell: 'data.hf.columns={prompt: question, chosen: good, rejected: bad}'."
+        )
     unknown = sorted(set(columns or {}) - set(HF_COLUMNS))
     if unknown:
         raise DataError(
             f"data.hf.columns has unknown key(s) {unknown}; its keys are {', '.join(HF_COLUMNS)} (each set to your column)."
         )
-    columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = list(rows[0]) if rows else []
+    missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
+    if missing:
+        key, col = missing[0]
+        raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
+    columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
     fmt = detect_hf_format(found, rows[0], columns, source) if format == "auto" and rows else format
     data: DatasetDict = {}
     gaps: dict[str, list[float]] = {}
@@ -1060,9 +1069,10 @@ def hf_split_rows(
     split: str, path, name: str | None, train_split: str, test_split: str | None, holdout_fraction: float, cache_dir: str | None
 ) -> tuple[list[dict], str, bool]:
     """The rows ``hf`` reads for ``split`` ("train" or "test"): the source's ``train_split`` or
-    ``test_split`` (a single file is one split), or, when the source has no ``test_split``
-    (or it is None) and ``holdout_fraction`` > 0, ``train_split`` for both (to be cut by
-    :func:`apply_holdout`).
+    ``test_split`` (a single file is one split), or, when the source has one split only (or
+    ``test_split`` is None) and ``holdout_fraction`` > 0, ``train_split`` for both (to be cut by
+    :func:`apply_holdout`). A ``test_split`` missing from a source of several splits is an error,
+    not a held-out slice: a mistyped name must not make the eval split a part of the training data.
 
     Returns:
         (rows, source named in messages, whether to carve the held-out slice).
@@ -1080,6 +1090,11 @@ def hf_split_rows(
                 f"{path} has no split {train_split!r} (its splits: {', '.join(names)}); set data.hf.train_split to one of them."
             )
         train_split = names[0]
+    if test_split is not None and test_split not in names and len(names) > 1:  # a typo would evaluate on train data
+        raise DataError(
+            f"{path} has no split {test_split!r} (its splits: {', '.join(names)}); set data.hf.test_split to one of them, "
+            f"or data.hf.test_split=null to hold out data.hf.holdout_fraction of {train_split!r}."
+        )
     carve = test_split not in names or test_split == train_split
     if carve and not holdout_fraction:
         raise DataError(
@@ -1583,9 +1598,12 @@ def truncate_pair_ids(
 
 
 def _leading_bos(tokenizer, ids: list[int]) -> int | None:
-    """The BOS id when a rendered prompt starts with it (the template wrote it), else None."""
+    """The BOS id when a rendered prompt starts with it once (the template wrote it to start the
+    sequence, as Llama 3's ``<|begin_of_text|>``), else None: a "BOS" the template writes at the
+    start of every turn (SmolLM2's BOS is ``<|im_start|>``) is no sequence start, and a
+    ``keep_end`` cut that kept it in front would begin with a turn marker and no role."""
     bos = tokenizer.bos_token_id
-    return bos if bos is not None and ids[:1] == [bos] else None
+    return bos if bos is not None and ids[:1] == [bos] and ids.count(bos) == 1 else None
 
 
 def _encode_pieces(encode, pieces) -> tuple[list[int], list[bool]]:

@@ -336,3 +336,22 @@ def test_online_dpo_on_conversational_prompts_samples_after_the_rendered_prompt(
     table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
     assert table and all(r["prompt"].startswith(SYS) and r["prompt"].endswith("<|im_start|>assistant\n") for r in table)
     assert any("objective/kl" in r for r in metric_records(run_dir))
+
+
+def test_a_token_cut_prompt_keeps_a_sequence_bos_but_not_a_turn_marker():
+    # Regression (fresh-user trial): SmolLM2's BOS is <|im_start|>, which its template writes at
+    # every turn; a keep_end cut kept it in front, so cut prompts began "<|im_start|> trained by
+    # Hugging Face<|im_end|>..." (a turn marker with no role). Only a BOS the template writes once,
+    # to start the sequence (Llama 3's), is kept in front of the cut.
+    long = "word " * 60
+    for tok, kept in ((smollm2(), False), (llama3_tokenizer(), True)):
+        ex = conv([user(long)], [assistant("Yes.")], [assistant("No.")])
+        (rendered,) = pd.render_conversations([ex], tok, 64, 32, silent=True, split="train", all_assistant_turns=False)
+        el = element(tok, rendered, max_length=64, max_prompt_length=32)
+        whole = pd._encode(tok, rendered["prompt"], True)
+        assert len(whole) > 32 and len(el["prompt_input_ids"]) == 32
+        if kept:
+            assert el["prompt_input_ids"] == [tok.bos_token_id] + whole[-31:]
+        else:
+            assert el["prompt_input_ids"] == whole[-32:]
+        assert el["chosen_input_ids"][:32] == el["prompt_input_ids"]

@@ -124,10 +124,15 @@ def test_h4_layout_without_the_split_names_lists_the_splits(tmp_path):
     assert str(e.value) == (
         f"{folder} has no split 'train' (its splits: test_prefs, train_prefs, train_sft); set data.hf.train_split to one of them."
     )
-    with pytest.raises(
-        DataError, match="has no split 'test' .*set data.hf.test_split to one of them, or data.hf.holdout_fraction"
-    ):
-        load("test", tmp_path, path=str(folder), train_split="train_prefs", holdout_fraction=0)
+    # Regression (fresh-user trial): a mistyped test split (here the default 'test') was silently
+    # replaced by a held-out slice of train_prefs, with the real test_prefs ignored.
+    for fraction in (0, 0.1):
+        with pytest.raises(DataError) as e:
+            load("test", tmp_path, path=str(folder), train_split="train_prefs", holdout_fraction=fraction)
+        assert str(e.value) == (
+            f"{folder} has no split 'test' (its splits: test_prefs, train_prefs, train_sft); set data.hf.test_split to "
+            "one of them, or data.hf.test_split=null to hold out data.hf.holdout_fraction of 'train_prefs'."
+        )
 
 
 def test_trl_ultrafeedback_layout_conversational_implicit(tmp_path):
@@ -218,6 +223,20 @@ def test_csv_with_a_column_mapping_and_the_held_out_slice(tmp_path):
         f"{f} has columns ['qid', 'question', 'date', 'response_j', 'response_k'], which match no preference format"
     )
     assert "data.hf.columns={prompt: <column>, chosen: <column>, rejected: <column>}" in str(e.value)
+    # Regression (fresh-user trial): bash splits an unquoted data.hf.columns={prompt:question,...}
+    # into three overrides, the last one a string, which was read letter by letter as mapping keys.
+    with pytest.raises(DataError) as e:
+        load("train", tmp_path, path=str(f), columns="rejected:response_k")
+    assert str(e.value).startswith("data.hf.columns must be a mapping such as {prompt: question, chosen: good, rejected: bad}")
+    assert "quote the whole override in the shell" in str(e.value)
+    # Regression (fresh-user trial): a mapping to a column that is not there got the generic
+    # "match no preference format" sentence, without naming the column.
+    with pytest.raises(DataError) as e:
+        load("train", tmp_path, path=str(f), columns={"prompt": "question", "chosen": "response_x", "rejected": "response_k"})
+    assert str(e.value) == (
+        f"data.hf.columns maps chosen to 'response_x', which is not a column of {f} "
+        "(its columns: ['qid', 'question', 'date', 'response_j', 'response_k'])."
+    )
     mapping = {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}
     train_data = load("train", tmp_path, path=str(f), columns=mapping, holdout_fraction=0.25)
     test_data = load("test", tmp_path, path=str(f), columns=mapping, holdout_fraction=0.25)
