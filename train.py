@@ -530,6 +530,15 @@ def exit_rank(run) -> None:
     os._exit(code)
 
 
+def say_once_per_node(error: Exception, rank: int) -> None:
+    """Print ``Error: <error>`` on each node's first process; every rank raises the same
+    sentence, and the others wait 1 s so that it is said before torchrun stops the group."""
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        print(f"Error: {error}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(1)
+
+
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
     """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted)."""
@@ -552,22 +561,11 @@ def hydra_main(config: DictConfig) -> None:
             sys.exit(code)
         _, stop_signal = main(config)
     except (utils.ConfigError, DataError) as e:
-        if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # the same sentence on every process: once per node
-            print(f"Error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(1)  # let the node's first process say it before torchrun stops the group
+        say_once_per_node(e, rank)
         sys.exit(2)
     except (trainers.NonFiniteLossError, utils.CheckpointError) as e:  # a NaN step, a disk full: finished work is kept
-        if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # every rank raises the same sentence: once per node
-            print(f"Error: {e}", file=sys.stderr, flush=True)
-        else:
-            time.sleep(1)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            # Mid-run, gloo's worker threads may still hold the last collective's tensors; freeing
-            # them during interpreter exit aborts the process (SIGABRT, not this exit code).
-            sys.stdout.flush()
-            os._exit(1)
-        sys.exit(1)
+        say_once_per_node(e, rank)
+        sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
     except KeyboardInterrupt:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
