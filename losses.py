@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -346,6 +347,7 @@ class Objective:
         per_token: the batch loss is the sum of the losses over the batch's target tokens
             (SFT's per-token mean) instead of over its examples.
         reward_metric: metric name prefix of the rewards (``rewards`` or ``scores``).
+        unit: the loss's unit, for plot axes.
     """
 
     name: str
@@ -362,6 +364,7 @@ class Objective:
     sft_data: bool = False
     per_token: bool = False
     reward_metric: str = "rewards"
+    unit: str = "nats per example"
 
     def uses_reference(self, loss_config) -> bool:
         """True if, with ``loss_config`` (the ``loss`` section), the reference's log-probs are needed."""
@@ -374,6 +377,15 @@ class Objective:
         if self.average_log_prob is not None:
             return self.average_log_prob
         return bool(_get(loss_config, "average_log_prob", self.keys.get("average_log_prob", Key(False)).default))
+
+    def keys_for(self, loss_config) -> dict:
+        """The ``loss.*`` keys (name -> :class:`Key`) that ``loss_config`` may set: :attr:`keys`
+        (a ``mix``'s depend on its components).
+
+        Raises:
+            ObjectiveConfigError: if a value the keys depend on is wrong (a ``mix``'s ``losses``/``weights``).
+        """
+        return self.keys
 
     def uses_nll(self, loss_config) -> bool:
         """True if the chosen responses' NLL is needed (the function's own, or ``loss.nll_weight`` > 0)."""
@@ -397,7 +409,8 @@ class Objective:
             an :class:`ObjectiveOutput`.
 
         Raises:
-            ValueError: if the function needs an input the trainer did not provide.
+            ValueError: if the function needs an input the trainer did not provide (an input
+                argument that defaults to None is optional).
         """
         kwargs = {}
         for name in self._parameters():
@@ -408,6 +421,8 @@ class Objective:
             else:
                 value = getattr(inputs, name, None)
                 if value is None:
+                    if inspect.signature(self.fn).parameters[name].default is None:
+                        continue  # an optional input (e.g. KTO's label): None means the function's default
                     raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
                 kwargs[name] = value
         out = self.fn(**kwargs)
@@ -419,8 +434,11 @@ class Objective:
                 raise ValueError(
                     f"loss.nll_weight > 0 needs the chosen NLL, which the trainer did not compute for loss={self.name}."
                 )
-            per_example = per_example + nll_weight * inputs.policy_chosen_nll
-            extra = {**extra, "nll": inputs.policy_chosen_nll.detach()}
+            nll = inputs.policy_chosen_nll
+            if inputs.label is not None:  # unpaired rows: only desirable completions are "chosen"
+                nll = nll * inputs.label.to(nll.dtype)
+            per_example = per_example + nll_weight * nll
+            extra = {**extra, "nll": nll.detach()}
         return ObjectiveOutput(per_example, chosen_rewards, rejected_rewards, extra)
 
     def _parameters(self) -> list[str]:
@@ -523,12 +541,15 @@ def validate_loss_config(loss_config) -> Objective:
         ObjectiveConfigError: naming the first bad key and how to fix it.
     """
     decl = get_objective(loss_config["name"])
-    allowed = {"name", *decl.keys}
+    keys = decl.keys_for(loss_config)
+    allowed = {"name", *keys}
     extra = sorted(k for k in loss_config if k not in allowed)
     if extra:
         raise ObjectiveConfigError(f"loss={decl.name} has no key {extra[0]!r} (its keys: {sorted(allowed)}); remove it.")
-    for key, spec in decl.keys.items():
+    for key, spec in keys.items():
         value = _get(loss_config, key, spec.default)
+        if value is None and spec.default is not None:
+            raise ObjectiveConfigError(f"loss={decl.name} needs loss.{key} (e.g. loss.{key}={spec.default}).")
         if spec.valid is not None and not spec.valid(value):
             raise ObjectiveConfigError(f"loss.{key} must be {spec.rule} for loss={decl.name}, got {value}.")
     return decl
@@ -576,6 +597,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
     average_log_prob=False,
     sft_data=True,
     per_token=True,
+    unit="nats per target token",
 )
 def sft_objective(policy_chosen_logps: torch.Tensor):
     """SFT as an objective: per-example loss -log pi(y | x) summed over the target tokens; the
@@ -594,6 +616,7 @@ def sft_objective(policy_chosen_logps: torch.Tensor):
     average_log_prob=False,
     score_head=True,
     reward_metric="scores",
+    unit="nats, −log σ(score margin)",
 )
 def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):
     """Reward-model training: :func:`bradley_terry_loss` per pair; the reported rewards are the
@@ -613,6 +636,7 @@ def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor)
     source="Rafailov et al. 2023, Eq. 7; conservative DPO: Mitchell 2023",
     summary="DPO (TRL's sigmoid); conservative DPO with label_smoothing > 0",
     reference="reference_free",
+    unit="nats, −log σ(β·log-ratio gap)",
 )
 def dpo_objective(
     policy_chosen_logps,
@@ -640,6 +664,7 @@ def dpo_objective(
     keys={"beta": BETA, "average_log_prob": Key(True, AVERAGE_LOG_PROB.valid, AVERAGE_LOG_PROB.rule), "nll_weight": NLL_WEIGHT},
     source="Azar et al. 2023, Eq. 17",
     summary="IPO: the log-ratio gap regressed to 1 / (2 beta)",
+    unit="nats², (log-ratio gap − 1/(2β))²",
 )
 def ipo_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
     """:func:`ipo_loss` as an objective."""
@@ -648,6 +673,508 @@ def ipo_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
 
 # ---------------------------------------------------------------------------- TRL's pairwise family
 # (DPOTrainer's loss_types beyond sigmoid and ipo, and weighted combinations of objectives)
+#
+# Notation in the docstrings: h_w = log pi(y_w|x) - log ref(y_w|x), h_l likewise for y_l, and
+# the DPO gap d = h_w - h_l, all with log-probs summed over the response tokens (TRL's
+# convention for these losses). Every objective reports TRL's rewards beta * h_w, beta * h_l.
+
+
+def _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps):
+    """(h_w, h_l): the chosen and rejected log-ratios log pi - log ref, (B,) each."""
+    return policy_chosen_logps - reference_chosen_logps, policy_rejected_logps - reference_rejected_logps
+
+
+def _pair_rewards(beta, chosen_logratios, rejected_logratios):
+    """TRL's reported rewards (beta * h_w, beta * h_l), detached."""
+    return beta * chosen_logratios.detach(), beta * rejected_logratios.detach()
+
+
+def _smoothed_logistic(z, label_smoothing):
+    """-(1 - eps) log sigmoid(z) - eps log sigmoid(-z): the logistic loss when a label flips with probability eps."""
+    return -F.logsigmoid(z) * (1 - label_smoothing) - F.logsigmoid(-z) * label_smoothing
+
+
+def _in_unit_interval(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1
+
+
+def _below_half(value) -> bool:
+    return _non_negative(value) and value < 0.5
+
+
+LABEL_SMOOTHING = Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate")
+
+
+def _pairwise(name: str, *, source: str, summary: str, unit: str, **keys) -> Callable:
+    """``@objective`` for one of TRL's pairwise losses: keys ``beta``, then ``keys``, then
+    ``nll_weight``; uses the reference; summed log-probs (TRL's ``loss_type=name``)."""
+    return objective(
+        name,
+        keys={"beta": BETA, **keys, "nll_weight": NLL_WEIGHT},
+        source=source,
+        summary=summary,
+        reference=True,
+        average_log_prob=False,
+        unit=unit,
+    )
+
+
+@_pairwise(
+    "hinge",
+    source="SLiC-HF, Zhao et al. 2023 (arXiv:2305.10425), its calibration loss with the reference (TRL)",
+    summary="SLiC's hinge on the DPO gap: relu(1 - beta d)",
+    unit="margin units, relu(1 − β·log-ratio gap)",
+)
+def hinge_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """SLiC-HF's calibration loss (Zhao et al. 2023, "SLiC-HF: Sequence Likelihood Calibration with
+    Human Feedback", arXiv:2305.10425) on the reference-corrected gap, as TRL's ``hinge``:
+    ``max(0, 1 - beta * d)``; 1/beta is the paper's margin delta. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    return torch.relu(1 - beta * (h_w - h_l)), *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "exo_pair",
+    label_smoothing=Key(1e-3, _in_unit_interval, "in (0, 1)", "eps of the target distribution [1 - eps, eps]"),
+    source="EXO, Ji et al. 2024 (arXiv:2402.00856), Eq. 16 (EXO-pref, K = 2)",
+    summary="EXO: reverse KL from softmax(beta h) over the pair to the target [1 - eps, eps]",
+    unit="nats, KL(q_θ ‖ [1−ε, ε])",
+)
+def exo_pair_objective(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
+):
+    """EXO for pairs (Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model
+    Alignment", arXiv:2402.00856, Eq. 16 with K = 2): with q = softmax(beta h_w, beta h_l) =
+    (sigmoid(beta d), sigmoid(-beta d)) and the target p = (1 - eps, eps), eps = ``label_smoothing``,
+
+        loss = KL(q || p) = q_w (log q_w - log(1 - eps)) + q_l (log q_l - log eps).
+
+    eps must be in (0, 1): at eps = 0 the target puts no mass on y_l and the loss is infinite
+    (TRL refuses label_smoothing = 0 for exo_pair; the paper uses 1e-3, our default).
+    Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    z = beta * (h_w - h_l)
+    log_q_w, log_q_l = F.logsigmoid(z), F.logsigmoid(-z)
+    losses = log_q_w.exp() * (log_q_w - math.log1p(-label_smoothing)) + log_q_l.exp() * (log_q_l - math.log(label_smoothing))
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "nca_pair",
+    source="NCA, Chen et al. 2024 (arXiv:2402.05369), the pairwise NCA loss",
+    summary="NCA: -log σ(β h_w) - ½ log σ(-β h_w) - ½ log σ(-β h_l) (absolute, not relative, likelihoods)",
+    unit="nats",
+)
+def nca_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """Noise-contrastive alignment for pairs (Chen et al. 2024, "Noise Contrastive Alignment of
+    Language Models with Explicit Rewards", arXiv:2402.05369), TRL's ``nca_pair``: with r = beta h,
+
+        loss = -log sigmoid(r_w) - 1/2 log sigmoid(-r_w) - 1/2 log sigmoid(-r_l).
+
+    Unlike DPO it depends on each response's reward, not only on their difference, so it keeps
+    the chosen likelihood from falling. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    r_w, r_l = beta * h_w, beta * h_l
+    losses = -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "robust",
+    label_smoothing=Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate eps (0: plain DPO)"),
+    source="robust DPO, Chowdhury et al. 2024 (arXiv:2403.00409), the unbiased rDPO loss",
+    summary="rDPO: DPO de-biased for labels flipped with probability eps",
+    unit="nats (may be negative when eps > 0)",
+)
+def robust_objective(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
+):
+    """Provably robust DPO (Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models
+    with Noisy Feedback", arXiv:2403.00409): an unbiased estimate of the clean DPO loss when each
+    label is flipped with probability eps = ``label_smoothing`` in [0, 0.5),
+
+        loss = ((1 - eps) (-log sigmoid(beta d)) - eps (-log sigmoid(-beta d))) / (1 - 2 eps).
+
+    For eps > 0 it is unbounded below (about -eps beta d / (1 - 2 eps) for a large gap d), unlike
+    conservative DPO (``loss=dpo`` with label_smoothing), which adds the flipped term. eps = 0 is
+    DPO. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    z = beta * (h_w - h_l)
+    eps = label_smoothing
+    losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "bco_pair",
+    source="BCO, Jung et al. 2024 (arXiv:2404.04656), on pairs without the reward shift (TRL)",
+    summary="BCO: a binary classifier, chosen reward > 0 and rejected reward < 0",
+    unit="nats",
+)
+def bco_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """Binary classifier optimisation on pairs (Jung et al. 2024, "Binary Classifier Optimization
+    for Large Language Model Alignment", arXiv:2404.04656), TRL's ``bco_pair``:
+
+        loss = -log sigmoid(beta h_w) - log sigmoid(-beta h_l).
+
+    The paper shifts the rewards by delta, a running mean of the rewards; TRL's pairwise form
+    (and this one) uses delta = 0. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "sppo_hard",
+    source="SPPO, Wu et al. 2024 (arXiv:2405.00675), Eq. 4.7 with hard probabilities P = 1 / 0",
+    summary="SPPO (hard): h_w regressed to 1/(2β), h_l to -1/(2β)",
+    unit="nats², squared log-ratio errors",
+)
+def sppo_hard_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """Self-play preference optimisation (Wu et al. 2024, "Self-Play Preference Optimization for
+    Language Model Alignment", arXiv:2405.00675), Eq. 4.7 with the winner's probability P set to 1
+    and the loser's to 0 and eta = 1 / beta, TRL's ``sppo_hard``:
+
+        loss = (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2.
+
+    Summed (not length-normalised) log-ratios, as in TRL. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "aot",
+    label_smoothing=LABEL_SMOOTHING,
+    source="AOT, Melnyk et al. 2024 (arXiv:2406.05882), paired: sorted policy vs sorted reference margins",
+    summary="AOT (paired): DPO between the sorted policy and reference margins of the micro-batch",
+    unit="nats",
+)
+def aot_objective(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
+):
+    """Alignment via optimal transport, paired form (Melnyk et al. 2024, "Distributional Preference
+    Alignment of LLMs via Optimal Transport", arXiv:2406.05882), TRL's ``aot``: sort the policy
+    margins m = log pi(y_w) - log pi(y_l) and, separately, the reference margins over the
+    (micro-)batch, and apply (conservative) DPO to the i-th smallest of each:
+
+        loss_i = -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i),
+        delta = sort(m_policy) - sort(m_reference).
+
+    Loss i belongs to a rank, not to example i, so it depends on the micro-batch (a batch of one
+    is DPO). Shapes: (B,) in and out; rewards per example as usual."""
+    margins = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
+    reference_margins = torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0).values
+    losses = _smoothed_logistic(beta * (margins - reference_margins), label_smoothing)
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "aot_unpaired",
+    label_smoothing=LABEL_SMOOTHING,
+    source="AOT, Melnyk et al. 2024 (arXiv:2406.05882), unpaired: sorted chosen vs sorted rejected log-ratios",
+    summary="AOT (unpaired): DPO between the sorted chosen and sorted rejected log-ratios of the micro-batch",
+    unit="nats",
+)
+def aot_unpaired_objective(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
+):
+    """Alignment via optimal transport, unpaired form (Melnyk et al. 2024, arXiv:2406.05882), TRL's
+    ``aot_unpaired``: the chosen log-ratios h_w and the rejected ones h_l are sorted separately
+    over the (micro-)batch, so that the distribution of h_w dominates that of h_l:
+
+        loss_i = -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i),
+        delta = sort(h_w) - sort(h_l).
+
+    Loss i belongs to a rank, not to example i. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    delta = torch.sort(h_w, dim=0).values - torch.sort(h_l, dim=0).values
+    return _smoothed_logistic(beta * delta, label_smoothing), *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "apo_zero",
+    source="APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 7 (APO-zero)",
+    summary="APO-zero: raise the chosen likelihood, lower the rejected (chosen better than the model)",
+    unit="probability units, in [0, 2]",
+)
+def apo_zero_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """Anchored preference optimisation, APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference
+    Optimization and Contrastive Revisions", arXiv:2408.06266, Eq. 7), for chosen responses better
+    than the model's own: ``loss = (1 - sigmoid(beta h_w)) + sigmoid(beta h_l)``.
+    Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = (1 - torch.sigmoid(beta * h_w)) + torch.sigmoid(beta * h_l)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "apo_down",
+    source="APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 8 (APO-down)",
+    summary="APO-down: lower both likelihoods, the rejected more (chosen worse than the model)",
+    unit="probability units, in [0, 2]",
+)
+def apo_down_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+    """Anchored preference optimisation, APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266,
+    Eq. 8), for chosen responses worse than the model's own:
+    ``loss = sigmoid(beta h_w) + (1 - sigmoid(beta (h_w - h_l)))``. Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    losses = torch.sigmoid(beta * h_w) + (1 - torch.sigmoid(beta * (h_w - h_l)))
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "discopop",
+    discopop_tau=Key(0.05, _positive, "> 0", "temperature of the blend between the logistic and exponential losses"),
+    source="DiscoPOP, Chris Lu et al. 2024 (arXiv:2406.08414), Eq. 5 (log-ratio modulated loss)",
+    summary="DiscoPOP: logistic and exponential losses blended by sigmoid(beta d / tau)",
+    unit="nats",
+)
+def discopop_objective(
+    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, discopop_tau
+):
+    """DiscoPOP's log-ratio modulated loss (Chris Lu et al. 2024, "Discovering Preference
+    Optimization Algorithms with and for Large Language Models", arXiv:2406.08414, Eq. 5), TRL's
+    ``discopop``: with z = beta d and m = sigmoid(z / tau), tau = ``discopop_tau``,
+
+        loss = (1 - m) (-log sigmoid(z)) + m exp(-z).
+
+    m exp(-z) is computed as exp(-z + log sigmoid(z / tau)), finite for any z (TRL's product is
+    inf * 0 = nan once exp(-z) overflows). Shapes: (B,) in and out."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    z = beta * (h_w - h_l)
+    losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
+    return losses, *_pair_rewards(beta, h_w, h_l)
+
+
+@_pairwise(
+    "sigmoid_norm",
+    source="DPO (Rafailov et al. 2023, Eq. 7) on log-ratios divided by the response lengths (TRL's sigmoid_norm)",
+    summary="DPO on length-normalised log-ratios: -log σ(β (h_w/|y_w| - h_l/|y_l|))",
+    unit="nats, −log σ(β·per-token log-ratio gap)",
+)
+def sigmoid_norm_objective(
+    policy_chosen_logps,
+    policy_rejected_logps,
+    reference_chosen_logps,
+    reference_rejected_logps,
+    chosen_n_tokens,
+    rejected_n_tokens,
+    beta,
+):
+    """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios, TRL's ``sigmoid_norm``
+    (TRL cites no paper for it):
+
+        loss = -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)),
+
+    |y| the response-token counts (at least 1). It takes summed log-probs and divides itself, so
+    its rewards are TRL's beta * h on sums, and it mixes with the summed losses. Shapes: (B,) each."""
+    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    gap = h_w / chosen_n_tokens.clamp(min=1.0) - h_l / rejected_n_tokens.clamp(min=1.0)
+    return -F.logsigmoid(beta * gap), *_pair_rewards(beta, h_w, h_l)
+
+
+# ---- weighted combinations: loss=mix
+#
+# ``loss: {name: mix, losses: [dpo, bco_pair, nll], weights: [0.8, 0.2, 1.0], beta: ...}`` is
+# sum_k weights[k] * (per-example loss of losses[k]). The component ``nll`` is the chosen
+# responses' NLL per token (TRL's loss_type "sft"; our ``loss=sft`` trains on SFT targets alone,
+# hence another name). The other keys are the union of the components' keys (beta,
+# label_smoothing, ...), one value shared by every component that has the key, as in TRL.
+
+MIX_NLL = "nll"
+
+
+def _mixable(decl: Objective) -> bool:
+    """True if ``decl`` can be a component of ``loss=mix``: a paired objective on (chosen,
+    rejected) log-probs with a per-example loss."""
+    return decl.paired and not (decl.unpaired or decl.mismatched_kl or decl.per_token) and not isinstance(decl, MixObjective)
+
+
+def _is_list(value) -> bool:
+    return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__") and hasattr(value, "__len__")
+
+
+def _mix_keys(loss_config) -> dict:
+    """The keys of a ``mix`` with ``loss_config``'s ``losses``: ``losses``, ``weights``, the
+    components' keys in order (the first component's default; the value must satisfy every
+    component's range; ``average_log_prob`` excluded: each component keeps its own), ``nll_weight``.
+
+    Raises:
+        ObjectiveConfigError: a malformed ``losses`` or ``weights`` (one sentence)."""
+    names = _get(loss_config, "losses", MIX_LOSSES.default)
+    choices = sorted([n for n, d in OBJECTIVES.items() if _mixable(d)] + [MIX_NLL])
+    if not _is_list(names) or not list(names) or not all(isinstance(n, str) for n in names):
+        raise ObjectiveConfigError(
+            f"loss.losses must be a non-empty list of objective names (e.g. [dpo, bco_pair, nll]) for loss=mix, got {names}."
+        )
+    names = list(names)
+    for name in names:
+        if name == "sft":
+            raise ObjectiveConfigError(
+                "loss.losses of loss=mix names 'sft'; write 'nll' for the chosen responses' NLL per token "
+                "(TRL's loss_type sft; loss=sft is SFT on targets alone)."
+            )
+        if name != MIX_NLL and not (name in OBJECTIVES and _mixable(OBJECTIVES[name])):
+            close = difflib.get_close_matches(name, choices, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ObjectiveConfigError(
+                f"loss.losses of loss=mix names {name!r}, which is not a pairwise objective; {hint}choose from {', '.join(choices)}."
+            )
+    duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if duplicate is not None:
+        raise ObjectiveConfigError(f"loss.losses of loss=mix names {duplicate} twice; give it once with the summed weight.")
+    weights = _get(loss_config, "weights", MIX_WEIGHTS.default)
+    if not _is_list(weights) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
+        raise ObjectiveConfigError(
+            f"loss.weights must be a list of numbers, one per entry of loss.losses, for loss=mix, got {weights}."
+        )
+    weights = list(weights)
+    if len(weights) != len(names):
+        raise ObjectiveConfigError(
+            f"loss.weights has {len(weights)} entries but loss.losses has {len(names)} ({', '.join(names)}); give one weight per loss."
+        )
+    negative = next((i for i, w in enumerate(weights) if w < 0), None)
+    if negative is not None:
+        raise ObjectiveConfigError(
+            f"loss.weights[{negative}] (the weight of {names[negative]}) is {weights[negative]}; weights must be >= 0."
+        )
+    keys = {"losses": MIX_LOSSES, "weights": MIX_WEIGHTS}
+    for name in names:
+        if name == MIX_NLL:
+            continue
+        for key, spec in OBJECTIVES[name].keys.items():
+            if key in ("average_log_prob", "nll_weight"):
+                continue
+            if key not in keys:
+                keys[key] = spec
+            elif spec.rule != keys[key].rule:  # both ranges apply to the one shared value
+                first = keys[key]
+                keys[key] = Key(
+                    first.default,
+                    lambda v, a=first, b=spec: (a.valid is None or a.valid(v)) and (b.valid is None or b.valid(v)),
+                    f"{first.rule} and {spec.rule} ({name} shares it)",
+                    first.doc,
+                )
+    keys["nll_weight"] = NLL_WEIGHT
+    return keys
+
+
+@dataclasses.dataclass(frozen=True)
+class MixObjective(Objective):
+    """``loss=mix``: a weighted sum of registered pairwise objectives and ``nll`` (see the notes
+    above). Its keys, reference, NLL use and log-prob view follow from its components; it takes
+    summed log-probs and gives an averaging component (e.g. ``ipo``) its per-token means.
+    :attr:`fn` is :func:`weighted_sum`; :meth:`compute` calls the components."""
+
+    def keys_for(self, loss_config) -> dict:
+        """See :func:`_mix_keys` (raises :class:`ObjectiveConfigError` for bad ``losses``/``weights``)."""
+        return _mix_keys(loss_config)
+
+    def resolved(self, loss_config, overrides: dict | None = None) -> dict:
+        """Every key's value (``overrides``, else ``loss_config``, else the default); lists as lists."""
+        overrides = overrides or {}
+        values = {}
+        for key, spec in self.keys_for(loss_config).items():
+            value = overrides[key] if key in overrides else _get(loss_config, key, spec.default)
+            values[key] = list(value) if _is_list(value) else value
+        return values
+
+    def components(self, loss_config) -> list[Objective]:
+        """The component objectives (without ``nll``)."""
+        return [OBJECTIVES[n] for n in self.resolved(loss_config)["losses"] if n != MIX_NLL]
+
+    def uses_reference(self, loss_config) -> bool:
+        """True if any component uses the reference."""
+        values = self.resolved(loss_config)
+        return any(c.uses_reference(values) for c in self.components(values))
+
+    def averages(self, loss_config) -> bool:
+        """False: a mix takes summed log-probs (and averages them for a component that averages)."""
+        return False
+
+    def uses_nll(self, loss_config) -> bool:
+        """True if ``nll`` is a component, ``loss.nll_weight`` > 0, or a component needs the NLL."""
+        values = self.resolved(loss_config)
+        return MIX_NLL in values["losses"] or values["nll_weight"] > 0 or any(c.uses_nll(values) for c in self.components(values))
+
+    def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
+        """The weighted sum of the components' per-example losses, plus ``loss.nll_weight`` times
+        the chosen NLL; metrics ``loss_<component>`` (each unweighted). Rewards: TRL's
+        beta * (log pi - log ref) on the summed log-probs (None without a ``beta``).
+
+        Args, Returns: as :meth:`Objective.compute` (``inputs`` hold summed log-probs).
+
+        Raises:
+            ValueError: if a component needs an input the trainer did not provide.
+        """
+        values = self.resolved(loss_config, overrides)
+        inner = {**values, "nll_weight": 0.0}
+        parts, metrics = [], {}
+        for name in values["losses"]:
+            if name == MIX_NLL:
+                if inputs.policy_chosen_nll is None:
+                    raise ValueError("loss=mix with nll needs policy_chosen_nll, which the trainer did not compute.")
+                part = inputs.policy_chosen_nll
+            else:
+                component = OBJECTIVES[name]
+                view = _per_token_view(inputs) if component.averages(inner) else inputs
+                part = component.compute(view, inner).losses
+            parts.append(part)
+            metrics[f"loss_{name}"] = part.detach()
+        losses = weighted_sum(parts, values["weights"])
+        chosen_rewards = rejected_rewards = None
+        if "beta" in values:
+            h_w, h_l = _log_ratios(
+                inputs.policy_chosen_logps,
+                inputs.policy_rejected_logps,
+                inputs.reference_chosen_logps,
+                inputs.reference_rejected_logps,
+            )
+            chosen_rewards, rejected_rewards = _pair_rewards(values["beta"], h_w, h_l)
+        if values["nll_weight"] > 0:
+            if inputs.policy_chosen_nll is None:
+                raise ValueError("loss.nll_weight > 0 needs the chosen NLL, which the trainer did not compute for loss=mix.")
+            losses = losses + values["nll_weight"] * inputs.policy_chosen_nll
+            metrics["nll"] = inputs.policy_chosen_nll.detach()
+        return ObjectiveOutput(losses, chosen_rewards, rejected_rewards, metrics)
+
+
+def weighted_sum(parts: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_k weights[k] * parts[k]: (B,) per-example losses, one weight each (>= 0)."""
+    total = torch.zeros_like(parts[0])
+    for part, weight in zip(parts, weights, strict=True):
+        total = total + float(weight) * part
+    return total
+
+
+def _per_token_view(inputs: ObjectiveInputs) -> ObjectiveInputs:
+    """``inputs`` with the four summed log-probs divided by their response-token counts (>= 1)."""
+    n_w, n_l = inputs.chosen_n_tokens.clamp(min=1.0), inputs.rejected_n_tokens.clamp(min=1.0)
+    return dataclasses.replace(
+        inputs,
+        policy_chosen_logps=inputs.policy_chosen_logps / n_w,
+        policy_rejected_logps=inputs.policy_rejected_logps / n_l,
+        reference_chosen_logps=inputs.reference_chosen_logps / n_w,
+        reference_rejected_logps=inputs.reference_rejected_logps / n_l,
+    )
+
+
+MIX_LOSSES = Key(["dpo"], _is_list, "a non-empty list of pairwise objective names and nll", "the components")
+MIX_WEIGHTS = Key([1.0], _is_list, "a list of numbers >= 0, one per entry of loss.losses", "one weight per component")
+
+if "mix" in OBJECTIVES:
+    raise ValueError("objective 'mix' is registered twice.")
+OBJECTIVES["mix"] = MixObjective(
+    name="mix",
+    fn=weighted_sum,
+    keys=_mix_keys({}),
+    source="a weighted sum of objectives (TRL's loss_type list with loss_weights); MPO: Wang et al. 2024 (arXiv:2411.10442)",
+    summary="weights · (the listed objectives' losses); config/loss/mpo.yaml is MPO",
+    average_log_prob=False,
+    unit="nats per example, weighted sum of the components' losses",
+)
 
 
 # ---------------------------------------------------------------------------- end of the pairwise family
@@ -655,6 +1182,228 @@ def ipo_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
 
 # ---------------------------------------------------------------------------- reference-free objectives and KTO
 # (SimPO, CPO, ORPO, KTO)
+
+LABEL_SMOOTHING = Key(
+    0.0, lambda v: _non_negative(v) and v < 0.5, "in [0, 0.5)", "assumed label-flip rate (conservative loss, as TRL's CPO)"
+)
+
+
+def _smoothed_sigmoid_loss(margin: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-(1 - eps) log sigmoid(m) - eps log sigmoid(-m), per element (eps = ``label_smoothing``)."""
+    return -F.logsigmoid(margin) * (1 - label_smoothing) - F.logsigmoid(-margin) * label_smoothing
+
+
+@objective(
+    "simpo",
+    keys={
+        "beta": Key(2.0, _positive_or_list, BETA.rule, "reward scale beta (the paper uses 2.0-2.5)"),
+        "gamma": Key(1.0, _non_negative, ">= 0", "target reward margin gamma (the paper's gamma, not gamma / beta)"),
+        "label_smoothing": LABEL_SMOOTHING,
+        "nll_weight": NLL_WEIGHT,
+    },
+    source="Meng et al. 2024, Eq. 6",
+    summary="SimPO: reference-free, length-normalised rewards with a target margin",
+    reference=False,
+    average_log_prob=True,
+    unit="nats, −log σ(β·avg log-prob gap − γ)",
+)
+def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, label_smoothing):
+    """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free
+    Reward", Eq. 6), with TRL CPOTrainer's label smoothing (``loss_type="simpo"``):
+
+        r(y) = beta * mean_t log pi(y_t | x, y_<t)          (length-normalised, no reference)
+        loss = -(1 - eps) log sigmoid(r(y_w) - r(y_l) - gamma) - eps log sigmoid(-(...))
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: (B,) mean log-probs per response token.
+        beta: reward scale, > 0. gamma: target margin, >= 0 (TRL's ``simpo_gamma``).
+        label_smoothing: eps in [0, 0.5).
+
+    Returns:
+        (losses, chosen_rewards, rejected_rewards), each (B,); rewards r(y), detached.
+    """
+    chosen_rewards = beta * policy_chosen_logps
+    rejected_rewards = beta * policy_rejected_logps
+    losses = _smoothed_sigmoid_loss(chosen_rewards - rejected_rewards - gamma, label_smoothing)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+
+
+@objective(
+    "cpo",
+    keys={
+        "beta": BETA,
+        "label_smoothing": LABEL_SMOOTHING,
+        "cpo_alpha": Key(1.0, _non_negative, ">= 0", "weight of the chosen responses' NLL per token"),
+    },
+    source="Xu et al. 2024, Eq. 3 and the CPO loss (Sec. 3)",
+    summary="CPO: reference-free sigmoid preference loss plus the chosen NLL",
+    reference=False,
+    average_log_prob=False,
+    nll=True,
+    unit="nats, −log σ(β·log-prob gap) + α·NLL per token",
+)
+def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta, label_smoothing, cpo_alpha):
+    """CPO (Xu et al. 2024, "Contrastive Preference Optimization", Eq. 3 plus the NLL term of
+    the CPO loss), TRL CPOTrainer's ``loss_type="sigmoid"``:
+
+        loss = -(1 - eps) log sigmoid(beta * (log pi(y_w|x) - log pi(y_l|x))) - eps log sigmoid(-...)
+               + cpo_alpha * NLL(y_w)
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: (B,) summed log-probs (no reference).
+        policy_chosen_nll: (B,) -log pi(y_w | x) / |y_w|, nats per token.
+        beta: > 0. label_smoothing: eps in [0, 0.5). cpo_alpha: NLL weight, >= 0.
+
+    Returns:
+        (losses, chosen_rewards, rejected_rewards, {"nll"}), each (B,); rewards beta * log pi(y|x), detached.
+    """
+    losses = _smoothed_sigmoid_loss(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
+    losses = losses + cpo_alpha * policy_chosen_nll
+    chosen_rewards = beta * policy_chosen_logps.detach()
+    rejected_rewards = beta * policy_rejected_logps.detach()
+    return losses, chosen_rewards, rejected_rewards, {"nll": policy_chosen_nll.detach()}
+
+
+def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) for p = exp(``avg_logps``), computed stably (log(1 - e^x) as Mächler 2012
+    recommends: log(-expm1(x)) for x > -ln 2, log1p(-exp(x)) below).
+
+    ``avg_logps`` is clamped to at most -eps of its dtype, so p = 1 (an empty or certain
+    response) gives a large finite value with a finite gradient instead of inf / NaN.
+
+    Shapes: (B,) in (nats, <= 0), (B,) out.
+    """
+    x = avg_logps.clamp(max=-torch.finfo(avg_logps.dtype).eps)
+    log_one_minus_p = torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+    return x - log_one_minus_p
+
+
+@objective(
+    "orpo",
+    keys={"beta": Key(0.1, _positive_or_list, BETA.rule, "weight lambda of the odds-ratio term (TRL's beta)")},
+    source="Hong et al. 2024, Eqs. 6-7",
+    summary="ORPO: chosen NLL plus lambda times an odds-ratio preference loss, no reference",
+    reference=False,
+    average_log_prob=True,
+    nll=True,
+    unit="nats, NLL per token + λ·(−log σ(log odds ratio))",
+)
+def orpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta):
+    """ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference
+    Model", Eqs. 6-7), trained in one stage from the base model:
+
+        odds(y) = p / (1 - p),  p = exp(mean_t log pi(y_t | x, y_<t))        (see :func:`log_odds`)
+        loss = NLL(y_w) - lambda * log sigmoid(log odds(y_w) - log odds(y_l))
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: (B,) mean log-probs per response token.
+        policy_chosen_nll: (B,) -log pi(y_w | x) / |y_w|, nats per token.
+        beta: lambda, > 0 (TRL's ``ORPOConfig.beta``).
+
+    Returns:
+        (losses, chosen_rewards, rejected_rewards, metrics), each (B,): rewards beta * mean
+        log-prob (as TRL reports them), detached; metrics ``nll``, ``log_odds_ratio`` (log sigmoid
+        of the log odds ratio) and ``log_odds_chosen`` (the log odds ratio), TRL's names.
+    """
+    ratio = log_odds(policy_chosen_logps) - log_odds(policy_rejected_logps)
+    log_sigmoid_ratio = F.logsigmoid(ratio)
+    losses = policy_chosen_nll - beta * log_sigmoid_ratio
+    metrics = {
+        "nll": policy_chosen_nll.detach(),
+        "log_odds_ratio": log_sigmoid_ratio.detach(),
+        "log_odds_chosen": ratio.detach(),
+    }
+    return losses, beta * policy_chosen_logps.detach(), beta * policy_rejected_logps.detach(), metrics
+
+
+@objective(
+    "kto",
+    keys={
+        "beta": BETA,
+        "desirable_weight": Key(1.0, _positive, "> 0", "lambda_D, weight of the desirable completions' losses"),
+        "undesirable_weight": Key(1.0, _positive, "> 0", "lambda_U, weight of the undesirable completions' losses"),
+        "nll_weight": NLL_WEIGHT,
+    },
+    source="Ethayarajh et al. 2024, Eq. 8",
+    summary="KTO: prospect-theoretic loss on desirable / undesirable completions (paired or unpaired)",
+    average_log_prob=False,
+    unpaired=True,
+    mismatched_kl=True,
+    unit="value loss per completion, in [0, λ]",
+)
+def kto_objective(
+    policy_chosen_logps,
+    reference_chosen_logps,
+    policy_kl_logps,
+    reference_kl_logps,
+    beta,
+    desirable_weight,
+    undesirable_weight,
+    policy_rejected_logps=None,
+    reference_rejected_logps=None,
+    label=None,
+):
+    """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization",
+    Eq. 8), TRL KTOTrainer's ``loss_type="kto"``:
+
+        r(x, y) = log pi(y|x) - log ref(y|x)
+        z0 = max(0, mean over the batch of log pi(y'|x) - log ref(y'|x)), detached, on
+             mismatched pairs (x_i, y_{i+1})  (the paper's KL estimate)
+        desirable:   lambda_D * (1 - sigmoid(beta * (r - z0)))
+        undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))
+
+    z0 is the mean over every element of ``policy_kl_logps - reference_kl_logps``: the micro-batch's
+    estimate when the trainer passes this micro-batch's (B,) log-probs, TRL's (which averages over
+    processes) when it passes them gathered from all processes or an already-reduced difference
+    (with zeros for the reference).
+
+    Two forms, one function:
+        paired (``label`` None): chosen = desirable, rejected = undesirable; a pair's loss is the
+            mean of its two completions' losses (the paper's expectation over the 2B completions,
+            i.e. TRL's loss on the unpaired version of the same batch).
+        unpaired (``label`` given, no rejected inputs): row i is the completion in
+            ``policy_chosen_logps[i]``, desirable where ``label[i]``.
+
+    Args:
+        policy_chosen_logps, reference_chosen_logps: (B,) summed log-probs.
+        policy_kl_logps, reference_kl_logps: (N,) summed log-probs of the mismatched pairs (any N >= 1).
+        beta: > 0. desirable_weight, undesirable_weight: lambda_D, lambda_U, > 0.
+        policy_rejected_logps, reference_rejected_logps: (B,), paired form only.
+        label: (B,) bool, unpaired form only.
+
+    Returns:
+        (losses, chosen_rewards, rejected_rewards, metrics). Paired: rewards beta * r of the
+        chosen and rejected completions, (B,) each, detached; metrics ``kl`` (z0, repeated (B,)).
+        Unpaired: no pair, so the rewards are None; metrics ``kl`` (B,), and beta * r of this
+        micro-batch's desirable rows as ``rewards_desirable`` and of its undesirable rows as
+        ``rewards_undesirable`` (variable length, left out when there is none), whose means are
+        TRL's ``rewards/chosen`` and ``rewards/rejected``.
+
+    Raises:
+        ValueError: if both or neither of ``label`` and the rejected log-probs are given.
+    """
+    paired = policy_rejected_logps is not None and reference_rejected_logps is not None
+    if paired == (label is not None):
+        raise ValueError("kto takes either rejected log-probs (paired rows) or a label (unpaired rows), not both or neither.")
+    z0 = (policy_kl_logps - reference_kl_logps).mean().detach().clamp(min=0)
+    chosen_logratios = policy_chosen_logps - reference_chosen_logps
+    desirable = desirable_weight * (1 - torch.sigmoid(beta * (chosen_logratios - z0)))
+    kl = z0.expand_as(policy_chosen_logps)
+    if paired:
+        rejected_logratios = policy_rejected_logps - reference_rejected_logps
+        undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - rejected_logratios)))
+        losses = (desirable + undesirable) / 2
+        return losses, beta * chosen_logratios.detach(), beta * rejected_logratios.detach(), {"kl": kl}
+    label = label.to(device=policy_chosen_logps.device, dtype=torch.bool)
+    undesirable = undesirable_weight * (1 - torch.sigmoid(beta * (z0 - chosen_logratios)))
+    losses = torch.where(label, desirable, undesirable)
+    rewards = beta * chosen_logratios.detach()
+    metrics = {"kl": kl}
+    if label.any():
+        metrics["rewards_desirable"] = rewards[label]
+    if not label.all():
+        metrics["rewards_undesirable"] = rewards[~label]
+    return losses, None, None, metrics
 
 
 # ---------------------------------------------------------------------------- end of reference-free and KTO

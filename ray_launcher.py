@@ -27,6 +27,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import losses
 import trainers
 import utils
 
@@ -65,7 +66,7 @@ def check_config(config: DictConfig) -> None:
         bad = [k for k, v in resources.items() if not isinstance(v, (int, float)) or v < 0]
         if bad:
             raise utils.ConfigError(f"ray.{key}.{bad[0]} must be a number >= 0, got {resources[bad[0]]}.")
-    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    needs_reference = losses.get_objective(config.loss.name).uses_reference(config.loss)
     if ray_cfg.reference_workers > 0:
         if not needs_reference:
             raise utils.ConfigError(
@@ -125,7 +126,7 @@ def required_resources(config: DictConfig) -> dict:
 # ----------------------------------------------------------------------------- the driver
 
 
-def launch(config: DictConfig) -> int:
+def launch(config: DictConfig, main) -> int:
     """Run the job on Ray: ``python train.py launcher=ray ...`` ends here.
 
     Connects to ``ray.address`` (or starts a local cluster of ``ray.num_cpus`` CPUs, by default
@@ -135,6 +136,11 @@ def launch(config: DictConfig) -> int:
     tests do) and leaves it running; a cluster it started, it shuts down. This process holds the
     run folder (``utils.lock_run_dir``) until it returns; the workers, which write into it, are
     Ray's, and Ray ends a job's workers and actors when the job's driver (this process) dies.
+
+    Args:
+        config: the composed config (``launcher=ray``).
+        main: what each worker runs as one rank, ``train.main`` (passed in, so that this module
+            does not import train.py, which imports it); Ray sends it to the workers by name.
 
     Returns:
         The exit status: 0 when training finished, 1 when it failed after ``ray.max_failures``
@@ -200,6 +206,7 @@ def launch(config: DictConfig) -> int:
             "reference": reference,
             "scorer": scorer,
             "exit_once": os.environ.get(EXIT_ONCE_ENV),
+            "main": main,
         }
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
         worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
@@ -240,7 +247,7 @@ def launch(config: DictConfig) -> int:
 
 
 def train_worker(payload: dict) -> None:
-    """What each Ray Train worker runs: ``train.main`` as one rank of the job.
+    """What each Ray Train worker runs: ``payload["main"]`` (``train.main``) as one rank of the job.
 
     Ray Train has set up the process group and RANK / WORLD_SIZE / LOCAL_RANK, so ``main`` joins
     it instead of starting one. The run folder is the one the driver made; the checkpoint to
@@ -251,12 +258,11 @@ def train_worker(payload: dict) -> None:
         payload: from :func:`launch`: ``config`` (a plain dict), ``run_dir``, ``cwd`` (the
             driver's, for relative paths in the config), ``reference`` (a
             :class:`RemoteReference` or None), ``scorer`` (a :class:`RemoteScorer` /
-            :class:`RemoteJudge` or None) and ``exit_once`` (see :data:`EXIT_ONCE_ENV`).
+            :class:`RemoteJudge` or None), ``exit_once`` (see :data:`EXIT_ONCE_ENV`) and
+            ``main``, the function each rank runs.
     """
     import ray.train
     import ray.train.torch
-
-    import train
 
     if os.path.isdir(payload["cwd"]):
         os.chdir(payload["cwd"])  # Ray starts workers in a folder of its own
@@ -267,7 +273,9 @@ def train_worker(payload: dict) -> None:
     config = OmegaConf.create(payload["config"])
     checkpoint = ray.train.get_checkpoint()
     with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as checkpoint_dir:
-        train.main(config, run_dir=payload["run_dir"], checkpoint_dir=checkpoint_dir, attach=functools.partial(_attach, payload))
+        payload["main"](
+            config, run_dir=payload["run_dir"], checkpoint_dir=checkpoint_dir, attach=functools.partial(_attach, payload)
+        )
 
 
 def _attach(payload: dict, trainer) -> None:
@@ -304,7 +312,7 @@ def _attach(payload: dict, trainer) -> None:
 
 class ReferenceActor:
     """A Ray actor holding the frozen reference, loaded from the config as ``train.main`` loads a
-    colocated one (``train.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
+    colocated one (``utils.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
     actor's GPU if Ray gave it one, else the CPU.
 
     Args:
@@ -312,16 +320,14 @@ class ReferenceActor:
     """
 
     def __init__(self, config: dict):
-        import train
-
         config = OmegaConf.create(config)
         utils.set_threads(config.num_threads)
         tokenizer = utils.load_tokenizer(config.model)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = train.load_reference(config, tokenizer).to(self.device)
+        self.model = utils.load_reference(config, tokenizer).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
-        self.average_log_prob = bool(config.loss.get("average_log_prob", False))
+        self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
 
     max_forward_chunks = None  # what BasicTrainer.concatenated_forward reads besides the two above
 

@@ -20,10 +20,12 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import losses
 import preference_datasets
 import trainers
 import utils
 from preference_datasets import DataError, load_examples
+from utils import load_reference  # noqa: F401  (train.load_reference: the reference as main() loads it)
 
 
 def precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed: bool, rank: int) -> dict:
@@ -60,18 +62,6 @@ def effective_config(config: DictConfig) -> DictConfig:
     return config
 
 
-def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
-    """The frozen reference: the model ``model.*`` describes (a random one is seeded by ``seed``,
-    so it equals the policy's start) in ``model.reference_dtype`` (null: the policy's dtype), with
-    ``model.archive``'s weights when set and ``apply_archive`` (main() reads the archive once for
-    policy and reference). Ray's reference actors (``ray_launcher.ReferenceActor``) load it here too."""
-    dtype = utils.get_dtype(config.model.reference_dtype) or utils.get_dtype(config.model.policy_dtype)
-    reference = utils.load_model(config.model, tokenizer, dtype, config.seed)
-    if apply_archive and config.model.archive is not None:
-        reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
-    return reference
-
-
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
     """Load ``state`` (a policy.pt's weights) into ``model``.
 
@@ -100,8 +90,9 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, or does not
             fit a reward model's body (on every rank under FSDP/TP).
     """
-    reward_head = config.loss.name == "reward"
-    needs_reference = config.loss.name in ("dpo", "ipo") and not config.loss.get("reference_free", False)
+    objective = losses.get_objective(config.loss.name)
+    reward_head = objective.score_head
+    needs_reference = objective.uses_reference(config.loss)
     remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
 
     @functools.cache
@@ -215,7 +206,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     utils.set_threads(config.num_threads)
 
     tokenizer = utils.load_tokenizer(config.model)
-    sft_mode = config.loss.name == "sft"
+    sft_mode = losses.get_objective(config.loss.name).sft_data
     online = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
     load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
@@ -248,7 +239,6 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
             config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         )
 
-    reward_head = config.loss.name == "reward"  # training a reward model: a score head, no reference
     policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
 
     run_dir = run_dir or resume_dir
@@ -264,7 +254,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:
         print(
-            f"{'Reward model' if reward_head else 'Policy'}: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples."
+            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples."
         )
 
     resume_state = None
@@ -554,8 +544,9 @@ def hydra_main(config: DictConfig) -> None:
         config = effective_config(config)
         if config.get("launcher") == "ray":
             import ray_launcher
+            from train import main as rank_main  # this module by its name (not __main__), for Ray to send
 
-            sys.exit(ray_launcher.launch(config))
+            sys.exit(ray_launcher.launch(config, rank_main))
         code = launch(config)
         if code is not None:
             sys.exit(code)

@@ -1,7 +1,8 @@
 """The training loop: BasicTrainer (one process: CPU, one GPU, or one model split over local GPUs).
 
-The objective (SFT / DPO / conservative DPO / IPO) lives in losses.py and is chosen by
-``config.loss.name``; the trainer only computes log-probs, calls the loss, and steps.
+The objective lives in losses.py, a registered declaration chosen by ``config.loss.name``; the
+trainer computes what the declaration asks for (log-probs, the reference's, scores), calls its
+function, and steps; it names no objective.
 The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
 """
 
@@ -23,10 +24,11 @@ import torch
 import tqdm
 
 import losses
-import rewards
 import utils
+from online import OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
 from packing import packed_sequence_logps
 from preference_datasets import get_batch_iterator, left_pad, stop_token_ids
+from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -114,7 +116,7 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     return chunks
 
 
-class BasicTrainer:
+class BasicTrainer(OnlineSampling):
     """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
 
     Args:
@@ -137,10 +139,11 @@ class BasicTrainer:
         self.logger = logger or utils.MetricsLogger(run_dir, config)
         self.train_examples = train_examples
         self.loss_config = config.loss
-        self.sft = config.loss.name == "sft"
-        self.reward = config.loss.name == "reward"  # a Bradley-Terry reward model, not a policy
+        self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
         self.online = bool(config.get("online") and config.online.enabled)  # online DPO: pairs sampled each step
-        self.average_log_prob = bool(config.loss.get("average_log_prob", False))
+        self.average_log_prob = self.objective.averages(config.loss)
+        self.uses_reference = self.objective.uses_reference(config.loss)
+        self.uses_nll = self.objective.uses_nll(config.loss)
 
         if self.reference_model is not None:
             self.reference_model.eval()
@@ -315,83 +318,110 @@ class BasicTrainer:
         """Loss of one micro-batch, scaled so that summing over the micro-batches of a batch
         gives the loss of the whole batch, and the metrics of the micro-batch.
 
+        Computes what the objective's declaration (``losses.Objective``) asks for and nothing
+        more: scores for a score head; the chosen responses alone for SFT data; otherwise chosen
+        and rejected log-probs, the reference's only when the objective uses it, the chosen NLL
+        only when used; then the objective's function gives per-example losses and rewards.
+
         Args:
             batch: a collated (micro-)batch.
             n_batch_examples: examples in the whole batch.
-            n_batch_tokens: SFT target tokens in the whole batch (SFT's per-token mean).
+            n_batch_tokens: chosen target tokens in the whole batch (a per-token objective's mean).
             split: "train" or "eval" (for metric names).
 
         Returns:
             (loss, metrics): a scalar tensor and a dict of name -> list of floats.
         """
+        objective = self.objective
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
-        if self.sft:
-            inputs = {k: batch[f"chosen_{k}"].to(self.device) for k in ("input_ids", "attention_mask", "labels")}
-            logits, labels = response_logits(self.policy, inputs)
-            logps_sum, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=False)
-            loss = losses.sft_loss(logps_sum, n_batch_tokens)
-            metrics[f"logps_{split}/chosen"] = logps_sum.detach().tolist()  # summed, as in DPO
-            metrics[f"loss/{split}"] = [(-logps_sum.sum() / n_tokens.sum().clamp(min=1)).item()]
-            return loss, metrics
-
-        if self.reward:
-            inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-            scores = losses.last_token_scores(self.policy, inputs["input_ids"], inputs["attention_mask"])
-            chosen_scores, rejected_scores = scores[:n], scores[n:]
-            per_example = losses.bradley_terry_loss(chosen_scores, rejected_scores)
-            metrics[f"scores_{split}/chosen"] = chosen_scores.detach().tolist()
-            metrics[f"scores_{split}/rejected"] = rejected_scores.detach().tolist()
-            metrics[f"scores_{split}/accuracies"] = (chosen_scores > rejected_scores).float().tolist()
-            metrics[f"scores_{split}/margins"] = (chosen_scores - rejected_scores).detach().tolist()
-            metrics[f"loss/{split}"] = per_example.detach().tolist()
-            return per_example.sum() / n_batch_examples, metrics
-
-        cfg = self.loss_config
-        beta = self.beta
-        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
-        if cfg.name == "dpo" and cfg.reference_free:
-            ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
-        else:
-            ref_chosen, ref_rejected = self.reference_logps(batch)
-        if cfg.name == "dpo":
-            per_example, chosen_rewards, rejected_rewards = losses.dpo_loss(
-                policy_chosen,
-                policy_rejected,
-                ref_chosen,
-                ref_rejected,
-                beta=beta,
-                label_smoothing=cfg.label_smoothing,
-                reference_free=cfg.reference_free,
-            )
-        else:
-            per_example, chosen_rewards, rejected_rewards = losses.ipo_loss(
-                policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta=beta
-            )
+        inputs = self.objective_inputs(batch)
+        overrides = {"beta": self.beta} if "beta" in objective.keys else {}
+        out = objective.compute(inputs, self.loss_config, **overrides)
+        per_example = out.losses
         assert n == len(per_example)
+        normaliser = n_batch_tokens if objective.per_token else n_batch_examples
         if "weight" not in batch:  # offline pairs: every pair counts
-            loss = per_example.sum() / n_batch_examples
+            loss = per_example.sum() / normaliser
             keep = slice(None)
         else:  # online pairs: ties (with ties=skip) and failed judgements weigh 0
             weight = batch["weight"].to(per_example.device)
-            loss = (per_example * weight).sum() / n_batch_examples
+            loss = (per_example * weight).sum() / normaliser
             keep = weight > 0
-            metrics.update(self.online_metrics(batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta))
-        rewards = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
-        metrics[f"{rewards}/chosen"] = chosen_rewards[keep].tolist()
-        metrics[f"{rewards}/rejected"] = rejected_rewards[keep].tolist()
-        metrics[f"{rewards}/accuracies"] = (chosen_rewards > rejected_rewards)[keep].float().tolist()
-        metrics[f"{rewards}/margins"] = (chosen_rewards - rejected_rewards)[keep].tolist()
-        metrics[f"logps_{split}/chosen"] = policy_chosen.detach()[keep].tolist()
-        metrics[f"logps_{split}/rejected"] = policy_rejected.detach()[keep].tolist()
-        metrics[f"loss/{split}"] = per_example.detach()[keep].tolist()
+            metrics.update(
+                self.online_metrics(
+                    batch,
+                    inputs.policy_chosen_logps,
+                    inputs.policy_rejected_logps,
+                    inputs.reference_chosen_logps,
+                    inputs.reference_rejected_logps,
+                    torch.cat([inputs.chosen_n_tokens, inputs.rejected_n_tokens]),
+                    self.beta,
+                )
+            )
+        if out.chosen_rewards is not None:
+            if objective.reward_metric == "rewards":
+                prefix = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
+            else:
+                prefix = f"{objective.reward_metric}_{split}"
+            chosen_rewards, rejected_rewards = out.chosen_rewards.detach(), out.rejected_rewards.detach()
+            metrics[f"{prefix}/chosen"] = chosen_rewards[keep].tolist()
+            metrics[f"{prefix}/rejected"] = rejected_rewards[keep].tolist()
+            metrics[f"{prefix}/accuracies"] = (chosen_rewards > rejected_rewards)[keep].float().tolist()
+            metrics[f"{prefix}/margins"] = (chosen_rewards - rejected_rewards)[keep].tolist()
+        for side in ("chosen", "rejected"):
+            logps = getattr(inputs, f"policy_{side}_logps")
+            if logps is not None:
+                metrics[f"logps_{split}/{side}"] = logps.detach()[keep].tolist()
+        if objective.per_token:  # one value per micro-batch: its mean per target token
+            metrics[f"loss/{split}"] = [(per_example.detach().sum() / inputs.chosen_n_tokens.sum().clamp(min=1)).item()]
+        else:
+            metrics[f"loss/{split}"] = per_example.detach()[keep].tolist()
+        for name, value in out.metrics.items():
+            value = value.detach().reshape(-1)
+            metrics[f"{name}/{split}"] = (value[keep] if value.numel() == n else value).tolist()
         return loss, metrics
 
+    def objective_inputs(self, batch: dict) -> losses.ObjectiveInputs:
+        """What the objective's declaration asks for, computed on this micro-batch of B examples
+        (see ``losses.ObjectiveInputs`` for the fields and shapes)."""
+        objective = self.objective
+        n = len(batch["prompt"])
+        if objective.score_head:  # a Bradley-Terry reward model: one score per sequence
+            inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
+            scores = losses.last_token_scores(self.policy, inputs["input_ids"], inputs["attention_mask"])
+            return losses.ObjectiveInputs(chosen_scores=scores[:n], rejected_scores=scores[n:])
+        if objective.sft_data:  # the SFT target alone
+            inputs = {k: batch[f"chosen_{k}"].to(self.device) for k in ("input_ids", "attention_mask", "labels")}
+            logits, labels = response_logits(self.policy, inputs)
+            logps, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
+            return losses.ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
+        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
+        if self.uses_reference:
+            ref_chosen, ref_rejected = self.reference_logps(batch)
+        else:  # a uniform reference (reference_free), never computed
+            ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+        inputs = losses.ObjectiveInputs(
+            policy_chosen_logps=policy_chosen,
+            policy_rejected_logps=policy_rejected,
+            reference_chosen_logps=ref_chosen,
+            reference_rejected_logps=ref_rejected,
+            chosen_n_tokens=n_tokens[:n],
+            rejected_n_tokens=n_tokens[n:],
+        )
+        if self.uses_nll:  # -log pi(y_w | x) per token, from the same forward
+            per_token = policy_chosen if self.average_log_prob else policy_chosen / n_tokens[:n].clamp(min=1)
+            inputs.policy_chosen_nll = -per_token
+        return inputs
+
     @property
-    def beta(self) -> float:
-        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`)."""
+    def beta(self) -> float | None:
+        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`); None for an
+        objective without one."""
+        if "beta" not in self.objective.keys:
+            return None
         epoch = self.example_counter // max(len(self.train_examples), 1)
-        return beta_for_epoch(self.loss_config.beta, epoch)
+        return beta_for_epoch(self.loss_config.get("beta", self.objective.keys["beta"].default), epoch)
 
     # ------------------------------------------------------------------ eval and samples
 
@@ -411,7 +441,7 @@ class BasicTrainer:
                 collected[k].extend(v)
         collected = self.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
-        if self.config.sample_during_eval and not self.reward:  # a reward model does not generate
+        if self.config.sample_during_eval and not self.objective.score_head:  # a reward model does not generate
             self.sample()
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
@@ -476,194 +506,6 @@ class BasicTrainer:
                 self.example_counter,
             )
         return rows
-
-    # ------------------------------------------------------------------ online DPO
-
-    scorer = None
-    """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
-    (``.judge``), colocated or on remote workers."""
-
-    @torch.no_grad()
-    def sample_completions(self, batch: dict, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample ``n_per_prompt`` completions per prompt from the policy with ``online.*``
-        (temperature, top_k, top_p, max_new_tokens), in eval mode.
-
-        Prompts are left-padded; ``generate`` derives the position ids from the attention mask,
-        so a padded prompt continues exactly as it would alone (absolute-position models too).
-
-        Returns:
-            (prompt_ids, prompt_mask, completions): (B, P), (B, P) with the unused left-padding
-            columns dropped, and (B * n_per_prompt, T) generated tokens on the CPU, rows
-            ``i * n_per_prompt + j`` answering prompt i (padded after EOS).
-        """
-        from transformers import GenerationConfig
-
-        cfg = self.config.online
-        ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
-        width = int(mask.sum(1).max())
-        ids, mask = ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :]
-        generation = GenerationConfig(
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            num_return_sequences=n_per_prompt,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.stop_ids,
-        )
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            out = self.policy.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                generation_config=generation,
-                **self.generate_kwargs(),
-            )
-        finally:
-            self.policy.train(training)
-        return ids, mask, out[:, width:].cpu()
-
-    def online_pairs(self, batch: dict) -> tuple[dict, dict]:
-        """Online DPO's data step (Guo et al. 2024, Algorithm 1): two completions per prompt from
-        the current policy, labelled by the scorer; the better one is chosen.
-
-        Ties are counted and, with ``online.ties=skip``, weigh 0 in the loss (``random``: a
-        seeded coin picks); failed judgements are counted and weigh 0. Nothing is dropped, so
-        every rank runs the same forward and backward passes (FSDP's collectives match).
-
-        Returns:
-            (pairs, metrics): a collated DPO batch of B pairs (right-padded, as the offline
-            pipeline's) plus ``weight`` (B,), and per-completion/per-pair metric lists.
-        """
-        from preference_datasets import collate
-
-        cfg = self.config.online
-        eos, pad = self.stop_ids, self.tokenizer.pad_token_id
-        prompts = list(batch["prompt"])
-        ids, mask, completions = self.sample_completions(batch, 2)
-        cmask = completion_mask(completions, eos)
-        has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
-        texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
-        preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
-
-        coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
-        elements, weights, ties, failed, order = [], [], [], [], []
-        for i, preference in enumerate(preferences):
-            ties.append(float(preference == rewards.TIE))
-            failed.append(float(preference is None))
-            weight = 1.0
-            if preference is None or (preference == rewards.TIE and cfg.ties == "skip"):
-                preference, weight = 0, 0.0
-            elif preference == rewards.TIE:
-                preference = int(coin.random() < 0.5)
-            weights.append(weight)
-            first, second = 2 * i + preference, 2 * i + 1 - preference  # chosen, rejected rows
-            order.append((first, second))
-            prompt_ids = ids[i][mask[i].bool()].tolist()
-            element = {"prompt": prompts[i], "prompt_input_ids": prompt_ids}
-            for side, row in (("chosen", first), ("rejected", second)):
-                response = completions[row][cmask[row]].tolist()
-                element[f"{side}_input_ids"] = prompt_ids + response
-                element[f"{side}_attention_mask"] = [1] * (len(prompt_ids) + len(response))
-                element[f"{side}_labels"] = [losses.IGNORE_INDEX] * len(prompt_ids) + response
-            elements.append(element)
-        pairs = collate(elements, pad)
-        pairs["weight"] = torch.tensor(weights)
-        metrics = {
-            "val/contain_eos_token": has_eos.float().tolist(),
-            "online/ties": ties,
-            "online/failed_judgements": failed,
-            "online/labelled_pairs": weights,
-            "online/completion_length": cmask.sum(1).float().tolist(),
-        }
-        if scores is not None:
-            flat = scores.view(-1)
-            pairs["chosen_scores"] = flat[[c for c, _ in order]]
-            pairs["rejected_scores"] = flat[[r for _, r in order]]
-            metrics["objective/scores"] = flat.tolist()
-            metrics["objective/scores_margin"] = (pairs["chosen_scores"] - pairs["rejected_scores"]).tolist()
-        return pairs, metrics
-
-    def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta: float) -> dict:
-        """TRL's OnlineDPOTrainer statistics over the sampled completions, each a list with one
-        value per completion (chosen rows, then rejected): ``objective/kl`` (sum over completion
-        tokens of log pi - log ref), ``objective/entropy`` (-log pi of the sample),
-        ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward`` (score - beta kl) and
-        ``beta``. Log-probs are summed per sequence even when the loss averages them."""
-        policy = torch.cat([policy_chosen, policy_rejected]).detach().float()
-        reference = torch.cat([ref_chosen, ref_rejected]).float()
-        if self.average_log_prob:
-            policy, reference = policy * n_tokens, reference * n_tokens
-        kl = (policy - reference).cpu()
-        metrics = {
-            "objective/kl": kl.tolist(),
-            "objective/entropy": (-policy).cpu().tolist(),
-            "objective/non_score_reward": (-beta * kl).tolist(),
-            "beta": [beta],
-        }
-        if "chosen_scores" in batch:
-            scores = torch.cat([batch["chosen_scores"], batch["rejected_scores"]]).float()
-            metrics["objective/rlhf_reward"] = (scores - beta * kl).tolist()
-        return metrics
-
-    @torch.no_grad()
-    def evaluate_online(self) -> dict:
-        """Sample one completion for each eval prompt, score it with the reward model (when the
-        labeller has one), and log ``eval/scores``, ``eval/contain_eos_token`` and
-        ``eval/completion_length``; the first ``online.n_log_completions`` rows go to
-        ``completions.jsonl`` / ``completions.html`` and a W&B table. Sampling is seeded and
-        does not disturb the training RNG. Every rank generates its part (no deadlock)."""
-        scorer = self.scorer if hasattr(self.scorer, "score") else getattr(self.scorer, "scorer", None)
-        eos = self.stop_ids
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        rows, start = [], 0
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.config.seed + 1 + self.data_rank)  # tensor-parallel peers sample alike
-            for global_batch in self.eval_batches:
-                n = len(global_batch["prompt"])
-                batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
-                start += n
-                _, _, completions = self.sample_completions(batch, 1)
-                cmask = completion_mask(completions, eos)
-                texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
-                scores = (
-                    scorer.score(list(batch["prompt"]), texts).float().tolist() if scorer is not None else [None] * len(texts)
-                )
-                if not weight:
-                    continue
-                for i, text in enumerate(texts):
-                    rows.append(
-                        {
-                            "index": batch["index"][i],
-                            "prompt": batch["prompt"][i],
-                            "completion": text,
-                            "score": scores[i],
-                            "contain_eos": bool(
-                                (torch.isin(completions[i], torch.tensor(eos, device=completions.device)) & cmask[i]).any()
-                            ),
-                            "length": int(cmask[i].sum()),
-                        }
-                    )
-        rows = sorted(self.gather_metrics({"rows": rows})["rows"], key=lambda r: r["index"])
-        means = {
-            "eval/contain_eos_token": float(np.mean([r["contain_eos"] for r in rows])),
-            "eval/completion_length": float(np.mean([r["length"] for r in rows])),
-        }
-        if scorer is not None:
-            means["eval/scores"] = float(np.mean([r["score"] for r in rows]))
-        if self.is_main:
-            self.logger.log(means, step=self.example_counter)
-            table = [
-                {"step": self.example_counter, "prompt": r["prompt"], "completion": r["completion"], "score": r["score"]}
-                for r in rows[: self.config.online.n_log_completions]
-            ]
-            write_completions(self.run_dir, table)
-            cols = ["step", "prompt", "completion", "score"]
-            self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
-            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
-        return means
 
     # ------------------------------------------------------------------ training
 
@@ -1003,96 +845,6 @@ def count_tokens(batch: dict) -> int:
     return sum(int(batch[k].sum()) for k in keys)
 
 
-def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
-    """Which generated tokens belong to each completion: those up to and including its first
-    EOS (all of them when it has none); what ``generate`` pads after EOS is excluded.
-
-    Args:
-        completions: (N, T) long, generated tokens only (the prompt removed).
-        eos_token_id: the EOS id, or the ids generation stops at (EOS and a chat template's
-            end-of-turn token, ``BasicTrainer.stop_ids``): the first of any ends a completion.
-
-    Returns:
-        (N, T) bool.
-    """
-    is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
-    return (is_eos.cumsum(1) - is_eos) == 0
-
-
-def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
-    """The text of each generated row up to its first stop token (:func:`completion_mask`),
-    special tokens skipped, with the stop token's own text at the end when it stopped at one
-    (so a chat model's samples show ``<|im_end|>``).
-
-    Args:
-        completions: (N, T) long, generated tokens only.
-    """
-    mask = completion_mask(completions, stop_ids)
-    texts = []
-    for row, m in zip(completions, mask):
-        row = row[m].tolist()
-        stopped = bool(row) and row[-1] in stop_ids
-        text = tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-        texts.append(text + (tokenizer.convert_ids_to_tokens(row[-1]) if stopped else ""))
-    return texts
-
-
-def label_pairs(
-    scorer,
-    prompts: list[str],
-    texts: list[str],
-    completions: torch.Tensor,
-    mask: torch.Tensor,
-    eos_token_id: int | list[int],
-    missing_eos_penalty: float | None,
-) -> tuple[list[int | None], torch.Tensor | None]:
-    """Which completion of each pair is better, by a reward model's scores or a pairwise judge.
-
-    Args:
-        scorer: a ``rewards`` scorer (``.score(prompts, completions) -> (N,)``) or pairwise judge
-            (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
-        prompts: B prompts; texts: 2B decoded completions, rows 2i and 2i+1 answering prompt i.
-        completions, mask: (2B, T) generated token ids and :func:`completion_mask`, for the EOS penalty.
-        missing_eos_penalty: subtracted from the score of a completion with no EOS (scores only).
-
-    Returns:
-        (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
-        (a failed judgement); scores (B, 2) float32 after the penalty, or None for a judge.
-    """
-    pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
-    if not hasattr(scorer, "score"):
-        return list(scorer.judge(prompts, pairs)), None
-    scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
-    scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
-    preferences = [0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()]
-    return preferences, scores
-
-
-def write_completions(run_dir: str, rows: list[dict]) -> None:
-    """Append rows of (step, prompt, completion, score) to ``completions.jsonl`` in the run folder
-    and rewrite ``completions.html``, a table of all of them that a browser opens."""
-    import html
-
-    path = os.path.join(run_dir, "completions.jsonl")
-    with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    with open(path) as f:
-        everything = [json.loads(line) for line in f if line.strip()]
-    cols = ["step", "prompt", "completion", "score"]
-    cells = lambda row: "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in cols)  # noqa: E731
-    body = "\n".join(f"<tr>{cells(r)}</tr>" for r in everything)
-    page = (
-        "<!doctype html><meta charset='utf-8'><title>completions</title>"
-        "<style>td{vertical-align:top;white-space:pre-wrap;border:1px solid #ccc;padding:4px}</style>"
-        f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>\n{body}</table>\n"
-    )
-    tmp = os.path.join(run_dir, "completions.html.tmp")
-    with open(tmp, "w") as f:
-        f.write(page)
-    os.replace(tmp, os.path.join(run_dir, "completions.html"))
-
-
 def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", "<br>")
 
@@ -1125,7 +877,8 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
-    settings += [config.max_length, config.max_prompt_length, bool(config.loss.get("average_log_prob", False))]
+    average = losses.get_objective(config.loss.name).averages(config.loss)
+    settings += [config.max_length, config.max_prompt_length, average]
     digest.update(json.dumps(settings).encode())
     for ex in examples:
         digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
@@ -1135,7 +888,6 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
         return torch.load(path, weights_only=False)
 
     device = next(reference.parameters()).device
-    average = bool(config.loss.get("average_log_prob", False))
     cache = {}
     batches = get_batch_iterator(
         examples, tokenizer, config.eval_batch_size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
@@ -1489,30 +1241,6 @@ class FSDPTrainer(_DistributedTrainer):
     def generate_kwargs(self) -> dict:
         """``synced_gpus``: every rank keeps stepping ``generate`` until all ranks' samples are done."""
         return {"synced_gpus": True}
-
-
-TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
-
-
-def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None:
-    """Raise utils.ConfigError unless tensor parallelism can split a model with transformers
-    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible); the
-    message names ``key``, the setting to change (``tensor_parallel_size`` for 2-D FSDP x TP)."""
-    family = cfg.model_type
-    if family not in TP_FAMILIES:
-        fix = (
-            "use FSDPTrainer for this model" if key == "world_size" else "set tensor_parallel_size=1 (FSDP alone) for this model"
-        )
-        raise utils.ConfigError(
-            f"Tensor parallelism supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; {fix}."
-        )
-    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    if heads % world_size or kv_heads % world_size:
-        raise utils.ConfigError(
-            f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes; "
-            f"choose a {key} that divides them."
-        )
 
 
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:

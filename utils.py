@@ -18,18 +18,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import losses
+
 
 class ConfigError(ValueError):
     """A config value is wrong; the message is one sentence naming the key and the fix."""
 
-
-LOSS_KEYS = {
-    "sft": {"name", "all_assistant_turns"},
-    "dpo": {"name", "beta", "label_smoothing", "reference_free", "average_log_prob"},
-    "ipo": {"name", "beta", "average_log_prob"},
-    "reward": {"name"},
-}
-"""The keys each loss accepts: IPO has no label smoothing or reference_free, and says so."""
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
@@ -50,22 +44,19 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     from preference_datasets import DATASETS, PROMPT_DATASETS
 
     loss = config.loss
-    if loss.name not in LOSS_KEYS:
-        raise ConfigError(f"Unknown loss {loss.name!r}; choose loss=sft, loss=dpo, loss=ipo or loss=reward.")
-    extra = sorted(set(loss) - LOSS_KEYS[loss.name])
-    if extra:
-        raise ConfigError(f"loss={loss.name} has no key {extra[0]!r} (its keys: {sorted(LOSS_KEYS[loss.name])}); remove it.")
-    if loss.name in ("dpo", "ipo"):
-        if loss.get("beta") is None:
-            raise ConfigError(f"loss={loss.name} needs loss.beta (e.g. loss.beta=0.1).")
-        betas = list(loss.beta) if OmegaConf.is_list(loss.beta) else [loss.beta]
-        if not betas or not all(isinstance(b, (int, float)) and b > 0 for b in betas):
-            raise ConfigError(f"loss.beta must be > 0, or a list of values > 0 (one per epoch), got {loss.beta}.")
-    if loss.name == "reward" and config.trainer == "TensorParallelTrainer":
-        raise ConfigError("loss=reward trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs.")
+    try:
+        objective = losses.validate_loss_config(loss)
+    except losses.ObjectiveConfigError as e:
+        raise ConfigError(str(e)) from None
+    if objective.score_head and config.trainer == "TensorParallelTrainer":
+        raise ConfigError(
+            f"loss={loss.name} trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs."
+        )
+    if config.precompute_ref_log_probs and not objective.uses_reference(loss):
+        raise ConfigError(
+            f"loss={loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."
+        )
     validate_online(config)
-    if loss.name == "dpo" and not 0 <= loss.label_smoothing < 0.5:
-        raise ConfigError(f"loss.label_smoothing must be in [0, 0.5) (conservative DPO's flip rate), got {loss.label_smoothing}.")
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
@@ -89,9 +80,9 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             raise ConfigError(
                 f"tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {config.trainer} does not use it: remove it."
             )
-        if loss.name == "reward":
+        if objective.score_head:
             raise ConfigError(
-                "loss=reward does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
+                f"loss={loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
             )
         if world_size % tp:
             raise ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
@@ -157,6 +148,12 @@ def looks_local(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path.split("/")[0])
 
 
+def online_capable(objective) -> bool:
+    """True if online DPO can train with ``objective`` (a ``losses.Objective``): it learns from
+    (chosen, rejected) pairs with a reference and a ``beta`` (online DPO's statistics use both)."""
+    return objective.paired and objective.reference is not False and "beta" in objective.keys and not objective.mismatched_kl
+
+
 def validate_online(config: DictConfig) -> None:
     """Check the ``online:`` section (online DPO) when ``online.enabled``.
 
@@ -166,10 +163,15 @@ def validate_online(config: DictConfig) -> None:
     online = config.get("online")
     if online is None or not online.enabled:
         return
-    if config.loss.name not in ("dpo", "ipo"):
-        raise ConfigError(f"online.enabled=true trains with loss=dpo or loss=ipo, not loss={config.loss.name}.")
-    if config.loss.get("reference_free", False):
-        raise ConfigError("online DPO needs the reference model: set loss.reference_free=false.")
+    objective = losses.get_objective(config.loss.name)
+    if not online_capable(objective):
+        others = [name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o) and name not in ("dpo", "ipo")]
+        raise ConfigError(
+            "online.enabled=true trains with loss=dpo or loss=ipo or another paired objective with a reference "
+            f"({', '.join(others)}), not loss={config.loss.name}."
+        )
+    if not objective.uses_reference(config.loss):
+        raise ConfigError(f"online DPO needs the reference model: set loss.{objective.reference}=false.")
     if config.precompute_ref_log_probs:
         raise ConfigError(
             "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
@@ -332,9 +334,41 @@ def check_parallel_model(config: DictConfig, world_size: int) -> None:
         tp, key = (config.get("tensor_parallel_size") or 1) if config.trainer == "FSDPTrainer" else 1, "tensor_parallel_size"
     if tp == 1:
         return
-    from trainers import check_tensor_parallel
-
     check_tensor_parallel(transformers_config(config.model), tp, key)
+
+
+def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
+    """The frozen reference: the model ``model.*`` describes (a random one is seeded by ``seed``,
+    so it equals the policy's start) in ``model.reference_dtype`` (null: the policy's dtype), with
+    ``model.archive``'s weights when set and ``apply_archive`` (main() reads the archive once for
+    policy and reference). train.main and Ray's reference actors (``ray_launcher.ReferenceActor``) load it here."""
+    dtype = get_dtype(config.model.reference_dtype) or get_dtype(config.model.policy_dtype)
+    reference = load_model(config.model, tokenizer, dtype, config.seed)
+    if apply_archive and config.model.archive is not None:
+        reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
+    return reference
+
+
+TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
+
+
+def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None:
+    """Raise ConfigError unless tensor parallelism can split a model with transformers
+    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible); the
+    message names ``key``, the setting to change (``tensor_parallel_size`` for 2-D FSDP x TP)."""
+    family = cfg.model_type
+    if family not in TP_FAMILIES:
+        fix = (
+            "use FSDPTrainer for this model" if key == "world_size" else "set tensor_parallel_size=1 (FSDP alone) for this model"
+        )
+        raise ConfigError(f"Tensor parallelism supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; {fix}.")
+    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world_size or kv_heads % world_size:
+        raise ConfigError(
+            f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes; "
+            f"choose a {key} that divides them."
+        )
 
 
 def load_model(
@@ -772,11 +806,8 @@ class MetricsLogger:
 def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
     """(key pattern, panel, title, y label, y limits) in panel order; panel None: not plotted.
     Units: log-probabilities, rewards (β·log-ratio), KL and DPO/SFT losses are in nats."""
-    loss_unit = {
-        "sft": "nats per target token",
-        "ipo": "nats², (log-ratio gap − 1/(2β))²",
-        "reward": "nats, −log σ(score margin)",
-    }.get(loss, "nats, −log σ(β·log-ratio gap)")
+    objective = losses.OBJECTIVES.get(loss) if loss is not None else None
+    loss_unit = objective.unit if objective is not None else "nats, −log σ(β·log-ratio gap)"
     logp_unit = "nats per token, mean over response tokens" if average_log_prob else "nats, summed over response tokens"
     fraction = (-0.02, 1.02)
     return [

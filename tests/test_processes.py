@@ -299,7 +299,7 @@ def test_ray_refuses_a_held_folder_before_ray_starts(tmp_path):
     try:
         config = train.effective_config(compose_config(["launcher=ray", f"resume={folder}"]))
         with pytest.raises(utils.ConfigError, match=f"The run folder {folder} is in use by a live run"):
-            ray_launcher.launch(config)
+            ray_launcher.launch(config, train.main)
         assert not ray.is_initialized()
     finally:
         kill_all([proc])

@@ -117,7 +117,7 @@ def test_reference_on_actors_and_a_killed_worker_restarted_from_its_checkpoint_e
     monkeypatch.setenv(ray_launcher.EXIT_ONCE_ENV, str(marker))  # rank 1: os._exit(1) after the first checkpoint
     on_actors = ["ray.reference_workers=2", "ray.reference_resources={CPU: 0.5, GPU: 0}", "ray.cpus_per_worker=0.5"]
     config = compose_config([*ON_RAY, *on_actors, "ray.max_failures=1", f"output_root={tmp_path / 'out'}"])
-    assert ray_launcher.launch(config) == 0
+    assert ray_launcher.launch(config, train.main) == 0
     assert "ReferenceActor: 2 Ray actor(s)" in capfd.readouterr().out
     assert marker.exists()
     run_dir = run_folder(tmp_path / "out")
@@ -142,7 +142,7 @@ def test_reference_on_actors_and_a_killed_worker_restarted_from_its_checkpoint_e
     # latest checkpoint, after which nothing is left to train.
     resumed = compose_config([f"resume={run_dir}"])
     capfd.readouterr()
-    assert ray_launcher.launch(train.effective_config(resumed)) == 0
+    assert ray_launcher.launch(train.effective_config(resumed), train.main) == 0
     assert [p.name for p in (tmp_path / "out").iterdir()] == [run_dir.name]
     assert records(run_dir) == recs
     assert wait_for_output(capfd, "Nothing to do: this run is complete (64/64 examples)")
@@ -171,7 +171,7 @@ def test_online_dpo_with_reference_and_reward_model_on_actors_matches_the_local_
     on_actors = ["launcher=ray", "ray.reference_workers=1", "ray.reward_workers=1", "ray.cpus_per_worker=1"]
     on_actors += ["ray.reference_resources={CPU: 0.5, GPU: 0}", "ray.reward_resources={CPU: 0.5, GPU: 0}"]
     config = compose_config([*args, *on_actors, f"output_root={tmp_path / 'ray'}"])
-    assert ray_launcher.launch(config) == 0
+    assert ray_launcher.launch(config, train.main) == 0
     # The same completions were sampled, scored by the same reward model and trained on.
     # (accuracies count rewards strictly above others: at step 0 the rewards are 0 up to float
     # noise, which a reference computed elsewhere may flip; the rewards themselves are compared.)
@@ -189,7 +189,7 @@ def test_online_dpo_with_reference_and_reward_model_on_actors_matches_the_local_
 def test_a_cluster_too_small_is_one_sentence_before_any_worker_starts(cluster, tmp_path):
     config = compose_config([*ON_RAY, "ray.use_gpu=true", f"output_root={tmp_path}"])
     with pytest.raises(utils.ConfigError, match="The Ray cluster has 0 GPUs and this run asks for 2 "):
-        ray_launcher.launch(config)
+        ray_launcher.launch(config, train.main)
     assert not any(tmp_path.iterdir())  # no run folder either
 
 

@@ -1,0 +1,303 @@
+"""Online DPO's data step: sampling completions from the policy, labelling them with a reward
+model or a judge, and its statistics (Guo et al. 2024, "Direct Language Model Alignment from
+Online AI Feedback", Algorithm 1; TRL's OnlineDPOTrainer metric names).
+
+:class:`OnlineSampling` is a mixin of ``trainers.BasicTrainer``: its methods use the trainer's
+policy, tokenizer, config and the parallel hooks (``local_batch``, ``gather_metrics``,
+``generate_kwargs``), so online DPO runs under every trainer without its own sharding code.
+The objective the pairs are trained with is any paired one with a reference (losses.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import torch
+
+import losses
+import rewards
+import utils
+
+
+class OnlineSampling:
+    """Online DPO's sampling, labelling and evaluation, mixed into ``trainers.BasicTrainer``
+    (which sets ``policy``, ``tokenizer``, ``config``, ``stop_ids``, ``device``, ...)."""
+
+    scorer = None
+    """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
+    (``.judge``), colocated or on remote workers."""
+
+    @torch.no_grad()
+    def sample_completions(self, batch: dict, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample ``n_per_prompt`` completions per prompt from the policy with ``online.*``
+        (temperature, top_k, top_p, max_new_tokens), in eval mode.
+
+        Prompts are left-padded; ``generate`` derives the position ids from the attention mask,
+        so a padded prompt continues exactly as it would alone (absolute-position models too).
+
+        Returns:
+            (prompt_ids, prompt_mask, completions): (B, P), (B, P) with the unused left-padding
+            columns dropped, and (B * n_per_prompt, T) generated tokens on the CPU, rows
+            ``i * n_per_prompt + j`` answering prompt i (padded after EOS).
+        """
+        from transformers import GenerationConfig
+
+        cfg = self.config.online
+        ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
+        width = int(mask.sum(1).max())
+        ids, mask = ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :]
+        generation = GenerationConfig(
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            num_return_sequences=n_per_prompt,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.stop_ids,
+        )
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            out = self.policy.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                generation_config=generation,
+                **self.generate_kwargs(),
+            )
+        finally:
+            self.policy.train(training)
+        return ids, mask, out[:, width:].cpu()
+
+    def online_pairs(self, batch: dict) -> tuple[dict, dict]:
+        """Online DPO's data step (Guo et al. 2024, Algorithm 1): two completions per prompt from
+        the current policy, labelled by the scorer; the better one is chosen.
+
+        Ties are counted and, with ``online.ties=skip``, weigh 0 in the loss (``random``: a
+        seeded coin picks); failed judgements are counted and weigh 0. Nothing is dropped, so
+        every rank runs the same forward and backward passes (FSDP's collectives match).
+
+        Returns:
+            (pairs, metrics): a collated DPO batch of B pairs (right-padded, as the offline
+            pipeline's) plus ``weight`` (B,), and per-completion/per-pair metric lists.
+        """
+        from preference_datasets import collate
+
+        cfg = self.config.online
+        eos, pad = self.stop_ids, self.tokenizer.pad_token_id
+        prompts = list(batch["prompt"])
+        ids, mask, completions = self.sample_completions(batch, 2)
+        cmask = completion_mask(completions, eos)
+        has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
+        texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+        preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
+
+        coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
+        elements, weights, ties, failed, order = [], [], [], [], []
+        for i, preference in enumerate(preferences):
+            ties.append(float(preference == rewards.TIE))
+            failed.append(float(preference is None))
+            weight = 1.0
+            if preference is None or (preference == rewards.TIE and cfg.ties == "skip"):
+                preference, weight = 0, 0.0
+            elif preference == rewards.TIE:
+                preference = int(coin.random() < 0.5)
+            weights.append(weight)
+            first, second = 2 * i + preference, 2 * i + 1 - preference  # chosen, rejected rows
+            order.append((first, second))
+            prompt_ids = ids[i][mask[i].bool()].tolist()
+            element = {"prompt": prompts[i], "prompt_input_ids": prompt_ids}
+            for side, row in (("chosen", first), ("rejected", second)):
+                response = completions[row][cmask[row]].tolist()
+                element[f"{side}_input_ids"] = prompt_ids + response
+                element[f"{side}_attention_mask"] = [1] * (len(prompt_ids) + len(response))
+                element[f"{side}_labels"] = [losses.IGNORE_INDEX] * len(prompt_ids) + response
+            elements.append(element)
+        pairs = collate(elements, pad)
+        pairs["weight"] = torch.tensor(weights)
+        metrics = {
+            "val/contain_eos_token": has_eos.float().tolist(),
+            "online/ties": ties,
+            "online/failed_judgements": failed,
+            "online/labelled_pairs": weights,
+            "online/completion_length": cmask.sum(1).float().tolist(),
+        }
+        if scores is not None:
+            flat = scores.view(-1)
+            pairs["chosen_scores"] = flat[[c for c, _ in order]]
+            pairs["rejected_scores"] = flat[[r for _, r in order]]
+            metrics["objective/scores"] = flat.tolist()
+            metrics["objective/scores_margin"] = (pairs["chosen_scores"] - pairs["rejected_scores"]).tolist()
+        return pairs, metrics
+
+    def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta: float) -> dict:
+        """TRL's OnlineDPOTrainer statistics over the sampled completions, each a list with one
+        value per completion (chosen rows, then rejected): ``objective/kl`` (sum over completion
+        tokens of log pi - log ref), ``objective/entropy`` (-log pi of the sample),
+        ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward`` (score - beta kl) and
+        ``beta``. Log-probs are summed per sequence even when the loss averages them."""
+        policy = torch.cat([policy_chosen, policy_rejected]).detach().float()
+        reference = torch.cat([ref_chosen, ref_rejected]).float()
+        if self.average_log_prob:
+            policy, reference = policy * n_tokens, reference * n_tokens
+        kl = (policy - reference).cpu()
+        metrics = {
+            "objective/kl": kl.tolist(),
+            "objective/entropy": (-policy).cpu().tolist(),
+            "objective/non_score_reward": (-beta * kl).tolist(),
+            "beta": [beta],
+        }
+        if "chosen_scores" in batch:
+            scores = torch.cat([batch["chosen_scores"], batch["rejected_scores"]]).float()
+            metrics["objective/rlhf_reward"] = (scores - beta * kl).tolist()
+        return metrics
+
+    @torch.no_grad()
+    def evaluate_online(self) -> dict:
+        """Sample one completion for each eval prompt, score it with the reward model (when the
+        labeller has one), and log ``eval/scores``, ``eval/contain_eos_token`` and
+        ``eval/completion_length``; the first ``online.n_log_completions`` rows go to
+        ``completions.jsonl`` / ``completions.html`` and a W&B table. Sampling is seeded and
+        does not disturb the training RNG. Every rank generates its part (no deadlock)."""
+        scorer = self.scorer if hasattr(self.scorer, "score") else getattr(self.scorer, "scorer", None)
+        eos = self.stop_ids
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        rows, start = [], 0
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(self.config.seed + 1 + self.data_rank)  # tensor-parallel peers sample alike
+            for global_batch in self.eval_batches:
+                n = len(global_batch["prompt"])
+                batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
+                start += n
+                _, _, completions = self.sample_completions(batch, 1)
+                cmask = completion_mask(completions, eos)
+                texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+                scores = (
+                    scorer.score(list(batch["prompt"]), texts).float().tolist() if scorer is not None else [None] * len(texts)
+                )
+                if not weight:
+                    continue
+                for i, text in enumerate(texts):
+                    rows.append(
+                        {
+                            "index": batch["index"][i],
+                            "prompt": batch["prompt"][i],
+                            "completion": text,
+                            "score": scores[i],
+                            "contain_eos": bool(
+                                (torch.isin(completions[i], torch.tensor(eos, device=completions.device)) & cmask[i]).any()
+                            ),
+                            "length": int(cmask[i].sum()),
+                        }
+                    )
+        rows = sorted(self.gather_metrics({"rows": rows})["rows"], key=lambda r: r["index"])
+        means = {
+            "eval/contain_eos_token": float(np.mean([r["contain_eos"] for r in rows])),
+            "eval/completion_length": float(np.mean([r["length"] for r in rows])),
+        }
+        if scorer is not None:
+            means["eval/scores"] = float(np.mean([r["score"] for r in rows]))
+        if self.is_main:
+            self.logger.log(means, step=self.example_counter)
+            table = [
+                {"step": self.example_counter, "prompt": r["prompt"], "completion": r["completion"], "score": r["score"]}
+                for r in rows[: self.config.online.n_log_completions]
+            ]
+            write_completions(self.run_dir, table)
+            cols = ["step", "prompt", "completion", "score"]
+            self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
+            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+        return means
+
+
+def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """Which generated tokens belong to each completion: those up to and including its first
+    EOS (all of them when it has none); what ``generate`` pads after EOS is excluded.
+
+    Args:
+        completions: (N, T) long, generated tokens only (the prompt removed).
+        eos_token_id: the EOS id, or the ids generation stops at (EOS and a chat template's
+            end-of-turn token, ``BasicTrainer.stop_ids``): the first of any ends a completion.
+
+    Returns:
+        (N, T) bool.
+    """
+    is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
+    return (is_eos.cumsum(1) - is_eos) == 0
+
+
+def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
+    """The text of each generated row up to its first stop token (:func:`completion_mask`),
+    special tokens skipped, with the stop token's own text at the end when it stopped at one
+    (so a chat model's samples show ``<|im_end|>``).
+
+    Args:
+        completions: (N, T) long, generated tokens only.
+    """
+    mask = completion_mask(completions, stop_ids)
+    texts = []
+    for row, m in zip(completions, mask):
+        row = row[m].tolist()
+        stopped = bool(row) and row[-1] in stop_ids
+        text = tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+        texts.append(text + (tokenizer.convert_ids_to_tokens(row[-1]) if stopped else ""))
+    return texts
+
+
+def label_pairs(
+    scorer,
+    prompts: list[str],
+    texts: list[str],
+    completions: torch.Tensor,
+    mask: torch.Tensor,
+    eos_token_id: int | list[int],
+    missing_eos_penalty: float | None,
+) -> tuple[list[int | None], torch.Tensor | None]:
+    """Which completion of each pair is better, by a reward model's scores or a pairwise judge.
+
+    Args:
+        scorer: a ``rewards`` scorer (``.score(prompts, completions) -> (N,)``) or pairwise judge
+            (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
+        prompts: B prompts; texts: 2B decoded completions, rows 2i and 2i+1 answering prompt i.
+        completions, mask: (2B, T) generated token ids and :func:`completion_mask`, for the EOS penalty.
+        missing_eos_penalty: subtracted from the score of a completion with no EOS (scores only).
+
+    Returns:
+        (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
+        (a failed judgement); scores (B, 2) float32 after the penalty, or None for a judge.
+    """
+    pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
+    if not hasattr(scorer, "score"):
+        return list(scorer.judge(prompts, pairs)), None
+    scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
+    scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
+    preferences = [0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()]
+    return preferences, scores
+
+
+def write_completions(run_dir: str, rows: list[dict]) -> None:
+    """Append rows of (step, prompt, completion, score) to ``completions.jsonl`` in the run folder
+    and rewrite ``completions.html``, a table of all of them that a browser opens."""
+    import html
+
+    path = os.path.join(run_dir, "completions.jsonl")
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    with open(path) as f:
+        everything = [json.loads(line) for line in f if line.strip()]
+    cols = ["step", "prompt", "completion", "score"]
+    cells = lambda row: "".join(f"<td>{html.escape(str(row.get(c, '')))}</td>" for c in cols)  # noqa: E731
+    body = "\n".join(f"<tr>{cells(r)}</tr>" for r in everything)
+    page = (
+        "<!doctype html><meta charset='utf-8'><title>completions</title>"
+        "<style>td{vertical-align:top;white-space:pre-wrap;border:1px solid #ccc;padding:4px}</style>"
+        f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>\n{body}</table>\n"
+    )
+    tmp = os.path.join(run_dir, "completions.html.tmp")
+    with open(tmp, "w") as f:
+        f.write(page)
+    os.replace(tmp, os.path.join(run_dir, "completions.html"))
