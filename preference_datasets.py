@@ -191,6 +191,52 @@ def _append_pair(entry: dict, chosen, rejected, row: str | None) -> None:
         entry.setdefault("rows", []).append(row)
 
 
+def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, report: collections.Counter, row: str) -> bool:
+    """Add one unpaired row (prompt, completion, label: desirable or not; TRL's unpaired
+    preference format) to ``data``: the entry keeps ``"pairs": []`` and ``"labels"``, a list of
+    (response index, label), with ``"rows"`` (``row``, e.g. ``"d.jsonl, row 3"``) one per label.
+    An empty completion is skipped and counted. Returns True if added."""
+    if not completion.strip():
+        note_row(report, "skipped: empty response", prompt)
+        return False
+    entry = data.setdefault(prompt, {"responses": [], "pairs": [], "labels": [], "sft_target": completion})
+    if completion not in entry["responses"]:
+        entry["responses"].append(completion)
+    entry["labels"].append((entry["responses"].index(completion), bool(label)))
+    entry.setdefault("rows", []).append(row)
+    return True
+
+
+def check_pairing(examples: list[dict], objective) -> None:
+    """Refuse, before any model loads, unpaired examples (``"label"`` set, see :func:`flatten`) for
+    an objective that learns from pairs, and unpaired examples mixed with paired ones.
+
+    Args:
+        examples: :func:`load_examples` rows of every split.
+        objective: the ``losses.Objective`` of ``loss.name``.
+
+    Raises:
+        DataError: one sentence naming the first unpaired row (its file and row) and the fix.
+    """
+    unpaired = [ex for ex in examples if "label" in ex]
+    if not unpaired:
+        return
+    where = unpaired[0].get("row", "the data")
+    if not objective.unpaired:
+        import losses
+
+        names = ", ".join(f"loss={n}" for n, o in sorted(losses.OBJECTIVES.items()) if o.unpaired)
+        raise DataError(
+            f"{where} is an unpaired row {{prompt, completion, label}}, which loss={objective.name} cannot train on "
+            f"(it needs rows {{prompt, chosen, rejected}}); train with {names}, or give a file of paired rows."
+        )
+    if len(unpaired) < len(examples):
+        raise DataError(
+            f"datasets=[...] mixes unpaired rows ({where}) with paired ones; train on one kind, e.g. write each pair as two "
+            "unpaired rows (chosen with label true, rejected with label false)."
+        )
+
+
 Messages = list[dict]
 """A conversation: a list of ``{"role": str, "content": str}`` messages."""
 
@@ -748,15 +794,20 @@ def get_json(
     path: str | dict | None = None,
     holdout_fraction: float = 0.1,
 ) -> DatasetDict:
-    """Any local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected}.
+    """Any local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected}, or of
+    unpaired rows {prompt, completion, label} (TRL's unpaired preference format: ``label`` true
+    for a desirable completion, false for an undesirable one; only objectives declared
+    ``unpaired``, e.g. loss=kto, train on them, see :func:`check_pairing`). A row with a
+    ``completion`` or ``label`` field is unpaired; a file holds one kind.
 
     ``data.json.path`` is a mapping {train: file, test: file}, or one file, from which a
     deterministic eval slice of ``holdout_fraction`` of the prompts is carved (so the eval
     set is never the training set; 0 uses the whole file for both, with a warning).
 
     Raises:
-        DataError: if no path is set or a row lacks a string prompt, chosen or rejected
-            (naming the file, the row and the field).
+        DataError: if no path is set, a row lacks a string prompt, chosen or rejected (or prompt,
+            completion), a label is not true or false, or paired and unpaired rows mix (naming the
+            file, the row and the field).
     """
     if path is None:
         raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
@@ -766,7 +817,31 @@ def get_json(
     if file is None:
         raise DataError(f"data.json.path has no {split!r} file; give one or a single file with data.json.holdout_fraction.")
     data: DatasetDict = {}
+    first: tuple[int, bool] | None = None  # (row, unpaired) of the first row: the file's kind
     for i, row in enumerate(read_json_records(file), 1):
+        unpaired = isinstance(row, dict) and ("completion" in row or "label" in row)
+        first = first or (i, unpaired)
+        if unpaired != first[1]:
+            kinds = ("paired {prompt, chosen, rejected}", "unpaired {prompt, completion, label}")
+            raise DataError(
+                f"{file}, row {i} is {kinds[unpaired]} but row {first[0]} is {kinds[first[1]]}; a file holds one kind: "
+                "write each pair as two unpaired rows (chosen with label true, rejected with label false)."
+            )
+        if unpaired:
+            for field in ("prompt", "completion"):
+                if not isinstance(row.get(field), str):
+                    raise DataError(
+                        f"{file}, row {i}: field {field!r} is missing or not a string; "
+                        "every unpaired row needs prompt, completion and label."
+                    )
+            if not isinstance(row.get("label"), bool):
+                value = json.dumps(row["label"]) if "label" in row else "missing"
+                raise DataError(
+                    f"{file}, row {i}: field 'label' is {value}, not true or false; every unpaired row needs prompt, "
+                    "completion and label (true: the completion is desirable)."
+                )
+            add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}")
+            continue
         for field in ("prompt", "chosen", "rejected"):
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise DataError(

@@ -492,10 +492,52 @@ def override_error(overrides: list[str]) -> str | None:
 
 def command_line_error(argv: list[str]) -> str | None:
     """:func:`override_error` of the command line's overrides (``sys.argv[1:]``); None when any
-    argument is a Hydra flag (``--cfg``, ``-m``, ``--config-name``, ...): Hydra handles those."""
-    if not argv or any(a.startswith("-") for a in argv):
+    argument is another Hydra flag (``--cfg``, ``--config-name``, ...): Hydra handles those.
+
+    With ``-m``/``--multirun`` (and no other flag) every job of the sweep is checked before the
+    first one starts (:func:`sweep_error`), so a mistake in the 7th job does not stop the sweep
+    after 6 runs."""
+    multirun = [a for a in argv if a in ("-m", "--multirun")]
+    overrides = [a for a in argv if a not in multirun]
+    if not overrides or any(a.startswith("-") for a in overrides):
         return None
-    return override_error(argv)
+    return sweep_error(overrides) if multirun else override_error(overrides)
+
+
+def sweep_error(overrides: list[str]) -> str | None:
+    """One sentence for the first job of the sweep ``overrides`` (``loss=dpo,ipo lr=1e-3``:
+    one job per combination, as Hydra's basic sweeper makes them) whose overrides
+    :func:`override_error` rejects or whose composed config ``utils.validate_config`` rejects
+    (the sentence starts with the job's swept values, e.g. "In the job loss=ipoo: ..."); None
+    when all pass or the overrides do not parse (Hydra reports that itself)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException:
+        return None
+    swept = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
+    for job in jobs:
+        problem = override_error(job)
+        if problem is None:
+            with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+                try:
+                    config = compose(config_name="config", overrides=job)
+                except HydraException:
+                    return None
+            if config.resume is None:  # resume= runs the saved config, checked when it starts
+                n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
+                try:
+                    utils.validate_config(config, n)
+                except utils.ConfigError as e:
+                    problem = str(e)
+        if problem is not None:
+            return f"In the job {' '.join(job[i] for i in swept)}: {problem}" if swept else problem
+    return None
 
 
 def exit_rank(run) -> None:

@@ -396,23 +396,134 @@ class BasicTrainer(OnlineSampling):
             logits, labels = response_logits(self.policy, inputs)
             logps, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
             return losses.ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
-        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
-        if self.uses_reference:
-            ref_chosen, ref_rejected = self.reference_logps(batch)
-        else:  # a uniform reference (reference_free), never computed
-            ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
-        inputs = losses.ObjectiveInputs(
-            policy_chosen_logps=policy_chosen,
-            policy_rejected_logps=policy_rejected,
-            reference_chosen_logps=ref_chosen,
-            reference_rejected_logps=ref_rejected,
-            chosen_n_tokens=n_tokens[:n],
-            rejected_n_tokens=n_tokens[n:],
-        )
+        if "rejected_input_ids" not in batch:  # unpaired rows {prompt, completion, label}: one completion each
+            inputs = self.unpaired_inputs(batch)
+        else:
+            policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
+            if self.uses_reference:
+                ref_chosen, ref_rejected = self.reference_logps(batch)
+            else:  # a uniform reference (reference_free), never computed
+                ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+            inputs = losses.ObjectiveInputs(
+                policy_chosen_logps=policy_chosen,
+                policy_rejected_logps=policy_rejected,
+                reference_chosen_logps=ref_chosen,
+                reference_rejected_logps=ref_rejected,
+                chosen_n_tokens=n_tokens[:n],
+                rejected_n_tokens=n_tokens[n:],
+            )
+            if objective.mismatched_kl:
+                rows = self.mismatched_rows(batch, self.config.max_length)
+                with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
+                    policy_kl, _ = self.sequence_logps(self.policy, rows)
+                duplicate = {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
+                ref_kl = self.reference_logps(duplicate)[0] if self.uses_reference else torch.zeros_like(policy_kl)
+                inputs.policy_kl_logps, inputs.reference_kl_logps = self.gathered_kl(policy_kl, ref_kl)
         if self.uses_nll:  # -log pi(y_w | x) per token, from the same forward
-            per_token = policy_chosen if self.average_log_prob else policy_chosen / n_tokens[:n].clamp(min=1)
+            chosen, n_chosen = inputs.policy_chosen_logps, inputs.chosen_n_tokens
+            per_token = chosen if self.average_log_prob else chosen / n_chosen.clamp(min=1)
             inputs.policy_chosen_nll = -per_token
         return inputs
+
+    # Mismatched pairs (KTO's reference point z0, Ethayarajh et al. 2024, Sec. 4.1; TRL's KTOTrainer):
+    # within each micro-batch of B examples (the batch get_batch_metrics gets, as TRL rotates the
+    # completions within each per-device batch), prompt x_i is paired with the chosen (paired rows) or
+    # only (unpaired rows) completion y_{(i+1) mod B}. TRL rotates the other way, (x_i, y_{i-1}): the
+    # same estimator. With B == 1 the pair is (x_i, y_i) itself, so z0 is that row's own log-ratio; TRL
+    # refuses per_device_train_batch_size <= 1 for that reason, here it is allowed (a last micro-batch
+    # may hold one example). The policy's side is computed without gradient. The reference's goes
+    # through reference_logps (live or Ray actors) as a pair batch; precompute_ref_log_probs=true is
+    # refused for such objectives (utils.validate_config), since the pairs change with every shuffled
+    # batch. Under FSDP / data parallelism z0 is the mean over processes of each process's micro-batch
+    # mean (TRL gathers it the same way), passed to the objective as one already-reduced difference.
+
+    @staticmethod
+    def mismatched_rows(batch: dict, max_length: int) -> dict:
+        """The mismatched sequences (x_i, y_{(i+1) mod B}) of a collated micro-batch of B examples.
+
+        Row i is example i's prompt ids (``prompt_attention_mask[i].sum()`` tokens at the start of
+        ``chosen_input_ids[i]``) followed by the response ids of example (i+1) mod B (the rest of its
+        ``chosen_input_ids`` up to its attention mask's length), with that response's labels and
+        IGNORE_INDEX on the prompt; cut to ``max_length`` tokens at the end as TRL cuts its KL
+        sequences (no EOS is re-added). Right-padded with id 0, attention 0, label IGNORE_INDEX.
+
+        Returns:
+            ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
+        """
+        ids, mask, labels = batch["chosen_input_ids"], batch["chosen_attention_mask"], batch["chosen_labels"]
+        prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
+        lengths = mask.sum(1).tolist()
+        n = ids.shape[0]
+        seqs, targets = [], []
+        for i in range(n):
+            j = (i + 1) % n
+            p_i, p_j = prompt_lengths[i], prompt_lengths[j]
+            seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]
+            lab = torch.cat([torch.full((p_i,), losses.IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
+            seqs.append(seq)
+            targets.append(lab[:max_length])
+        width = max(len(s) for s in seqs)
+        out = {
+            "input_ids": torch.zeros(n, width, dtype=ids.dtype),
+            "attention_mask": torch.zeros(n, width, dtype=mask.dtype),
+            "labels": torch.full((n, width), losses.IGNORE_INDEX, dtype=labels.dtype),
+        }
+        for i, (seq, lab) in enumerate(zip(seqs, targets)):
+            out["input_ids"][i, : len(seq)] = seq
+            out["attention_mask"][i, : len(seq)] = 1
+            out["labels"][i, : len(lab)] = lab
+        return {k: v.to(ids.device) for k, v in out.items()}
+
+    def sequence_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of single sequences (``input_ids``, ``attention_mask``, ``labels``, each (B, T),
+        right-padded) by one plain padded forward: ((B,) float32 summed or averaged as the objective
+        says, (B,) response-token counts)."""
+        inputs = {k: v.to(self.device) for k, v in rows.items()}
+        logits, labels = response_logits(model, inputs)
+        return losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
+
+    def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mismatched pairs' log-probs as the objective gets them: this micro-batch's (B,) each on
+        one process; with several data-parallel processes, the mean over processes of each one's
+        mean difference as one value (shape (1,)) and a zero reference (one all-reduce; every
+        process calls this once per micro-batch, stand-ins for missing examples included)."""
+        if self.data_world_size == 1:
+            return policy_kl, reference_kl
+        mean = self.global_sum(float((policy_kl - reference_kl).float().mean())) / self.data_world_size
+        return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
+
+    def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
+        """Inputs for a micro-batch of unpaired rows (``chosen_*`` tensors hold each row's completion,
+        ``label`` (B,) bool says whether it is desirable; no rejected side): the completions' log-probs
+        with gradient, the reference's of the completions and of the mismatched pairs in one pair
+        batch (completions as chosen, mismatched rows as rejected, sharing each prompt), and the
+        policy's of the mismatched pairs without gradient.
+
+        Raises:
+            ValueError: if the objective does not train on unpaired rows (the data checks refuse that earlier).
+        """
+        objective = self.objective
+        if not (objective.unpaired and objective.mismatched_kl):
+            raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
+        chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+        rows = self.mismatched_rows(batch, self.config.max_length)
+        policy_chosen, n_tokens = self.sequence_logps(self.policy, chosen)
+        with torch.no_grad():  # the KL term is detached
+            policy_kl, _ = self.sequence_logps(self.policy, rows)
+        if self.uses_reference:
+            pair = {**{f"chosen_{k}": v for k, v in chosen.items()}, **{f"rejected_{k}": v for k, v in rows.items()}}
+            ref_chosen, ref_kl = self.reference_logps(pair)
+        else:
+            ref_chosen, ref_kl = torch.zeros_like(policy_chosen), torch.zeros_like(policy_kl)
+        policy_kl_logps, reference_kl_logps = self.gathered_kl(policy_kl, ref_kl)
+        return losses.ObjectiveInputs(
+            policy_chosen_logps=policy_chosen,
+            reference_chosen_logps=ref_chosen,
+            chosen_n_tokens=n_tokens,
+            policy_kl_logps=policy_kl_logps,
+            reference_kl_logps=reference_kl_logps,
+            label=batch["label"].to(self.device),
+        )
 
     @property
     def beta(self) -> float | None:
@@ -547,7 +658,38 @@ class BasicTrainer(OnlineSampling):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         collected["grad_norm"].append(grad_norm.item())
+        update = self.config.get("reference_update") or {}
+        if update.get("mode") and (self.batch_counter + 1) % update.get("every", 1) == 0:
+            self.update_reference(update["mode"], float(update.get("alpha", 1.0)))
         return collected
+
+    @torch.no_grad()
+    def update_reference(self, mode: str, alpha: float) -> None:
+        """TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
+        Good Alignment", Sec. 3): ``soft`` mixes the policy into the reference,
+        theta_ref <- alpha * theta + (1 - alpha) * theta_ref; ``hard`` copies it, theta_ref <- theta.
+        Called every ``reference_update.every`` optimizer steps (the paper's tau; TRL's
+        ``ref_model_sync_steps`` with ``ref_model_mixup_alpha``). Works shard by shard: policy and
+        reference are sharded alike under FSDP and tensor parallelism, so no weight is gathered.
+
+        Raises:
+            RuntimeError: if there is no live reference module (a precomputed or remote one
+                cannot be updated; the config checks refuse those first).
+        """
+        if self.reference_model is None:
+            raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
+        for model in (self.policy, self.reference_model):
+            for module in model.modules():
+                if hasattr(module, "reshard"):  # FSDP2 keeps a root's weights gathered after a no-grad forward
+                    module.reshard()
+        policy = dict(self.policy.named_parameters())
+        for name, ref in self.reference_model.named_parameters():
+            theta = policy[name].detach()
+            theta = theta.to(ref.dtype) if theta.dtype != ref.dtype else theta
+            if mode == "hard":
+                ref.copy_(theta)
+            else:
+                ref.mul_(1.0 - alpha).add_(theta, alpha=alpha)
 
     def raise_non_finite(self, what: str):
         """Raise NonFiniteLossError: one sentence naming the step, the last good checkpoint and
@@ -731,6 +873,8 @@ class BasicTrainer(OnlineSampling):
             torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(tmp, "optimizer.pt"))
             torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
             torch.save(self.trainer_state(), os.path.join(tmp, "trainer_state.pt"))
+            if self.updates_reference:  # TR-DPO: the reference has moved; resume needs it
+                torch.save({"step_idx": step, "state": self.reference_model.state_dict()}, os.path.join(tmp, "reference.pt"))
             if self.config.save_hf_export:
                 self.hf_export_failure = self.write_hf_export(os.path.join(tmp, "hf"))
 
@@ -797,7 +941,14 @@ class BasicTrainer(OnlineSampling):
         self.policy.load_state_dict(self.read(checkpoint_dir, "policy.pt")["state"])
         self.optimizer.load_state_dict(self.read(checkpoint_dir, "optimizer.pt")["state"])
         self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
+        if self.updates_reference:
+            self.reference_model.load_state_dict(self.read(checkpoint_dir, "reference.pt")["state"])
         self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
+
+    @property
+    def updates_reference(self) -> bool:
+        """True if TR-DPO's ``reference_update`` moves the reference during training (so checkpoints hold it)."""
+        return bool((self.config.get("reference_update") or {}).get("mode")) and self.reference_model is not None
 
     def restore_trainer_state(self, state: dict) -> None:
         """Restore counters and Python/NumPy/torch RNG states saved by :meth:`trainer_state`."""
@@ -1097,7 +1248,10 @@ class _DistributedTrainer(BasicTrainer):
             if failure is None:
                 try:
                     model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
-                    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "sharded"))
+                    state = {"model": model_sd, "optimizer": optim_sd}
+                    if self.updates_reference:  # TR-DPO: the moved reference, sharded like the policy
+                        state["reference"] = get_model_state_dict(self.reference_model)
+                    dcp.save(state, checkpoint_id=os.path.join(tmp, "sharded"))
                 except Exception as e:  # DCP raises on every rank when any rank's write fails
                     failure = utils.failure_reason(e)
                 if self.any_rank(failure is not None):
@@ -1171,12 +1325,21 @@ class _DistributedTrainer(BasicTrainer):
     def load(self, checkpoint_dir: str) -> None:
         """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
         state = {"model": model_sd, "optimizer": optim_sd}
+        if self.updates_reference:
+            state["reference"] = get_model_state_dict(self.reference_model)
         dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, "sharded"))
         set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        if self.updates_reference:
+            set_model_state_dict(self.reference_model, state["reference"])
         self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
         self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
 

@@ -56,6 +56,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"loss={loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."
         )
+    validate_reference_update(config, objective)
     validate_online(config)
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
@@ -146,6 +147,35 @@ def looks_local(path: str) -> bool:
     """True if ``path`` can only be a local folder, not a hub id ("org/name" has one slash at most)."""
     path = str(path)
     return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path.split("/")[0])
+
+
+def validate_reference_update(config: DictConfig, objective) -> None:
+    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    update = config.get("reference_update")
+    if update is None or update.get("mode") is None:
+        return
+    if update.mode not in ("soft", "hard"):
+        raise ConfigError(f"reference_update.mode must be null, soft or hard, got {update.mode}.")
+    if not objective.uses_reference(config.loss):
+        raise ConfigError(f"reference_update moves the reference model, but loss={config.loss.name} uses none; remove it.")
+    every = update.get("every")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ConfigError(f"reference_update.every must be a whole number of optimizer steps >= 1, got {every}.")
+    alpha = update.get("alpha")
+    if update.mode == "soft" and not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
+        raise ConfigError(f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {alpha}.")
+    if config.precompute_ref_log_probs:
+        raise ConfigError(
+            "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
+            "set precompute_ref_log_probs=false."
+        )
+    ray_cfg = config.get("ray")
+    if config.get("launcher") == "ray" and ray_cfg is not None and ray_cfg.get("reference_workers", 0) > 0:
+        raise ConfigError("reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0.")
 
 
 def online_capable(objective) -> bool:

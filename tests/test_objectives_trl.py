@@ -251,10 +251,10 @@ def test_a_mix_without_a_reference_user_is_reference_free():
 # ----------------------------------------------------------------------------- against TRL 1.16
 
 # Per pair: (chosen, rejected, reference chosen, reference rejected) summed log-probs and lengths.
-TRL_PAIRS = [
-    (-10.0, -12.0, -11.0, -11.5, 5, 6),
+TRL_PAIRS = [  # reference margins in another order than the policy's (AOT's sorts matter)
+    (-10.0, -12.0, -11.0, -15.0, 5, 6),
     (-20.0, -18.0, -19.0, -19.5, 3, 4),
-    (-6.0, -9.0, -6.5, -7.0, 5, 2),
+    (-6.0, -9.0, -6.5, -8.0, 5, 2),
     (-3.0, -40.0, -2.5, -8.0, 4, 7),
 ]
 EQUAL_CHOSEN = [(pc, pr, rc, rr, 4, nl) for pc, pr, rc, rr, _, nl in TRL_PAIRS]  # TRL's sft is a token mean

@@ -307,8 +307,9 @@ def test_ray_refuses_a_held_folder_before_ray_starts(tmp_path):
 
 # ----------------------------------------------------------------------------- mistyped keys
 
-LOSS_KEYS = "average_log_prob, beta, label_smoothing, name, reference_free"  # config/loss/dpo.yaml
+LOSS_KEYS = "average_log_prob, beta, label_smoothing, name, nll_weight, reference_free"  # config/loss/dpo.yaml
 HH_KEYS = "conversation, holdout_fraction, local_dir, subsets"  # config/config.yaml, data.hh
+LOSS_OPTIONS = ", ".join(sorted(p.stem for p in (REPO / "config" / "loss").glob("*.yaml")))  # the config group's files
 
 
 @pytest.mark.parametrize(
@@ -323,11 +324,11 @@ HH_KEYS = "conversation, holdout_fraction, local_dir, subsets"  # config/config.
             ["data.hhh.subsets=[a]"],
             "data.hhh.subsets is not a config key; did you mean data.hh.subsets? (keys of data: arithmetic, hf, hh, json, se, shp, tldr)",
         ),
-        (["loss=ipoo"], "loss=ipoo is not an option of loss; did you mean loss=ipo? (options: dpo, ipo, reward, sft)."),
+        (["loss=ipoo"], f"loss=ipoo is not an option of loss; did you mean loss=ipo? (options: {LOSS_OPTIONS})."),
         (
             ["loss=ipo", "loss.label_smoothing=0.1"],
             # regression: it said "to add it, write +loss.label_smoothing=0.1", which validate_config then refuses
-            "loss=ipo has no key 'label_smoothing' (keys of loss: average_log_prob, beta, name); remove it.",
+            "loss=ipo has no key 'label_smoothing' (keys of loss: average_log_prob, beta, name, nll_weight); remove it.",
         ),
     ],
 )
