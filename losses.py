@@ -1407,3 +1407,38 @@ def kto_objective(
 
 
 # ---------------------------------------------------------------------------- end of reference-free and KTO
+
+
+def objectives_table() -> str:
+    """The README's table of objectives, written from the declarations (a test checks that the
+    README carries exactly this): per ``loss=<name>``, what it is, its source, whether it loads a
+    reference, summed or per-token log-probs, and its ``loss.*`` keys with their defaults."""
+    rows = [
+        "| `loss=` | objective | source | reference | log-probs | keys (defaults) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, decl in sorted(OBJECTIVES.items()):
+        keys = decl.keys_for({}) if hasattr(decl, "keys_for") else decl.keys
+        if isinstance(decl.reference, str):
+            reference = f"yes (none with `{decl.reference}=true`)"
+        else:
+            reference = "yes" if decl.reference else "no"
+        if decl.score_head:
+            logps = "score head"
+        elif decl.average_log_prob is None:
+            logps = "per token" if keys["average_log_prob"].default else "summed"
+            logps += " (`average_log_prob`)"
+        else:
+            logps = "per token" if decl.average_log_prob else "summed"
+        defaults = ", ".join(f"`{k}={_yaml_value(spec.default)}`" for k, spec in keys.items()) or "none"
+        cells = [f"`{name}`", decl.summary, decl.source, reference, logps, defaults]
+        rows.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _yaml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_yaml_value(v) for v in value) + "]"
+    return "null" if value is None else str(value)

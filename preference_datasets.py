@@ -1471,7 +1471,7 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
         got = call_loader(spec, name, split, options, report)
     finally:
         _LOADING.reset(token)
-    empty = not got if unit == "prompts" else not any(v["pairs"] for v in got.values())
+    empty = not got if unit == "prompts" else not any(v["pairs"] or v.get("labels") for v in got.values())
     if empty:
         raise _nothing_left(name, split, report, unit)
     return got, report
@@ -1490,8 +1490,10 @@ def load_dataset_dict(name: str, split: str, options: dict | None = None, silent
     data, report = _run_loader(DATASETS[name], name, split, options, "pairs")
     if not silent:
         n_pairs = sum(len(v["pairs"]) for v in data.values())
+        n_unpaired = sum(len(v.get("labels", ())) for v in data.values())
+        counted = f"{n_unpaired} unpaired completions" if n_unpaired and not n_pairs else f"{n_pairs} pairs"
         notes = _notes(report)
-        print(f"[data] {name}/{split}: {len(data)} prompts, {n_pairs} pairs" + (f" ({notes})" if notes else ""))
+        print(f"[data] {name}/{split}: {len(data)} prompts, {counted}" + (f" ({notes})" if notes else ""))
     return data
 
 
@@ -1500,12 +1502,22 @@ def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     ``{"prompt", "chosen", "rejected", "truncation_mode"}`` (SFT: no ``"rejected"``). A
     conversational entry (see :func:`add_conversation_pair`) gives its prompt messages as
     ``"prompt"``, message lists as responses, and ``"conversation": True``; an entry that keeps
-    the row of each pair adds ``"row"`` (the SFT example: its first pair's row)."""
+    the row of each pair adds ``"row"`` (the SFT example: its first pair's row). An unpaired
+    entry (see :func:`add_unpaired`) gives one example per labelled completion, in SFT mode too
+    (:func:`check_pairing` refuses them for objectives that need pairs):
+    ``{"prompt", "chosen": the completion, "label": bool, "truncation_mode", "row"}``."""
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
         extra = {"conversation": True} if "prompt_messages" in entry else {}
         prompt = entry.get("prompt_messages", prompt)
+        if entry.get("labels"):
+            rows = entry.get("rows") if len(entry.get("rows", ())) == len(entry["labels"]) else None
+            for k, (i, label) in enumerate(entry["labels"]):
+                where = {"row": rows[k]} if rows else {}
+                chosen = entry["responses"][i]
+                examples.append({"prompt": prompt, "chosen": chosen, "label": label, "truncation_mode": mode, **extra, **where})
+            continue
         rows = entry.get("rows") if len(entry.get("rows", ())) == len(entry["pairs"]) else None
         if sft_mode:
             where = {"row": rows[0]} if rows else {}
@@ -1787,11 +1799,15 @@ def collate(elements: list[dict], pad_token_id: int) -> dict:
 
     Sequences (``*_input_ids``, ``*_attention_mask``, ``*_labels``) are right-padded to
     the batch's longest, with ``pad_token_id``, 0 and IGNORE_INDEX; ``prompt_input_ids``
-    is left-padded (for generation), with ``prompt_attention_mask``. Tensors are (B, T) long.
+    is left-padded (for generation), with ``prompt_attention_mask``. Tensors are (B, T) long;
+    unpaired elements' ``label`` (desirable or not) becomes a (B,) bool tensor.
     """
     batch: dict = {}
     for key in elements[0]:
         values = [e[key] for e in elements]
+        if key == "label":
+            batch[key] = torch.tensor(values, dtype=torch.bool)
+            continue
         if not key.endswith(("_input_ids", "_attention_mask", "_labels")):
             batch[key] = values
             continue
@@ -2332,18 +2348,19 @@ def get_batch_iterator(
                 rendered = "end_token_id" in ex
                 elements.append(tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered))
                 continue
-            elements.append(
-                tokenize_element(
-                    ex["prompt"],
-                    ex["chosen"],
-                    ex.get("rejected"),
-                    ex["truncation_mode"],
-                    tokenizer,
-                    max_length,
-                    max_prompt_length,
-                    ex.get("end_token_id"),
-                    ex.get("pieces"),
-                )
+            element = tokenize_element(
+                ex["prompt"],
+                ex["chosen"],
+                ex.get("rejected"),
+                ex["truncation_mode"],
+                tokenizer,
+                max_length,
+                max_prompt_length,
+                ex.get("end_token_id"),
+                ex.get("pieces"),
             )
+            if "label" in ex:  # an unpaired row: its completion is the chosen side
+                element["label"] = bool(ex["label"])
+            elements.append(element)
         k += len(elements)
         yield collate(elements, pad_id)

@@ -212,6 +212,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
+    preference_datasets.check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
         preference_datasets.render_conversations(

@@ -413,12 +413,7 @@ class BasicTrainer(OnlineSampling):
                 rejected_n_tokens=n_tokens[n:],
             )
             if objective.mismatched_kl:
-                rows = self.mismatched_rows(batch, self.config.max_length)
-                with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
-                    policy_kl, _ = self.sequence_logps(self.policy, rows)
-                duplicate = {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
-                ref_kl = self.reference_logps(duplicate)[0] if self.uses_reference else torch.zeros_like(policy_kl)
-                inputs.policy_kl_logps, inputs.reference_kl_logps = self.gathered_kl(policy_kl, ref_kl)
+                inputs.policy_kl_logps, inputs.reference_kl_logps = self.mismatched_kl_logps(batch)
         if self.uses_nll:  # -log pi(y_w | x) per token, from the same forward
             chosen, n_chosen = inputs.policy_chosen_logps, inputs.chosen_n_tokens
             per_token = chosen if self.average_log_prob else chosen / n_chosen.clamp(min=1)
@@ -450,7 +445,8 @@ class BasicTrainer(OnlineSampling):
         Returns:
             ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
         """
-        ids, mask, labels = batch["chosen_input_ids"], batch["chosen_attention_mask"], batch["chosen_labels"]
+        device = batch["chosen_input_ids"].device
+        ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
         prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
         lengths = mask.sum(1).tolist()
         n = ids.shape[0]
@@ -472,15 +468,26 @@ class BasicTrainer(OnlineSampling):
             out["input_ids"][i, : len(seq)] = seq
             out["attention_mask"][i, : len(seq)] = 1
             out["labels"][i, : len(lab)] = lab
-        return {k: v.to(ids.device) for k, v in out.items()}
+        return {k: v.to(device) for k, v in out.items()}
 
-    def sequence_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of single sequences (``input_ids``, ``attention_mask``, ``labels``, each (B, T),
-        right-padded) by one plain padded forward: ((B,) float32 summed or averaged as the objective
-        says, (B,) response-token counts)."""
-        inputs = {k: v.to(self.device) for k, v in rows.items()}
-        logits, labels = response_logits(model, inputs)
-        return losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
+        right-padded) by :meth:`concatenated_forward` on :meth:`both_sides` of them, so they take
+        the same packed forward as pairs do (identical sides share one packed row: the copy costs
+        nothing where the model shares prompts; the padded fallback computes it twice).
+
+        Returns:
+            ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
+        """
+        logps, _, n_tokens = self.concatenated_forward(model, self.both_sides(rows))
+        return logps, n_tokens[: len(logps)]
+
+    @staticmethod
+    def both_sides(rows: dict) -> dict:
+        """A pair batch whose chosen and rejected sides are both ``rows`` (``input_ids``,
+        ``attention_mask``, ``labels``): what :meth:`concatenated_forward` and
+        :meth:`reference_logps` (live or Ray actors) take; use the chosen half of the result."""
+        return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
 
     def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mismatched pairs' log-probs as the objective gets them: this micro-batch's (B,) each on
@@ -492,38 +499,39 @@ class BasicTrainer(OnlineSampling):
         mean = self.global_sum(float((policy_kl - reference_kl).float().mean())) / self.data_world_size
         return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
 
+    def mismatched_kl_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(policy_kl_logps, reference_kl_logps)`` of the micro-batch's mismatched pairs
+        (:meth:`mismatched_rows`), the policy's without gradient, gathered by :meth:`gathered_kl`."""
+        rows = self.mismatched_rows(batch, self.config.max_length)
+        with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
+            policy_kl, _ = self.one_side_logps(self.policy, rows)
+        ref_kl = self.reference_logps(self.both_sides(rows))[0] if self.uses_reference else torch.zeros_like(policy_kl)
+        return self.gathered_kl(policy_kl, ref_kl)
+
     def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
         """Inputs for a micro-batch of unpaired rows (``chosen_*`` tensors hold each row's completion,
-        ``label`` (B,) bool says whether it is desirable; no rejected side): the completions' log-probs
-        with gradient, the reference's of the completions and of the mismatched pairs in one pair
-        batch (completions as chosen, mismatched rows as rejected, sharing each prompt), and the
-        policy's of the mismatched pairs without gradient.
+        ``label`` (B,) bool says whether it is desirable; no rejected side): the completions'
+        log-probs (the policy's with gradient, the reference's), the mismatched pairs' log-probs
+        and the label.
 
         Raises:
             ValueError: if the objective does not train on unpaired rows (the data checks refuse that earlier).
         """
         objective = self.objective
-        if not (objective.unpaired and objective.mismatched_kl):
+        if not objective.unpaired:
             raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
         chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-        rows = self.mismatched_rows(batch, self.config.max_length)
-        policy_chosen, n_tokens = self.sequence_logps(self.policy, chosen)
-        with torch.no_grad():  # the KL term is detached
-            policy_kl, _ = self.sequence_logps(self.policy, rows)
-        if self.uses_reference:
-            pair = {**{f"chosen_{k}": v for k, v in chosen.items()}, **{f"rejected_{k}": v for k, v in rows.items()}}
-            ref_chosen, ref_kl = self.reference_logps(pair)
-        else:
-            ref_chosen, ref_kl = torch.zeros_like(policy_chosen), torch.zeros_like(policy_kl)
-        policy_kl_logps, reference_kl_logps = self.gathered_kl(policy_kl, ref_kl)
-        return losses.ObjectiveInputs(
+        policy_chosen, n_tokens = self.one_side_logps(self.policy, chosen)
+        ref_chosen = self.reference_logps(self.both_sides(chosen))[0] if self.uses_reference else torch.zeros_like(policy_chosen)
+        inputs = losses.ObjectiveInputs(
             policy_chosen_logps=policy_chosen,
             reference_chosen_logps=ref_chosen,
             chosen_n_tokens=n_tokens,
-            policy_kl_logps=policy_kl_logps,
-            reference_kl_logps=reference_kl_logps,
             label=batch["label"].to(self.device),
         )
+        if objective.mismatched_kl:
+            inputs.policy_kl_logps, inputs.reference_kl_logps = self.mismatched_kl_logps(batch)
+        return inputs
 
     @property
     def beta(self) -> float | None:

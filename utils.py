@@ -56,6 +56,11 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(
             f"loss={loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."
         )
+    if config.precompute_ref_log_probs and objective.mismatched_kl:
+        raise ConfigError(
+            f"loss={loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
+            "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."
+        )
     validate_reference_update(config, objective)
     validate_online(config)
     online = bool(config.get("online") and config.online.enabled)
@@ -195,10 +200,10 @@ def validate_online(config: DictConfig) -> None:
         return
     objective = losses.get_objective(config.loss.name)
     if not online_capable(objective):
-        others = [name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o) and name not in ("dpo", "ipo")]
+        capable = [name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o)]
         raise ConfigError(
             "online.enabled=true trains with loss=dpo or loss=ipo or another paired objective with a reference "
-            f"({', '.join(others)}), not loss={config.loss.name}."
+            f"({', '.join(capable)}), not loss={config.loss.name}."
         )
     if not objective.uses_reference(config.loss):
         raise ConfigError(f"online DPO needs the reference model: set loss.{objective.reference}=false.")

@@ -215,7 +215,9 @@ def build_table(paths: list[str], keep_all: bool = False) -> tuple[list[dict], l
             if row["objective"] not in newest or made > newest[row["objective"]][0]:
                 newest[row["objective"]] = (made, row)
         if len(newest) < len(rows):
-            notes.append(f"{len(rows) - len(newest)} older run(s) of an objective already in the table left out (--all keeps them).")
+            notes.append(
+                f"{len(rows) - len(newest)} older run(s) of an objective already in the table left out (--all keeps them)."
+            )
         rows = [row for _, row in newest.values()]
     rows.sort(key=lambda r: (r["objective"], r["run"]))
     differ = budget_differences(rows)
