@@ -396,7 +396,7 @@ class BasicTrainer(OnlineSampling):
             logits, labels = response_logits(self.policy, inputs)
             logps, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
             return losses.ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
-        if "rejected_input_ids" not in batch:  # unpaired rows {prompt, completion, label}: one completion each
+        if "label" in batch:  # unpaired rows {prompt, completion, label}: one completion each, no rejected side
             inputs = self.unpaired_inputs(batch)
         else:
             policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)

@@ -180,7 +180,9 @@ def validate_reference_update(config: DictConfig, objective) -> None:
         )
     ray_cfg = config.get("ray")
     if config.get("launcher") == "ray" and ray_cfg is not None and ray_cfg.get("reference_workers", 0) > 0:
-        raise ConfigError("reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0.")
+        raise ConfigError(
+            "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."
+        )
 
 
 def online_capable(objective) -> bool:

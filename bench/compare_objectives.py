@@ -48,7 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 COLUMNS = [  # (key in a row, markdown header)
     ("objective", "objective"),
     ("beta", "β"),
+    ("accuracy_first", "accuracy start"),
     ("accuracy", "accuracy"),
+    ("margin_first", "margin start"),
     ("margin", "margin"),
     ("chosen_logp_first", "chosen logp start"),
     ("chosen_logp_delta", "Δ chosen logp"),
@@ -59,6 +61,7 @@ COLUMNS = [  # (key in a row, markdown header)
     ("wall_s", "wall s"),
     ("run", "run folder"),
 ]
+MARKDOWN_COLUMNS = [c for c in COLUMNS if c[0] != "run"]  # the run folder is in the CSV and JSON
 SAME_BUDGET_IGNORED = ("loss", "exp_name", "output_root", "resume", "wandb")
 
 
@@ -164,7 +167,9 @@ def summarize_run(run_dir: Path) -> dict:
     return {
         "objective": objective_label(loss),
         "beta": loss.get("beta"),
+        "accuracy_first": first.get("rewards_eval/accuracies"),
         "accuracy": last.get("rewards_eval/accuracies"),
+        "margin_first": first.get("rewards_eval/margins"),
         "margin": last.get("rewards_eval/margins"),
         "chosen_logp_first": chosen_first,
         "chosen_logp_delta": None if chosen_first is None or chosen_last is None else chosen_last - chosen_first,
@@ -245,8 +250,8 @@ def _cell(value, key: str) -> str:
 
 def to_markdown(rows: list[dict], notes: list[str]) -> str:
     """The rows as a markdown table, the notes below it."""
-    lines = ["| " + " | ".join(h for _, h in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r[k], k) for k, _ in COLUMNS) + " |" for r in rows]
+    lines = ["| " + " | ".join(h for _, h in MARKDOWN_COLUMNS) + " |", "|" + "---|" * len(MARKDOWN_COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r[k], k) for k, _ in MARKDOWN_COLUMNS) + " |" for r in rows]
     return "\n".join(lines + [""] + [f"Note: {n}" for n in notes]).rstrip() + "\n"
 
 
