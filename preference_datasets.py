@@ -2296,6 +2296,64 @@ def epoch_order(
     return np.concatenate([g[np.argsort([-lengths[j] for j in g], kind="stable")] for g in groups])
 
 
+# Mismatched pairs (KTO's reference point z0, Ethayarajh et al. 2024, Sec. 4.1; TRL's KTOTrainer):
+# within each micro-batch of B examples (the batch get_batch_metrics gets, as TRL rotates the
+# completions within each per-device batch), prompt x_i is paired with the chosen (paired rows) or
+# only (unpaired rows) completion y_{(i+1) mod B}. TRL rotates the other way, (x_i, y_{i-1}): the
+# same estimator. With B == 1 the pair is (x_i, y_i) itself, so z0 is that row's own log-ratio; TRL
+# refuses per_device_train_batch_size <= 1 for that reason, here it is allowed (a last micro-batch
+# may hold one example). The policy's side is computed without gradient. The reference's goes
+# through reference_logps (live or Ray actors) as a pair batch; precompute_ref_log_probs=true is
+# refused for such objectives (utils.validate_config), since the pairs change with every shuffled
+# batch. Under FSDP / data parallelism z0 is the mean over processes of each process's micro-batch
+# mean (TRL gathers it the same way), passed to the objective as one already-reduced difference.
+
+
+def mismatched_pairs(batch: dict, max_length: int) -> dict:
+    """The mismatched sequences (x_i, y_{(i+1) mod B}) of a collated micro-batch of B examples.
+
+    Row i is example i's prompt ids (``prompt_attention_mask[i].sum()`` tokens at the start of
+    ``chosen_input_ids[i]``) followed by the response ids of example (i+1) mod B (the rest of its
+    ``chosen_input_ids`` up to its attention mask's length), with that response's labels and
+    IGNORE_INDEX on the prompt; cut to ``max_length`` tokens at the end as TRL cuts its KL
+    sequences (no EOS is re-added). Right-padded with id 0, attention 0, label IGNORE_INDEX.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
+    """
+    device = batch["chosen_input_ids"].device
+    ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
+    prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
+    lengths = mask.sum(1).tolist()
+    n = ids.shape[0]
+    seqs, targets = [], []
+    for i in range(n):
+        j = (i + 1) % n
+        p_i, p_j = prompt_lengths[i], prompt_lengths[j]
+        seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]
+        lab = torch.cat([torch.full((p_i,), IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
+        seqs.append(seq)
+        targets.append(lab[:max_length])
+    width = max(len(s) for s in seqs)
+    out = {
+        "input_ids": torch.zeros(n, width, dtype=ids.dtype),
+        "attention_mask": torch.zeros(n, width, dtype=mask.dtype),
+        "labels": torch.full((n, width), IGNORE_INDEX, dtype=labels.dtype),
+    }
+    for i, (seq, lab) in enumerate(zip(seqs, targets)):
+        out["input_ids"][i, : len(seq)] = seq
+        out["attention_mask"][i, : len(seq)] = 1
+        out["labels"][i, : len(lab)] = lab
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def as_pair_batch(rows: dict) -> dict:
+    """A pair batch whose chosen and rejected sides are both ``rows`` (``input_ids``,
+    ``attention_mask``, ``labels``): what :meth:`concatenated_forward` and
+    :meth:`reference_logps` (live or Ray actors) take; use the chosen half of the result."""
+    return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
+
+
 def get_batch_iterator(
     examples: list[dict],
     tokenizer,

@@ -27,7 +27,7 @@ import losses
 import utils
 from online import OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
 from packing import packed_sequence_logps
-from preference_datasets import get_batch_iterator, left_pad, stop_token_ids
+from preference_datasets import as_pair_batch, get_batch_iterator, left_pad, mismatched_pairs, stop_token_ids
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
 
@@ -420,74 +420,17 @@ class BasicTrainer(OnlineSampling):
             inputs.policy_chosen_nll = -per_token
         return inputs
 
-    # Mismatched pairs (KTO's reference point z0, Ethayarajh et al. 2024, Sec. 4.1; TRL's KTOTrainer):
-    # within each micro-batch of B examples (the batch get_batch_metrics gets, as TRL rotates the
-    # completions within each per-device batch), prompt x_i is paired with the chosen (paired rows) or
-    # only (unpaired rows) completion y_{(i+1) mod B}. TRL rotates the other way, (x_i, y_{i-1}): the
-    # same estimator. With B == 1 the pair is (x_i, y_i) itself, so z0 is that row's own log-ratio; TRL
-    # refuses per_device_train_batch_size <= 1 for that reason, here it is allowed (a last micro-batch
-    # may hold one example). The policy's side is computed without gradient. The reference's goes
-    # through reference_logps (live or Ray actors) as a pair batch; precompute_ref_log_probs=true is
-    # refused for such objectives (utils.validate_config), since the pairs change with every shuffled
-    # batch. Under FSDP / data parallelism z0 is the mean over processes of each process's micro-batch
-    # mean (TRL gathers it the same way), passed to the objective as one already-reduced difference.
-
-    @staticmethod
-    def mismatched_rows(batch: dict, max_length: int) -> dict:
-        """The mismatched sequences (x_i, y_{(i+1) mod B}) of a collated micro-batch of B examples.
-
-        Row i is example i's prompt ids (``prompt_attention_mask[i].sum()`` tokens at the start of
-        ``chosen_input_ids[i]``) followed by the response ids of example (i+1) mod B (the rest of its
-        ``chosen_input_ids`` up to its attention mask's length), with that response's labels and
-        IGNORE_INDEX on the prompt; cut to ``max_length`` tokens at the end as TRL cuts its KL
-        sequences (no EOS is re-added). Right-padded with id 0, attention 0, label IGNORE_INDEX.
-
-        Returns:
-            ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
-        """
-        device = batch["chosen_input_ids"].device
-        ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
-        prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
-        lengths = mask.sum(1).tolist()
-        n = ids.shape[0]
-        seqs, targets = [], []
-        for i in range(n):
-            j = (i + 1) % n
-            p_i, p_j = prompt_lengths[i], prompt_lengths[j]
-            seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]
-            lab = torch.cat([torch.full((p_i,), losses.IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
-            seqs.append(seq)
-            targets.append(lab[:max_length])
-        width = max(len(s) for s in seqs)
-        out = {
-            "input_ids": torch.zeros(n, width, dtype=ids.dtype),
-            "attention_mask": torch.zeros(n, width, dtype=mask.dtype),
-            "labels": torch.full((n, width), losses.IGNORE_INDEX, dtype=labels.dtype),
-        }
-        for i, (seq, lab) in enumerate(zip(seqs, targets)):
-            out["input_ids"][i, : len(seq)] = seq
-            out["attention_mask"][i, : len(seq)] = 1
-            out["labels"][i, : len(lab)] = lab
-        return {k: v.to(device) for k, v in out.items()}
-
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of single sequences (``input_ids``, ``attention_mask``, ``labels``, each (B, T),
-        right-padded) by :meth:`concatenated_forward` on :meth:`both_sides` of them, so they take
+        right-padded) by :meth:`concatenated_forward` on :func:`preference_datasets.as_pair_batch` of them, so they take
         the same packed forward as pairs do (identical sides share one packed row: the copy costs
         nothing where the model shares prompts; the padded fallback computes it twice).
 
         Returns:
             ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
         """
-        logps, _, n_tokens = self.concatenated_forward(model, self.both_sides(rows))
+        logps, _, n_tokens = self.concatenated_forward(model, as_pair_batch(rows))
         return logps, n_tokens[: len(logps)]
-
-    @staticmethod
-    def both_sides(rows: dict) -> dict:
-        """A pair batch whose chosen and rejected sides are both ``rows`` (``input_ids``,
-        ``attention_mask``, ``labels``): what :meth:`concatenated_forward` and
-        :meth:`reference_logps` (live or Ray actors) take; use the chosen half of the result."""
-        return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
 
     def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mismatched pairs' log-probs as the objective gets them: this micro-batch's (B,) each on
@@ -501,11 +444,11 @@ class BasicTrainer(OnlineSampling):
 
     def mismatched_kl_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """``(policy_kl_logps, reference_kl_logps)`` of the micro-batch's mismatched pairs
-        (:meth:`mismatched_rows`), the policy's without gradient, gathered by :meth:`gathered_kl`."""
-        rows = self.mismatched_rows(batch, self.config.max_length)
+        (:func:`preference_datasets.mismatched_pairs`), the policy's without gradient, gathered by :meth:`gathered_kl`."""
+        rows = mismatched_pairs(batch, self.config.max_length)
         with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
             policy_kl, _ = self.one_side_logps(self.policy, rows)
-        ref_kl = self.reference_logps(self.both_sides(rows))[0] if self.uses_reference else torch.zeros_like(policy_kl)
+        ref_kl = self.reference_logps(as_pair_batch(rows))[0] if self.uses_reference else torch.zeros_like(policy_kl)
         return self.gathered_kl(policy_kl, ref_kl)
 
     def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
@@ -522,7 +465,7 @@ class BasicTrainer(OnlineSampling):
             raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
         chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
         policy_chosen, n_tokens = self.one_side_logps(self.policy, chosen)
-        ref_chosen = self.reference_logps(self.both_sides(chosen))[0] if self.uses_reference else torch.zeros_like(policy_chosen)
+        ref_chosen = self.reference_logps(as_pair_batch(chosen))[0] if self.uses_reference else torch.zeros_like(policy_chosen)
         inputs = losses.ObjectiveInputs(
             policy_chosen_logps=policy_chosen,
             reference_chosen_logps=ref_chosen,

@@ -10,12 +10,14 @@ example counter; see utils.MetricsLogger) and writes, per objective (one row per
               fraction of eval pairs whose chosen reward is strictly above the rejected's,
               each objective by its own reward (beta * log-ratio for DPO-like objectives,
               beta * mean log-prob for SimPO, ...); objectives without rewards (sft): "-"
-  margin      ``rewards_eval/margins`` at the last eval (chosen minus rejected reward, nats)
-  d logp      ``logps_eval/chosen`` at the last eval minus at the first (do_first_eval=true
-              makes the first one the starting point, step 0): how far the mean held-out
-              chosen log-prob moved. Its unit is the objective's: summed over the response's
-              tokens ("seq") or their mean ("tok", objectives with average_log_prob, e.g.
-              ipo, simpo), so compare rows of one unit only
+  margin      ``rewards_eval/margins`` at the last eval (mean chosen minus rejected reward)
+  ... start   the same at the first eval (do_first_eval=true: step 0, the start). With a
+              reference, every reward is 0 there (accuracy 0: no pair is strictly above);
+              reference-free rewards (simpo, cpo, orpo) already rank the pairs at the start
+  Δ chosen logp  ``logps_eval/chosen`` at the last eval minus at the first: how far the mean
+              held-out chosen log-prob moved (nats). Its unit is the objective's: summed over
+              the response's tokens ("seq") or their mean ("tok": objectives with
+              average_log_prob, e.g. ipo, simpo, orpo), so compare rows of one unit only
   eval loss   ``loss/eval`` at the last eval (each objective's own loss and unit)
   train s     the training loop up to its last logged step, the evals and checkpoints in it
               included: the sum of the logged intervals, counters/examples step /
@@ -256,8 +258,9 @@ def to_markdown(rows: list[dict], notes: list[str]) -> str:
 
 
 def write_png(rows: list[dict], path: Path) -> None:
-    """One panel per quantity (accuracy, margin, Δ chosen logp, wall s), one bar per objective;
-    a missing value draws no bar."""
+    """One panel per quantity (accuracy, margin, Δ chosen logp, wall s), one bar per objective
+    (orange: per-token log-probs), the accuracy at the start as a black tick; a missing value
+    draws no bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,6 +277,11 @@ def write_png(rows: list[dict], path: Path) -> None:
     for ax, (key, title) in zip(axes, panels):
         values = [r[key] if r[key] is not None else math.nan for r in rows]
         ax.bar(range(len(rows)), values, color=["tab:orange" if r["logp_unit"] == "tok" else "tab:blue" for r in rows])
+        if key == "accuracy":  # where it started (0 with a reference), and chance
+            starts = [r["accuracy_first"] if r["accuracy_first"] is not None else math.nan for r in rows]
+            ax.plot(range(len(rows)), starts, "k_", markersize=12, label="at the start")
+            ax.axhline(0.5, color="gray", linewidth=0.5, linestyle="--")
+            ax.legend(fontsize=7, loc="lower right")
         ax.set_title(title, fontsize=9)
         ax.axhline(0, color="black", linewidth=0.5)
     axes[-1].set_xticks(range(len(rows)), names, rotation=60, ha="right", fontsize=8)

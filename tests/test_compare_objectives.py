@@ -65,6 +65,7 @@ def test_the_table_holds_the_numbers_worked_out_by_hand(two_runs):
     rows, notes = co.build_table([str(two_runs)])
     dpo, sft = rows  # sorted by objective
     assert (dpo["objective"], dpo["beta"], dpo["accuracy"], dpo["margin"]) == ("dpo", 0.1, 0.75, 0.5)
+    assert (dpo["accuracy_first"], dpo["margin_first"]) == (0.0, 0.0)
     assert dpo["chosen_logp_first"] == -100.0 and dpo["chosen_logp_delta"] == pytest.approx(-4.5)  # -104.5 - (-100)
     assert dpo["logp_unit"] == "seq" and dpo["eval_loss"] == 0.55 and dpo["examples"] == 64
     assert dpo["train_s"] == pytest.approx(6.0)  # 2 s + 4 s
@@ -74,19 +75,19 @@ def test_the_table_holds_the_numbers_worked_out_by_hand(two_runs):
     assert sft["train_s"] == pytest.approx(6.0) and sft["wall_s"] == pytest.approx(7.0)  # 4 + 1 + 1 s
     assert notes == ["No rewards_eval/* (no implicit reward): sft."]
     table = co.to_markdown(rows, notes).splitlines()
-    assert table[2] == "| dpo | 0.1 | 0.750 | 0.500 | -100.000 | -4.500 | seq | 0.550 | 64 | 6 | 42 | dpo_run_1 |"
-    assert table[3] == "| sft | - | - | - | -100.000 | 9.750 | seq | 2.500 | 64 | 6 | 7 | sft_run_1 |"
+    assert table[2] == "| dpo | 0.1 | 0.000 | 0.750 | 0.000 | 0.500 | -100.000 | -4.500 | seq | 0.550 | 64 | 6 | 42 |"
+    assert table[3] == "| sft | - | - | - | - | - | -100.000 | 9.750 | seq | 2.500 | 64 | 6 | 7 |"
 
 
 def test_main_writes_markdown_csv_json_and_png(two_runs, tmp_path, capsys):
     out = tmp_path / "table"
     assert co.main([str(two_runs / "*_run_1"), "--out", str(out)]) == 0  # a glob of run folders
     printed = capsys.readouterr().out
-    assert "| dpo | 0.1 | 0.750 |" in printed
+    assert "| dpo | 0.1 | 0.000 | 0.750 |" in printed
     assert (out / "comparison.md").read_text() in printed
     csv_lines = (out / "comparison.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("objective,beta,accuracy,margin,")
-    assert csv_lines[2].startswith("sft,,,,-100.0,9.75,seq,2.5,64,6.0,7.0,")
+    assert csv_lines[0].startswith("objective,beta,accuracy_first,accuracy,margin_first,margin,")
+    assert csv_lines[2] == "sft,,,,,,-100.0,9.75,seq,2.5,64,6.0,7.0,sft_run_1"
     data = json.loads((out / "comparison.json").read_text())
     assert [r["objective"] for r in data["rows"]] == ["dpo", "sft"] and data["rows"][0]["eval_steps"] == [0, 64]
     assert (out / "comparison.png").stat().st_size > 1000
