@@ -154,28 +154,28 @@ def policy(run_dir: Path, step: str = "LATEST") -> dict:
     return torch.load(run_dir / step / "policy.pt", weights_only=False)["state"]
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_each_family_trains_under_fsdp_as_under_basic_and_resumes_exactly(family, tmp_path):
+@pytest.mark.parametrize(
+    ("family", "trainer"), [(family, "FSDPTrainer") for family in FAMILIES] + [("pairwise_mix", "TensorParallelTrainer")]
+)
+def test_each_family_trains_sharded_as_under_basic_and_resumes_exactly(family, trainer, tmp_path):
     extra = [*FAMILIES[family], f"cache_dir={tmp_path / 'cache'}"]
     basic = run_train([*COMMON[len(TINY) :], *extra], tmp_path / "basic")
-    fsdp = cli([*COMMON, *extra, "trainer=FSDPTrainer", "world_size=2"], tmp_path / "fsdp")
+    sharded = cli([*COMMON, *extra, f"trainer={trainer}", "world_size=2"], tmp_path / "sharded")
     eb = [r for r in metric_records(basic) if "loss/eval" in r]
-    ef = [r for r in metric_records(fsdp) if "loss/eval" in r]
-    assert [r["step"] for r in ef] == [r["step"] for r in eb] == [0, 24, 48]
-    for rb, rf in zip(eb, ef):
+    es = [r for r in metric_records(sharded) if "loss/eval" in r]
+    assert [r["step"] for r in es] == [r["step"] for r in eb] == [0, 24, 48]
+    for rb, rs in zip(eb, es):
         for key in ("loss/eval", "rewards_eval/margins", "logps_eval/chosen"):
-            assert rf[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
+            assert rs[key] == pytest.approx(rb[key], rel=1e-4, abs=1e-5), key
     for name, value in policy(basic).items():
-        torch.testing.assert_close(policy(fsdp)[name], value, rtol=1e-4, atol=5e-5, msg=name)
-    if family != "reference_free":
-        return
-    cut = tmp_path / "cut" / fsdp.name  # FSDP cut back to its step-24 shards, resumed
-    shutil.copytree(fsdp, cut, symlinks=True)
+        torch.testing.assert_close(policy(sharded)[name], value, rtol=1e-4, atol=5e-5, msg=name)
+    cut = tmp_path / "cut" / sharded.name  # cut back to its step-24 shards, resumed
+    shutil.copytree(sharded, cut, symlinks=True)
     shutil.rmtree(cut / "step-48")
     (cut / "LATEST").unlink()
     (cut / "LATEST").symlink_to("step-24")
     cli([f"resume={cut}"], tmp_path / "unused")
-    for name, value in policy(fsdp).items():
+    for name, value in policy(sharded).items():
         torch.testing.assert_close(policy(cut)[name], value, rtol=0, atol=1e-6, msg=name)
 
 
