@@ -41,12 +41,40 @@ def precomputed_reference(reference, train_examples, eval_examples, tokenizer, c
     return utils.broadcast_object(cache if rank == 0 else None) if distributed else cache
 
 
+AUTO_RESUMED = False
+"""Whether this process's ``resume=auto`` was resolved (:func:`effective_config`), for the config
+check across ranks to say so when the ranks found different folders."""
+
+
+def says_once() -> bool:
+    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the
+    process the user started (not the ranks train.py's own launcher starts)."""
+    return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
+
+
 def effective_config(config: DictConfig) -> DictConfig:
     """The config to run: with ``resume=<run folder>``, that run's saved config.
+
+    ``resume=auto`` is first resolved (the same way on every rank, from the folders alone):
+    :func:`utils.resumable_run` of ``output_root`` and ``exp_name``, the newest run folder of
+    this experiment with a LATEST checkpoint and config.yaml and no FINISHED, continued as with
+    ``resume=<that folder>``; when there is none, a fresh run of ``config`` (``resume=null``).
+    One line says which (:func:`says_once`).
 
     Raises:
         utils.ConfigError: if the resume folder has no LATEST checkpoint or config.yaml.
     """
+    global AUTO_RESUMED
+    if config.resume == "auto":
+        AUTO_RESUMED = True
+        root, exp_name = config.output_root, config.exp_name
+        found = utils.resumable_run(root, exp_name)
+        if says_once():
+            if found is None:
+                print(f"resume=auto: no unfinished run of exp_name={exp_name} in {root}; starting a fresh run.")
+            else:
+                print(f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name}.")
+        config.resume = found
     resume_dir = config.resume
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
@@ -156,16 +184,22 @@ def main(
             remote reference and scorer, checkpoint reports).
 
     Returns:
-        (run folder, None) when training finished, or (run folder, signal number) when
-        SIGINT/SIGTERM stopped it after saving a checkpoint.
+        (run folder, None) when training finished (rank 0 has written ``<run folder>/FINISHED``),
+        or (run folder, signal number) when SIGINT/SIGTERM/SIGUSR1 stopped it after saving a
+        checkpoint.
+
+    Under FSDP/TP every rank first checks, once the process group is up, that all ranks were
+    given the same config and code (``utils.check_same_run``) and see the same ``output_root``
+    (``utils.check_shared_output_root``).
 
     The run folder is held (``utils.lock_run_dir``) from before any model loads until this
     returns, when this process made it or resumes it (under FSDP/TP rank 0 holds it, or takes
     over the lock of the launcher that started it); a folder a launcher made (Ray) is held there.
 
     Raises:
-        utils.ConfigError, DataError: a bad config value or data file, or ``resume=`` of a run
-            folder a live run holds (before any model loads).
+        utils.ConfigError, DataError: a bad config value or data file, ``resume=`` of a run
+            folder a live run holds, or ranks that differ in config, code or ``output_root``
+            (before any model loads).
     """
     with contextlib.ExitStack() as held:
         return _main(config, run_dir, checkpoint_dir, attach, held)
@@ -187,6 +221,8 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     rank = 0
     if distributed:
         rank = utils.init_distributed()
+        utils.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
+        utils.check_shared_output_root(config.output_root, rank)
         if rank != 0:
             import transformers
 
@@ -342,7 +378,7 @@ def launch(config: DictConfig) -> int | None:
 
     Each process runs this script with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
     ...) and loads what it needs: no model is passed between processes. Each runs in its own
-    session, so a Ctrl-C or SIGTERM reaches them once, forwarded from here; they save a
+    session, so a Ctrl-C, SIGTERM or SIGUSR1 reaches them once, forwarded from here; they save a
     checkpoint and stop, and this process waits for them. If one fails, the others are stopped;
     if this process dies (even by SIGKILL), they are killed (:func:`die_with_launcher`).
 
@@ -392,14 +428,15 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in trainers.STOP_SIGNALS}
+    stopped = {128 + s for s in trainers.STOP_SIGNALS}  # the exit codes of a rank that saved and stopped
     try:
         codes: dict[int, int] = {}
         while len(codes) < n:
             for rank, p in enumerate(procs):
                 if rank not in codes and p.poll() is not None:
                     codes[rank] = p.returncode
-                    if p.returncode not in (0, 128 + signal.SIGINT, 128 + signal.SIGTERM):
+                    if p.returncode != 0 and p.returncode not in stopped:
                         for other in procs:  # the others would wait for it forever
                             if other.poll() is None:
                                 other.kill()
@@ -408,7 +445,7 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     failed = [c for c in codes.values() if c != 0]
-    return max(failed, key=lambda c: c not in (-9, 128 + signal.SIGINT, 128 + signal.SIGTERM)) if failed else 0
+    return max(failed, key=lambda c: c != -9 and c not in stopped) if failed else 0
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
@@ -574,17 +611,16 @@ def say_once_per_node(error: Exception, rank: int) -> None:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        torchrun = "TORCHELASTIC_RUN_ID" in os.environ
-        if config.resume is not None and rank == 0 and ("RANK" not in os.environ or torchrun):
+        config = effective_config(config)  # resume=auto resolved (a fresh run keeps the overrides)
+        if config.resume is not None and says_once():
             from hydra.core.hydra_config import HydraConfig
 
             ignored = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
             if ignored:
                 print(f"Note: resume= continues with the run's saved config; ignoring {ignored}.")
-        config = effective_config(config)
         if config.get("launcher") == "ray":
             import ray_launcher
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send
@@ -605,7 +641,7 @@ def hydra_main(config: DictConfig) -> None:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
         sys.exit(130)
     if stop_signal is not None:
-        sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+        sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1, as a shell reports them
 
 
 if __name__ == "__main__":

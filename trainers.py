@@ -30,6 +30,11 @@ from packing import packed_sequence_logps
 from preference_datasets import as_pair_batch, get_batch_iterator, left_pad, mismatched_pairs, stop_token_ids
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
+"""The signals that make :meth:`BasicTrainer.train` save a checkpoint and stop (SIGUSR1: what
+SLURM's ``--signal=USR1@<seconds>`` sends before a time limit; absent on Windows); train.py
+then exits with 128 + the signal (130, 143, 138)."""
+
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
     """Learning-rate multiplier for optimizer step ``step`` (0-based).
@@ -661,7 +666,11 @@ class BasicTrainer(OnlineSampling):
 
     def train(self) -> int | None:
         """Run training to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples,
-        checkpointing after each eval and at the end. SIGINT/SIGTERM save a checkpoint and stop.
+        checkpointing after each eval and at the end. SIGINT, SIGTERM or SIGUSR1
+        (:data:`STOP_SIGNALS`; SLURM's warning before a time limit) save a checkpoint and stop.
+        When training ends normally, rank 0 then writes ``<run_dir>/FINISHED``
+        (``utils.mark_finished``; what ``resume=auto`` skips), also for a run already complete
+        that has none; never after a signal or an error.
 
         Returns:
             None when training finished, else the number of the signal that stopped it.
@@ -670,6 +679,8 @@ class BasicTrainer(OnlineSampling):
         if self.example_counter >= self.total_examples:
             if self.is_main:
                 print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
+                if not os.path.exists(os.path.join(self.run_dir, utils.FINISHED)):  # finished before FINISHED existed
+                    utils.mark_finished(self.run_dir, self.example_counter)
             self.logger.finish()
             return None
         iterator = get_batch_iterator(
@@ -686,7 +697,7 @@ class BasicTrainer(OnlineSampling):
             length_grouped=config.length_grouped,
         )
         main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
-        previous = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
+        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
         bar = tqdm.tqdm(
             total=self.total_examples,
             initial=self.example_counter,
@@ -753,6 +764,8 @@ class BasicTrainer(OnlineSampling):
                 if written:
                     print(f"Training curves: {os.path.dirname(written[0])}/")
             self.wait_for_all()
+            if self.is_main:  # every rank's part of the last checkpoint is written
+                utils.mark_finished(self.run_dir, self.example_counter)
             return None
         finally:
             for s, handler in previous.items():
@@ -792,8 +805,15 @@ class BasicTrainer(OnlineSampling):
         pending.clear()
 
     def _request_stop(self, signum, frame):
-        if self.stop_requested:  # a second Ctrl-C stops at once
-            raise KeyboardInterrupt
+        """The handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint (the step's
+        end tells every rank, ``any_rank``). A second Ctrl-C (SIGINT) stops at once
+        (KeyboardInterrupt); a repeated SIGTERM or SIGUSR1 is ignored, since schedulers deliver
+        them more than once (SLURM's scancel signals every process of a step, torchrun included,
+        which forwards it to the ranks again) and the checkpoint under way must not be lost."""
+        if self.stop_requested:
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            return
         print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
         self.stop_requested = True
         self.stop_signal = signum

@@ -538,6 +538,54 @@ def make_run_dir(root: str, exp_name: str) -> str:
     return path
 
 
+RUN_DIR_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d{6}"
+"""The timestamp :func:`make_run_dir` puts after ``<exp_name>_`` (sorts as it was made)."""
+
+FINISHED = "FINISHED"
+"""The file rank 0 writes into a run folder when training ends normally (its content: the number
+of examples trained on); absent while a run is unfinished (stopped by a signal or an error)."""
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one: a
+    temporary file beside it, flushed to disk, then ``os.replace``."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def mark_finished(run_dir: str, examples: int) -> None:
+    """Write ``<run_dir>/FINISHED`` (:data:`FINISHED`), holding ``examples``, atomically."""
+    write_atomic(os.path.join(run_dir, FINISHED), f"{examples}\n")
+
+
+def resumable_run(root: str, exp_name: str) -> str | None:
+    """What ``resume=auto`` continues: the newest run folder ``<root>/<exp_name>_<timestamp>``
+    (newest by the timestamp in its name, so every node that sees the same folders picks the
+    same one) that has a ``LATEST`` checkpoint and a ``config.yaml`` and no :data:`FINISHED`;
+    None when there is none (or ``root`` does not exist). Folders of other experiments
+    (another ``exp_name``, including ones that start with this one) are never picked."""
+    import re
+
+    if not os.path.isdir(root):
+        return None
+    pattern = re.compile(re.escape(exp_name) + "_(" + RUN_DIR_STAMP + ")")
+    found = []
+    for name in os.listdir(root):
+        match = pattern.fullmatch(name)
+        path = os.path.join(root, name)
+        if match is None or not os.path.isdir(path):
+            continue
+        if all(os.path.exists(os.path.join(path, f)) for f in ("LATEST", "config.yaml")) and not os.path.exists(
+            os.path.join(path, FINISHED)
+        ):
+            found.append((match.group(1), path))
+    return max(found)[1] if found else None
+
+
 RUN_LOCK = ".lock"
 """The lock file in every run folder (see :func:`lock_run_dir`)."""
 
@@ -1006,3 +1054,195 @@ def broadcast_object(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- several nodes: the same run everywhere
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def flat_config(config: DictConfig) -> dict:
+    """``config`` resolved, as ``{dotted key: value}`` (``"loss.beta": 0.1``); lists and empty
+    mappings are values, in the config's order."""
+    flat: dict = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(OmegaConf.to_container(config, resolve=True), "")
+    return flat
+
+
+def code_files(repo: str = REPO_DIR) -> dict[str, str]:
+    """The code version of the checkout ``repo``: ``{path: sha256 of its contents}`` of its
+    top-level ``.py`` files and ``config/**/*.yaml``, paths relative to ``repo`` with ``/``."""
+    import glob
+    import hashlib
+
+    paths = glob.glob(os.path.join(repo, "*.py")) + glob.glob(os.path.join(repo, "config", "**", "*.yaml"), recursive=True)
+    files = {}
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            files[os.path.relpath(path, repo).replace(os.sep, "/")] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+def digest(obj) -> str:
+    """A sha256 of ``obj`` (JSON-able, or ``str()`` of what is not), the same on every machine."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+CONFIG_CHECK_SKIPS = ("output_root",)
+"""Keys left out of the config check across ranks: output_root is checked by what it must do
+(:func:`check_shared_output_root`), since two nodes may mount one file system at two paths."""
+
+
+def run_identity(config: DictConfig, host: str | None = None, repo: str = REPO_DIR) -> dict:
+    """What every rank must agree on, with the host for messages: ``{"host", "config" (flat,
+    without :data:`CONFIG_CHECK_SKIPS`), "config_hash", "code" (:func:`code_files`), "code_hash"}``."""
+    flat = {k: v for k, v in flat_config(config).items() if k not in CONFIG_CHECK_SKIPS}
+    code = code_files(repo)
+    return {
+        "host": host or socket.gethostname(),
+        "config": flat,
+        "config_hash": digest(flat),
+        "code": code,
+        "code_hash": digest(code),
+    }
+
+
+_UNSET = object()
+
+
+def override_text(value) -> str:
+    """``value`` as it would be written on the command line (``null``, ``true``, ``[hh,shp]``)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(override_text(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{override_text(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
+    """One sentence naming how the first rank that differs from rank 0 differs (the code first,
+    then the first differing config key in rank 0's key order), or None when all agree.
+
+    Args:
+        identities: :func:`run_identity` of every rank, in rank order.
+        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the
+            ranks found, not what they were given).
+    """
+    base = identities[0]
+    h0 = base["host"]
+    for rank, other in enumerate(identities[1:], start=1):
+        who = f"Rank {rank} (host {other['host']})"
+        if other["code_hash"] != base["code_hash"]:
+            names = list(base["code"]) + [p for p in other["code"] if p not in base["code"]]
+            path = next((p for p in names if base["code"].get(p) != other["code"].get(p)), "a file")
+            return f"{who} runs other code than rank 0 (host {h0}): {path} differs; give every node the same checkout."
+        if other["config_hash"] == base["config_hash"]:
+            continue
+        mine, theirs = base["config"], other["config"]
+        keys = list(mine) + [k for k in theirs if k not in mine]
+        key = next((k for k in keys if mine.get(k, _UNSET) != theirs.get(k, _UNSET)), None)
+        if key is None:
+            return f"{who} was started with another config than rank 0 (host {h0}); start every node with the same command."
+        if key == "resume" and auto_resume:
+            return (
+                f"resume=auto found resume={override_text(theirs.get(key))} on rank {rank} (host {other['host']}) but "
+                f"resume={override_text(mine.get(key))} on rank 0 (host {h0}); every node must see the same output_root."
+            )
+        said = [f"with {key}={override_text(values[key])}" if key in values else f"without {key}" for values in (theirs, mine)]
+        return f"{who} was started {said[0]}, rank 0 (host {h0}) {said[1]}; start every node with the same command."
+    return None
+
+
+def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
+    """Collective (every rank calls it once the process group is up, before any model loads):
+    all-gather every rank's :func:`run_identity` and compare them with rank 0's.
+
+    Raises:
+        ConfigError: on every rank, the same sentence (:func:`identity_mismatch`), when a rank
+            was given another config (``output_root`` aside) or runs other code.
+    """
+    problem = identity_mismatch(all_gather_object(run_identity(config)), auto_resume)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+SHARED_MARKER = ".shared-"
+"""The prefix of the file :func:`check_shared_output_root` writes into ``output_root`` (then removes)."""
+
+
+def _sees(path: str, wait_s: float) -> bool:
+    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (a network file system
+    may show a new file late; listing the folder makes NFS look again)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if os.path.exists(path) or os.path.basename(path) in os.listdir(os.path.dirname(path) or "."):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
+    """Collective (every rank calls it): check that every rank sees ``output_root`` as rank 0
+    does. Rank 0 makes the folder and writes ``.shared-<random>`` there, every rank looks for
+    that file (for up to ``wait_s`` seconds), and rank 0 removes it.
+
+    Raises:
+        ConfigError: on every rank, one sentence, when rank 0 cannot write there or a rank does
+            not see the file.
+    """
+    import uuid
+
+    host = socket.gethostname()
+    name = failure = None
+    if rank == 0:
+        name = f"{SHARED_MARKER}{uuid.uuid4().hex}"
+        try:
+            os.makedirs(output_root, exist_ok=True)
+            write_atomic(os.path.join(output_root, name), f"written by rank 0 on {host}\n")
+        except OSError as e:
+            failure = f"output_root={output_root} cannot be written on rank 0 (host {host}): {failure_reason(e)}; give a folder it can write."
+    name, failure = broadcast_object((name, failure))
+    if failure is not None:
+        raise ConfigError(failure)
+    try:
+        seen = all_gather_object((_sees(os.path.join(output_root, name), wait_s), host, output_root))
+    finally:
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(output_root, name))
+    blind = next((r for r, (ok, _, _) in enumerate(seen) if not ok), None)
+    if blind is not None:
+        _, where, theirs = seen[blind]
+        root = seen[0][2]
+        there = f", looking in output_root={theirs}" if theirs != root else ""
+        raise ConfigError(
+            f"output_root={root} is not shared: rank {blind} (host {where}{there}) does not see the file "
+            f"rank 0 (host {seen[0][1]}) wrote there; put output_root on a file system every node mounts at the same path."
+        )
