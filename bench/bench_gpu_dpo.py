@@ -21,12 +21,18 @@ data are made here.
   * Timing: the median step after --warmup steps, the GPU synchronised at each mark; each
     (mode, side) in its own process, alternating ours, TRL; live and precomputed reference.
 
-Reported per side: pairs/s, tokens/s (non-padding tokens of chosen + rejected, the prompt
-counted in both, the same count for both sides), MFU = 6 N tokens/s / peak, with N the
-parameters that do matrix products (all but the input embedding: 6N is the policy's forward
-and backward per token; the reference's forward and attention are not counted, the same on
-both sides), peak CUDA memory (``torch.cuda.max_memory_allocated``) and peak RSS. The peak is
-the GPU's dense bf16 FLOP/s from PEAK_BF16_TFLOPS by device name, or --peak-tflops.
+Reported per side: pairs/s; tokens/s of the shared work (non-padding tokens of chosen +
+rejected, the prompt counted in both: the same count for both sides); hardware MFU, the FLOPs
+of what that side forwarded itself (bench/flops.py, formula in bench/README.md: ours, each
+pair's packed row with the prompt once, each forward call padded to its longest row, the
+output layer at the labelled positions; TRL, chosen and rejected each with the prompt, padded
+to the batch's longest, its fused LM head at the completion positions on a GPU, at every
+position elsewhere; padding included as computed; policy forward + backward 3x, plus the live
+reference's forward) per second over the peak, and useful MFU, the FLOPs of the same work for
+both (prompt once, no padding); peak CUDA memory (``torch.cuda.max_memory_allocated``) and
+peak RSS. The peak is the GPU's dense bf16 FLOP/s from flops.PEAK_BF16_TFLOPS by device name
+(printed with the row used), or --peak-tflops; a bf16 8192^3 GEMM timed in the same run gives
+the measured peak, and hardware MFU is also given against it.
 
     python bench/bench_gpu_dpo.py                      # pythia-410m, cuda, bf16, batch 16, 512 tokens
     python bench/bench_gpu_dpo.py --size tiny --device cpu --dtype float32 --steps 2 --warmup 1 --batch-size 2
@@ -35,6 +41,7 @@ the GPU's dense bf16 FLOP/s from PEAK_BF16_TFLOPS by device name, or --peak-tflo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -45,6 +52,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dpo  # noqa: E402
+import flops  # noqa: E402
 
 REPO = bench_dpo.REPO
 SIZES = {  # GPT-NeoX configs: EleutherAI's Pythia-410M, and a tiny one for CPU checks
@@ -52,35 +60,7 @@ SIZES = {  # GPT-NeoX configs: EleutherAI's Pythia-410M, and a tiny one for CPU 
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256},
 }
 VOCAB = 50304
-PEAK_BF16_TFLOPS = [  # dense (no sparsity) bf16 tensor-core peaks from NVIDIA's data sheets; first match wins
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("GH200", 989.0),
-    ("H200", 989.0),
-    ("H100", 989.0),
-    ("H800", 989.0),
-    ("B200", 2250.0),
-    ("A100", 312.0),
-    ("A800", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-]
 SIDES = ("ours", "trl")
-
-
-def peak_tflops(device_name: str, override: float | None) -> float | None:
-    """The dense bf16 peak (TFLOP/s) of the device named ``device_name`` (None if unknown)."""
-    if override:
-        return override
-    for key, value in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return value
-    return None
 
 
 def synthetic_texts(n_pairs: int, max_length: int, seed: int) -> list[dict]:
@@ -107,6 +87,7 @@ def worker_prepare(spec: dict) -> dict:
     import torch
     from transformers import ByT5Tokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
+    import packing
     import preference_datasets as pdata
 
     tokenizer = ByT5Tokenizer()
@@ -129,7 +110,7 @@ def worker_prepare(spec: dict) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = n_params - model.get_input_embeddings().weight.numel()
     max_len = spec["max_length"]
-    pairs = []
+    pairs, elements = [], []
     for ex in synthetic_texts(spec["n_pairs"], max_len, spec["seed"]):
         el = pdata.tokenize_element(
             ex["prompt"], ex["chosen"], ex["rejected"], "keep_end", tokenizer, max_len, spec["max_prompt_length"]
@@ -137,6 +118,7 @@ def worker_prepare(spec: dict) -> dict:
         p = len(el["prompt_input_ids"])
         assert len(el["chosen_input_ids"]) <= max_len and len(el["rejected_input_ids"]) <= max_len
         assert p == len(ex["prompt"]) + (tokenizer.bos_token_id is not None), "a prompt was truncated"
+        elements.append(el)
         pairs.append(
             {
                 **ex,
@@ -153,16 +135,58 @@ def worker_prepare(spec: dict) -> dict:
         sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in pairs[k : k + bs])
         for k in range(0, len(pairs), bs)
     ]
-    return {"model_dir": str(model_dir), "n_params": n_params, "n_matmul_params": n_matmul, "tokens_per_batch": tokens}
+    return {
+        "model_dir": str(model_dir),
+        "n_params": n_params,
+        "n_matmul_params": n_matmul,
+        "tokens_per_batch": tokens,
+        "shape": dataclasses.asdict(flops.ModelShape.from_config(model.config)),
+        **forwarded_per_batch(elements, pairs, bs, packing.packed_forward_support(model), spec["cuda"], tokenizer.pad_token_id),
+    }
+
+
+def forwarded_per_batch(elements: list[dict], pairs: list[dict], bs: int, support, cuda: bool, pad: int) -> dict:
+    """What each side's forward of each batch (``bs`` pairs in order) computes, as dicts of
+    ``flops.Forwarded``: {"forwarded_ours", "forwarded_trl", "forwarded_useful"}, a list each.
+
+    Ours: ``packing.packed_sequence_logps``'s rows and forward calls (BasicTrainer: as many as pay
+    off), each call's padding counted. TRL 1.16's ``DataCollatorForPreference``: 2 x bs rows,
+    prompt + chosen and prompt + rejected, right-padded to the longest (``max_length`` cuts
+    nothing here); its fused LM head scores only the completion positions where Triton runs
+    (``trl.kernels.chunked_logprob._use_triton``: CUDA with Triton), else every position but the
+    last. Useful: :func:`flops.pair_forwarded` (prompt once, no padding), the same for both.
+    """
+    from transformers.utils import is_triton_available
+
+    import packing
+    import preference_datasets as pdata
+
+    keep_bool, share = support
+    out: dict = {"forwarded_ours": [], "forwarded_trl": [], "forwarded_useful": []}
+    for k in range(0, len(pairs), bs):
+        rows = packing.pack_preference_rows(pdata.collate(elements[k : k + bs], pad), share)
+        ours = flops.rows_forwarded(rows, packing.plan_chunks([len(r.ids) for r in rows]), keep_bool)
+        batch = pairs[k : k + bs]
+        width = max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in batch)
+        completions = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in batch)
+        compact = cuda and is_triton_available()
+        trl = flops.padded_forwarded(2 * len(batch), width, completions if compact else 2 * len(batch) * (width - 1))
+        useful = sum(
+            (flops.pair_forwarded(len(r["prompt_ids"]), len(r["chosen_ids"]), len(r["rejected_ids"])) for r in batch),
+            flops.Forwarded(),
+        )
+        for key, fw in (("ours", ours), ("trl", trl), ("useful", useful)):
+            out[f"forwarded_{key}"].append(dataclasses.asdict(fw))
+    return out
 
 
 def worker_device(spec: dict) -> dict:
-    """The device's name and the torch / CUDA versions, from a process of its own."""
+    """The device's name, the torch / CUDA versions and the measured bf16 GEMM rate
+    (``flops.device_report``), from a process of its own."""
     import torch
 
-    if spec["cuda"]:
-        return {"name": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
-    return {"name": "cpu", "torch": torch.__version__, "cuda": None}
+    report = flops.device_report("cuda" if spec["cuda"] else "cpu")
+    return {**report, "torch": torch.__version__, "cuda": torch.version.cuda if spec["cuda"] else None}
 
 
 def spawn(role: str, spec: dict, tmp: Path) -> dict:
@@ -224,15 +248,24 @@ def main() -> None:
             "timeout": args.timeout,
         }
         device = spawn("device", base, tmp)
-        peak = peak_tflops(device["name"], args.peak_tflops)
+        peak, why = flops.peak_bf16_tflops(device["name"], args.peak_tflops)
         prep = spawn("prepare", base, tmp)
         tokens = prep["tokens_per_batch"][args.warmup : args.warmup + args.steps]
         tok_per_step = sum(tokens) / len(tokens)
+        shape = flops.ModelShape(**prep["shape"])
+        measured = slice(args.warmup, args.warmup + args.steps)
+
+        def step_flops(side: str, mode: str) -> float:
+            """Mean FLOPs of a measured step of ``side`` (ours, trl, useful): policy forward and
+            backward, plus the reference's forward when it is live."""
+            fws = [flops.Forwarded(**f) for f in prep[f"forwarded_{side}"][measured]]
+            return sum(flops.training_flops(shape, fw, fw if mode == "live" else None) for fw in fws) / len(fws)
+
         print(
             f"{device['name']} (torch {device['torch']}, CUDA {device['cuda']}); {args.size}: {prep['n_params'] / 1e6:.1f}M "
             f"parameters ({prep['n_matmul_params'] / 1e6:.1f}M in matrix products), {args.dtype}; {n_pairs} synthetic pairs, "
-            f"batch {args.batch_size}, {tok_per_step:.0f} non-padding tokens per measured batch; "
-            f"peak {peak if peak else 'unknown'} TFLOP/s",
+            f"batch {args.batch_size}, {tok_per_step:.0f} non-padding tokens per measured batch\n"
+            + flops.peak_lines(device, peak, why),
             flush=True,
         )
         results: dict = {}
@@ -250,9 +283,14 @@ def main() -> None:
     rows = []
     header = (
         f"{'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>8} | "
-        f"{'MFU ours':>8} {'TRL':>6} | {'CUDA MiB ours':>13} {'TRL':>6} | {'max |dloss|':>11}"
+        f"{'hw MFU ours':>11} {'TRL':>6} | {'of GEMM ours':>12} {'TRL':>6} | {'useful MFU ours':>15} {'TRL':>6} | "
+        f"{'CUDA MiB ours':>13} {'TRL':>6} | {'max |dloss|':>11}"
     )
     print(f"\nDPO step, ours vs TRL DPOTrainer, {args.dtype}, {args.size}, median of {args.steps} steps, {args.rounds} round(s)")
+    print(
+        f"MFU of the table peak ({why}); of GEMM: of the measured {device['gemm_note']}, {device['gemm_tflops']:.4g} TFLOP/s; "
+        "hw: each side's own forwarded positions, padding included; useful: prompt once, no padding, the same work for both"
+    )
     print(header)
     print("-" * len(header))
     for mode in modes:
@@ -261,10 +299,15 @@ def main() -> None:
             rs = results[(mode, side)]
             step_s = sum(r["step_s"] for r in rs) / len(rs)
             tps = tok_per_step / step_s
+            hw, useful = step_flops(side, mode) / step_s, step_flops("useful", mode) / step_s
             row[side] = {
                 "pairs_per_s": args.batch_size / step_s,
                 "tokens_per_s": tps,
-                "mfu": 6 * prep["n_matmul_params"] * tps / (peak * 1e12) if peak else None,
+                "hw_tflop_per_s": hw / 1e12,
+                "useful_tflop_per_s": useful / 1e12,
+                "mfu": hw / (peak * 1e12) if peak else None,
+                "mfu_of_gemm": hw / (device["gemm_tflops"] * 1e12),
+                "useful_mfu": useful / (peak * 1e12) if peak else None,
                 "cuda_peak_mib": max(r.get("cuda_peak_mib", float("nan")) for r in rs),
                 "rss_peak_mib": max(r["rss_peak"] for r in rs),
                 "losses": rs[0]["losses"],
@@ -275,13 +318,14 @@ def main() -> None:
         row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
         rows.append(row)
 
-        def mfu(x):
-            return f"{x['mfu']:.1%}" if x["mfu"] is not None else "n/a"
+        def pct(x):
+            return f"{x:.1%}" if x is not None else "n/a"
 
         print(
             f"{mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['ratio']:6.2f} | {o['tokens_per_s']:13.0f} "
-            f"{t['tokens_per_s']:8.0f} | {mfu(o):>8} {mfu(t):>6} | {o['cuda_peak_mib']:13.0f} {t['cuda_peak_mib']:6.0f} | "
-            f"{row['max_loss_diff']:11.1e}"
+            f"{t['tokens_per_s']:8.0f} | {pct(o['mfu']):>11} {pct(t['mfu']):>6} | {pct(o['mfu_of_gemm']):>12} "
+            f"{pct(t['mfu_of_gemm']):>6} | {pct(o['useful_mfu']):>15} {pct(t['useful_mfu']):>6} | "
+            f"{o['cuda_peak_mib']:13.0f} {t['cuda_peak_mib']:6.0f} | {row['max_loss_diff']:11.1e}"
         )
     print(
         "step-0 losses (ln 2 = 0.693147): "
@@ -289,7 +333,9 @@ def main() -> None:
     )
     print(f"total wall time {time.time() - started:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "device": device, "prepare": prep, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "device": device, "peak": [peak, why], "prepare": prep, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":
