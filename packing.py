@@ -185,6 +185,15 @@ def packed_forward_support(model) -> tuple[bool, bool]:
     return keep_bool, share
 
 
+def keep_mask_device(model, device) -> torch.device:
+    """Where the boolean ``logits_to_keep`` mask goes: the model indexes its last hidden states
+    with it, which for a model split over several GPUs by ``model.device_map`` (accelerate's
+    ``hf_device_map``) end on the last one, not on ``device`` (where the inputs go). A CPU index
+    may index a tensor on any device, so a split model gets it on the CPU; others on ``device``."""
+    placed = getattr(model, "hf_device_map", None) or {}
+    return torch.device("cpu") if len({str(d) for d in placed.values()}) > 1 else torch.device(device)
+
+
 def _row_matrix(values: list[list[int]], width: int, fill: int) -> torch.Tensor:
     return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=torch.long)
 
@@ -208,21 +217,23 @@ def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool) -
         kwargs["position_ids"] = _row_matrix(positions, width, 0).to(device)
     row_idx = torch.tensor([k for k, r in enumerate(rows) for _ in r.target_cols], dtype=torch.long)
     col_idx = torch.tensor([c for r in rows for c in r.target_cols], dtype=torch.long)
-    targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.long, device=device)
+    targets = torch.tensor([t for r in rows for t in r.target_ids], dtype=torch.long)
     seqs = torch.tensor([s for r in rows for s in r.target_seqs], dtype=torch.long, device=device)
     keep = torch.zeros(len(rows), width, dtype=torch.bool)
     keep[row_idx, col_idx] = True
     # the row of the kept logits (row-major over ``keep``) that predicts each target
-    where = (keep.flatten().cumsum(0) - 1)[row_idx * width + col_idx].to(device)
+    where = (keep.flatten().cumsum(0) - 1)[row_idx * width + col_idx]
     if keep_bool:
-        logits = model(**kwargs, logits_to_keep=keep.to(device)).logits
+        logits = model(**kwargs, logits_to_keep=keep.to(keep_mask_device(model, device))).logits
         if logits.dim() != 2 or logits.shape[0] != int(keep.sum()):
             raise RuntimeError(f"{type(model).__name__} ignored a boolean logits_to_keep (logits {tuple(logits.shape)}).")
     else:
         first = int(col_idx.min()) if len(col_idx) else width - 1
         logits = model(**kwargs, logits_to_keep=width - first).logits
-        logits = logits[keep[:, first:].to(device)]
-    return losses.gathered_token_logps(logits, where, targets), seqs
+        logits = logits[keep[:, first:].to(logits.device)]
+    # the indices go where the logits came out (a split model's last GPU), the log-probs to ``device``
+    token_logps = losses.gathered_token_logps(logits, where.to(logits.device), targets.to(logits.device))
+    return token_logps.to(device), seqs
 
 
 def packed_sequence_logps(

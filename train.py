@@ -28,17 +28,17 @@ from preference_datasets import DataError, load_examples
 from utils import load_reference  # noqa: F401  (train.load_reference: the reference as main() loads it)
 
 
-def precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed: bool, rank: int) -> dict:
-    """Reference log-probs of every train and eval example, from the disk cache or one pass of
-    the reference. Under FSDP/TP rank 0 (the only rank holding the reference's weights) computes
-    or reads them and sends them to the other ranks."""
+def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
+    """Where the reference log-probs of ``examples`` are cached (``trainers.reference_cache_path``),
+    and what that file holds when an earlier run wrote it (None: the trainer computes them,
+    ``BasicTrainer.precompute_reference``). Rank 0, the only rank holding the reference's whole
+    weights before they are sharded, hashes them and reads the file; under FSDP/TP the other
+    ranks receive both from it."""
+    found = None
     if rank == 0:
-        if torch.cuda.is_available():
-            reference.to(f"cuda:{torch.cuda.current_device()}")
-        cache = trainers.precompute_reference_logps(
-            reference, train_examples + eval_examples, tokenizer, config, config.cache_dir
-        )
-    return utils.broadcast_object(cache if rank == 0 else None) if distributed else cache
+        path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
+        found = (path, trainers.read_reference_cache(path))
+    return utils.broadcast_object(found) if distributed else found
 
 
 AUTO_RESUMED = False
@@ -220,7 +220,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
     rank = 0
     if distributed:
-        rank = utils.init_distributed()
+        rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
         utils.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
         utils.check_shared_output_root(config.output_root, rank)
         if rank != 0:
@@ -300,10 +300,17 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None
-    if reference is not None and config.precompute_ref_log_probs:
-        reference_cache = precomputed_reference(reference, train_examples, eval_examples, tokenizer, config, distributed, rank)
-        reference = None  # not kept in memory
+    precompute = reference is not None and config.precompute_ref_log_probs
+    if precompute:
+        cache_path, reference_cache = cached_reference(
+            reference, train_examples + eval_examples, tokenizer, config, distributed, rank
+        )
+        if reference_cache is not None:
+            reference = None  # an earlier run's log-probs: the reference is not needed
     trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
+        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
+        trainer.reference_model = reference = None
     trainer.reference_cache = reference_cache
     trainer.scorer = scorer
     if attach is not None:
@@ -390,13 +397,14 @@ def launch(config: DictConfig) -> int | None:
         The exit code to leave with, or None when this process should train itself.
 
     Raises:
-        utils.ConfigError: a bad config value, or ``resume=`` of a folder a live run holds
-            (before any process starts).
+        utils.ConfigError: a bad config value, more processes than this machine has GPUs, or
+            ``resume=`` of a folder a live run holds (before any process starts).
     """
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
     utils.validate_config(config, n)
+    utils.check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
     utils.check_parallel_model(config, n)
     lock = utils.lock_run_dir(config.resume) if config.resume is not None else utils.RunLock(None, "")
     with lock:

@@ -8,6 +8,7 @@ The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -106,7 +107,7 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     first = int(labelled.float().argmax()) if labelled.any() else length - 1
     keep = length - max(first - 1, 0)
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logits_to_keep=keep).logits
-    return logits, labels[:, length - logits.shape[1] :]
+    return logits, labels[:, length - logits.shape[1] :].to(logits.device)  # a split model's logits may end on another GPU
 
 
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
@@ -119,6 +120,23 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
         if hi > lo:
             chunks.append({k: v[lo:hi] for k, v in batch.items()})
     return chunks
+
+
+def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by kind: plain tensors together, and DTensors (tensor parallelism,
+    FSDP2) by their device mesh, in order of first appearance (the same on every rank). torch's
+    foreach kernels (its optimizers' default on CUDA, and ``clip_grad_norm_``'s) refuse a list
+    that mixes DTensors with plain tensors or DTensors of different meshes.
+
+    Returns:
+        Lists of the same tensors; one list when all are of one kind (or there are none).
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return list(groups.values()) or [[]]
 
 
 class BasicTrainer(OnlineSampling):
@@ -206,14 +224,18 @@ class BasicTrainer(OnlineSampling):
         return self.rank == 0
 
     def prepare_models(self) -> None:
-        """Move the policy and reference to this process's device (unless already split
-        over several GPUs by ``model.device_map``)."""
-        if getattr(self.policy, "hf_device_map", None) is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.policy.to(device)
-            if self.reference_model is not None:
-                self.reference_model.to(device)
+        """Move the policy and reference to this process's device; a model already placed by
+        ``model.device_map`` (``hf_device_map``: split over several GPUs by accelerate, whose
+        hooks move activations between them) is never moved. ``self.device``, where inputs go,
+        is the device of the policy's first parameter (its embeddings)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        for model in (self.policy, self.reference_model):
+            if model is not None and getattr(model, "hf_device_map", None) is None:
+                model.to(device)
         self.device = next(self.policy.parameters()).device
+
+    def reshard_reference(self) -> None:
+        """Called after each forward of the reference (FSDP reshards it; one process: nothing to do)."""
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This process's part of a global batch, and the weight of its loss (1, or 0 for a
@@ -258,13 +280,21 @@ class BasicTrainer(OnlineSampling):
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         """``config.optimizer`` over the policy's parameters (RMSprop is the reference default;
-        AdamW uses ``config.weight_decay``)."""
+        AdamW uses ``config.weight_decay``). ``optimizer_foreach`` (null: torch's default, the
+        foreach kernels on CUDA and a loop on CPU) forces either way.
+
+        Parameters of different kinds (plain tensors, DTensors of each device mesh; see
+        :func:`parameter_groups`) go into one param group each, all with the same settings:
+        torch's foreach kernels take one group's tensors at once and refuse such a mix."""
         params = [p for p in self.policy.parameters() if p.requires_grad]
         cls = getattr(torch.optim, self.config.optimizer)
         kwargs = {"lr": self.config.lr}
         if self.config.optimizer in ("AdamW", "Adam", "SGD"):
             kwargs["weight_decay"] = self.config.weight_decay
-        return cls(params, **kwargs)
+        if self.config.get("optimizer_foreach") is not None:
+            kwargs["foreach"] = bool(self.config.optimizer_foreach)
+        groups = parameter_groups(params)
+        return cls(params if len(groups) == 1 else [{"params": group} for group in groups], **kwargs)
 
     # ------------------------------------------------------------------ log-probs and loss
 
@@ -288,7 +318,7 @@ class BasicTrainer(OnlineSampling):
             return logps[:n], logps[n:], n_tokens
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
         logits, labels = response_logits(model, inputs)
-        logps, n_tokens = losses.get_batch_logps(logits, labels, self.average_log_prob)
+        logps, n_tokens = (t.to(self.device) for t in losses.get_batch_logps(logits, labels, self.average_log_prob))
         return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
@@ -317,7 +347,56 @@ class BasicTrainer(OnlineSampling):
         if self.reference_model is None:
             raise RuntimeError("This loss needs a reference model but the trainer has none.")
         chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
+        self.reshard_reference()
         return chosen, rejected
+
+    @torch.no_grad()
+    def precompute_reference(self, examples: list[dict], path: str) -> dict:
+        """The live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``
+        as :meth:`reference_logps` computes them, on every process; rank 0 then writes them to
+        ``path`` (:func:`reference_cache_path`) for later runs of the same inputs.
+
+        Each data-parallel rank computes a contiguous share of the examples (sizes differ by at
+        most one) through its shard of the reference, in batches of ``eval_batch_size``; every
+        rank makes the same number of forward calls (a stand-in batch, whose result is dropped,
+        when its share has fewer batches), as FSDP's collectives need; the shares are then
+        gathered. Rank 0 says how many pairs each rank computed. A cache file that cannot be
+        written costs only the reuse (one warning sentence): training goes on.
+        """
+        world, rank = self.data_world_size, self.data_rank
+        bounds = np.linspace(0, len(examples), world + 1).round().astype(int)
+        size = self.config.eval_batch_size
+        n_calls = max(math.ceil((hi - lo) / size) for lo, hi in zip(bounds[:-1], bounds[1:]))
+        mine = examples[bounds[rank] : bounds[rank + 1]]
+        config = self.config
+        batches = get_batch_iterator(
+            mine or examples[:1], self.tokenizer, size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
+        )
+        computed, n_done, last = {}, 0, None
+        for _ in tqdm.tqdm(range(n_calls), desc="reference log-probs", disable=not (config.progress_bar and self.is_main)):
+            batch = next(batches, None)
+            real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
+            batch = batch if batch is not None else last
+            chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
+            if real:
+                computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
+                n_done += len(batch["key"])
+            last = batch
+        self.reshard_reference()
+        shares = self.gather_metrics({"cache": [computed], "n": [n_done]})
+        cache = {}
+        for part in shares["cache"]:
+            cache.update(part)
+        if self.is_main:
+            by_rank = "" if world == 1 else f" ({' + '.join(map(str, shares['n']))} computed by the {world} data-parallel ranks)"
+            failure = write_reference_cache(path, cache)
+            if failure is None:
+                print(f"Reference log-probs: {len(cache)} pairs cached in {path}{by_rank}")
+            else:
+                print(
+                    f"Warning: the reference log-probs could not be cached in {path} ({failure}); training goes on with them in memory{by_rank}."
+                )
+        return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
         """Loss of one micro-batch, scaled so that summing over the micro-batches of a batch
@@ -548,6 +627,8 @@ class BasicTrainer(OnlineSampling):
                 **self.generate_kwargs(),
             )
             completions[name] = decode_completions(self.tokenizer, out[:, ids.shape[1] :].cpu(), self.stop_ids)
+            if name == "reference":
+                self.reshard_reference()
         rows = [
             {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
             for i, p in enumerate(prompts)
@@ -984,14 +1065,11 @@ def _postfix(means: dict) -> dict:
 # ============================================================================ precomputed reference
 
 
-@torch.no_grad()
-def precompute_reference_logps(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> dict:
-    """One pass of the reference over ``examples``; returns {example key: (chosen, rejected)}.
-
-    The result is cached in ``cache_dir`` under a name hashed from the reference weights, the
-    tokenizer, the examples' texts, the truncation settings and ``loss.average_log_prob``, so a
-    second run with the same inputs reads it instead of computing it.
-    """
+def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:
+    """The file in ``cache_dir`` for the reference log-probs of ``examples``: named by a hash of
+    the reference's whole weights (call it where they are whole: one process, or rank 0 before
+    sharding), the tokenizer, the examples' texts, the truncation settings and
+    ``loss.average_log_prob``, so a run with the same inputs finds what an earlier one wrote."""
     from preference_datasets import example_key
 
     digest = hashlib.sha256()
@@ -1004,11 +1082,42 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
     digest.update(json.dumps(settings).encode())
     for ex in examples:
         digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
-    path = os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
-    if os.path.exists(path):
-        print(f"Reference log-probs: reusing {path}")
-        return torch.load(path, weights_only=False)
+    return os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
 
+
+def read_reference_cache(path: str) -> dict | None:
+    """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such file."""
+    if not os.path.exists(path):
+        return None
+    print(f"Reference log-probs: reusing {path}")
+    return torch.load(path, weights_only=False)
+
+
+def write_reference_cache(path: str, cache: dict) -> str | None:
+    """Write ``cache`` to ``path`` atomically; returns None, or why it could not be written."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(cache, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return utils.failure_reason(e)
+    return None
+
+
+@torch.no_grad()
+def precompute_reference_logps(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> dict:
+    """One pass of the reference (whole, in this process) over ``examples``; returns
+    {example key: (chosen, rejected)}, cached in :func:`reference_cache_path`, so a second run
+    with the same inputs reads it instead of computing it. (train.py computes it in the trainer,
+    sharded: :meth:`BasicTrainer.precompute_reference`.)"""
+    path = reference_cache_path(reference, examples, tokenizer, config, cache_dir)
+    cached = read_reference_cache(path)
+    if cached is not None:
+        return cached
+    average = losses.get_objective(config.loss.name).averages(config.loss)
     device = next(reference.parameters()).device
     cache = {}
     batches = get_batch_iterator(
@@ -1024,10 +1133,9 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
         n = len(batch["key"])
         for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
             cache[key] = (c, r)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(cache, tmp)
-    os.replace(tmp, path)
+    failure = write_reference_cache(path, cache)
+    if failure is not None:
+        raise OSError(f"the reference log-probs could not be cached in {path} ({failure})")
     print(f"Reference log-probs: {len(cache)} pairs cached in {path}")
     return cache
 
@@ -1095,6 +1203,18 @@ class _DistributedTrainer(BasicTrainer):
     def tensor_parallel_size(self, config) -> int:
         """Over how many processes each weight matrix is split (the mesh's ``tp`` dimension)."""
         return 1
+
+    def reshard_reference(self) -> None:
+        """Free the reference's gathered weights after a forward: FSDP2 keeps a root module's
+        (embeddings, final norm, output layer; the largest for a large vocabulary) gathered on
+        every rank after its forward, for a backward that a no-grad reference never runs."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.reference_model is None:
+            return
+        for module in self.reference_model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     @property
     def data_rank(self) -> int:
@@ -1253,11 +1373,12 @@ class _DistributedTrainer(BasicTrainer):
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip to ``max_grad_norm`` by the global L2 norm. With tensor parallelism, gradients on
-        different meshes (FSDP-only and FSDP x TP) and plain ones mix, which torch's foreach
-        norm refuses, so the norm is summed parameter by parameter."""
-        if self.tp_size == 1:
-            return super().clip_gradients()
+        different meshes (FSDP-only and FSDP x TP) and plain ones mix (TensorParallelTrainer's
+        replicated embeddings and norms beside its sharded blocks, with one process too), which
+        torch's foreach norm refuses, so the norm is summed parameter by parameter."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if self.tp_size == 1 and len(parameter_groups(grads)) == 1:
+            return super().clip_gradients()
         total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)

@@ -31,6 +31,9 @@ FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
 """Optimizers whose state and epsilon underflow in float16 weights: tried on a tiny Llama, each
 of these makes every weight NaN at the first step (any lr); SGD does not."""
 
+DEFAULT_DIST_TIMEOUT_MINUTES = 60
+"""``dist_timeout_minutes`` when a config has none (one saved before the key existed)."""
+
 
 # ----------------------------------------------------------------------------- config
 
@@ -109,6 +112,17 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"model.policy_dtype=float16 with optimizer={config.optimizer} turns the weights into NaN at the first step "
             f"(its epsilon 1e-8 is 0 in float16, and so is the square of a small gradient); use model.policy_dtype=bfloat16, "
             "or float32 weights with model.fsdp_policy_mp=float16 under trainer=FSDPTrainer for float16 compute."
+        )
+    foreach = config.get("optimizer_foreach")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ConfigError(
+            f"optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {foreach!r}."
+        )
+    timeout = config.get("dist_timeout_minutes", DEFAULT_DIST_TIMEOUT_MINUTES)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ConfigError(
+            f"dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
+            f"before the run aborts), got {timeout!r}; e.g. dist_timeout_minutes=60."
         )
     if config.lr_scheduler not in ("constant", "linear", "cosine"):
         raise ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
@@ -1035,15 +1049,57 @@ def formatted_dict(d: dict) -> dict:
 # ----------------------------------------------------------------------------- distributed
 
 
-def init_distributed() -> int:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU); returns the rank."""
+def check_gpu_count(n_local: int, what: str = "world_size") -> None:
+    """Before any process starts on a GPU machine: one process per GPU, so at most as many
+    processes on this machine as it has GPUs (else CUDA's "invalid device ordinal" later).
+    Nothing to check on a machine without CUDA (gloo processes on CPU).
+
+    Args:
+        n_local: the processes to start on this machine.
+        what: how the user chose that number, for the sentence (``world_size=4``).
+
+    Raises:
+        ConfigError: when ``n_local`` exceeds ``torch.cuda.device_count()``.
+    """
+    if not torch.cuda.is_available():
+        return
+    n_gpus = torch.cuda.device_count()
+    if n_local > n_gpus:
+        raise ConfigError(
+            f"{what} asks for {n_local} processes on this machine, one per GPU, but it has {n_gpus} GPU"
+            f"{'' if n_gpus == 1 else 's'}; start at most {n_gpus} (world_size={n_gpus}, or torchrun --nproc_per_node={n_gpus})."
+        )
+
+
+def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> int:
+    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU); returns the rank.
+
+    Args:
+        timeout_minutes: how long a collective waits for the other ranks before the run aborts
+            (``dist_timeout_minutes``). NCCL's own default, 10 minutes, is shorter than what one
+            rank may take alone while the others wait (rank 0 reading a large model's weights or
+            the data, writing a checkpoint's full export).
+
+    On CUDA the group is bound to this process's GPU (``device_id``: ``cuda:<LOCAL_RANK>``).
+
+    Raises:
+        ConfigError: when this machine has fewer GPUs than processes (``LOCAL_WORLD_SIZE``), the
+            same sentence on every rank, before any CUDA call (see :func:`check_gpu_count`).
+    """
+    import datetime
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        kwargs = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
         if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
+            check_gpu_count(local, f"LOCAL_WORLD_SIZE={local} (processes per node)")
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local_rank)
+            kwargs["device_id"] = torch.device("cuda", local_rank)
+        dist.init_process_group(backend, **kwargs)
     return dist.get_rank()
 
 

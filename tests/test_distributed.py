@@ -33,6 +33,7 @@ COMMON = [
     "minimum_log_interval_secs=0",
     "warmup_steps=2",
     "keep_checkpoints=0",
+    "optimizer_foreach=true",  # torch's default on CUDA: one foreach kernel per param group
 ]
 FAMILIES = {
     "llama": [],
