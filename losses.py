@@ -545,7 +545,9 @@ def validate_loss_config(loss_config) -> Objective:
     allowed = {"name", *keys}
     extra = sorted(k for k in loss_config if k not in allowed)
     if extra:
-        raise ObjectiveConfigError(f"loss={decl.name} has no key {extra[0]!r} (its keys: {sorted(allowed)}); remove it.")
+        owners = sorted(name for name, other in OBJECTIVES.items() if extra[0] in other.keys)
+        hint = f"; {extra[0]} is a key of loss={', loss='.join(owners)}" if owners else ""
+        raise ObjectiveConfigError(f"loss={decl.name} has no key {extra[0]!r} (its keys: {sorted(allowed)}){hint}; remove it.")
     for key, spec in keys.items():
         value = _get(loss_config, key, spec.default)
         if value is None and spec.default is not None:

@@ -215,6 +215,11 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
+    if config.model.get("fsdp_policy_mp") == "float16" and int(os.environ.get("RANK", 0)) == 0:
+        print(
+            "Note: model.fsdp_policy_mp=float16 computes in float16 without a gradient scaler, so small gradients "
+            "can underflow to 0; model.fsdp_policy_mp=bfloat16 has float32's range."
+        )
     utils.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")

@@ -698,6 +698,8 @@ class BasicTrainer(OnlineSampling):
         update = self.config.get("reference_update") or {}
         if update.get("mode") and (self.batch_counter + 1) % update.get("every", 1) == 0:
             self.update_reference(update["mode"], float(update.get("alpha", 1.0)))
+        if update.get("mode"):  # updates so far, from the optimizer step (a resumed run counts on)
+            collected["reference_updates"].append(float((self.batch_counter + 1) // update.get("every", 1)))
         return collected
 
     @torch.no_grad()

@@ -453,7 +453,8 @@ def test_every_config_composes_through_hydra_and_validates():
     [
         (
             {"name": "hinge", "label_smoothing": 0.1},
-            "loss=hinge has no key 'label_smoothing' (its keys: ['beta', 'name', 'nll_weight']); remove it.",
+            "loss=hinge has no key 'label_smoothing' (its keys: ['beta', 'name', 'nll_weight']); label_smoothing is a key of "
+            "loss=aot, loss=aot_unpaired, loss=cpo, loss=dpo, loss=exo_pair, loss=mix, loss=robust, loss=simpo; remove it.",
         ),
         (
             {"name": "nca_pair", "beta": 0},
@@ -488,7 +489,7 @@ def test_every_config_composes_through_hydra_and_validates():
         (
             {"name": "mix", "losses": ["dpo"], "weights": [1.0], "discopop_tau": 0.1},
             "loss=mix has no key 'discopop_tau' (its keys: "
-            "['beta', 'label_smoothing', 'losses', 'name', 'nll_weight', 'reference_free', 'weights']); remove it.",
+            "['beta', 'label_smoothing', 'losses', 'name', 'nll_weight', 'reference_free', 'weights']); discopop_tau is a key of loss=discopop; remove it.",
         ),
     ],
 )

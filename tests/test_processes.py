@@ -275,7 +275,10 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
         "try:\n"
         f"    train.main(compose_config(['resume={folder}']))\n"
         "except utils.ConfigError as e:\n"
-        f"    open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w').write(str(e))\n"
+        f"    with open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w') as f:\n"
+        "        f.write(str(e))\n"
+        "sys.stdout.flush(); sys.stderr.flush()\n"
+        "os._exit(0)  # no interpreter teardown, as train.exit_rank: gloo's threads can abort it (seen in CI)\n"
     )
     proc = holder(folder)
     try:

@@ -135,3 +135,11 @@ def test_reference_update_mistakes_are_one_sentence_before_any_model_loads(overr
     with pytest.raises(utils.ConfigError) as e:
         utils.validate_config(config)
     assert sentence in str(e.value)
+
+
+def test_the_train_records_count_the_reference_updates(soft_run):
+    from conftest import metric_records
+
+    counts = [r["reference_updates"] for r in metric_records(soft_run) if "reference_updates" in r]
+    assert counts and counts[-1] == 2.0  # 6 optimizer steps, an update after steps 3 and 6
+    assert counts == sorted(counts)
