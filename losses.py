@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 from collections.abc import Callable
@@ -413,7 +414,8 @@ class Objective:
                 argument that defaults to None is optional).
         """
         kwargs = {}
-        for name in self._parameters():
+        parameters = self._signature
+        for name in parameters:
             if name in overrides:
                 kwargs[name] = overrides[name]
             elif name in self.keys:
@@ -421,7 +423,7 @@ class Objective:
             else:
                 value = getattr(inputs, name, None)
                 if value is None:
-                    if inspect.signature(self.fn).parameters[name].default is None:
+                    if parameters[name].default is None:
                         continue  # an optional input (e.g. KTO's label): None means the function's default
                     raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
                 kwargs[name] = value
@@ -442,7 +444,12 @@ class Objective:
         return ObjectiveOutput(per_example, chosen_rewards, rejected_rewards, extra)
 
     def _parameters(self) -> list[str]:
-        return list(inspect.signature(self.fn).parameters)
+        return list(self._signature)
+
+    @functools.cached_property
+    def _signature(self):
+        """The function's parameters by name, read once (compute runs on every micro-batch)."""
+        return inspect.signature(self.fn).parameters
 
 
 @dataclasses.dataclass

@@ -25,6 +25,8 @@ if __name__ == "__main__":  # the worker: this repository and tests/ on the path
 import pytest
 import torch
 from conftest import REPO, compose_config
+from test_distributed import cli, weights
+from test_distributed import finished_run as finished
 
 import packing
 import train
@@ -53,37 +55,6 @@ def small(*overrides: str) -> list[str]:
     """SMALL with ``overrides`` in place of its settings of the same keys."""
     keys = {o.split("=")[0] for o in overrides}
     return [o for o in SMALL if o.split("=")[0] not in keys] + list(overrides)
-
-
-def cli(args: list[str], out: Path, timeout: int = 240) -> tuple[int, str]:
-    """``python train.py args output_root=out`` in its own process group (killed on timeout)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args, f"output_root={out}"],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"train.py {' '.join(args)} did not finish in {timeout} s (killed):\n{text[-3000:]}")
-    return proc.returncode, text
-
-
-def finished(args: list[str], out: Path) -> Path:
-    code, text = cli(args, out)
-    assert code == 0, text[-4000:]
-    return next(p for p in out.iterdir() if p.is_dir())
-
-
-def weights(run_dir: Path) -> dict:
-    return torch.load(run_dir / "LATEST" / "policy.pt", weights_only=False)["state"]
 
 
 def same_weights(a: Path, b: Path, atol: float) -> None:
