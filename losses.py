@@ -34,8 +34,8 @@ def get_batch_logps(
     Position t of ``logits`` predicts token t + 1 of ``labels``; positions whose
     label is ``IGNORE_INDEX`` (-100: the prompt and the padding) are excluded, so
     the result does not depend on how much padding there is or on which side.
-    Computed in float32 whatever the logits' dtype, as ``logit[label] -
-    logsumexp(logits)``, so no full-vocabulary log-softmax copy is made.
+    Computed in float32 for lower-precision logits (float64 stays float64), as
+    ``logit[label] - logsumexp(logits)``, so no full-vocabulary log-softmax copy is made.
 
     Args:
         logits: (B, T, V) unnormalised scores from a causal LM.
@@ -44,8 +44,9 @@ def get_batch_logps(
             (length-normalised, as IPO's authors use), else the sum.
 
     Returns:
-        (logps, n_tokens): logps of shape (B,) in nats (sum, or mean per token),
-        and n_tokens of shape (B,), the number of labelled tokens (float32).
+        (logps, n_tokens): logps of shape (B,) in nats (sum, or mean per token), float32
+        (float64 for float64 logits), and n_tokens of shape (B,), the number of labelled
+        tokens (float32).
 
     Raises:
         ValueError: if logits and labels disagree in batch size or length.
@@ -56,8 +57,9 @@ def get_batch_logps(
     logits = logits[:, :-1, :]
     mask = labels != IGNORE_INDEX
     safe_labels = torch.where(mask, labels, 0)
-    picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).float()
-    per_token = picked - torch.logsumexp(logits.float(), dim=-1)
+    dtype = _logp_dtype(logits)
+    picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).to(dtype)
+    per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)
     per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
     n_tokens = mask.sum(-1).float()
     total = per_token.sum(-1)
@@ -67,8 +69,14 @@ def get_batch_logps(
     return total, n_tokens
 
 
+def _logp_dtype(logits: torch.Tensor) -> torch.dtype:
+    """The dtype log-probs are computed in: float32, or float64 for float64 logits."""
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
 def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits[rows[k]])[targets[k]] for every k, in float32, as in :func:`get_batch_logps`.
+    """log softmax(logits[rows[k]])[targets[k]] for every k, in float32 (float64 for float64
+    logits), as in :func:`get_batch_logps`.
 
     For logits that were computed only where a token is predicted (the packed forward of
     ``packing.packed_sequence_logps``): one row of logits may predict several targets (a shared
@@ -82,7 +90,7 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
         targets: (N,) long token ids (no ``IGNORE_INDEX``: only real targets are passed).
 
     Returns:
-        (N,) float32 log-probabilities in nats.
+        (N,) float32 (float64 for float64 logits) log-probabilities in nats.
 
     Raises:
         ValueError: if ``logits`` is not 2-D or ``rows`` and ``targets`` differ in shape.
@@ -91,8 +99,9 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
         raise ValueError(
             f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
         )
-    picked = logits[rows, targets].float()
-    return picked - torch.logsumexp(logits.float(), dim=-1)[rows]
+    dtype = _logp_dtype(logits)
+    picked = logits[rows, targets].to(dtype)
+    return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]
 
 
 def sum_by_sequence(
@@ -101,16 +110,18 @@ def sum_by_sequence(
     """Per-sequence totals of per-token log-probs, the same reduction as :func:`get_batch_logps`.
 
     Args:
-        token_logps: (N,) float32 log-probs of the labelled tokens of all sequences.
+        token_logps: (N,) log-probs of the labelled tokens of all sequences.
         sequence: (N,) long, which sequence each token belongs to (values in [0, n_sequences)).
         n_sequences: S, the number of sequences (one with no token gets 0 and a count of 0).
         average_log_prob: if True the mean per labelled token (0 for none), else the sum.
 
     Returns:
-        (logps, n_tokens): each (S,) float32; logps in nats.
+        (logps, n_tokens): each (S,); logps in nats, float32 (float64 for float64 input);
+        n_tokens float32.
     """
+    total = torch.zeros(n_sequences, dtype=_logp_dtype(token_logps), device=token_logps.device)
+    total = total.index_add(0, sequence, token_logps.to(total.dtype))
     zeros = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device)
-    total = zeros.index_add(0, sequence, token_logps.float())
     n_tokens = zeros.index_add(0, sequence, torch.ones_like(token_logps, dtype=torch.float32))
     if average_log_prob:
         return total / n_tokens.clamp(min=1.0), n_tokens

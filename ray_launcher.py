@@ -328,8 +328,9 @@ class ReferenceActor:
         self.model.eval()
         self.model.requires_grad_(False)
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
+        self.output_layer_chunk = config.get("output_layer_chunk", trainers.DEFAULT_OUTPUT_LAYER_CHUNK)
 
-    max_forward_chunks = None  # what BasicTrainer.concatenated_forward reads besides the two above
+    max_forward_chunks = None  # what BasicTrainer.concatenated_forward reads besides the three above
 
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""

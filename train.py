@@ -111,16 +111,24 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     """The policy (a reward model for ``loss=reward``) and, for DPO/IPO with a local reference,
     the frozen reference, both with ``model.archive``'s weights when set (read once).
 
+    With ``model.lora.r`` set the policy is a ``peft.PeftModel``: LoRA adapters on the frozen
+    base (``model.name_or_path`` or ``model.config``, then ``model.archive``'s weights), and no
+    reference is loaded: the reference is that base, the policy with its adapters off
+    (``trainers.BasicTrainer.reference_logps``).
+
     Under FSDP/TP only rank 0 reads weights; the other ranks get the architecture on the meta
-    device and receive their shards when the trainer shards the models (``utils.rank0_model``).
+    device and receive their shards when the trainer shards the models (``utils.rank0_model``);
+    every rank adds the same adapters.
 
     Raises:
-        utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, or does not
-            fit a reward model's body (on every rank under FSDP/TP).
+        utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, holds only a
+            LoRA run's adapters, or does not fit a reward model's body, or when
+            ``model.lora.target_modules`` matches no module (on every rank under FSDP/TP).
     """
     objective = losses.get_objective(config.loss.name)
     reward_head = objective.score_head
-    needs_reference = objective.uses_reference(config.loss)
+    lora = utils.lora_settings(config.model)
+    needs_reference = objective.uses_reference(config.loss) and lora is None  # LoRA: the base is the reference
     remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
 
     @functools.cache
@@ -135,6 +143,12 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
             raise utils.ConfigError(
                 f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."
             )
+        if state.get("lora") is not None or any(".lora_" in k for k in state["state"]):
+            raise utils.ConfigError(
+                f"model.archive={config.model.archive} holds only the LoRA adapters of a run with model.lora.r set, not a "
+                "whole model; give the policy.pt of a full fine-tuning run, or train from that run's merged export "
+                "(model.lora.export_merged=true: model.name_or_path=<its checkpoint>/hf/merged)."
+            )
         return state
 
     def build_policy() -> torch.nn.Module:
@@ -143,6 +157,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
             return policy
         state = archive()
         into = "the policy and reference" if needs_reference and not remote_reference else "the policy"
+        into = "the policy's base (LoRA: also the reference)" if lora is not None else into
         print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
         if reward_head:  # a causal LM's weights under a score head: all but the heads must match
             missing, unexpected = policy.load_state_dict(state["state"], strict=False)
@@ -162,11 +177,15 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     if config.model.device_map is None and config.trainer == "BasicTrainer" and torch.cuda.device_count() > 1:
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     if not distributed:
-        return build_policy(), build_reference() if needs_reference and not remote_reference else None
-    policy = utils.rank0_model(build_policy, rank, reward_head)
-    reference = None
-    if needs_reference and not remote_reference:
-        reference = utils.rank0_model(build_reference, rank)
+        policy = build_policy()
+        reference = build_reference() if needs_reference and not remote_reference else None
+    else:
+        policy = utils.rank0_model(build_policy, rank, reward_head)
+        reference = None
+        if needs_reference and not remote_reference:
+            reference = utils.rank0_model(build_reference, rank)
+    if lora is not None:  # after the archive: LoRA on top of its weights (rank 0's; the others' arrive when sharded)
+        policy = utils.apply_lora(policy, lora)
     return policy, reference
 
 
@@ -295,8 +314,12 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:
+        trainable = ""
+        if utils.is_lora_model(policy):
+            n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+            trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
         print(
-            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters; {len(train_examples)} train / {n_eval} eval examples."
+            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {len(train_examples)} train / {n_eval} eval examples."
         )
 
     resume_state = None
@@ -305,10 +328,11 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None
-    precompute = reference is not None and config.precompute_ref_log_probs
-    if precompute:
+    lora_reference = utils.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
+    precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
+    if precompute:  # LoRA: the reference is the policy's base (utils.base_state_dict names its weights)
         cache_path, reference_cache = cached_reference(
-            reference, train_examples + eval_examples, tokenizer, config, distributed, rank
+            policy if lora_reference else reference, train_examples + eval_examples, tokenizer, config, distributed, rank
         )
         if reference_cache is not None:
             reference = None  # an earlier run's log-probs: the reference is not needed
@@ -469,7 +493,7 @@ def _keys(node: DictConfig, top: bool) -> str:
     return ", ".join(sorted(str(k) for k in node.keys() if not (top and k == "hydra")))
 
 
-def override_error(overrides: list[str]) -> str | None:
+def override_error(overrides: list[str], config_name: str = "config") -> str | None:
     """One sentence when a command-line override names what the config does not have, else None.
 
     - a key that is not in the config (``batch_szie=8``, nested: ``loss.betaa=0.1``,
@@ -479,6 +503,8 @@ def override_error(overrides: list[str]) -> str | None:
       (``+data.mine.path=...``, ``+model.config.foo=...``, ``+loss.beta=...``, which
       ``utils.validate_config`` judges) are left alone;
     - a config-group option that does not exist (``loss=ipoo``).
+
+    ``config_name`` is the primary config (``evaluate`` for evaluate.py's command line).
 
     The config is composed as ``hydra_main``'s is (Hydra's override parser and compose API, the
     same overrides, ``CONFIG_DIR``); the missing key and its siblings come from the error
@@ -498,7 +524,7 @@ def override_error(overrides: list[str]) -> str | None:
         return None
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         try:
-            config = compose(config_name="config", overrides=overrides)
+            config = compose(config_name=config_name, overrides=overrides)
         except MissingConfigException as e:  # a group option: e.missing_cfg_file is "<group>/<option>"
             group, _, option = (e.missing_cfg_file or "").rpartition("/")
             if not e.options or not any(o.key_or_group == group for o in parsed):
@@ -529,7 +555,7 @@ def override_error(overrides: list[str]) -> str | None:
         ]
         if not added:
             return None
-        base = compose(config_name="config", overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
+        base = compose(config_name=config_name, overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
     for text, o in added:
         if o.key_or_group not in base:
             close = difflib.get_close_matches(o.key_or_group, [str(k) for k in base.keys()], n=1, cutoff=0.8)

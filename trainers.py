@@ -27,7 +27,7 @@ import tqdm
 import losses
 import utils
 from online import OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
-from packing import packed_sequence_logps
+from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from preference_datasets import as_pair_batch, get_batch_iterator, left_pad, mismatched_pairs, stop_token_ids
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
@@ -87,12 +87,21 @@ def concatenated_inputs(batch: dict) -> dict:
     return out
 
 
+def _kept_positions(labels: torch.Tensor) -> int:
+    """K, the last positions of each (B, T) row that the padded forward keeps logits for: from
+    the one before the batch's first labelled token on."""
+    length = labels.shape[1]
+    labelled = (labels != losses.IGNORE_INDEX).any(0)
+    first = int(labelled.float().argmax()) if labelled.any() else length - 1
+    return length - max(first - 1, 0)
+
+
 def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits only where a response token is predicted, and the labels aligned with them.
 
     The output layer (B x T x V, the largest tensor for a large vocabulary) is applied only
     from the position before the batch's first response token on (``logits_to_keep``), not
-    over the prompts.
+    over the prompts. All of them at once: :func:`response_logps` takes them in chunks.
 
     Args:
         model: a Hugging Face causal LM.
@@ -102,12 +111,40 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         (logits, labels): (B, K, V) and (B, K) with K <= T, for ``losses.get_batch_logps``.
     """
     labels = inputs["labels"]
-    length = labels.shape[1]
-    labelled = (labels != losses.IGNORE_INDEX).any(0)
-    first = int(labelled.float().argmax()) if labelled.any() else length - 1
-    keep = length - max(first - 1, 0)
+    keep = _kept_positions(labels)
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logits_to_keep=keep).logits
-    return logits, labels[:, length - logits.shape[1] :].to(logits.device)  # a split model's logits may end on another GPU
+    # a split model's logits may end on another GPU
+    return logits, labels[:, labels.shape[1] - logits.shape[1] :].to(logits.device)
+
+
+def response_logps(
+    model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``losses.get_batch_logps`` of the padded forward (:func:`response_logits`), with the
+    output layer in chunks of ``chunk`` positions, each only where a token is predicted
+    (``packing.output_layer_logps``), so no (B, K, V) logits are held.
+
+    Args:
+        model: a Hugging Face causal LM.
+        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T) (padded on either side).
+        average_log_prob: mean per labelled token instead of the sum.
+        chunk: positions per call of the output layer; None or 0: :func:`response_logits`.
+
+    Returns:
+        (logps, n_tokens): each (B,) float32, on the device of the model's output.
+    """
+    if not chunk:
+        logits, labels = response_logits(model, inputs)
+        return losses.get_batch_logps(logits, labels, average_log_prob)
+    labels = inputs["labels"]
+    n, length = labels.shape
+    keep = _kept_positions(labels)
+    predicted = labels[:, 1:].cpu()
+    seqs, cols = (predicted != losses.IGNORE_INDEX).nonzero(as_tuple=True)  # column cols predicts token cols + 1
+    rows = seqs * keep + cols - (length - keep)
+    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    token_logps = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep)
+    return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob)
 
 
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
@@ -143,7 +180,8 @@ class BasicTrainer(OnlineSampling):
     """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
 
     Args:
-        policy: the causal LM being trained.
+        policy: the causal LM being trained; a ``peft.PeftModel`` (``model.lora``) trains its
+            adapters, and the reference is then the same network with them off.
         config: the composed Hydra config.
         run_dir: this run's output folder.
         tokenizer: the policy's tokenizer.
@@ -157,7 +195,13 @@ class BasicTrainer(OnlineSampling):
         self.run_dir = run_dir
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token: generation stops at either
-        self.policy = policy
+        # LoRA: the PeftModel switches the adapters off (the reference); self.policy is the network
+        # holding them, called, sharded and saved as a plain Hugging Face model
+        self.peft_model = policy if utils.is_lora_model(policy) else None
+        self.policy = policy.get_base_model() if self.peft_model is not None else policy
+        self.lora = utils.lora_settings(config.model) if self.peft_model is not None else None
+        if self.peft_model is not None and reference_model is not None:
+            raise ValueError("A LoRA policy is its own reference (adapters off); pass no reference_model.")
         self.reference_model = reference_model
         self.logger = logger or utils.MetricsLogger(run_dir, config)
         self.train_examples = train_examples
@@ -171,8 +215,9 @@ class BasicTrainer(OnlineSampling):
         if self.reference_model is not None:
             self.reference_model.eval()
             self.reference_model.requires_grad_(False)
-        if config.activation_checkpointing:
+        if config.activation_checkpointing:  # non-reentrant: LoRA's gradients flow although the frozen inputs need none
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}  # LoRA: the adapters
         self.prepare_models()
         self.setup_peak_rss_mib = _peak_rss_mib()  # loading and sharding, before any step
 
@@ -301,24 +346,32 @@ class BasicTrainer(OnlineSampling):
     max_forward_chunks: int | None = None
     """At most this many forward calls per ``concatenated_forward`` (None: as many as pay off)."""
 
+    @property
+    def output_layer_chunk(self) -> int | None:
+        """``config.output_layer_chunk``: positions per call of the output layer wherever
+        log-probs are taken (``packing.output_layer_logps``); None or 0: all at once."""
+        return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
+
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Chosen and rejected log-probs of ``model``, as one padded forward of chosen stacked
         over rejected would give them (within float tolerance), computed without the padding
         and with each prompt once (:func:`packed_sequence_logps`); a batch that is not
-        right-padded takes the plain padded forward.
+        right-padded takes the plain padded forward (:func:`response_logps`). Either way the
+        output layer runs in chunks of ``output_layer_chunk`` positions (read with a default,
+        as ray_launcher's reference actors call this with themselves as ``self``).
 
         Returns:
             (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) the
             response-token counts (chosen rows first).
         """
         n = batch["chosen_input_ids"].shape[0]
-        packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks)
+        chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
+        packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
         if packed is not None:
             logps, n_tokens = packed
             return logps[:n], logps[n:], n_tokens
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        logits, labels = response_logits(model, inputs)
-        logps, n_tokens = (t.to(self.device) for t in losses.get_batch_logps(logits, labels, self.average_log_prob))
+        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
         return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
@@ -344,6 +397,33 @@ class BasicTrainer(OnlineSampling):
                 torch.tensor([c for c, _ in pairs], dtype=torch.float32, device=self.device),
                 torch.tensor([r for _, r in pairs], dtype=torch.float32, device=self.device),
             )
+        return self.live_reference_logps(batch)
+
+    @contextlib.contextmanager
+    def adapters_off(self):
+        """Within: ``self.policy`` is the reference of a LoRA run, its frozen base (peft's
+        ``disable_adapter``: every adapter bypassed), in eval mode as a reference is (no
+        dropout); the adapters and the mode are back afterwards, also on an error."""
+        training = self.policy.training
+        self.policy.eval()
+        try:
+            with self.peft_model.disable_adapter():
+                yield self.policy
+        finally:
+            self.policy.train(training)
+
+    @torch.no_grad()
+    def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference
+        module's, or, for a LoRA policy, the policy's with its adapters off (:meth:`adapters_off`).
+
+        Raises:
+            RuntimeError: if there is neither.
+        """
+        if self.peft_model is not None:
+            with self.adapters_off() as base:
+                chosen, rejected, _ = self.concatenated_forward(base, batch)
+            return chosen, rejected
         if self.reference_model is None:
             raise RuntimeError("This loss needs a reference model but the trainer has none.")
         chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
@@ -361,7 +441,8 @@ class BasicTrainer(OnlineSampling):
         rank makes the same number of forward calls (a stand-in batch, whose result is dropped,
         when its share has fewer batches), as FSDP's collectives need; the shares are then
         gathered. Rank 0 says how many pairs each rank computed. A cache file that cannot be
-        written costs only the reuse (one warning sentence): training goes on.
+        written costs only the reuse (one warning sentence): training goes on. A LoRA policy is
+        its own reference (:meth:`live_reference_logps`: adapters off), so none is loaded for it.
         """
         world, rank = self.data_world_size, self.data_rank
         bounds = np.linspace(0, len(examples), world + 1).round().astype(int)
@@ -377,7 +458,7 @@ class BasicTrainer(OnlineSampling):
             batch = next(batches, None)
             real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
             batch = batch if batch is not None else last
-            chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
+            chosen, rejected = self.live_reference_logps(batch)
             if real:
                 computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
                 n_done += len(batch["key"])
@@ -475,10 +556,9 @@ class BasicTrainer(OnlineSampling):
             inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
             scores = losses.last_token_scores(self.policy, inputs["input_ids"], inputs["attention_mask"])
             return losses.ObjectiveInputs(chosen_scores=scores[:n], rejected_scores=scores[n:])
-        if objective.sft_data:  # the SFT target alone
-            inputs = {k: batch[f"chosen_{k}"].to(self.device) for k in ("input_ids", "attention_mask", "labels")}
-            logits, labels = response_logits(self.policy, inputs)
-            logps, n_tokens = losses.get_batch_logps(logits, labels, average_log_prob=self.average_log_prob)
+        if objective.sft_data:  # the SFT target alone, packed as single sequences
+            chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+            logps, n_tokens = self.one_side_logps(self.policy, chosen)
             return losses.ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
         if "label" in batch:  # unpaired rows {prompt, completion, label}: one completion each, no rejected side
             inputs = self.unpaired_inputs(batch)
@@ -506,15 +586,21 @@ class BasicTrainer(OnlineSampling):
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of single sequences (``input_ids``, ``attention_mask``, ``labels``, each (B, T),
-        right-padded) by :meth:`concatenated_forward` on :func:`preference_datasets.as_pair_batch` of them, so they take
-        the same packed forward as pairs do (identical sides share one packed row: the copy costs
-        nothing where the model shares prompts; the padded fallback computes it twice).
+        right-padded; SFT targets, KTO completions): each sequence one packed row without its
+        padding (:func:`packed_single_logps`, in as many forward calls as
+        :meth:`concatenated_forward` makes), the output layer in chunks; a batch that is not
+        right-padded takes the padded forward (:func:`response_logps`).
 
         Returns:
             ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
         """
-        logps, _, n_tokens = self.concatenated_forward(model, as_pair_batch(rows))
-        return logps, n_tokens[: len(logps)]
+        chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
+        packed = packed_single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
+        if packed is not None:
+            return packed
+        inputs = {k: v.to(self.device) for k, v in rows.items()}
+        logps, n_tokens = response_logps(model, inputs, self.average_log_prob, chunk)
+        return logps.to(self.device), n_tokens.to(self.device)
 
     def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mismatched pairs' log-probs as the objective gets them: this micro-batch's (B,) each on
@@ -612,20 +698,21 @@ class BasicTrainer(OnlineSampling):
         pad_id = self.tokenizer.pad_token_id
         prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
         models = {"policy": self.policy}
-        if self.reference_model is not None:
-            models["reference"] = self.reference_model
+        if self.reference_model is not None or (self.peft_model is not None and self.uses_reference):
+            models["reference"] = self.reference_model  # None: the LoRA policy with its adapters off
         completions = {}
         for name, model in models.items():
-            out = model.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=masks.to(self.device),
-                max_new_tokens=self.config.max_length - ids.shape[1],
-                do_sample=True,
-                top_p=self.config.sample_top_p,
-                pad_token_id=pad_id,
-                eos_token_id=self.stop_ids,
-                **self.generate_kwargs(),
-            )
+            with self.adapters_off() if model is None else contextlib.nullcontext(model) as model:
+                out = model.generate(
+                    input_ids=ids.to(self.device),
+                    attention_mask=masks.to(self.device),
+                    max_new_tokens=self.config.max_length - ids.shape[1],
+                    do_sample=True,
+                    top_p=self.config.sample_top_p,
+                    pad_token_id=pad_id,
+                    eos_token_id=self.stop_ids,
+                    **self.generate_kwargs(),
+                )
             completions[name] = decode_completions(self.tokenizer, out[:, ids.shape[1] :].cpu(), self.stop_ids)
             if name == "reference":
                 self.reshard_reference()
@@ -909,7 +996,9 @@ class BasicTrainer(OnlineSampling):
         Holds the reference repository's files (policy.pt, optimizer.pt, scheduler.pt, each
         ``{step_idx, state, ...}``), trainer_state.pt (example counter, RNG, data position)
         and ``hf/``, a folder that ``AutoModelForCausalLM.from_pretrained`` and
-        ``AutoTokenizer.from_pretrained`` load. Returns the checkpoint's path.
+        ``AutoTokenizer.from_pretrained`` load. Returns the checkpoint's path. A LoRA run's
+        policy.pt holds the adapters alone (the frozen base is the run's start, rebuilt from
+        its config) and ``hf/`` is the adapter folder (:meth:`write_hf_export`).
 
         The reference-format files come first; an ``hf/`` export that fails (e.g. a model whose
         ``save_pretrained`` refuses its ``quantization_config``) is left out with one warning
@@ -923,7 +1012,7 @@ class BasicTrainer(OnlineSampling):
         self.hf_export_failure = None
 
         def write(tmp):
-            torch.save({"step_idx": step, "state": self.policy.state_dict()}, os.path.join(tmp, "policy.pt"))
+            torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(tmp, "policy.pt"))
             torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(tmp, "optimizer.pt"))
             torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
             torch.save(self.trainer_state(), os.path.join(tmp, "trainer_state.pt"))
@@ -940,11 +1029,45 @@ class BasicTrainer(OnlineSampling):
     hf_export_failure: str | None = None
     """Why the last checkpoint has no ``hf/`` export (None: it has one, or none was asked for)."""
 
+    def policy_checkpoint(self, step: int, state: dict) -> dict:
+        """What policy.pt holds: ``{step_idx, state}`` with the policy's weights ``state``; for a
+        LoRA policy only the adapters' entries of it (the trainable weights) and ``lora``, the
+        ``model.lora`` settings (so ``model.archive`` can tell it from a whole model)."""
+        if self.peft_model is None:
+            return {"step_idx": step, "state": state}
+        from omegaconf import OmegaConf
+
+        adapters = {k: v for k, v in state.items() if k in self.trainable_names}
+        return {"step_idx": step, "state": adapters, "lora": OmegaConf.to_container(self.lora, resolve=True)}
+
+    def load_policy_state(self, state: dict) -> None:
+        """Load policy.pt's ``state`` into the policy; a LoRA policy's holds its adapters alone.
+
+        Raises:
+            RuntimeError: if ``state`` does not fit the policy (for LoRA: names other than its
+                adapters', or adapters missing).
+        """
+        if self.peft_model is None:
+            self.policy.load_state_dict(state)
+            return
+        missing, unexpected = self.policy.load_state_dict(state, strict=False)
+        lost = sorted(self.trainable_names & set(missing))
+        if unexpected or lost:
+            raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
+
     def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
         """Write the Hugging Face export (policy and tokenizer ``save_pretrained``) into ``folder``.
 
+        A LoRA policy's export is its adapter folder, which ``peft.PeftModel.from_pretrained(base,
+        folder)`` loads onto the base (its ``base_model_name_or_path``: ``utils.lora_base_path``),
+        and with ``model.lora.export_merged`` also ``folder/merged``, the base with the adapters
+        merged in (peft's ``merge_and_unload`` on a copy that shares the weights; the policy is
+        untouched), which ``AutoModelForCausalLM.from_pretrained`` loads. The tokenizer goes
+        into both.
+
         Args:
-            state_dict: the full weights when the policy is sharded (FSDP/TP), else None.
+            state_dict: the full weights when the policy is sharded (FSDP/TP), else None (a
+                LoRA policy's may hold the adapters alone when no merged folder is asked for).
 
         Returns:
             None, or why the export failed (the type and first line of the error); ``folder``
@@ -953,6 +1076,17 @@ class BasicTrainer(OnlineSampling):
         import shutil
 
         try:
+            if self.peft_model is not None:
+                state = self.policy.state_dict() if state_dict is None else state_dict
+                exporter = utils.lora_export_model(self.policy.config, self.lora, state, utils.lora_base_path(self.config))
+                exporter.save_pretrained(folder, save_embedding_layers=False)
+                self.tokenizer.save_pretrained(folder)
+                if self.lora.get("export_merged"):
+                    merged = exporter.merge_and_unload(safe_merge=True)
+                    merged.generation_config = self.policy.generation_config
+                    merged.save_pretrained(os.path.join(folder, "merged"))
+                    self.tokenizer.save_pretrained(os.path.join(folder, "merged"))
+                return None
             self.policy.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
             self.tokenizer.save_pretrained(folder)
         except Exception as e:
@@ -992,7 +1126,7 @@ class BasicTrainer(OnlineSampling):
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
-        self.policy.load_state_dict(self.read(checkpoint_dir, "policy.pt")["state"])
+        self.load_policy_state(self.read(checkpoint_dir, "policy.pt")["state"])
         self.optimizer.load_state_dict(self.read(checkpoint_dir, "optimizer.pt")["state"])
         self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
         if self.updates_reference:
@@ -1071,11 +1205,13 @@ def reference_cache_path(reference, examples: list[dict], tokenizer, config, cac
     """The file in ``cache_dir`` for the reference log-probs of ``examples``: named by a hash of
     the reference's whole weights (call it where they are whole: one process, or rank 0 before
     sharding), the tokenizer, the examples' texts, the truncation settings and
-    ``loss.average_log_prob``, so a run with the same inputs finds what an earlier one wrote."""
+    ``loss.average_log_prob``, so a run with the same inputs finds what an earlier one wrote.
+    A LoRA policy (whose reference is its base) names the file by its base weights, as that
+    model alone would."""
     from preference_datasets import example_key
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(reference.state_dict().items()):
+    for name, tensor in sorted(utils.base_state_dict(reference).items()):  # a LoRA policy: its base, the reference
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
@@ -1308,7 +1444,9 @@ class _DistributedTrainer(BasicTrainer):
     def save(self) -> str:
         """Each rank writes its own shard of policy and optimizer (DCP, no full gather) into
         ``sharded/``; rank 0 also writes the reference-format policy.pt (gathered), scheduler.pt,
-        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically.
+        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically. A LoRA
+        policy's shards, policy.pt and export hold its adapters alone (the frozen base is
+        gathered only for ``model.lora.export_merged``).
 
         Every rank learns from rank 0 whether the checkpoint was written (a broadcast, which is
         also the barrier that keeps the others until rank 0 is done), so a failure never leaves
@@ -1340,7 +1478,7 @@ class _DistributedTrainer(BasicTrainer):
             failure = utils.broadcast_object(failure)  # the folder exists before any rank writes into it
             if failure is None:
                 try:
-                    model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+                    model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=self.sharded_options())
                     state = {"model": model_sd, "optimizer": optim_sd}
                     if self.updates_reference:  # TR-DPO: the moved reference, sharded like the policy
                         state["reference"] = get_model_state_dict(self.reference_model)
@@ -1350,7 +1488,10 @@ class _DistributedTrainer(BasicTrainer):
                 if self.any_rank(failure is not None):
                     failure = failure or "another rank could not write its shard"
                 else:
-                    full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+                    # LoRA: the adapters alone, unless the merged export needs the frozen base too
+                    adapters_only = self.lora is not None and not (self.config.save_hf_export and self.lora.get("export_merged"))
+                    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
+                    full = get_model_state_dict(self.policy, options=full_options)
                     if self.is_main:
                         try:
                             self.write_rank0_files(tmp, step, full)
@@ -1372,6 +1513,15 @@ class _DistributedTrainer(BasicTrainer):
             self.warn_export_failure(path)
             utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
+
+    def sharded_options(self):
+        """The ``StateDictOptions`` of the sharded checkpoint (DCP): a LoRA policy's holds the
+        adapters (the trainable weights) and their optimizer state alone, not the frozen base."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self.lora is None:
+            return None
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip to ``max_grad_norm`` by the global L2 norm. With tensor parallelism, gradients on
@@ -1410,14 +1560,15 @@ class _DistributedTrainer(BasicTrainer):
         self._write_rank0_files(folder, step, full_state)
 
     def _write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
-        torch.save({"step_idx": step, "state": full_state}, os.path.join(folder, "policy.pt"))
+        torch.save(self.policy_checkpoint(step, full_state), os.path.join(folder, "policy.pt"))
         torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
         torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
         if self.config.save_hf_export:
             self.hf_export_failure = self.write_hf_export(os.path.join(folder, "hf"), full_state)
 
     def load(self, checkpoint_dir: str) -> None:
-        """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard)."""
+        """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard; LoRA: the
+        adapters and their optimizer state, :meth:`sharded_options`)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -1426,12 +1577,15 @@ class _DistributedTrainer(BasicTrainer):
             set_state_dict,
         )
 
-        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer)
+        options = self.sharded_options()
+        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=options)
         state = {"model": model_sd, "optimizer": optim_sd}
         if self.updates_reference:
             state["reference"] = get_model_state_dict(self.reference_model)
         dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, "sharded"))
-        set_state_dict(self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
         if self.updates_reference:
             set_model_state_dict(self.reference_model, state["reference"])
         self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])

@@ -66,6 +66,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         )
     validate_reference_update(config, objective)
     validate_online(config)
+    validate_lora(config, objective)
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
@@ -117,6 +118,12 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     if foreach is not None and not isinstance(foreach, bool):
         raise ConfigError(
             f"optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {foreach!r}."
+        )
+    chunk = config.get("output_layer_chunk")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+        raise ConfigError(
+            f"output_layer_chunk must be a whole number of positions >= 0 (0 or null: the output layer over all "
+            f"positions at once), got {chunk!r}; e.g. output_layer_chunk=1024."
         )
     timeout = config.get("dist_timeout_minutes", DEFAULT_DIST_TIMEOUT_MINUTES)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
@@ -197,6 +204,70 @@ def validate_reference_update(config: DictConfig, objective) -> None:
         raise ConfigError(
             "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."
         )
+
+
+def lora_settings(model_config: DictConfig) -> DictConfig | None:
+    """``model.lora`` when LoRA is on (``model.lora.r`` set), else None (full fine-tuning; also
+    for a config saved before the key existed)."""
+    lora = model_config.get("lora")
+    return lora if lora is not None and lora.get("r") is not None else None
+
+
+def validate_lora(config: DictConfig, objective) -> None:
+    """Check ``model.lora`` (LoRA through peft) and what it cannot be combined with, before any
+    model loads: the reference of a LoRA run is the policy with its adapters off, so nothing
+    may move, place or type the reference apart from the policy's base.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    lora = lora_settings(config.model)
+    if lora is None:
+        return
+    r, alpha, dropout, targets = lora.r, lora.get("alpha", 32), lora.get("dropout", 0.0), lora.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise ConfigError(f"model.lora.r must be a whole number >= 1 (the adapters' rank, e.g. 16) or null, got {r!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ConfigError(f"model.lora.alpha must be a number > 0 (the adapters are scaled by alpha / r), got {alpha!r}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"model.lora.dropout must be a number in [0, 1), got {dropout!r}.")
+    names = OmegaConf.to_container(targets) if OmegaConf.is_list(targets) else targets
+    if names != "all-linear" and not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+        raise ConfigError(
+            f"model.lora.target_modules must be all-linear or a list of module names, e.g. [q_proj,v_proj], got {targets!r}."
+        )
+    if not isinstance(lora.get("export_merged", False), bool):
+        raise ConfigError(f"model.lora.export_merged must be true or false, got {lora.export_merged!r}.")
+    if objective.score_head:
+        raise ConfigError(
+            f"model.lora trains the adapters of a causal LM, not loss={config.loss.name}'s score head; set model.lora.r=null."
+        )
+    if config.trainer == "TensorParallelTrainer" or (config.get("tensor_parallel_size") or 1) > 1:
+        raise ConfigError(
+            "model.lora does not work with tensor parallelism (its plan splits plain linear layers, not LoRA's); "
+            "use trainer=FSDPTrainer with tensor_parallel_size=1 or BasicTrainer."
+        )
+    update = config.get("reference_update")
+    if update is not None and update.get("mode") is not None:
+        raise ConfigError(
+            "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
+            "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."
+        )
+    ray_cfg = config.get("ray")
+    if config.get("launcher") == "ray" and ray_cfg is not None and ray_cfg.get("reference_workers", 0) > 0:
+        raise ConfigError(
+            "with model.lora the reference is the policy with its adapters off, in each policy worker; set ray.reference_workers=0."
+        )
+    reference_dtype = config.model.get("reference_dtype")
+    if reference_dtype is not None and reference_dtype != config.model.get("policy_dtype"):
+        raise ConfigError(
+            f"with model.lora the reference is the policy's own base, in model.policy_dtype={config.model.get('policy_dtype')}, "
+            f"so model.reference_dtype={reference_dtype} cannot apply; set model.reference_dtype=null."
+        )
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise ConfigError("model.lora.r is set but the peft library is not installed; pip install -r requirements.txt.") from None
 
 
 def online_capable(objective) -> bool:
@@ -539,6 +610,120 @@ def disable_dropout(model: torch.nn.Module) -> None:
             for name, value in list(vars(config).items()):
                 if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
                     setattr(config, name, 0.0)
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+
+
+def lora_peft_config(lora: DictConfig):
+    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; the output layer is never in
+    ``all-linear``)."""
+    import peft
+
+    targets = lora.target_modules
+    targets = list(targets) if OmegaConf.is_list(targets) else targets
+    return peft.LoraConfig(
+        r=int(lora.r), lora_alpha=lora.alpha, lora_dropout=float(lora.dropout), target_modules=targets, task_type="CAUSAL_LM"
+    )
+
+
+def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
+    """``model`` with LoRA adapters (``peft.get_peft_model``, ``model.lora``): a ``PeftModel``
+    whose base weights are frozen and whose adapters start as the identity (LoRA's B is 0).
+    The adapters take the base weights' dtype and device (meta too: the FSDP ranks that
+    receive their weights from rank 0). peft injects the adapters into ``model`` itself
+    (``get_base_model()`` is ``model``, now holding them).
+
+    Raises:
+        ConfigError: when ``model.lora.target_modules`` names no module of ``model`` (naming
+            its linear layers).
+    """
+    import warnings
+
+    import peft
+
+    try:
+        with warnings.catch_warnings():  # peft reads a deprecated transformers attribute
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, lora_peft_config(lora), autocast_adapter_dtype=False)
+    except ValueError as e:
+        from transformers.pytorch_utils import Conv1D
+
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linear = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not output
+            }
+        )
+        targets = lora.target_modules
+        targets = "[" + ",".join(targets) + "]" if OmegaConf.is_list(targets) else targets
+        raise ConfigError(
+            f"model.lora.target_modules={targets} matches no module of {type(model).__name__} ({_first_line(e)[:120]}); "
+            f"its linear layers are named {', '.join(linear) or 'nothing'}: name some of them, or all-linear."
+        ) from None
+
+
+def is_lora_model(model) -> bool:
+    """True if ``model`` is a ``peft.PeftModel`` (a LoRA policy)."""
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def base_state_dict(model: torch.nn.Module) -> dict:
+    """``model``'s weights as the model without adapters names them: a LoRA policy's adapter
+    entries dropped and peft's ``.base_layer`` taken out of the names (the reference of a LoRA
+    run is that base); a plain model's ``state_dict()`` as it is."""
+    if is_lora_model(model):
+        model = model.get_base_model()
+    state = model.state_dict()
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+def lora_base_path(config: DictConfig) -> str | None:
+    """What a LoRA run's adapter folder names as its base (``base_model_name_or_path``, which
+    ``AutoPeftModelForCausalLM`` loads): with ``model.archive``, the ``hf/`` export beside it
+    when there is one (the archive's weights are the base; links such as LATEST resolved, so
+    it stays that checkpoint's); else ``model.name_or_path``
+    (absolute when it is a local folder); None for a random model (``model.config``) or an
+    archive without an export."""
+    model = config.model
+    if model.get("archive") is not None:
+        beside = os.path.join(os.path.dirname(os.path.realpath(model.archive)), "hf")  # step-N/hf, not LATEST/hf
+        return beside if os.path.isfile(os.path.join(beside, "config.json")) else None
+    if model.get("config") is not None or model.name_or_path is None:
+        return None
+    path = str(model.name_or_path)
+    return os.path.abspath(os.path.expanduser(path)) if os.path.isdir(os.path.expanduser(path)) else path
+
+
+def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str | None = None) -> torch.nn.Module:
+    """A ``PeftModel`` for writing a LoRA run's export: the architecture of ``hf_config`` on the
+    meta device with ``model.lora``'s adapters, given ``state`` (names as the live policy's
+    ``get_base_model().state_dict()``) without copying it (``assign``). ``state`` may hold the
+    adapters alone (enough for ``save_pretrained`` of the adapter folder) or the whole model
+    (for ``merge_and_unload``). ``base_path`` goes into the adapter config. The RNG is as before
+    (initialising the meta model draws from it; a checkpoint's RNG state must stay the run's).
+
+    Raises:
+        ValueError: if ``state`` has names the model does not have, or lacks an adapter weight.
+    """
+    import transformers
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # building draws random numbers: resume stays exact
+        base = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = apply_lora(base, lora)
+    missing, unexpected = base.load_state_dict(state, strict=False, assign=True)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ValueError(f"the weights do not fit the LoRA model (e.g. {(unexpected or missing)[0]!r})")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        base.tie_weights()  # one output layer with the embeddings, also when the state names it once
+    model.peft_config["default"].base_model_name_or_path = base_path
+    return model
 
 
 # ----------------------------------------------------------------------------- run folders

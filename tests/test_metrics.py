@@ -171,9 +171,8 @@ def test_sft_metrics_by_hand(tmp_path, monkeypatch):
     # Summed log-probs (-3, -5, -2, -6) over (2, 6, 1, 3) target tokens: the logged loss is the
     # micro-batch's per-token NLL 16 / 12; the training loss divides by the whole batch's 32 tokens.
     trainer = build(tmp_path, ["loss=sft"])
-    monkeypatch.setattr(trainers, "response_logits", lambda model, inputs: (None, None))
     fixed = (torch.tensor([-3.0, -5.0, -2.0, -6.0]), torch.tensor([2.0, 6.0, 1.0, 3.0]))
-    monkeypatch.setattr(losses, "get_batch_logps", lambda logits, labels, average_log_prob: fixed)
+    monkeypatch.setattr(trainer, "one_side_logps", lambda model, rows: fixed)  # SFT's forward: the chosen rows alone
     for split in ("train", "eval"):
         value, metrics = trainer.get_batch_metrics(trainer.eval_batches[0], 8, 32.0, split)
         assert set(metrics) == {f"logps_{split}/chosen", f"loss/{split}"}

@@ -310,11 +310,12 @@ def test_train_step_equals_the_padded_forward_step(tmp_path, monkeypatch, loss):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=2e-5)
 
 
-def test_sft_does_not_take_the_packed_forward(tmp_path, monkeypatch):
+def test_sft_does_not_take_the_pairs_forward(tmp_path, monkeypatch):
+    """SFT trains on the chosen rows alone (packed as single sequences), never on pairs."""
     trainer = _trainer(tmp_path, ["loss=sft", "do_first_eval=false"])
 
     def refuse(*args, **kwargs):
-        raise AssertionError("SFT must not call the DPO forward")
+        raise AssertionError("SFT must not call the DPO pairs' forward")
 
     monkeypatch.setattr(trainers, "packed_sequence_logps", refuse)
     metrics = trainer.train_step(_first_batch(trainer))
