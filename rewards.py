@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -54,6 +55,54 @@ DEFAULT_JUDGE_TEMPLATE = """Two AI assistant responses to the same user prompt f
 
 Answer with one character and nothing else: 0 if Response 0 is better, 1 if Response 1 is better."""
 """The built-in pairwise prompt of :class:`HTTPJudge` (placeholders {prompt}, {response0}, {response1})."""
+
+DPO_DIALOGUE_TEMPLATE = """For the following query to a chatbot, which response is more helpful?
+
+Query: {prompt}
+
+Response A:
+{response0}
+
+Response B:
+{response1}
+
+FIRST provide a one-sentence comparison of the two responses and explain which you feel is more helpful. SECOND, on a new line, state only "A" or "B" to indicate which response is more helpful. Your response should use the format:
+Comparison: <one-sentence comparison and explanation>
+More helpful: <"A" or "B">"""
+"""The DPO paper's dialogue win-rate prompt (Rafailov et al. 2023, appendix C.2); Response A is ``response0``."""
+
+_DPO_SUMMARY = """Which of the following summaries does a better job of summarizing the most important points in the given forum post{extra}
+
+Post:
+{{prompt}}
+
+Summary A:
+{{response0}}
+
+Summary B:
+{{response1}}
+
+FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
+Comparison: <one-sentence comparison and explanation>
+Preferred: <"A" or "B">"""
+DPO_SUMMARIZATION_TEMPLATE = _DPO_SUMMARY.format(extra="?")
+"""The DPO paper's summarisation win-rate prompt (S) (appendix C.2)."""
+DPO_SUMMARIZATION_CONCISE_TEMPLATE = _DPO_SUMMARY.format(
+    extra=", without including unimportant or irrelevant details? A good summary is both precise and concise."
+)
+"""The DPO paper's summarisation win-rate prompt (C), "concise" (appendix C.2)."""
+
+JUDGE_TEMPLATES = {
+    "dpo_dialogue": (DPO_DIALOGUE_TEMPLATE, r"More helpful:\W*([AB])\b"),
+    "dpo_summarization": (DPO_SUMMARIZATION_TEMPLATE, r"Preferred:\W*([AB])\b"),
+    "dpo_summarization_concise": (DPO_SUMMARIZATION_CONCISE_TEMPLATE, r"Preferred:\W*([AB])\b"),
+}
+"""Named ``judge.template`` values: (the prompt, the regex whose last match's group is "A" or "B").
+The judge writes a sentence before its verdict, so these are asked with
+:data:`NAMED_TEMPLATE_MAX_TOKENS` tokens; "A" means ``response0`` is better."""
+
+NAMED_TEMPLATE_MAX_TOKENS = 256
+"""``max_tokens`` of a request with a named template (one comparison sentence and the verdict line)."""
 
 
 # ----------------------------------------------------------------------------- reward models
@@ -293,7 +342,9 @@ class HTTPJudge(PairwiseJudge):
         base_url: e.g. ``http://127.0.0.1:8000/v1``.
         model: the model name the endpoint serves.
         template: a string with {prompt}, {response0}, {response1}; None uses
-            :data:`DEFAULT_JUDGE_TEMPLATE`.
+            :data:`DEFAULT_JUDGE_TEMPLATE`; a name in :data:`JUDGE_TEMPLATES` (the DPO paper's
+            prompts) is asked with :data:`NAMED_TEMPLATE_MAX_TOKENS` and its answer read from
+            the last "More helpful: A" / "Preferred: B" line.
         timeout: seconds per request.
         api_key_env: the environment variable holding the key, sent as ``Authorization:
             Bearer <key>`` when set (read once, here).
@@ -324,6 +375,10 @@ class HTTPJudge(PairwiseJudge):
         if not model:
             raise ConfigError("The HTTP judge needs judge.model, the model name its endpoint serves.")
         self.template = DEFAULT_JUDGE_TEMPLATE if template is None else template
+        self.answer_pattern, self.max_tokens = None, 1  # the answer's first character: "0" or "1"
+        if template in JUDGE_TEMPLATES:
+            self.template, pattern = JUDGE_TEMPLATES[template]
+            self.answer_pattern, self.max_tokens = re.compile(pattern), NAMED_TEMPLATE_MAX_TOKENS
         try:
             self.template.format(prompt="", response0="", response1="")
         except (KeyError, IndexError, ValueError) as e:
@@ -373,7 +428,12 @@ class HTTPJudge(PairwiseJudge):
 
     def _ask(self, prompt: str, pair: tuple[str, str]) -> int | None:
         content = self.template.format(prompt=prompt, response0=pair[0], response1=pair[1])
-        body = {"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0}
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+        }
         data = json.dumps(body).encode("utf-8")
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -400,6 +460,12 @@ class HTTPJudge(PairwiseJudge):
             answer = json.loads(raw)["choices"][0]["message"]["content"].lstrip()
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             self._fail(f"malformed chat-completions response ({type(e).__name__}): {raw[:200]!r}")
+            return None
+        if self.answer_pattern is not None:
+            found = self.answer_pattern.findall(answer)
+            if found:
+                return "AB".index(found[-1])
+            self._fail(f"the judge's answer {answer[-80:]!r} has no verdict line matching {self.answer_pattern.pattern!r}")
             return None
         if answer[:1] in ("0", "1"):
             return int(answer[0])

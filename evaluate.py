@@ -1,0 +1,1084 @@
+"""Win rates as the DPO paper measured them: ``python evaluate.py policy=... baseline=... judge=...``.
+
+Responses are sampled from a policy A at several temperatures on held-out prompts, compared
+with a baseline B (the dataset's chosen responses, the policy's reference / SFT start, or
+another policy) by a judge (a reward model's scores, or a pairwise judge: the reward model
+pairwise, or an LLM over an OpenAI-compatible endpoint with the paper's prompts, appendix C.2),
+and reported per temperature as the win rate of A over B with a 95% interval over prompts
+(Rafailov et al. 2023, Figures 2 and 3). See README, "Win rates (evaluate.py)".
+
+- A pairwise judge sees each pair in both orders (A first, then B first). A verdict that is the
+  same in both orders is a win or a loss; two verdicts that disagree (position bias), or a tie in
+  either order, make a tie. Identical responses are a tie without asking the judge.
+- A failed judgement (an HTTP error, a malformed answer, a NaN score; one order failing fails the
+  pair) is counted in ``failed``; it is neither a win, a loss nor a tie, and it is left out of
+  ``n``. Ties are counted in ``tie_rate`` and are not wins: win_rate + tie_rate + loss_rate = 1.
+- The interval is the Wilson score interval of wins / n (scipy's ``binomtest``), n the judged
+  prompts at that temperature (one sample per prompt, so the prompts are the independent units).
+- Samples and judgements are cached in the output folder (``samples-rank<r>.jsonl``,
+  ``judgements-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
+  continues an interrupted evaluation without redoing them. A batch of prompts is sampled with
+  a seed drawn from ``seed``, the batch's prompts, the temperature and the side (A or B), so the
+  same seed gives the same samples, on one process or several.
+- Under ``torchrun --nproc_per_node N``, batch k of prompts goes to rank k mod N and the rows are
+  gathered on rank 0, which writes the results (the same as one process: tested).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import html
+import json
+import math
+import os
+import re
+import signal
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import preference_datasets
+import rewards
+import utils
+from online import completion_mask
+from preference_datasets import DataError
+from utils import ConfigError
+
+CONFIDENCE = 0.95
+"""The level of the interval around each win rate."""
+
+INTERVAL = (
+    "Wilson score interval (95%) of wins / n over the n judged prompts (one sample per prompt); "
+    "ties are not wins (win_rate + tie_rate + loss_rate = 1); failed judgements are left out of n"
+)
+"""How the interval in results.json is computed (written there as ``interval``)."""
+
+VERDICTS = ("win", "tie", "loss", "failed")
+"""A judged pair's outcome, from A's side."""
+
+JUDGE_CHUNK = 32
+"""Judge requests (or texts to score) asked at a time; each chunk's answers are cached before the next."""
+
+SUMMARY_TEMPLATE = "dpo_summarization_concise"
+DIALOGUE_TEMPLATE = "dpo_dialogue"
+SUMMARY_DATASETS = ("tldr",)
+"""Datasets whose prompts are summarisation tasks: judged with the paper's summarisation prompt."""
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[float | None, float | None]:
+    """The Wilson score interval of the proportion ``wins / n`` (scipy's ``binomtest``).
+
+    Returns:
+        (low, high) in [0, 1]; (None, None) when ``n`` is 0.
+    """
+    if n == 0:
+        return None, None
+    from scipy.stats import binomtest
+
+    ci = binomtest(wins, n).proportion_ci(confidence_level=confidence, method="wilson")
+    return float(ci.low), float(ci.high)
+
+
+def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
+    """The results of one temperature from its pairs' verdicts (each one of :data:`VERDICTS`).
+
+    Returns:
+        ``win_rate``, ``tie_rate``, ``loss_rate`` (shares of the n judged pairs; None if n is 0),
+        ``ci_low``, ``ci_high`` (:func:`wilson_interval` of the wins), ``n`` (judged pairs),
+        ``wins``, ``ties``, ``losses``, ``failed`` (failed judgements, not in n),
+        ``failure_rate`` (failed / all pairs) and ``too_many_failures`` (it is above
+        ``max_failure_rate``).
+    """
+    counts = {v: sum(x == v for x in verdicts) for v in VERDICTS}
+    n = counts["win"] + counts["tie"] + counts["loss"]
+    low, high = wilson_interval(counts["win"], n)
+    failure_rate = counts["failed"] / len(verdicts) if verdicts else 0.0
+    return {
+        "win_rate": counts["win"] / n if n else None,
+        "tie_rate": counts["tie"] / n if n else None,
+        "loss_rate": counts["loss"] / n if n else None,
+        "ci_low": low,
+        "ci_high": high,
+        "n": n,
+        "wins": counts["win"],
+        "ties": counts["tie"],
+        "losses": counts["loss"],
+        "failed": counts["failed"],
+        "failure_rate": failure_rate,
+        "too_many_failures": failure_rate > max_failure_rate,
+    }
+
+
+def combine_orders(a_first: int | None, b_first: int | None) -> str:
+    """A's verdict from a pairwise judge's answers for the pair shown both ways.
+
+    Args:
+        a_first: the answer for (A, B): 0 (A better), 1 (B better), ``rewards.TIE`` or None (failed).
+        b_first: the answer for (B, A): 0 (B better), 1 (A better), ``rewards.TIE`` or None.
+
+    Returns:
+        "failed" if either failed; "win" / "loss" if both orders agree; "tie" if either is a
+        tie or the two disagree (the judge followed the position, not the responses).
+    """
+    if a_first is None or b_first is None:
+        return "failed"
+    if rewards.TIE in (a_first, b_first):
+        return "tie"
+    if a_first == 0 and b_first == 1:
+        return "win"
+    if a_first == 1 and b_first == 0:
+        return "loss"
+    return "tie"
+
+
+def compare_scores(a: float, b: float) -> str:
+    """A's verdict from reward-model scores: "win" if a > b, "loss" if a < b, "tie" if equal,
+    "failed" if either is NaN."""
+    if math.isnan(a) or math.isnan(b):
+        return "failed"
+    return "win" if a > b else "loss" if a < b else "tie"
+
+
+# ----------------------------------------------------------------------------- models
+
+
+@dataclasses.dataclass
+class Source:
+    """A model to sample from, as ``policy=`` / ``baseline=`` named it.
+
+    Attributes:
+        label: how results name it (the run folder's name, ``<run>/<step>``, a hub id, ...).
+        kind: "run", "checkpoint", "hf", "hub" or "reference".
+        model_config: the ``model.*`` section it is built from (its run's, or evaluate's with
+            ``name_or_path`` set to it).
+        weights: a ``policy.pt`` loaded over that model, or None.
+        seed: builds a random ``model.config`` model as its run built it.
+        run_dir: the training run folder it belongs to, or None.
+        run_config: that run's config.yaml, or None.
+        fingerprint: a digest of what identifies its weights and tokenizer (cache keys).
+    """
+
+    label: str
+    kind: str
+    model_config: DictConfig
+    weights: str | None
+    seed: int
+    run_dir: str | None = None
+    run_config: DictConfig | None = None
+    fingerprint: str = ""
+
+
+def _stat(path: str) -> list:
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
+
+
+def _folder_stat(path: str) -> list:
+    names = sorted(n for n in os.listdir(path) if n.endswith((".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")))
+    return [_stat(os.path.join(path, n)) for n in names]
+
+
+def _fingerprint(source: Source) -> str:
+    model = OmegaConf.to_container(source.model_config, resolve=True)
+    where = _folder_stat(source.model_config.name_or_path) if source.kind == "hf" else None
+    return utils.digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where])
+
+
+def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Source:
+    real = os.path.realpath(checkpoint)
+    run_dir = os.path.dirname(real)
+    saved = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        raise ConfigError(
+            f"{what}={spec}: its run folder {run_dir} has no config.yaml, which says what model the checkpoint is; "
+            "give the checkpoint of a run made by train.py, or its hf/ folder."
+        )
+    run_config = OmegaConf.load(saved)
+    if run_config.get("loss", {}).get("name") == "reward":
+        raise ConfigError(
+            f"{what}={spec} is a reward model (loss=reward), not a policy; give it to the judge as "
+            f"reward_model.name_or_path={os.path.join(run_dir, 'LATEST', 'hf')}."
+        )
+    label = os.path.basename(run_dir) + ("" if kind == "run" else "/" + os.path.basename(real))
+    source = Source(label, kind, run_config.model, os.path.join(real, "policy.pt"), int(run_config.seed), run_dir, run_config)
+    source.fingerprint = _fingerprint(source)
+    return source
+
+
+def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
+    """The model ``spec`` names: a run folder (its LATEST checkpoint), a checkpoint folder
+    (``step-N/``, ``LATEST``) or its ``policy.pt``, a Hugging Face folder (``config.json``, such
+    as a checkpoint's ``hf/``) or a hub id. A run's checkpoint is built from the run's saved
+    ``model`` section; an hf folder or hub id from evaluate's ``model.*`` (tokenizer, chat
+    template, dtype) with ``name_or_path`` set to it.
+
+    Raises:
+        ConfigError: for a path that does not exist, a file that is not a ``.pt``, a folder that
+            is not a model, a run folder without a checkpoint, or a reward model.
+    """
+    spec = str(spec)
+    path = os.path.expanduser(spec)
+    if os.path.isfile(path):
+        if not path.endswith(".pt"):
+            raise ConfigError(
+                f"{what}={spec} is a file but not a checkpoint's policy.pt; give a run folder, a checkpoint, a Hugging Face folder or a hub id."
+            )
+        return _checkpoint_source(os.path.dirname(path), spec, what, "checkpoint")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "policy.pt")):
+            return _checkpoint_source(path, spec, what, "checkpoint")
+        if os.path.isfile(os.path.join(path, "config.json")):
+            with open(os.path.join(path, "config.json")) as f:
+                architectures = json.load(f).get("architectures") or []
+            if any(a.endswith("ForSequenceClassification") for a in architectures):
+                raise ConfigError(
+                    f"{what}={spec} is a sequence-classification (reward) model, not a policy; give it as reward_model.name_or_path."
+                )
+            model_config = config.model.copy()
+            model_config.name_or_path, model_config.config = path, None
+            parent = os.path.dirname(os.path.realpath(path))
+            run_dir = os.path.dirname(parent) if os.path.isfile(os.path.join(os.path.dirname(parent), "config.yaml")) else None
+            label = (
+                f"{os.path.basename(run_dir)}/{os.path.basename(parent)}/{os.path.basename(path)}"
+                if run_dir
+                else os.path.basename(os.path.abspath(path))
+            )
+            source = Source(label, "hf", model_config, None, int(config.seed), run_dir)
+            source.fingerprint = _fingerprint(source)
+            return source
+        if os.path.isfile(os.path.join(path, "config.yaml")):
+            if os.path.isfile(os.path.join(path, "LATEST", "policy.pt")):
+                return _checkpoint_source(os.path.join(path, "LATEST"), spec, what, "run")
+            raise ConfigError(
+                f"{what}={spec} is a run folder without a checkpoint (no LATEST/policy.pt); evaluate a run that has saved one."
+            )
+        raise ConfigError(
+            f"{what}={spec} is a folder but not a model: it holds no config.yaml with LATEST/policy.pt (a run folder), "
+            "no policy.pt (a checkpoint) and no config.json (a Hugging Face model folder)."
+        )
+    if utils.looks_local(spec):
+        raise ConfigError(f"{what}={spec} does not exist; give a run folder, a checkpoint, a Hugging Face folder or a hub id.")
+    model_config = config.model.copy()
+    model_config.name_or_path, model_config.config = spec, None
+    source = Source(spec, "hub", model_config, None, int(config.seed))
+    source.fingerprint = _fingerprint(source)
+    return source
+
+
+def reference_source(policy: Source) -> Source:
+    """The reference of a policy trained here: its run's ``model.archive`` (the SFT checkpoint
+    DPO started from) loaded into its model, or that model as it was before training (its
+    pretrained weights, or its seeded random init) when the run had no archive.
+
+    Raises:
+        ConfigError: if the policy is not a run's checkpoint, or its archive is not a file here.
+    """
+    if policy.run_config is None:
+        raise ConfigError(
+            f"baseline=reference needs a policy trained here (a run folder or checkpoint), whose model.archive or base model is "
+            f"its reference; {policy.label} is not one: give its base model as baseline=<folder or hub id>."
+        )
+    archive = policy.model_config.get("archive")
+    if archive is not None and not os.path.isfile(archive):
+        raise ConfigError(
+            f"The reference of {policy.label} is model.archive={archive}, which is not a file here; run evaluate.py from the "
+            "folder that run was started in, or give that checkpoint as baseline=<its folder>."
+        )
+    label = f"reference ({archive or policy.model_config.get('name_or_path') or 'random init'})"
+    source = Source(label, "reference", policy.model_config, archive, policy.seed, policy.run_dir, policy.run_config)
+    source.fingerprint = _fingerprint(source)
+    return source
+
+
+def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
+    """(model in eval mode on ``device``, tokenizer) of ``source``. A LoRA run's ``policy.pt``
+    (adapters only, with its ``lora`` settings) is loaded onto its base: the run's model with its
+    ``model.archive``, then ``utils.apply_lora``.
+
+    Raises:
+        ConfigError: when the model or tokenizer cannot be loaded, or the weights file holds
+            another model's weights.
+    """
+    tokenizer = utils.load_tokenizer(source.model_config)
+    model = utils.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
+    if source.weights is not None:
+        try:
+            checkpoint = torch.load(source.weights, map_location="cpu", weights_only=False)
+            if checkpoint.get("lora") is None:
+                model.load_state_dict(checkpoint["state"])
+            else:
+                archive = source.model_config.get("archive")
+                if archive is not None:
+                    model.load_state_dict(torch.load(archive, map_location="cpu", weights_only=False)["state"])
+                model = utils.apply_lora(model, OmegaConf.create(checkpoint["lora"]))
+                # the adapters are named as in the base that peft injected them into (trainers: policy_checkpoint)
+                unexpected = model.get_base_model().load_state_dict(checkpoint["state"], strict=False).unexpected_keys
+                if unexpected:
+                    raise RuntimeError(f"unexpected adapter weights, e.g. {unexpected[0]!r}")
+        except (RuntimeError, KeyError, TypeError, AttributeError, OSError, EOFError) as e:
+            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise ConfigError(
+                f"{source.weights} could not be loaded into {source.label}'s model ({detail}); give a checkpoint of a run of that model."
+            ) from e
+    model.to(device).eval()
+    return model, tokenizer
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+ROLE_TAGS = {"user": "Human", "assistant": "Assistant", "system": "System"}
+
+
+def messages_text(messages: list[dict]) -> str:
+    """A conversation as HH's plain text (``"\\n\\nHuman: ...\\n\\nAssistant:"``, a system message
+    as ``System:``), ending with the tag the next assistant turn follows: what a reward model
+    trained on plain-text HH, or an LLM judge, reads."""
+    turns = "".join(f"\n\n{ROLE_TAGS.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages)
+    return turns + preference_datasets.ASSISTANT_TAG
+
+
+def response_text(response) -> str:
+    """A chosen response as text: a string as it is, a message list as its assistant contents."""
+    if isinstance(response, str):
+        return response
+    return "\n\n".join(m["content"] for m in response if m.get("role") == "assistant")
+
+
+def load_items(config: DictConfig, silent: bool = False) -> list[dict]:
+    """The first ``n_prompts`` held-out prompts (split "test") of each dataset in ``datasets``,
+    in the dataset's order.
+
+    Each item: ``id`` (``<dataset>/<k>``), ``index`` (its place in the list), ``dataset``, ``prompt`` (as the dataset gives it: a
+    string, or a list of messages that each policy's chat template renders), ``judge_prompt``
+    (text: :func:`messages_text` of a conversation), ``chosen`` (the dataset's chosen response as
+    text, with ``baseline=chosen``; else None), ``conversation`` and ``truncation_mode``.
+
+    Raises:
+        ConfigError: with ``baseline=chosen``, for a dataset that has prompts only (tldr).
+        DataError: as the loaders (an unknown dataset, a bad file, an empty held-out split).
+    """
+    options = OmegaConf.to_container(config.data, resolve=True)
+    items = []
+    for name in config.datasets:
+        if config.baseline == "chosen":
+            if name not in preference_datasets.DATASETS:
+                raise ConfigError(
+                    f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
+                    "use baseline=reference or another policy."
+                )
+            data = preference_datasets.load_dataset_dict(name, "test", options.get(name), silent)
+            entries = [(entry.get("prompt_messages", key), entry["sft_target"]) for key, entry in data.items()]
+        else:
+            entries = [(p, None) for p in preference_datasets.load_prompts([name], "test", options, silent)]
+        mode = preference_datasets.prompt_truncation_mode(name)
+        for k, (prompt, chosen) in enumerate(entries[: config.n_prompts]):
+            conversation = isinstance(prompt, list)
+            items.append(
+                {
+                    "id": f"{name}/{k}",
+                    "index": len(items),
+                    "dataset": name,
+                    "prompt": prompt,
+                    "judge_prompt": messages_text(prompt) if conversation else prompt,
+                    "chosen": None if chosen is None else judged_response(response_text(chosen), conversation),
+                    "conversation": conversation,
+                    "truncation_mode": mode,
+                }
+            )
+    return items
+
+
+def judged_response(text: str, conversation: bool) -> str:
+    """A response as the judge reads it: as it is after a plain-text prompt; after a
+    conversation's :func:`messages_text` (which ends with ``Assistant:``), one space, then the
+    text stripped, whoever wrote it (so a chat model's reply and the chosen one look alike)."""
+    return " " + text.strip() if conversation else text
+
+
+def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[int]]:
+    """Each item's prompt as ``tokenizer``'s model sees it when sampling: a conversation
+    rendered by its chat template (``preference_datasets.render_conversations``, earliest
+    turns dropped to fit), then ``preference_datasets.tokenize_prompt`` (BOS, cut to
+    ``max_prompt_length`` at the dataset's end).
+
+    Raises:
+        DataError: for a conversation and a tokenizer without a chat template.
+    """
+    examples = [
+        {
+            "prompt": it["prompt"],
+            "truncation_mode": it["truncation_mode"],
+            **({"conversation": True} if it["conversation"] else {}),
+        }
+        for it in items
+    ]
+    examples = preference_datasets.render_conversations(
+        examples, tokenizer, config.max_length, config.max_prompt_length, silent=True, split="test"
+    )
+    return [
+        preference_datasets.tokenize_prompt(
+            ex["prompt"], tokenizer, config.max_prompt_length, ex["truncation_mode"], "end_token_id" in ex
+        )["prompt_input_ids"]
+        for ex in examples
+    ]
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
+    """The text ``completion`` adds after ``prompt``: decode(prompt + completion) minus
+    decode(prompt), special tokens skipped. Decoding the completion alone would drop the space a
+    SentencePiece tokenizer writes in its first token ("▁Hello" decodes to "Hello"), and the
+    judge would read "Assistant:Hello"; when the decoded prompt is not a prefix (a tokenizer
+    that cleans up spaces), the completion decoded alone."""
+    whole = tokenizer.decode(prompt + completion, skip_special_tokens=True)
+    head = tokenizer.decode(prompt, skip_special_tokens=True)
+    if whole.startswith(head):
+        return whole[len(head) :]
+    return tokenizer.decode(completion, skip_special_tokens=True)
+
+
+def generate_batch(
+    model, tokenizer, stop_ids: list[int], prompts: list[list[int]], temperature: float, config, seed: int
+) -> list[dict]:
+    """One sample per prompt, the prompts left-padded in one ``generate`` call seeded with
+    ``seed``: greedy at temperature 0, else sampled at ``temperature`` (``top_k``, ``top_p``),
+    at most ``max_new_tokens``, stopping at EOS or the chat template's end-of-turn token.
+
+    Returns:
+        per prompt ``{"text": :func:`completion_text`, "n_tokens": generated tokens up to and
+        with the stop token, "ended": whether it stopped at one}``.
+    """
+    from transformers import GenerationConfig
+
+    pad = tokenizer.pad_token_id
+    ids, mask = preference_datasets.left_pad(prompts, pad)
+    sampling = temperature > 0
+    generation = GenerationConfig(
+        do_sample=sampling,
+        temperature=temperature if sampling else 1.0,
+        top_k=config.top_k if sampling else None,
+        top_p=config.top_p if sampling else 1.0,
+        max_new_tokens=config.max_new_tokens,
+        pad_token_id=pad,
+        eos_token_id=stop_ids,
+    )
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=generation)
+    completions = out[:, ids.shape[1] :].cpu()
+    keep = completion_mask(completions, stop_ids)
+    samples = []
+    for prompt, row, m in zip(prompts, completions, keep):
+        tokens = row[m].tolist()
+        ended = bool(tokens) and tokens[-1] in stop_ids
+        text = completion_text(tokenizer, list(prompt), tokens[:-1] if ended else tokens)
+        samples.append({"text": text, "n_tokens": len(tokens), "ended": ended})
+    return samples
+
+
+# ----------------------------------------------------------------------------- the on-disk cache
+
+
+class Cache:
+    """Records ``{"key": ..., ...}`` in ``<folder>/<name>-rank<r>.jsonl``: every rank's files are
+    read when it opens (a line cut short by a kill is skipped), each rank appends to its own
+    file (flushed and synced after each :meth:`put`), so a resumed evaluation, on any number of
+    processes, finds what every earlier rank finished."""
+
+    def __init__(self, folder: str, name: str, rank: int = 0):
+        self.records: dict[str, dict] = {}
+        for path in sorted(glob.glob(os.path.join(folder, f"{name}-rank*.jsonl"))):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        record = json.loads(line)
+                    except ValueError:
+                        continue
+                    self.records[record["key"]] = record
+        self.path = os.path.join(folder, f"{name}-rank{rank}.jsonl")
+        if os.path.exists(self.path) and os.path.getsize(self.path):
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                cut = f.read(1) != b"\n"
+            if cut:  # the last line of a killed process: start the next one on a line of its own
+                with open(self.path, "a") as f:
+                    f.write("\n")
+        self.added = 0
+
+    def get(self, key: str) -> dict | None:
+        """The record stored under ``key``, or None."""
+        return self.records.get(key)
+
+    def put(self, records: list[dict]) -> None:
+        """Store ``records`` (each with its ``key``) in memory and on disk."""
+        if not records:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+                self.records[record["key"]] = record
+            f.flush()
+            os.fsync(f.fileno())
+        self.added += len(records)
+
+
+def sample_key(source: Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
+    """The cache key of the ``i``-th sample of a batch: the model, the side, the temperature, the
+    seed, the generation settings and the batch's prompts (which share one ``generate`` call)."""
+    settings = [config.seed, config.max_new_tokens, config.top_k, config.top_p, config.max_prompt_length, config.max_length]
+    return utils.digest([source.fingerprint, side, float(temperature), settings, batch_digest, i])
+
+
+def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
+    """The seed of one batch's ``generate`` call: from ``seed``, the side, the temperature and
+    the batch's prompts (not the rank or the order of work, so any number of processes agrees)."""
+    return int(utils.digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
+
+
+def sample_all(source: Source, side: str, batches: list[list[dict]], config, cache: Cache, device, show: bool) -> dict:
+    """Samples of ``source`` for every item of ``batches`` at every temperature, taken from
+    ``cache`` or generated (the model is loaded only if something is missing) and cached batch
+    by batch.
+
+    Returns:
+        {(item id, temperature): sample record}.
+    """
+    temps = [float(t) for t in config.temperatures]
+    digests = [utils.digest([json.dumps(it["prompt"]) for it in batch]) for batch in batches]
+    keys = {
+        (b, t): [sample_key(source, side, t, config, digests[b], i) for i in range(len(batch))]
+        for b, batch in enumerate(batches)
+        for t in temps
+    }
+    todo = [(b, t) for (b, t), ks in keys.items() if any(cache.get(k) is None for k in ks)]
+    if todo:
+        model, tokenizer = load_source(source, device)
+        stop_ids = preference_datasets.stop_token_ids(tokenizer)
+        ids = {b: prompt_ids(batches[b], tokenizer, config) for b in sorted({b for b, _ in todo})}
+        from tqdm import tqdm
+
+        for b, t in tqdm(todo, desc=f"sampling {side}: {source.label}", disable=not show, leave=False):
+            samples = generate_batch(model, tokenizer, stop_ids, ids[b], t, config, batch_seed(config, side, t, digests[b]))
+            records = [
+                {"key": k, "side": side, "id": it["id"], "temperature": t, **s}
+                for k, it, s in zip(keys[(b, t)], batches[b], samples)
+                if cache.get(k) is None
+            ]
+            cache.put(records)
+        del model
+    return {(it["id"], t): cache.get(keys[(b, t)][i]) for (b, t) in keys for i, it in enumerate(batches[b])}
+
+
+# ----------------------------------------------------------------------------- judging
+
+
+class Judge:
+    """The judge ``judge=`` names, built lazily from the config sections online DPO uses
+    (``rewards.build_scorer``: ``reward_model.*``, ``judge.*``), with its cache.
+
+    - ``reward_model``: each response is scored (cached per prompt and response), A wins when its
+      score is higher (:func:`compare_scores`).
+    - ``reward_model_judge``, ``http_judge``: pairwise, each pair asked in both orders (cached per
+      order) and combined by :func:`combine_orders`. The HTTP judge's ``judge.template`` null
+      uses the DPO paper's prompt for the task (summarisation for tldr, else dialogue); it is
+      never shuffled (both orders are asked).
+
+    A failed judgement is not cached: a resumed evaluation asks it again. Built (and checked:
+    the reward model's folder, the HTTP judge's settings) before anything is sampled; ``cache``
+    is set once the output folder exists.
+
+    Raises:
+        ConfigError: for an unknown judge, a missing reward model, or bad ``judge.*`` settings.
+    """
+
+    def __init__(self, config: DictConfig, cache: Cache | None = None):
+        self.config = config
+        self.kind = config.judge.name
+        self.cache = cache
+        self._built: dict[str, object] = {}
+        self.errors: list[str] = []
+        if self.kind not in rewards.SCORERS:
+            raise ConfigError(f"Unknown judge={self.kind}; choose one of {', '.join(rewards.SCORERS)}.")
+        if self.kind == "http_judge":
+            for template in {self.template(it) for it in ({"dataset": d} for d in config.datasets)}:
+                self._identity(template)  # checks base_url, model and the template now, before any sampling
+        else:
+            self._check_reward_model()
+
+    def _check_reward_model(self) -> None:
+        path = self.config.reward_model.name_or_path
+        if path is None:
+            raise ConfigError(f"judge={self.kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
+        if utils.looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+            raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
+
+    def template(self, item: dict):
+        """The HTTP judge's template for ``item``: ``judge.template``, or the paper's for its task."""
+        if self.config.judge.template is not None:
+            return self.config.judge.template
+        return SUMMARY_TEMPLATE if item["dataset"] in SUMMARY_DATASETS else DIALOGUE_TEMPLATE
+
+    def _scorer_config(self, template=None) -> DictConfig:
+        config = self.config.copy()
+        config.online.scorer = self.kind
+        config.judge.shuffle_order = False
+        if self.kind == "http_judge":
+            config.judge.template = template
+        return config
+
+    def _build(self, template=None):
+        name = str(template)
+        if name not in self._built:
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+            self._built[name] = rewards.build_scorer(self._scorer_config(template), device=device)
+        return self._built[name]
+
+    def _identity(self, template=None) -> str:
+        if self.kind == "http_judge":
+            judge = rewards.build_scorer(self._scorer_config(template))  # no request is made
+            return utils.digest(["http", judge.url, judge.model, judge.template, judge.max_tokens])
+        path = os.path.expanduser(self.config.reward_model.name_or_path)
+        where = _folder_stat(path) if os.path.isdir(path) else path
+        return utils.digest([self.kind, where, self.config.reward_model.max_length])
+
+    def judge_all(self, rows: list[dict]) -> None:
+        """Set ``verdict`` and ``detail`` of each row (``judge_prompt``, ``a``, ``b``, ``dataset``),
+        asking only what the cache lacks, :data:`JUDGE_CHUNK` requests (or texts to score) at a time."""
+        chunk = JUDGE_CHUNK
+        if self.kind == "reward_model":
+            self._by_scores(rows, chunk)
+        else:
+            self._pairwise(rows, chunk)
+
+    def _by_scores(self, rows: list[dict], chunk: int) -> None:
+        identity = self._identity()
+        key = lambda prompt, text: utils.digest([identity, prompt, text])  # noqa: E731
+        wanted = {}
+        for row in rows:
+            for text in (row["a"], row["b"]):
+                k = key(row["judge_prompt"], text)
+                if self.cache.get(k) is None:
+                    wanted[k] = (row["judge_prompt"], text)
+        todo = list(wanted.items())
+        for start in range(0, len(todo), chunk):
+            part = todo[start : start + chunk]
+            scores = self._build().score([p for _, (p, _) in part], [t for _, (_, t) in part]).tolist()
+            self.cache.put([{"key": k, "score": s} for (k, _), s in zip(part, scores) if not math.isnan(s)])
+            self.errors += ["NaN score" for s in scores if math.isnan(s)]
+        for row in rows:
+            a, b = (self.cache.get(key(row["judge_prompt"], t)) for t in (row["a"], row["b"]))
+            sa, sb = (float("nan") if r is None else r["score"] for r in (a, b))
+            row["verdict"] = compare_scores(sa, sb)
+            row["detail"] = {"score_a": None if a is None else sa, "score_b": None if b is None else sb}
+
+    def _pairwise(self, rows: list[dict], chunk: int) -> None:
+        identities = {}
+        requests = {}  # key -> (template, prompt, first, second)
+        for row in rows:
+            template = self.template(row)
+            if template not in identities:
+                identities[template] = self._identity(template)
+            row["_keys"] = []
+            for first, second in ((row["a"], row["b"]), (row["b"], row["a"])):
+                k = utils.digest([identities[template], row["judge_prompt"], first, second])
+                row["_keys"].append(k)
+                if row["a"] != row["b"] and self.cache.get(k) is None:
+                    requests[k] = (template, row["judge_prompt"], first, second)
+        by_template: dict = {}
+        for k, (template, p, first, second) in requests.items():
+            by_template.setdefault(template, []).append((k, p, first, second))
+        for template, todo in by_template.items():
+            judge = self._build(template)
+            for start in range(0, len(todo), chunk):
+                part = todo[start : start + chunk]
+                answers = judge.judge([p for _, p, _, _ in part], [(f, s) for _, _, f, s in part])
+                self.cache.put([{"key": k, "answer": a} for (k, _, _, _), a in zip(part, answers) if a is not None])
+                self.errors += list(judge.last_errors)
+        for row in rows:
+            keys = row.pop("_keys")
+            if row["a"] == row["b"]:
+                row["verdict"], row["detail"] = "tie", {"identical": True}
+                continue
+            answers = [None if self.cache.get(k) is None else self.cache.get(k)["answer"] for k in keys]
+            row["verdict"] = combine_orders(*answers)
+            row["detail"] = {"a_first": answers[0], "b_first": answers[1]}
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def temperature_key(t: float) -> str:
+    """A temperature as results.json's key: ``"0.25"``, ``"1"``, ``"0"`` (greedy)."""
+    return f"{float(t):g}"
+
+
+def plot_win_rates(series: list[dict], path: str, baseline: str, judge: str) -> None:
+    """The paper's figure: win rate against sampling temperature, one line per policy, its 95%
+    interval as a band; 0.5 dashed.
+
+    Args:
+        series: ``{"label": str, "temperatures": {key: results of that temperature}}`` each.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    for s in series:
+        points = sorted((float(t), r) for t, r in s["temperatures"].items() if r.get("win_rate") is not None)
+        if not points:
+            continue
+        xs = [t for t, _ in points]
+        (line,) = ax.plot(xs, [r["win_rate"] for _, r in points], marker="o", label=s["label"])
+        ax.fill_between(
+            xs, [r["ci_low"] for _, r in points], [r["ci_high"] for _, r in points], color=line.get_color(), alpha=0.2
+        )
+    ax.axhline(0.5, color="gray", linestyle="--", linewidth=0.8)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("sampling temperature (0 = greedy)")
+    others = any(s["label"].endswith(")") and " (vs " in s["label"] for s in series)  # plot_with lines of another baseline
+    ax.set_ylabel(f"win rate vs {baseline}" + (" (or as named)" if others else ""))
+    ax.set_title(f"judge: {judge} (bands: 95% Wilson interval)", fontsize=9)
+    if any(line.get_label() and not line.get_label().startswith("_") for line in ax.get_lines()):
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_html(rows: list[dict], path: str, title: str) -> None:
+    """A page of side-by-side samples: per temperature, each prompt with A's and B's response and
+    the verdict (and the scores, or the judge's answer in each order); all text escaped."""
+    esc = html.escape
+    names = {0: "A better", 1: "B better", rewards.TIE: "tie", None: "failed"}
+    parts = [
+        "<!doctype html><meta charset='utf-8'>",
+        f"<title>{esc(title)}</title>",
+        "<style>body{font-family:sans-serif}td{vertical-align:top;white-space:pre-wrap;border:1px solid #ccc;padding:4px;max-width:40em}"
+        ".win{background:#dfd}.loss{background:#fdd}.tie{background:#eee}.failed{background:#fd9}</style>",
+        f"<h1>{esc(title)}</h1>",
+    ]
+    for t in sorted({r["temperature"] for r in rows}):
+        parts.append(
+            f"<h2>temperature {esc(temperature_key(t))}</h2><table><tr><th>#</th><th>prompt</th><th>A</th><th>B</th><th>verdict</th></tr>"
+        )
+        for r in (r for r in rows if r["temperature"] == t):
+            d = r.get("detail") or {}
+            if "score_a" in d:
+                why = f"scores A {d['score_a']}, B {d['score_b']}"
+            elif d.get("identical"):
+                why = "identical responses"
+            else:
+                why = f"A first: {names.get(d.get('a_first'))}; B first: {names.get(1 - d['b_first'] if d.get('b_first') in (0, 1) else d.get('b_first'))}"
+            parts.append(
+                f"<tr class='{esc(r['verdict'])}'><td>{esc(r['id'])}</td><td>{esc(r['judge_prompt'])}</td><td>{esc(r['a'])}</td>"
+                f"<td>{esc(r['b'])}</td><td>{esc(r['verdict'])}<br><small>{esc(why)}</small></td></tr>"
+            )
+        parts.append("</table>")
+    utils.write_atomic(path, "\n".join(parts) + "\n")
+
+
+def summarize(rows: list[dict], config, policy: Source, baseline_label: str) -> dict:
+    """results.json's content: the settings, :data:`INTERVAL`, and per temperature
+    :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
+    and their mean length in tokens (``a_tokens``)."""
+    temperatures = {}
+    for t in config.temperatures:
+        mine = [r for r in rows if r["temperature"] == float(t)]
+        stats = win_rate_stats([r["verdict"] for r in mine], config.max_failure_rate)
+        stats["a_ended"] = sum(r["a_ended"] for r in mine) / len(mine) if mine else None
+        stats["a_tokens"] = sum(r["a_tokens"] for r in mine) / len(mine) if mine else None
+        temperatures[temperature_key(t)] = stats
+    return {
+        "policy": policy.label,
+        "baseline": baseline_label,
+        "judge": config.judge.name,
+        "reward_model": config.reward_model.name_or_path if config.judge.name != "http_judge" else None,
+        "judge_model": config.judge.model if config.judge.name == "http_judge" else None,
+        "datasets": list(config.datasets),
+        "n_prompts": config.n_prompts,
+        "seed": config.seed,
+        "max_new_tokens": config.max_new_tokens,
+        "interval": INTERVAL,
+        "max_failure_rate": config.max_failure_rate,
+        "temperatures": temperatures,
+    }
+
+
+def results_table(results: dict) -> str:
+    """The per-temperature results as a Markdown table."""
+    lines = ["| temperature | win rate | 95% interval | tie rate | n | failed |", "|---|---|---|---|---|---|"]
+    for t, r in results["temperatures"].items():
+        if r["win_rate"] is None:
+            lines.append(f"| {t} | - | - | - | 0 | {r['failed']} |")
+        else:
+            lines.append(
+                f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']} | {r['failed']} |"
+            )
+    return "\n".join(lines)
+
+
+def plot_series(results: dict, others: list) -> list[dict]:
+    """This evaluation's line and those of the evaluation folders (or results.json files) in ``plot_with``.
+
+    Raises:
+        ConfigError: for a ``plot_with`` entry that holds no results.json.
+    """
+    series = [{"label": results["policy"], "temperatures": results["temperatures"]}]
+    for other in others:
+        path = os.path.join(other, "results.json") if os.path.isdir(other) else other
+        if not os.path.isfile(path):
+            raise ConfigError(f"plot_with={other} holds no results.json; give the folders of finished evaluations.")
+        with open(path) as f:
+            got = json.load(f)
+        label = got["policy"] + ("" if got["baseline"] == results["baseline"] else f" (vs {got['baseline']})")
+        series.append({"label": label, "temperatures": got["temperatures"]})
+    return series
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM during an evaluation; ``output_dir`` is the folder to resume."""
+
+    def __init__(self, output_dir: str):
+        super().__init__(output_dir)
+        self.output_dir = output_dir
+
+
+def check_config(config: DictConfig) -> None:
+    """Raise ConfigError (one sentence) for a missing policy, an empty or negative temperature
+    list, ``n_prompts`` / ``max_new_tokens`` / ``generate_batch_size`` < 1, ``max_failure_rate``
+    outside [0, 1], ``datasets`` that is not a list, or an unknown ``judge``."""
+    if OmegaConf.is_missing(config, "policy") or config.policy is None:
+        raise ConfigError("Give the policy to evaluate: policy=<run folder | checkpoint | hf folder | hub id>.")
+    temps = config.temperatures
+    if not OmegaConf.is_list(temps) or not len(temps) or not all(isinstance(t, (int, float)) and t >= 0 for t in temps):
+        raise ConfigError(
+            f"temperatures must be a list of numbers >= 0 (0: greedy), e.g. temperatures=[0.25,0.5,0.75,1.0]; got {temps}."
+        )
+    if len({float(t) for t in temps}) != len(temps):
+        raise ConfigError(f"temperatures={list(temps)} repeats a temperature; give each once.")
+    for key in ("n_prompts", "max_new_tokens", "generate_batch_size"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
+    if not 0 <= config.max_failure_rate <= 1:
+        raise ConfigError(f"max_failure_rate must be in [0, 1], got {config.max_failure_rate}.")
+    if not OmegaConf.is_list(config.datasets) or not len(config.datasets):
+        raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
+    if config.judge.get("name") not in rewards.SCORERS:
+        raise ConfigError(f"Unknown judge={config.judge.get('name')}; choose one of {', '.join(rewards.SCORERS)}.")
+
+
+def effective_config(config: DictConfig) -> DictConfig:
+    """The config to run: with ``resume=<evaluation folder>``, the config saved there (and the
+    folder as ``output_dir``).
+
+    Raises:
+        ConfigError: if that folder holds no evaluation's config.yaml.
+    """
+    if config.get("resume") is None:
+        return config
+    folder = str(config.resume)
+    saved = os.path.join(folder, "config.yaml")
+    if not os.path.isfile(saved) or "policy" not in OmegaConf.load(saved):
+        raise ConfigError(
+            f"resume={folder} is not an evaluation folder (no config.yaml of evaluate.py in it); give the folder evaluate.py printed."
+        )
+    config = OmegaConf.load(saved)
+    config.resume, config.output_dir = folder, folder
+    return config
+
+
+def default_output_dir(config: DictConfig, policy: Source, baseline_label: str) -> str:
+    """``<policy's run folder>/eval/<name>_<timestamp>``, or ``<output_root>/eval/<name>_<timestamp>``
+    for a hub id or a folder outside a run; ``name`` defaults to ``vs_<baseline>_<judge>``."""
+    name = config.name or f"vs_{baseline_label}_{config.judge.name}"
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
+    root = os.path.join(policy.run_dir if policy.run_dir else config.output_root, "eval")
+    os.makedirs(root, exist_ok=True)
+    return utils.make_run_dir(root, name)
+
+
+def main(config: DictConfig) -> str:
+    """Run one evaluation (one rank of it under torchrun); returns its output folder.
+
+    Raises:
+        ConfigError, DataError: bad input (one sentence), before any sampling where it can be
+            seen then; also when every judgement failed (after the results are written).
+        Interrupted: on Ctrl-C / SIGTERM, after what was finished is on disk.
+    """
+    config = effective_config(config)
+    check_config(config)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    rank = utils.init_distributed(config.get("dist_timeout_minutes", 60)) if world > 1 else 0
+    utils.set_threads(config.num_threads)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    policy = resolve_source(config.policy, config, "policy")
+    policy.label = config.get("label") or policy.label
+    if config.baseline == "chosen":
+        baseline, baseline_label = None, "chosen"
+    elif config.baseline == "reference":
+        baseline = reference_source(policy)
+        baseline_label = "reference"
+    else:
+        baseline = resolve_source(config.baseline, config, "baseline")
+        baseline_label = baseline.label
+    baseline_label = config.get("baseline_label") or baseline_label
+    judge = Judge(config)  # its settings checked before any folder is made
+    items = load_items(config, silent=rank != 0)
+    if not items:
+        raise DataError(f"datasets={list(config.datasets)} gave no prompts; give a dataset with a held-out split.")
+
+    out, refusal, lock = None, None, None
+    if rank == 0:
+        try:
+            out = config.get("output_dir") or default_output_dir(config, policy, baseline_label)
+            os.makedirs(out, exist_ok=True)
+            lock = utils.lock_run_dir(out)
+            if config.get("resume") is None:
+                OmegaConf.save(config, os.path.join(out, "config.yaml"))
+        except (ConfigError, OSError) as e:
+            refusal = str(e)
+    if world > 1:
+        out, refusal = utils.broadcast_object((out, refusal))
+    if refusal is not None:
+        raise ConfigError(refusal)
+    if rank == 0:
+        print(f"Evaluation folder: {out}", flush=True)
+    try:
+        return _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge)
+    except KeyboardInterrupt:
+        raise Interrupted(out) from None
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge) -> str:
+    """main()'s work once the folder is held: sample, judge, gather, write, report."""
+    samples = Cache(out, "samples", rank)
+    judge.cache = Cache(out, "judgements", rank)
+    size = config.generate_batch_size
+    batches = [items[i : i + size] for i in range(0, len(items), size)]
+    mine = [b for k, b in enumerate(batches) if k % world == rank]
+    show = rank == 0 and bool(config.get("progress_bar", True))
+    a = sample_all(policy, "A", mine, config, samples, device, show)
+    b = sample_all(baseline, "B", mine, config, samples, device, show) if baseline is not None else None
+    rows = []
+    for batch in mine:
+        for it in batch:
+            for t in (float(x) for x in config.temperatures):
+                sa = a[(it["id"], t)]
+                text_b = it["chosen"] if b is None else judged_response(b[(it["id"], t)]["text"], it["conversation"])
+                rows.append(
+                    {
+                        "id": it["id"],
+                        "index": it["index"],
+                        "dataset": it["dataset"],
+                        "temperature": t,
+                        "judge_prompt": it["judge_prompt"],
+                        "a": judged_response(sa["text"], it["conversation"]),
+                        "b": text_b,
+                        "a_ended": sa["ended"],
+                        "a_tokens": sa["n_tokens"],
+                    }
+                )
+    judge.judge_all(rows)
+    errors = judge.errors
+    if world > 1:
+        gathered = utils.all_gather_object((rows, errors[:5]))
+        rows = [r for part, _ in gathered for r in part]
+        errors = [e for _, part in gathered for e in part]
+    rows.sort(key=lambda r: (r["temperature"], r["index"]))
+    results = summarize(rows, config, policy, baseline_label)
+    if rank == 0:
+        utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
+        with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
+            for r in rows:
+                f.write(json.dumps(r) + "\n")
+        os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
+        title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
+        write_html(rows, os.path.join(out, "samples.html"), title)
+        plot_win_rates(
+            plot_series(results, list(config.get("plot_with") or [])),
+            os.path.join(out, "win_rates.png"),
+            baseline_label,
+            config.judge.name,
+        )
+        print(f"{title} ({INTERVAL}):\n{results_table(results)}")
+        for t, r in results["temperatures"].items():
+            if r["too_many_failures"]:
+                print(
+                    f"Warning: at temperature {t}, {r['failed']} of {r['failed'] + r['n']} judgements failed "
+                    f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
+                    + (f" (e.g. {errors[0]})." if errors else ".")
+                )
+        print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, samples.html")
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+    if rows and all(r["verdict"] == "failed" for r in rows):
+        why = f"; e.g. {errors[0]}" if errors else ""
+        raise ConfigError(
+            f"Every judgement failed ({len(rows)} of {len(rows)}{why}); results.json records it: fix the judge, then "
+            f"python evaluate.py resume={out} asks again without resampling."
+        )
+    return out
+
+
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
+@hydra.main(version_base="1.3", config_path="config", config_name="evaluate")
+def hydra_main(config: DictConfig) -> None:
+    """The command line: run, and turn errors and interrupts into exit codes (2 for bad input,
+    130 Ctrl-C, 143 SIGTERM, after printing how to resume)."""
+    import train
+
+    rank = int(os.environ.get("RANK", 0))
+    got = {}
+    signal.signal(signal.SIGTERM, lambda s, f: (got.setdefault("signal", s), _stop(s, f)))
+    try:
+        main(config)
+    except (ConfigError, DataError) as e:
+        train.say_once_per_node(e, rank)
+        sys.exit(2)
+    except Interrupted as e:
+        if rank == 0:
+            print(
+                f"\nInterrupted; python evaluate.py resume={e.output_dir} continues without redoing finished samples and judgements.",
+                file=sys.stderr,
+            )
+        sys.exit(128 + got.get("signal", signal.SIGINT))
+
+
+if __name__ == "__main__":
+    import train
+
+    overrides = sys.argv[1:]
+    problem = None if any(a.startswith("-") for a in overrides) else train.override_error(overrides, config_name="evaluate")
+    if problem is not None:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            print(f"Error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if "RANK" not in os.environ:
+        hydra_main()
+    else:
+        train.exit_rank(hydra_main)
