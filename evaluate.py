@@ -162,6 +162,7 @@ class Source:
         run_dir: the training run folder it belongs to, or None.
         run_config: that run's config.yaml, or None.
         fingerprint: a digest of what identifies its weights and tokenizer (cache keys).
+        adapter: a peft adapter folder loaded onto the model (``PeftModel.from_pretrained``), or None.
     """
 
     label: str
@@ -172,6 +173,7 @@ class Source:
     run_dir: str | None = None
     run_config: DictConfig | None = None
     fingerprint: str = ""
+    adapter: str | None = None
 
 
 def _stat(path: str) -> list:
@@ -187,7 +189,21 @@ def _folder_stat(path: str) -> list:
 def _fingerprint(source: Source) -> str:
     model = OmegaConf.to_container(source.model_config, resolve=True)
     where = _folder_stat(source.model_config.name_or_path) if source.kind == "hf" else None
-    return utils.digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where])
+    adapter = _folder_stat(source.adapter) if source.adapter else None
+    return utils.digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where, adapter])
+
+
+def _enclosing_run(path: str) -> str | None:
+    """The training run folder (one with config.yaml) that holds the folder ``path`` (a
+    checkpoint's ``hf/`` or ``hf/merged``) within three levels up, or None."""
+    folder = os.path.realpath(path)
+    for _ in range(3):
+        folder = os.path.dirname(folder)
+        if os.path.isfile(os.path.join(folder, "config.yaml")) and "policy" not in OmegaConf.load(
+            os.path.join(folder, "config.yaml")
+        ):
+            return folder
+    return None
 
 
 def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Source:
@@ -233,6 +249,8 @@ def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
     if os.path.isdir(path):
         if os.path.isfile(os.path.join(path, "policy.pt")):
             return _checkpoint_source(path, spec, what, "checkpoint")
+        if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
+            return _adapter_source(path, spec, config, what)
         if os.path.isfile(os.path.join(path, "config.json")):
             with open(os.path.join(path, "config.json")) as f:
                 architectures = json.load(f).get("architectures") or []
@@ -242,10 +260,9 @@ def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
                 )
             model_config = config.model.copy()
             model_config.name_or_path, model_config.config = path, None
-            parent = os.path.dirname(os.path.realpath(path))
-            run_dir = os.path.dirname(parent) if os.path.isfile(os.path.join(os.path.dirname(parent), "config.yaml")) else None
+            run_dir = _enclosing_run(path)
             label = (
-                f"{os.path.basename(run_dir)}/{os.path.basename(parent)}/{os.path.basename(path)}"
+                f"{os.path.basename(run_dir)}/{os.path.relpath(os.path.realpath(path), run_dir)}"
                 if run_dir
                 else os.path.basename(os.path.abspath(path))
             )
@@ -267,6 +284,37 @@ def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
     model_config = config.model.copy()
     model_config.name_or_path, model_config.config = spec, None
     source = Source(spec, "hub", model_config, None, int(config.seed))
+    source.fingerprint = _fingerprint(source)
+    return source
+
+
+def _adapter_source(path: str, spec: str, config: DictConfig, what: str) -> Source:
+    """A peft adapter folder (``adapter_config.json``, e.g. a LoRA run's ``hf/``): the checkpoint
+    it was exported from when it lies in one (built exactly as the run built it), else its
+    ``base_model_name_or_path`` with the adapters on top.
+
+    Raises:
+        ConfigError: if the adapter names no base model.
+    """
+    parent = os.path.dirname(os.path.realpath(path))
+    if os.path.isfile(os.path.join(parent, "policy.pt")) and _enclosing_run(path):
+        return _checkpoint_source(parent, spec, what, "checkpoint")
+    with open(os.path.join(path, "adapter_config.json")) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(
+            f"{what}={spec} is a LoRA adapter folder whose adapter_config.json names no base model "
+            "(base_model_name_or_path); give the checkpoint it came from, or its hf/merged folder."
+        )
+    model_config = config.model.copy()
+    model_config.name_or_path, model_config.config = base, None
+    run_dir = _enclosing_run(path)
+    label = (
+        f"{os.path.basename(run_dir)}/{os.path.relpath(os.path.realpath(path), run_dir)}" if run_dir else os.path.basename(path)
+    )
+    source = Source(
+        label, "hub" if not os.path.isdir(base) else "hf", model_config, None, int(config.seed), run_dir, adapter=path
+    )
     source.fingerprint = _fingerprint(source)
     return source
 
@@ -305,8 +353,20 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
         ConfigError: when the model or tokenizer cannot be loaded, or the weights file holds
             another model's weights.
     """
-    tokenizer = utils.load_tokenizer(source.model_config)
-    model = utils.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
+    try:
+        tokenizer = utils.load_tokenizer(source.model_config)
+        model = utils.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
+    except ConfigError as e:
+        if source.kind != "hub":
+            raise
+        raise ConfigError(
+            f"{source.model_config.name_or_path} is not a folder here and could not be loaded as a hub id "
+            f"({str(e)[:160]}); give a run folder, a checkpoint, a Hugging Face folder or a hub id this machine can reach."
+        ) from None
+    if source.adapter is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, source.adapter)
     if source.weights is not None:
         try:
             checkpoint = torch.load(source.weights, map_location="cpu", weights_only=False)
@@ -393,6 +453,30 @@ def load_items(config: DictConfig, silent: bool = False) -> list[dict]:
                 }
             )
     return items
+
+
+def training_overlap(items: list[dict], policy: Source) -> dict[str, int]:
+    """How many of ``items``' prompts each dataset's training split gave the policy's run, read
+    with that run's own ``datasets`` and ``data.*`` settings (its holdout_fraction, files):
+    ``{dataset: count}`` for the datasets with any; empty for a policy not trained here.
+    Prompts are compared as the judge reads them (:func:`messages_text` of a conversation)."""
+    run = policy.run_config
+    if run is None:
+        return {}
+    options = OmegaConf.to_container(run.get("data", {}), resolve=True)
+    overlap = {}
+    for name in sorted({it["dataset"] for it in items} & set(run.get("datasets", []))):
+        if name not in preference_datasets.DATASETS:
+            continue
+        try:
+            train = preference_datasets.load_dataset_dict(name, "train", options.get(name), silent=True)
+        except (preference_datasets.DataError, OSError):
+            continue  # its training data is not readable here: nothing to compare with
+        seen = {messages_text(p) if isinstance(p, list) else p for p in (e.get("prompt_messages", k) for k, e in train.items())}
+        count = sum(it["judge_prompt"] in seen for it in items if it["dataset"] == name)
+        if count:
+            overlap[name] = count
+    return overlap
 
 
 def judged_response(text: str, conversation: bool) -> str:
@@ -880,6 +964,8 @@ def check_config(config: DictConfig) -> None:
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
     if config.judge.get("name") not in rewards.SCORERS:
         raise ConfigError(f"Unknown judge={config.judge.get('name')}; choose one of {', '.join(rewards.SCORERS)}.")
+    if config.judge.name == "http_judge" and (config.judge.get("base_url") is None or config.judge.get("model") is None):
+        raise ConfigError("judge=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
 
 
 def effective_config(config: DictConfig) -> DictConfig:
@@ -942,6 +1028,15 @@ def main(config: DictConfig) -> str:
     items = load_items(config, silent=rank != 0)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no prompts; give a dataset with a held-out split.")
+    overlap = training_overlap(items, policy)
+    if overlap:
+        name, count = next(iter(overlap.items()))
+        fraction = (policy.run_config.get("data", {}).get(name) or {}).get("holdout_fraction")
+        raise DataError(
+            f"{count} of the {sum(it['dataset'] == name for it in items)} evaluation prompts of {name} are in the training data of "
+            f"{policy.label} (read with its run's data.{name} settings); evaluate on its held-out split"
+            + (f", e.g. data.{name}.holdout_fraction={fraction} as the run had." if fraction else ".")
+        )
 
     out, refusal, lock = None, None, None
     if rank == 0:

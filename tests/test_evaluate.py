@@ -621,3 +621,53 @@ def test_a_lora_run_is_evaluated_with_its_adapters_on_its_base(runs, tmp_path):
         assert (policy(ids).logits - reference(ids).logits).abs().max() > 1e-3  # the trained adapters are on
     out = run_eval([f"policy={run}", "baseline=reference", *rm_args(runs), "temperatures=[0]"])
     assert results(out)["temperatures"]["0"]["n"] == 6
+
+
+# ----------------------------------------------------------------------------- fresh-user regressions
+
+
+def test_a_lora_runs_hf_folders_are_its_checkpoint_and_evaluate_into_the_run(runs, tmp_path):
+    """A LoRA run's ``hf/`` is an adapter folder (no config.json): it is the checkpoint it was
+    exported from; ``hf/merged`` is a model folder whose results go into the run's eval/ too."""
+    run = run_train(["loss=dpo", "sample_during_eval=false", "model.lora.r=4", "model.lora.export_merged=true"], tmp_path)
+    config = eval_config(FAST)
+    adapter = evaluate.resolve_source(run / "LATEST" / "hf", config)
+    assert adapter.kind == "checkpoint" and adapter.run_dir == str(run.resolve()) and adapter.weights.endswith("policy.pt")
+    merged = evaluate.resolve_source(run / "LATEST" / "hf" / "merged", config)
+    assert merged.kind == "hf" and merged.run_dir == str(run.resolve()) and merged.label.startswith(run.name + "/")
+    alone = tmp_path / "adapter_alone"
+    shutil.copytree(run / "LATEST" / "hf", alone, ignore=shutil.ignore_patterns("merged"))
+    with pytest.raises(ConfigError, match="names no base model"):  # a random model.config base: nothing to load it onto
+        evaluate.resolve_source(alone, config)
+
+
+def test_http_judge_without_its_endpoint_names_judge_not_online_dpo():
+    with pytest.raises(ConfigError, match=r"^judge=http_judge needs judge.base_url"):
+        evaluate.check_config(eval_config([*FAST, "policy=x", "judge=http_judge"]))
+
+
+def test_a_hub_id_that_does_not_load_names_itself(runs, monkeypatch):
+    source = evaluate.resolve_source("no-such-org/no-such-model", eval_config(FAST), "baseline")
+
+    def offline(model_config):
+        raise ConfigError("Could not load the tokenizer (model.tokenizer_name_or_path, else model.name_or_path).")
+
+    monkeypatch.setattr(evaluate.utils, "load_tokenizer", offline)
+    with pytest.raises(ConfigError, match=r"^no-such-org/no-such-model is not a folder here and could not be loaded as a hub id"):
+        evaluate.load_source(source, "cpu")
+
+
+def test_prompts_the_policy_trained_on_are_refused(tmp_path):
+    """HH's local copy is one file: a run that held out 10% of it trained on the rest, so an
+    evaluation of the whole file (holdout_fraction=0) would judge training prompts."""
+    hh = [f"data.hh.local_dir={needs_shared('data', 'hh-rlhf')}", "data.hh.subsets=[harmless-base]"]
+    run = run_train(["datasets=[hh]", *hh, "data.hh.holdout_fraction=0.1", "n_examples=8", "do_first_eval=false"], tmp_path)
+    common = [*FAST, f"policy={run}", "datasets=[hh]", *hh, "n_prompts=40"]
+    policy = evaluate.resolve_source(run, eval_config(common))
+    whole = evaluate.load_items(eval_config([*common, "data.hh.holdout_fraction=0.0"]), silent=True)
+    held_out = evaluate.load_items(eval_config([*common, "data.hh.holdout_fraction=0.1"]), silent=True)
+    assert evaluate.training_overlap(held_out, policy) == {}
+    seen = evaluate.training_overlap(whole, policy)["hh"]
+    assert 30 <= seen <= 40  # about 90% of the first 40 prompts of the file are outside the 10% held out
+    with pytest.raises(DataError, match=r"evaluation prompts of hh are in the training data .* data.hh.holdout_fraction=0.1"):
+        evaluate.main(eval_config([*common, "data.hh.holdout_fraction=0.0", "reward_model.name_or_path=unused"]))
