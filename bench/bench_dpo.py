@@ -179,7 +179,7 @@ def worker_prepare(spec: dict) -> dict:
     import trainers
 
     _set_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    tokenizer = AutoTokenizer.from_pretrained(spec.get("tokenizer_dir", STORIES))  # bench_memory.py: SmolLM2's
     if tokenizer.pad_token_id is None:  # as utils.load_tokenizer (and TRL) do
         tokenizer.pad_token = tokenizer.eos_token
     report = collections.Counter()
@@ -315,8 +315,8 @@ def _our_trainer(spec: dict, run_dir: str):
         "model=blank_model",
         f"model.name_or_path={spec['model_dir']}",
         f"model.policy_dtype={spec.get('dtype', 'float32')}",
-        "loss=dpo",
-        f"loss.beta={spec['beta']}",
+        f"loss={spec.get('loss', 'dpo')}",  # bench_memory.py: sft too
+        *([f"loss.beta={spec['beta']}"] if spec.get("loss", "dpo") == "dpo" else []),
         "optimizer=AdamW",
         f"lr={spec['lr']}",
         "weight_decay=0.0",
@@ -336,6 +336,7 @@ def _our_trainer(spec: dict, run_dir: str):
         "progress_bar=false",
         f"output_root={run_dir}",
         f"cache_dir={Path(run_dir) / 'cache'}",  # fresh: a cached precompute would not be measured
+        *spec.get("overrides", []),  # bench_memory.py / bench_gpu_dpo.py: loss=sft, activation_checkpointing, LoRA, ...
     ]
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
         config = compose(config_name="config", overrides=overrides)
@@ -356,10 +357,11 @@ def _our_trainer(spec: dict, run_dir: str):
     for el, p in zip(elements, pairs):  # the ids TRL gets
         assert el["chosen_input_ids"] == p["prompt_ids"] + p["chosen_ids"]
         assert el["rejected_input_ids"] == p["prompt_ids"] + p["rejected_ids"]
-    dtype = getattr(torch, spec.get("dtype", "float32"))  # float32 here; bench_gpu_dpo.py: bfloat16 on a GPU
-    policy = utils.load_model(config.model, tokenizer, dtype, config.seed)
-    reference = utils.load_model(config.model, tokenizer, dtype, config.seed)
-    if torch.cuda.is_available():  # as train.py's precomputed_reference
+    import train
+
+    # as train.py loads them (float32 here; bench_gpu_dpo.py: bfloat16 on a GPU); no reference for SFT
+    policy, reference = train.load_models(config, tokenizer, 0, False)
+    if torch.cuda.is_available() and reference is not None:  # as train.py's precomputed_reference
         reference.to("cuda")
     precompute_s = None
     cache = None
@@ -416,8 +418,36 @@ def worker_ours(spec: dict) -> dict:
 # ============================================================================ worker: TRL
 
 
+def trl_checkpointing_args(config_cls, on: bool) -> dict:
+    """The TrainingArguments keys that turn activation checkpointing of the policy on or off,
+    explicitly: TRL's configs default to ``gradient_checkpointing=True``, and transformers 5.24
+    renamed the field to ``activation_checkpointing`` (the old name a deprecated alias). When on,
+    non-reentrant, as ours (trainers.BasicTrainer: ``use_reentrant=False``)."""
+    import dataclasses
+
+    name = "activation_checkpointing" if "activation_checkpointing" in {f.name for f in dataclasses.fields(config_cls)} else None
+    name = name or "gradient_checkpointing"
+    return {name: on, f"{name}_kwargs": {"use_reentrant": False} if on else None}
+
+
+def trl_lora_config(spec: dict):
+    """peft's LoraConfig from ``spec["lora"]`` ({r, alpha, dropout, target_modules}), or None."""
+    lora = spec.get("lora")
+    if not lora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora["r"],
+        lora_alpha=lora["alpha"],
+        lora_dropout=lora["dropout"],
+        target_modules=lora["target_modules"],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
 def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
-    import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
@@ -462,7 +492,7 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
         optim=spec["trl_optim"],
         bf16=spec.get("dtype", "float32") == "bfloat16",
         fp16=False,
-        gradient_checkpointing=False,
+        **trl_checkpointing_args(DPOConfig, spec.get("activation_checkpointing", False)),
         max_length=spec["max_length"],
         beta=spec["beta"],
         loss_type=["sigmoid"],
@@ -479,15 +509,34 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
         logging_steps=10,  # TRL's default
     )
     trainer = BenchDPOTrainer(
-        model=spec["model_dir"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=list(callbacks)
+        model=spec["model_dir"],
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=list(callbacks),
+        peft_config=trl_lora_config(spec),  # with LoRA, TRL's reference is the policy with its adapters disabled
     )
     trainer.bench_losses = []
-    assert trainer.model.dtype == getattr(torch, spec.get("dtype", "float32")) and not trainer.args.gradient_checkpointing
-    assert trainer.args.bf16 == (spec.get("dtype", "float32") == "bfloat16")
+    check_trl_trainer(trainer, spec)
     return trainer
 
 
-def worker_trl(spec: dict) -> dict:
+def check_trl_trainer(trainer, spec: dict) -> None:
+    """Assert that a built TRL trainer runs what ``spec`` asks: the dtype, bf16 or not,
+    activation checkpointing on the model itself, and LoRA (a peft model) or full training."""
+    import torch
+
+    model = trainer.model
+    assert model.dtype == getattr(torch, spec.get("dtype", "float32")), model.dtype
+    assert trainer.args.bf16 == (spec.get("dtype", "float32") == "bfloat16")
+    checkpointing = spec.get("activation_checkpointing", False)
+    assert bool(trainer.args.gradient_checkpointing) == checkpointing, trainer.args.gradient_checkpointing
+    assert hasattr(model, "peft_config") == bool(spec.get("lora")), type(model)
+
+
+def worker_trl(spec: dict, build=None) -> dict:
+    """A TRL trainer (``build(spec, out_dir, callbacks)``, default :func:`_trl_trainer`) trained
+    for warmup + steps steps; the step times from its on_step_end callbacks."""
     _set_threads(spec["threads"])
     import torch
     from transformers import TrainerCallback
@@ -505,7 +554,7 @@ def worker_trl(spec: dict) -> dict:
 
     clock = Clock()
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = _trl_trainer(spec, tmp, callbacks=[clock])
+        trainer = (build or _trl_trainer)(spec, tmp, callbacks=[clock])
         trainer.train()
         timing = _steady(clock.marks, spec["warmup"])
         threads = torch.get_num_threads()
@@ -673,10 +722,12 @@ def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200, script: str | N
     return json.loads(result_file.read_text())
 
 
-def run_worker(role: str, spec_path: str, result_path: str) -> None:
+def run_worker(role: str, spec_path: str, result_path: str, workers: dict | None = None) -> None:
+    """Run worker ``role`` (this file's, or one of ``workers``: bench_memory.py's) on the spec file
+    and write its result with this process's own wall time and peak RSS (ru_maxrss, VmHWM)."""
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    fn = {"prepare": worker_prepare, "ours": worker_ours, "trl": worker_trl, "profile": worker_profile}[role]
+    fn = (workers or {"prepare": worker_prepare, "ours": worker_ours, "trl": worker_trl, "profile": worker_profile})[role]
     out = fn(spec)
     out["wall_s"] = time.perf_counter() - t0
     out["rss_peak"], out["rss_hwm"] = _peak_rss_mib()

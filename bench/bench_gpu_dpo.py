@@ -21,6 +21,13 @@ data are made here.
   * Timing: the median step after --warmup steps, the GPU synchronised at each mark; each
     (mode, side) in its own process, alternating ours, TRL; live and precomputed reference.
 
+  * Variants (issue 14, ``--variants``, default chunk-off,lora): after the ours/TRL runs,
+    live-reference runs of ours with ``output_layer_chunk=null`` (the logits of all labelled
+    positions at once) and with LoRA r 16 on every linear layer (the reference: adapters off),
+    and on request TRL with the same peft LoRA (trl-lora); each against ours with the config's
+    defaults in a second table. ``--budget`` (device_run.sh: its cap) skips one that would end
+    after it; a failed one is a row, and the exit status 1, after everything is written.
+
 Reported per side: pairs/s; tokens/s of the shared work (non-padding tokens of chosen +
 rejected, the prompt counted in both: the same count for both sides); hardware MFU, the FLOPs
 of what that side forwarded itself (bench/flops.py, formula in bench/README.md: ours, each
@@ -36,6 +43,7 @@ the measured peak, and hardware MFU is also given against it.
 
     python bench/bench_gpu_dpo.py                      # pythia-410m, cuda, bf16, batch 16, 512 tokens
     python bench/bench_gpu_dpo.py --size tiny --device cpu --dtype float32 --steps 2 --warmup 1 --batch-size 2
+    python bench/bench_gpu_dpo.py ... --variants chunk-off,lora,trl-lora --budget 230
 """
 
 from __future__ import annotations
@@ -61,6 +69,30 @@ SIZES = {  # GPT-NeoX configs: EleutherAI's Pythia-410M, and a tiny one for CPU 
 }
 VOCAB = 50304
 SIDES = ("ours", "trl")
+LORA = {"r": 16, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear"}  # peft's all-linear: not the output layer
+VARIANTS = {  # name -> (side, spec keys, what it is): extra live-reference runs after the ours/TRL table (issue 14)
+    "chunk-off": (
+        "ours",
+        {"overrides": ["output_layer_chunk=null"], "lora": None},
+        "ours, output_layer_chunk=null (the logits of all labelled positions at once)",
+    ),
+    "lora": (
+        "ours",
+        {
+            "overrides": [
+                f"model.lora.r={LORA['r']}",
+                f"model.lora.alpha={LORA['alpha']}",
+                f"model.lora.dropout={LORA['dropout']}",
+                f"model.lora.target_modules={LORA['target_modules']}",
+            ],
+            "lora": LORA,
+        },
+        "ours, LoRA r 16 on every linear layer; the reference is the base, adapters off",
+    ),
+    "trl-lora": ("trl", {"lora": LORA}, "TRL, the same peft LoRA; its reference is the base, adapters off"),
+}
+DEFAULT_VARIANTS = ["chunk-off", "lora"]
+CHECKED_WORKERS = str(Path(__file__).resolve().parent / "bench_memory.py")  # its ours / trl workers check the trainer first
 
 
 def synthetic_texts(n_pairs: int, max_length: int, seed: int) -> list[dict]:
@@ -195,6 +227,86 @@ def spawn(role: str, spec: dict, tmp: Path) -> dict:
     return bench_dpo.spawn(role, spec, tmp, timeout=spec["timeout"], script=script)
 
 
+def parse_variants(text: str) -> list[str]:
+    """``--variants``: comma-separated names of VARIANTS ("" or "none": no variant).
+
+    Raises:
+        argparse.ArgumentTypeError: naming an unknown variant and the known ones.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip() and n.strip() != "none"]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown variant {unknown[0]!r}; choose from {', '.join(VARIANTS)} (or none)")
+    return names
+
+
+def variant_rows(variants: dict, ours: dict | None, trl: dict | None, batch_size: int, tok_per_step: float) -> list[dict]:
+    """The variants' table rows from their worker results (``{"error": ...}`` or ``{"skipped": ...}``
+    for one that did not run): pairs/s, tokens/s, peak CUDA memory and RSS (the variant's own
+    process), and against ``ours`` (our live-reference run with the config's defaults; None: not
+    run) the ratios variant / ours of pairs/s and of peak CUDA memory and the largest per-step
+    loss difference; a TRL variant also against ``trl`` (TRL's live run): its ratios likewise."""
+    rows = []
+    for name, r in variants.items():
+        side, _, what = VARIANTS[name]
+        row = {"variant": name, "side": side, "what": what}
+        if "error" in r or "skipped" in r:
+            row["status"] = r.get("error") or r.get("skipped")
+            rows.append(row)
+            continue
+        row.update(
+            status="ok",
+            pairs_per_s=batch_size / r["step_s"],
+            tokens_per_s=tok_per_step / r["step_s"],
+            cuda_peak_mib=r.get("cuda_peak_mib", float("nan")),
+            rss_peak_mib=r["rss_peak"],
+            losses=r["losses"],
+        )
+        for label, other in (("ours", ours), ("trl", trl if side == "trl" else None)):
+            if other is None:
+                continue
+            row[f"speed_vs_{label}"] = other["step_s"] / r["step_s"]
+            row[f"cuda_vs_{label}"] = r.get("cuda_peak_mib", float("nan")) / other.get("cuda_peak_mib", float("nan"))
+            row[f"max_loss_diff_vs_{label}"] = max(abs(a - b) for a, b in zip(r["losses"], other["losses"]))
+        rows.append(row)
+    return rows
+
+
+def print_variant_rows(rows: list[dict], default_chunk) -> None:
+    """The variants' table, after the main one (its title does not start with "DPO ")."""
+    print(
+        f"\nVariants, live reference, each against ours with the config's defaults (output_layer_chunk: {default_chunk}, "
+        "no LoRA); ratio = variant / ours"
+    )
+    header = (
+        f"{'variant':10} | {'pairs/s':>8} {'vs ours':>7} | {'tokens/s':>9} | {'CUDA MiB':>9} {'vs ours':>7} | {'RSS MiB':>8} | "
+        f"{'step-0 loss':>11} {'max |dloss| vs ours':>19} | what"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        if r["status"] != "ok":
+            print(f"{r['variant']:10} | {r['status'][:100]} | {r['what']}")
+            continue
+
+        def num(key, spec, r=r):
+            return format(r[key], spec) if key in r else "-"
+
+        print(
+            f"{r['variant']:10} | {r['pairs_per_s']:8.2f} {num('speed_vs_ours', '7.2f')} | {r['tokens_per_s']:9.0f} | "
+            f"{r['cuda_peak_mib']:9.0f} {num('cuda_vs_ours', '7.2f')} | {r['rss_peak_mib']:8.0f} | {r['losses'][0]:11.6f} "
+            f"{num('max_loss_diff_vs_ours', '19.1e')} | {r['what']}"
+            + (f"; vs TRL full: pairs/s x{r['speed_vs_trl']:.2f}, CUDA x{r['cuda_vs_trl']:.2f}" if "speed_vs_trl" in r else "")
+        )
+
+
+def _default_output_layer_chunk():
+    """config/config.yaml's output_layer_chunk (None where the key is absent)."""
+    import yaml
+
+    return (yaml.safe_load((REPO / "config" / "config.yaml").read_text()) or {}).get("output_layer_chunk")
+
+
 def main() -> None:
     """Parse the arguments, run the workers (ours, TRL alternating per mode), print the table."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -212,6 +324,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate, both sides (default 1e-5)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the GPU's dense bf16 peak (default: by device name)")
     parser.add_argument("--timeout", type=int, default=540, help="seconds allowed to each worker process (default 540)")
+    parser.add_argument(
+        "--variants",
+        type=parse_variants,
+        default=DEFAULT_VARIANTS,
+        help=f"extra live runs after the table, of {', '.join(VARIANTS)} (default {','.join(DEFAULT_VARIANTS)}; none: no variant)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds this whole script may take (device_run.sh: its cap): a variant that would end later is skipped",
+    )
     parser.add_argument("--json", help="also write all figures to this file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
@@ -269,10 +393,13 @@ def main() -> None:
             flush=True,
         )
         results: dict = {}
+        longest = 0.0  # the longest training process so far, start to end (s): what a variant is expected to take
         for rnd in range(args.rounds):
             for mode in modes:
                 for side in SIDES:
+                    t0 = time.time()
                     r = spawn(side, {**base, "mode": mode, "side": side, "model_dir": prep["model_dir"]}, tmp)
+                    longest = max(longest, time.time() - t0)
                     results.setdefault((mode, side), []).append(r)
                     print(
                         f"round {rnd + 1}: {mode:11} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, "
@@ -280,6 +407,37 @@ def main() -> None:
                         f"RSS {r['rss_peak']:.0f} MiB, step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
                         flush=True,
                     )
+        variants: dict = {}
+        for name in args.variants:
+            side, keys, _ = VARIANTS[name]
+            elapsed = time.time() - started
+            if args.budget is not None and elapsed + longest + 15 > args.budget:
+                variants[name] = {
+                    "skipped": f"skipped: {elapsed:.0f} s + about {longest:.0f} s would pass --budget {args.budget:.0f} s"
+                }
+                print(f"variant {name}: {variants[name]['skipped']}", flush=True)
+                continue
+            t0 = time.time()
+            try:
+                spec = {**base, "mode": "live", "side": side, "model_dir": prep["model_dir"], "task": "dpo", **keys}
+                spec["activation_checkpointing"] = False
+                # bench_memory's workers: bench_dpo's, after checking that the trainer is what the variant asks (LoRA or not)
+                r = bench_dpo.spawn(side, spec, tmp, timeout=spec["timeout"], script=CHECKED_WORKERS)
+            except SystemExit as e:  # bench_dpo.spawn's failure: recorded, the other runs stand
+                lines = str(e).strip().splitlines()
+                variants[name] = {
+                    "error": "FAILED: " + next((x for x in reversed(lines) if "Error" in x), lines[-1] if lines else "")
+                }
+                print(f"variant {name}: {str(e)[-3000:]}", flush=True)
+                continue
+            longest = max(longest, time.time() - t0)
+            variants[name] = r
+            print(
+                f"variant {name:9} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, {tok_per_step / r['step_s']:9.0f} tokens/s, "
+                f"peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, RSS {r['rss_peak']:.0f} MiB, "
+                f"step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
+                flush=True,
+            )
     rows = []
     header = (
         f"{'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>8} | "
@@ -331,11 +489,20 @@ def main() -> None:
         "step-0 losses (ln 2 = 0.693147): "
         + ", ".join(f"{r['mode']} {r['ours']['losses'][0]:.6f} / {r['trl']['losses'][0]:.6f}" for r in rows)
     )
+    first = {key: rs[0] for key, rs in results.items()}
+    extra = variant_rows(variants, first.get(("live", "ours")), first.get(("live", "trl")), args.batch_size, tok_per_step)
+    if extra:
+        print_variant_rows(extra, _default_output_layer_chunk())
     print(f"total wall time {time.time() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "device": device, "peak": [peak, why], "prepare": prep, "rows": rows}, indent=1)
+            json.dumps(
+                {"args": vars(args), "device": device, "peak": [peak, why], "prepare": prep, "rows": rows, "variants": extra},
+                indent=1,
+            )
         )
+    if any(r["status"] not in ("ok",) and not r["status"].startswith("skipped") for r in extra):
+        sys.exit(1)  # a variant failed: its row says so, the figures are written
 
 
 if __name__ == "__main__":

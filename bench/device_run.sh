@@ -131,7 +131,7 @@ left() { echo $((BUDGET - (SECONDS - START))); }
 
 limit=$(left)
 [ "$limit" -gt "$DPO_CAP" ] && limit=$DPO_CAP
-bench bench_gpu_dpo "$limit" "${DPO_ARGS[@]}"
+bench bench_gpu_dpo "$limit" "${DPO_ARGS[@]}" --budget "$((limit - 10))"  # its variants (issue 14) only if they fit
 limit=$(($(left) - 10))
 if [ "$limit" -lt 60 ]; then
   echo "== bench_gpu: not run, only $limit s left of $BUDGET"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = ["train.py", "bench/bench_gpu.py", "bench/bench_gpu_dpo.py"]  # what device_run.sh runs, and what they run
+# what device_run.sh runs, and what they run
+ROOTS = ["train.py", "bench/bench_gpu.py", "bench/bench_gpu_dpo.py", "bench/bench_memory.py"]
 LOCAL_DIRS = [REPO, REPO / "bench"]  # where the repo's own modules are found (the bench scripts add bench/ to sys.path)
 IMPORT_TO_DIST = {  # import name -> distribution name, where they differ
     "yaml": "pyyaml",
