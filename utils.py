@@ -199,11 +199,17 @@ def validate_reference_update(config: DictConfig, objective) -> None:
             "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
             "set precompute_ref_log_probs=false."
         )
-    ray_cfg = config.get("ray")
-    if config.get("launcher") == "ray" and ray_cfg is not None and ray_cfg.get("reference_workers", 0) > 0:
+    if ray_reference_workers(config):
         raise ConfigError(
             "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."
         )
+
+
+def ray_reference_workers(config: DictConfig) -> int:
+    """How many Ray actors hold the reference apart from the policy: ``ray.reference_workers``
+    under ``launcher=ray``, else 0."""
+    ray_cfg = config.get("ray")
+    return int(ray_cfg.get("reference_workers", 0) or 0) if config.get("launcher") == "ray" and ray_cfg is not None else 0
 
 
 def lora_settings(model_config: DictConfig) -> DictConfig | None:
@@ -253,8 +259,7 @@ def validate_lora(config: DictConfig, objective) -> None:
             "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
             "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."
         )
-    ray_cfg = config.get("ray")
-    if config.get("launcher") == "ray" and ray_cfg is not None and ray_cfg.get("reference_workers", 0) > 0:
+    if ray_reference_workers(config):
         raise ConfigError(
             "with model.lora the reference is the policy with its adapters off, in each policy worker; set ray.reference_workers=0."
         )

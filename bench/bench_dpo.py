@@ -418,6 +418,40 @@ def worker_ours(spec: dict) -> dict:
 # ============================================================================ worker: TRL
 
 
+def trl_common_args(config_class, spec: dict, out_dir: str) -> dict:
+    """The TRL config arguments every benchmark's TRL side shares (DPOConfig, SFTConfig): the
+    spec's batch, steps, lr, clipping, optimizer, dtype and activation checkpointing, a constant
+    schedule without warm-up or weight decay, sequential batches, and nothing saved, evaluated
+    or reported."""
+    dtype = spec.get("dtype", "float32")
+    return dict(
+        output_dir=out_dir,
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1,
+        max_steps=spec["warmup"] + spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=spec["max_grad_norm"],
+        optim=spec["trl_optim"],
+        bf16=dtype == "bfloat16",
+        fp16=False,
+        **trl_checkpointing_args(config_class, spec.get("activation_checkpointing", False)),
+        max_length=spec["max_length"],
+        train_sampling_strategy="sequential",
+        seed=spec["seed"],
+        use_cpu=not spec.get("cuda", False),
+        model_init_kwargs={"dtype": dtype},  # TRL's default float32; bench_gpu_dpo.py: bfloat16 like ours
+        dataloader_pin_memory=False,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=10,  # TRL's default
+    )
+
+
 def trl_checkpointing_args(config_cls, on: bool) -> dict:
     """The TrainingArguments keys that turn activation checkpointing of the policy on or off,
     explicitly: TRL's configs default to ``gradient_checkpointing=True``, and transformers 5.24
@@ -480,33 +514,10 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
     dataset = Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     args = DPOConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=spec["batch_size"],
-        gradient_accumulation_steps=1,
-        max_steps=spec["warmup"] + spec["steps"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=spec["max_grad_norm"],
-        optim=spec["trl_optim"],
-        bf16=spec.get("dtype", "float32") == "bfloat16",
-        fp16=False,
-        **trl_checkpointing_args(DPOConfig, spec.get("activation_checkpointing", False)),
-        max_length=spec["max_length"],
+        **trl_common_args(DPOConfig, spec, out_dir),
         beta=spec["beta"],
         loss_type=["sigmoid"],
         precompute_ref_log_probs=spec["mode"] == "precomputed",
-        train_sampling_strategy="sequential",
-        seed=spec["seed"],
-        use_cpu=not spec.get("cuda", False),
-        model_init_kwargs={"dtype": spec.get("dtype", "float32")},  # TRL's default; bench_gpu_dpo.py: bfloat16 like ours
-        dataloader_pin_memory=False,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=10,  # TRL's default
     )
     trainer = BenchDPOTrainer(
         model=spec["model_dir"],

@@ -228,33 +228,10 @@ def _trl_sft_trainer(spec: dict, out_dir: str, callbacks=()):
     rows = _sft_rows(pairs)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     args = SFTConfig(
-        output_dir=out_dir,
-        per_device_train_batch_size=spec["batch_size"],
-        gradient_accumulation_steps=1,
-        max_steps=spec["warmup"] + spec["steps"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=spec["max_grad_norm"],
-        optim=spec["trl_optim"],
-        bf16=False,
-        fp16=False,
-        **bench_dpo.trl_checkpointing_args(SFTConfig, spec["activation_checkpointing"]),
-        max_length=spec["max_length"],
+        **bench_dpo.trl_common_args(SFTConfig, spec, out_dir),
         packing=False,
         padding_free=False,
         shuffle_dataset=False,
-        train_sampling_strategy="sequential",
-        seed=spec["seed"],
-        use_cpu=True,
-        model_init_kwargs={"dtype": "float32"},
-        dataloader_pin_memory=False,
-        save_strategy="no",
-        eval_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        logging_steps=10,  # TRL's default
     )
     trainer = BenchSFTTrainer(
         model=spec["model_dir"],

@@ -75,3 +75,26 @@ def metric_records(run_dir: Path) -> list[dict]:
     import json
 
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None) -> tuple[int, str]:
+    """``python -m torch.distributed.run --nproc_per_node 2 <args>`` from the repository root, one
+    thread per rank, in its own process group (killed whole on timeout: the test then fails
+    with the output's tail). Returns (exit status, stdout and stderr together)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        pytest.fail(f"torchrun {' '.join(args[:1])} did not finish in {timeout:g} s (killed):\n{text[-3000:]}")
+    return proc.returncode, text

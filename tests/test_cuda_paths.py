@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ if __name__ == "__main__":  # the worker: this repository and tests/ on the path
 
 import pytest
 import torch
-from conftest import REPO, compose_config
+from conftest import compose_config, run_torchrun
 from test_distributed import cli, weights
 from test_distributed import finished_run as finished
 
@@ -329,18 +328,8 @@ def test_under_torchrun_more_processes_per_node_than_gpus_is_the_same_sentence_o
 def test_fsdp_reference_is_resharded_after_every_forward(tmp_path):
     # FSDP2 keeps the root's weights (embeddings, norm, output layer) gathered after a forward,
     # waiting for a backward the no-grad reference never runs.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/test_cuda_paths.py", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        text, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"the worker did not finish in 240 s (killed):\n{text[-3000:]}")
-    assert proc.returncode == 0, text[-4000:]
+    returncode, text = run_torchrun(["tests/test_cuda_paths.py", str(tmp_path)], env={"PYTHONUNBUFFERED": "1"})
+    assert returncode == 0, text[-4000:]
     # eval at 0 and 8 (one batch each), 2 training steps, and the final eval: 5 reference forwards
     for rank in (0, 1):
         assert f"rank {rank}: root sharded after 5 of 5 reference forwards" in text, text[-3000:]

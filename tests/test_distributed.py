@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_torchrun
 
 import utils
 
@@ -262,18 +262,8 @@ def test_fsdp_bfloat16_mixed_precision_runs(tmp_path):
 def test_only_rank_0_loads_weights_and_every_rank_gets_its_shard():
     # rank 1 builds its model on the meta device and receives its FSDP / TP shard from rank 0;
     # the sharded model must give the whole model's logits, with ties and rotary buffers kept.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "tests/shard_from_rank0_worker.py"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        text, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        text, _ = proc.communicate()
-        pytest.fail(f"the worker did not finish in 240 s (killed):\n{text[-3000:]}")
-    assert proc.returncode == 0, text[-4000:]
+    returncode, text = run_torchrun(["tests/shard_from_rank0_worker.py"])
+    assert returncode == 0, text[-4000:]
     for rank in (0, 1):
         for family in ("llama", "gpt_neox", "gpt2"):
             for how in ("fsdp", "tp"):

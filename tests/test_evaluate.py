@@ -12,18 +12,16 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, needs_shared, run_train
+from conftest import REPO, needs_shared, run_torchrun, run_train
 from hydra import compose, initialize_config_dir
-from test_online import LongerIsBetterJudgeServer, save_tiny_reward_model
+from test_online import LocalChatServer, LongerIsBetterJudgeServer, save_tiny_reward_model
 
 import evaluate
 import rewards
@@ -338,7 +336,7 @@ def test_a_cut_last_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):
 # ----------------------------------------------------------------------------- HTTP judge on 127.0.0.1
 
 
-class PaperJudgeServer:
+class PaperJudgeServer(LocalChatServer):
     """A chat-completions endpoint on 127.0.0.1 answering the DPO paper's dialogue prompt in its
     format ("Comparison: ...\\nMore helpful: A"; its summarisation prompt: "Preferred: A"). ``mode``: ``longer`` prefers the longer
     response (ties to the first shown), ``first`` always says A (pure position bias),
@@ -376,14 +374,7 @@ class PaperJudgeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.fixture
@@ -503,26 +494,8 @@ def test_named_templates_parse_the_papers_answer_format():
 def test_two_processes_give_the_one_process_results(runs, tmp_path):
     args = [*FAST, f"policy={runs['dpo']}", f"baseline={runs['sft']}", *rm_args(runs), "max_new_tokens=12"]
     one = Path(evaluate.main(eval_config([*args, f"output_dir={tmp_path / 'one'}"])))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "evaluate.py",
-        *args,
-        f"output_dir={tmp_path / 'two'}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
-    try:
-        text, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail("torchrun evaluate.py did not finish in 240 s")
-    assert proc.returncode == 0, text[-3000:]
+    returncode, text = run_torchrun(["evaluate.py", *args, f"output_dir={tmp_path / 'two'}"])
+    assert returncode == 0, text[-3000:]
     two = tmp_path / "two"
     assert sorted(p.name for p in two.glob("samples-rank*.jsonl")) == [
         "samples-rank0.jsonl",

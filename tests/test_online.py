@@ -334,13 +334,30 @@ def test_a_step_where_every_pair_ties_changes_nothing_and_logs_no_nan(tmp_path):
     assert "loss/train" not in logged and all(not (isinstance(v, float) and math.isnan(v)) for v in logged.values())
 
 
-class LongerIsBetterJudgeServer:
+class LocalChatServer:
+    """A chat-completions endpoint on 127.0.0.1 (``url``, ending in /v1), served on a thread by a
+    ``BaseHTTPRequestHandler`` class; ``close()`` stops it."""
+
+    def serve(self, handler) -> None:
+        import threading
+        from http.server import ThreadingHTTPServer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class LongerIsBetterJudgeServer(LocalChatServer):
     """A local chat-completions endpoint (127.0.0.1) that prefers the longer response; with
     ``broken`` it answers malformed JSON."""
 
     def __init__(self, broken: bool = False):
-        import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import BaseHTTPRequestHandler
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -359,14 +376,7 @@ class LongerIsBetterJudgeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self.serve(Handler)
 
 
 @pytest.mark.parametrize("broken", [False, True])
