@@ -46,6 +46,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     """
     from preference_datasets import DATASETS, PROMPT_DATASETS
 
+    validate_numbers(config)
     loss = config.loss
     try:
         objective = losses.validate_loss_config(loss)
@@ -173,6 +174,48 @@ def looks_local(path: str) -> bool:
     """True if ``path`` can only be a local folder, not a hub id ("org/name" has one slash at most)."""
     path = str(path)
     return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path.split("/")[0])
+
+
+NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether that value itself is allowed)
+    "lr": (False, 0, False),
+    "weight_decay": (False, 0, True),
+    "max_grad_norm": (False, 0, False),
+    "warmup_steps": (True, 0, True),
+    "batch_size": (True, 1, True),
+    "eval_batch_size": (True, 1, True),
+    "gradient_accumulation_steps": (True, 1, True),
+    "max_length": (True, 1, True),
+    "max_prompt_length": (True, 1, True),
+    "n_epochs": (True, 1, True),
+    "n_eval_examples": (True, 0, True),
+    "eval_every": (True, 1, True),
+}
+"""The top-level numeric keys :func:`validate_numbers` checks (null is left to the key's own meaning)."""
+
+
+def validate_numbers(config: DictConfig) -> None:
+    """Check that each of :data:`NUMBER_KEYS` present and not null is a number of the right kind
+    and range (``lr=abc`` would otherwise reach the optimizer after the models load).
+
+    Raises:
+        ConfigError: naming the key, what it needs and what it got.
+    """
+    for key, (whole, least, inclusive) in NUMBER_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        kind = "a whole number" if whole else "a number"
+        ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+        if not ok or not (value >= least if inclusive else value > least):
+            raise ConfigError(
+                f"{key} must be {kind} {'>=' if inclusive else '>'} {least}, got {value!r}; e.g. {key}={config_default(key)}."
+            )
+
+
+def config_default(key: str):
+    """The value ``key`` has in config/config.yaml (for examples in error messages)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "config.yaml")
+    return OmegaConf.load(path).get(key)
 
 
 def validate_reference_update(config: DictConfig, objective) -> None:

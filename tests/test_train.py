@@ -582,3 +582,20 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "ignoring ['lr=1']" in out.stdout and "Nothing to do: this run is complete (8/8 examples)" in out.stdout
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_a_non_number_or_out_of_range_number_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch):
+    """``lr=abc`` reached torch's optimizer after the models loaded (a TypeError traceback)."""
+    import utils
+
+    monkeypatch.setattr(utils, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    for override, message in [
+        ("lr=abc", "lr must be a number > 0, got 'abc'; e.g. lr=5e-07."),
+        ("lr=0", "lr must be a number > 0, got 0"),
+        ("batch_size=0", "batch_size must be a whole number >= 1, got 0"),
+        ("n_epochs=1.5", "n_epochs must be a whole number >= 1, got 1.5"),
+        ("weight_decay=-0.1", "weight_decay must be a number >= 0, got -0.1"),
+    ]:
+        with pytest.raises(utils.ConfigError) as e:
+            utils.validate_config(compose_config([override]))
+        assert str(e.value).startswith(message), str(e.value)
