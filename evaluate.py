@@ -1011,6 +1011,7 @@ def main(config: DictConfig) -> str:
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank = utils.init_distributed(config.get("dist_timeout_minutes", 60)) if world > 1 else 0
     utils.set_threads(config.num_threads)
+    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     policy = resolve_source(config.policy, config, "policy")

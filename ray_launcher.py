@@ -322,6 +322,7 @@ class ReferenceActor:
     def __init__(self, config: dict):
         config = OmegaConf.create(config)
         utils.set_threads(config.num_threads)
+        utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
         tokenizer = utils.load_tokenizer(config.model)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = utils.load_reference(config, tokenizer).to(self.device)
@@ -457,6 +458,7 @@ class ScorerActor:
         module, name = build.rsplit(".", 1)
         config = OmegaConf.create(config)
         utils.set_threads(config.get("num_threads"))
+        utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scorer = getattr(importlib.import_module(module), name)(config, device=device)
 

@@ -264,6 +264,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
             raise utils.ConfigError(refusal)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
+    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
     tokenizer = utils.load_tokenizer(config.model)
     sft_mode = losses.get_objective(config.loss.name).sft_data

@@ -344,6 +344,7 @@ def _our_trainer(spec: dict, run_dir: str):
     utils.validate_config(config)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
+    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
     with open(spec["pairs_file"]) as f:
         pairs = json.load(f)
     examples = [{k: p[k] for k in ("prompt", "chosen", "rejected", "truncation_mode")} for p in pairs]
@@ -716,6 +717,7 @@ def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200, script: str | N
         "TOKENIZERS_PARALLELISM": "false",
         "TQDM_DISABLE": "1",
         "PYTHONWARNINGS": "ignore",
+        **spec.get("env", {}),  # bench_memory.py --ours-preload: LD_PRELOAD for one side's process
     }
     cmd = [
         sys.executable,

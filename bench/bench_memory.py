@@ -26,7 +26,11 @@ default to ``gradient_checkpointing=True``; transformers 5.24 calls it activatio
 non-reentrant on both. Speed: the median step after --warmup steps (pairs/s; SFT tokens/s, the
 non-padding tokens of prompt + chosen); memory: peak RSS of the side's process (MiB; the targets
 are in GB = 1e9 bytes). The table gives ours/TRL ratios from one run and issue 14's targets,
-pass or fail; it is also written as results.md and results.json into --out.
+pass or fail; it is also written as results.md and results.json into --out. Each configuration
+also gets a row of ours run again with ``--ours-variant`` (default ``malloc_mmap_threshold_mib=1``,
+the CPU memory setting: utils.set_malloc_mmap_threshold) and, with ``--ours-preload LIBRARY``, a
+row of ours with ``LD_PRELOAD=LIBRARY`` (tcmalloc, jemalloc), against the same TRL run; each
+target is judged on each row alone.
 
 ``--profile``: where ours' memory goes in one step, for each chosen configuration (ours only):
 the tensors held across steps (weights, reference, AdamW state; gradients during the step) and
@@ -39,6 +43,8 @@ vocabulary-sized operand (a light profiler over the same step). Written as profi
     python bench/bench_memory.py                                   # all default configs, about 20 min
     python bench/bench_memory.py --configs dpo-full,sft --steps 2 --warmup 1
     python bench/bench_memory.py --ours-overrides output_layer_chunk=null   # ours on the previous path
+    python bench/bench_memory.py --ours-variant                     # no second row of ours
+    python bench/bench_memory.py --ours-preload /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4   # and a tcmalloc row
     python bench/bench_memory.py --profile --configs dpo-full,dpo-full-ac
     python bench/bench_memory.py --model ../shared/models/stories260K --batch-size 2 --max-length 128   # mechanics
 """
@@ -74,6 +80,7 @@ CONFIGS = {  # name -> (task, LoRA, activation checkpointing)
     "sft-ac": ("sft", False, True),
 }
 DEFAULT_CONFIGS = ["dpo-full", "dpo-full-ac", "dpo-lora", "dpo-lora-ac", "sft"]
+OURS_VARIANT = ("malloc_mmap_threshold_mib=1",)  # the memory setting (utils.set_malloc_mmap_threshold): a row of its own
 SIDES = ("ours", "trl")
 GB = 1e9
 PROFILE_BATCHES = 4  # --profile: a warm-up step, the measured step, the timed step, the memory-timeline step
@@ -158,6 +165,10 @@ def worker_ours(spec: dict) -> dict:
         built.update(check_our_trainer(trainer, spec_))
         return trainer, elements, precompute_s
 
+    preload = spec.get("env", {}).get("LD_PRELOAD")
+    if preload:  # --ours-preload: the allocator is in this process, not only in its environment
+        maps = Path("/proc/self/maps").read_text()
+        assert Path(preload).name in maps, f"LD_PRELOAD={preload} is not loaded in the worker"
     bench_dpo._our_trainer = checked
     try:
         out = bench_dpo.worker_ours(spec)
@@ -592,11 +603,14 @@ def side_figures(r: dict, task: str, batch_size: int, tokens_per_step: float) ->
     }
 
 
-def compare(name: str, ours: dict | None, trl: dict | None) -> dict:
+def compare(name: str, ours: dict | None, trl: dict | None, variant: list[str] | None = None) -> dict:
     """A table row: both sides' figures and the ratios ours / TRL (speed: pairs/s, or tokens/s for
-    SFT; peak RSS), None where a side was not measured."""
+    SFT; peak RSS), None where a side was not measured. ``variant``: the extra overrides ours ran
+    with in this row (``--ours-variant``; TRL's side is the configuration's one TRL run)."""
     task, lora, ac = CONFIGS[name]
-    row = {"config": name, "task": task, "lora": lora, "activation_checkpointing": ac, "ours": ours, "trl": trl}
+    label = " + ".join([name, *(variant or [])])
+    row = {"config": name, "variant": list(variant or []), "label": label, "task": task, "lora": lora}
+    row.update({"activation_checkpointing": ac, "ours": ours, "trl": trl})
     both = ours is not None and trl is not None and "error" not in ours and "error" not in trl
     row["speed_ratio"] = ours["per_s"] / trl["per_s"] if both else None
     row["rss_ratio"] = ours["rss_peak_mib"] / trl["rss_peak_mib"] if both else None
@@ -607,17 +621,22 @@ def compare(name: str, ours: dict | None, trl: dict | None) -> dict:
 
 
 def verdicts(rows: list[dict]) -> list[dict]:
-    """Issue 14's targets (TARGETS) against the rows: each {target, config, value, bound, verdict},
-    verdict "pass", "FAIL" or "not measured" (its configuration not run, or a side failed)."""
-    by_config = {r["config"]: r for r in rows}
+    """Issue 14's targets (TARGETS) against the rows: for each target, one entry per row of its
+    configuration (ours as configured, then each ``--ours-variant`` row; a target with two figures
+    of one configuration is judged on each row alone, so "in one run" holds), each {target, config,
+    variant, label, value, bound, verdict}, verdict "pass", "FAIL" or "not measured" (its
+    configuration not run, or a side failed)."""
     out = []
     for config, figure, op, bound, text in TARGETS:
-        value = by_config.get(config, {}).get(figure)
-        if value is None:
-            verdict = "not measured"
-        else:
-            verdict = "pass" if (value <= bound if op == "<=" else value >= bound) else "FAIL"
-        out.append({"target": text, "config": config, "figure": figure, "value": value, "bound": bound, "verdict": verdict})
+        mine = [r for r in rows if r["config"] == config] or [{"label": config, "variant": []}]
+        for row in mine:
+            value = row.get(figure)
+            if value is None:
+                verdict = "not measured"
+            else:
+                verdict = "pass" if (value <= bound if op == "<=" else value >= bound) else "FAIL"
+            entry = {"target": text, "config": config, "variant": row["variant"], "label": row["label"], "figure": figure}
+            out.append({**entry, "value": value, "bound": bound, "verdict": verdict})
     return out
 
 
@@ -649,15 +668,15 @@ def results_markdown(rows: list[dict], checks: list[dict], title: str) -> str:
 
         loss0 = "-" if r["loss0"] is None else f"{r['loss0'][0]:.6f} / {r['loss0'][1]:.6f}"
         lines.append(
-            f"| {r['config']} | {speed(o)} | {speed(t)} | {_fmt(r['speed_ratio'])} "
+            f"| {r['label']} | {speed(o)} | {speed(t)} | {_fmt(r['speed_ratio'])} "
             f"| {cell(o, 'tokens_per_s', '.0f')} | {cell(t, 'tokens_per_s', '.0f')} | {cell(o, 'rss_peak_mib', '.0f')} "
             f"| {cell(t, 'rss_peak_mib', '.0f')} | {_fmt(r['rss_ratio'])} | {_fmt(r['ours_rss_gb'])} | {loss0} "
             f"| {_fmt(r['max_loss_diff'], '.1e')} |"
         )
-    lines += ["", "| target (issue 14) | measured | verdict |", "|---|---|---|"]
+    lines += ["", "| target (issue 14) | row | measured | verdict |", "|---|---|---|---|"]
     for c in checks:
-        lines.append(f"| {c['target']} | {_fmt(c['value'])} | {c['verdict']} |")
-    failed = [f"{r['config']} {s}: {r[s]['error']}" for r in rows for s in SIDES if r[s] and "error" in r[s]]
+        lines.append(f"| {c['target']} | {c['label']} | {_fmt(c['value'])} | {c['verdict']} |")
+    failed = [f"{r['label']} {s}: {r[s]['error']}" for r in rows for s in SIDES if r[s] and "error" in r[s]]
     if failed:
         lines += ["", "Failed runs (first line of each error):", *[f"- {f}" for f in failed]]
     return "\n".join(lines) + "\n"
@@ -794,6 +813,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trl-optim", default="adamw_torch", help="TRL's optim (default adamw_torch = ours)")
     parser.add_argument(
+        "--ours-variant",
+        nargs="*",
+        default=list(OURS_VARIANT),
+        help="Hydra overrides of an extra row per configuration: ours again with them, against the same TRL run "
+        f"(default {' '.join(OURS_VARIANT)}; give the flag alone for no such row)",
+    )
+    parser.add_argument(
+        "--ours-preload",
+        metavar="LIBRARY",
+        help="another row per configuration: ours with LD_PRELOAD=LIBRARY (e.g. tcmalloc or jemalloc: README, "
+        "'Memory on CPU'), against the same TRL run",
+    )
+    parser.add_argument(
         "--ours-overrides", nargs="*", default=[], help="extra Hydra overrides for our side, e.g. output_layer_chunk=null"
     )
     parser.add_argument("--out", default="/tmp/bench_memory", help="folder for results.md / .json, profile.md / .json")
@@ -824,6 +856,11 @@ def main(argv: list[str] | None = None) -> int:
         bench_dpo.run_worker(args.worker, args.spec, args.result, workers=WORKERS)
         return 0
     model = find_model(args.model)
+    if args.ours_preload and not Path(args.ours_preload).is_file():
+        raise SystemExit(
+            f"Error: --ours-preload {args.ours_preload}: no such file; e.g. apt install libtcmalloc-minimal4 gives "
+            "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4."
+        )
     if not bench_dpo.HH.exists():
         raise SystemExit(f"Error: {bench_dpo.HH} is absent: this benchmark reads ../shared (the folder beside the repository).")
     out_dir = Path(args.out)
@@ -915,6 +952,27 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
             rows.append(compare(name, figures["ours"], figures["trl"]))
+            variants = [args.ours_variant] if args.ours_variant else []
+            variants += [[f"LD_PRELOAD={Path(args.ours_preload).name}"]] if args.ours_preload else []
+            for extra in variants if "ours" in args.sides else []:
+                bench_dpo.wait_quiet(args.wait_quiet)
+                preload = extra[0].startswith("LD_PRELOAD=")
+                spec = config_spec(base, name, "ours", args.ours_overrides if preload else [*args.ours_overrides, *extra])
+                if preload:
+                    spec["env"] = {"LD_PRELOAD": str(Path(args.ours_preload).resolve())}
+                r = spawn("ours", spec, tmp, args.timeout)
+                label = " + ".join([name, *extra])
+                if "error" in r:
+                    print(f"{label} ours FAILED: {r['error']}\n{r['log']}", flush=True)
+                    variant = {"error": r["error"]}
+                else:
+                    variant = side_figures(r, task, args.batch_size, per_step)
+                    print(
+                        f"{label} ours {variant['per_s']:9.3f}, peak RSS {variant['rss_peak_mib']:.0f} MiB "
+                        f"({variant['rss_peak_gb']:.2f} GB), run {variant['wall_s']:.0f} s",
+                        flush=True,
+                    )
+                rows.append(compare(name, variant, figures["trl"], extra))
     checks = verdicts(rows)
     title = (
         f"## bench_memory.py, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs: ours vs TRL "
