@@ -135,7 +135,7 @@ def checkpointing_on(model) -> bool:
 def check_our_trainer(trainer, spec: dict) -> dict:
     """Assert that our BasicTrainer runs what ``spec`` asks (activation checkpointing on the
     policy, LoRA or full training, a live reference for full DPO and no second model with LoRA
-    or for SFT); return its parameter counts."""
+    or for SFT); return its parameter counts and its malloc_mmap_threshold_mib."""
     policy = trainer.policy
     ac = spec["activation_checkpointing"]
     assert checkpointing_on(policy) == ac, "activation checkpointing not as asked"
@@ -151,7 +151,8 @@ def check_our_trainer(trainer, spec: dict) -> dict:
         assert trainable == total, "full fine-tuning asked, but some parameters are frozen"
         assert (trainer.reference_model is not None) == (spec["task"] == "dpo"), "full DPO needs its live reference"
     assert trainer.config.loss.name == spec["task"]
-    return {"n_params": total, "n_trainable": trainable}
+    malloc = trainer.config.get("malloc_mmap_threshold_mib")
+    return {"n_params": total, "n_trainable": trainable, "malloc_mmap_threshold_mib": malloc}
 
 
 def worker_ours(spec: dict) -> dict:
@@ -599,7 +600,7 @@ def side_figures(r: dict, task: str, batch_size: int, tokens_per_step: float) ->
         "others_cpu": r["others_cpu"],
         "cpu_util": r["cpu_util"],
         "wall_s": r["wall_s"],
-        **{k: r[k] for k in ("n_params", "n_trainable") if k in r},
+        **{k: r[k] for k in ("n_params", "n_trainable", "malloc_mmap_threshold_mib") if k in r},
     }
 
 

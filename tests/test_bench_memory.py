@@ -215,6 +215,7 @@ def test_end_to_end_on_stories260k_with_activation_checkpointing(tmp_path):
     ours, trl = row["ours"], row["trl"]
     assert variant["label"] == "dpo-full-ac + malloc_mmap_threshold_mib=1" and variant["trl"] == trl
     assert variant["ours"]["losses"] == pytest.approx(ours["losses"], abs=1e-6)  # the allocator changes no number
+    assert ours["malloc_mmap_threshold_mib"] is None and variant["ours"]["malloc_mmap_threshold_mib"] == 1
     for s in (ours, trl):
         assert s["losses"][0] == pytest.approx(LN2, abs=1e-5)  # policy == reference at step 0
         assert len(s["steps_s"]) == 2 and s["pairs_per_s"] == pytest.approx(2 / s["step_s"])

@@ -102,3 +102,30 @@ def test_train_sets_it_in_each_process_before_the_model_loads(tmp_path, monkeypa
 def test_the_config_key_is_documented_null_by_default():
     text = (Path(REPO) / "config" / "config.yaml").read_text()
     assert "\nmalloc_mmap_threshold_mib: null" in text
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+@pytest.mark.skipif(not TCMALLOC.exists(), reason=f"{TCMALLOC} is absent (apt install libtcmalloc-minimal4)")
+def test_readme_tcmalloc_command_trains_and_the_glibc_setting_steps_aside(tmp_path):
+    """README "Memory on CPU": ``LD_PRELOAD=<tcmalloc> python train.py ...`` trains (the same
+    losses as glibc's run); ``malloc_mmap_threshold_mib`` under it says once that it is not set."""
+    import json
+    import os
+
+    from conftest import TINY
+
+    losses = {}
+    for name, preload in (("glibc", None), ("tcmalloc", str(TCMALLOC))):
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        env.update({"LD_PRELOAD": preload} if preload else {})
+        args = [*TINY, f"output_root={tmp_path / name}", "n_examples=8", "malloc_mmap_threshold_mib=1"]
+        out = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        note = "malloc_mmap_threshold_mib is glibc's; " + str(TCMALLOC)
+        assert (out.stdout.count(note) == 1) == bool(preload), out.stdout[-2000:]
+        (metrics,) = (tmp_path / name).rglob("metrics.jsonl")
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+        losses[name] = [r["loss/train"] for r in records if "loss/train" in r]
+    assert losses["glibc"] and losses["tcmalloc"] == pytest.approx(losses["glibc"], abs=1e-6)
