@@ -216,7 +216,11 @@ class BasicTrainer(OnlineSampling):
             self.reference_model.eval()
             self.reference_model.requires_grad_(False)
         if config.activation_checkpointing:  # non-reentrant: LoRA's gradients flow although the frozen inputs need none
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}  # LoRA: the adapters
         self.prepare_models()
         self.setup_peak_rss_mib = _peak_rss_mib()  # loading and sharding, before any step
@@ -911,7 +915,7 @@ class BasicTrainer(OnlineSampling):
                 if self.is_main:
                     utils.plot_curves(self.run_dir)
                     print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-                    print(format_peak_memory(memory))
+                    self.say_peak_memory(memory)
                     how = (
                         "the same torchrun command on every node, with"
                         if "TORCHELASTIC_RUN_ID" in os.environ
@@ -930,7 +934,7 @@ class BasicTrainer(OnlineSampling):
                     failed = self.hf_export_failure
                     export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
                 print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
-                print(format_peak_memory(memory))
+                self.say_peak_memory(memory)
                 if written:
                     print(f"Training curves: {os.path.dirname(written[0])}/")
             self.wait_for_all()
@@ -941,6 +945,14 @@ class BasicTrainer(OnlineSampling):
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.finish()
+
+    def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
+        """Print :func:`format_peak_memory`'s line and, without a GPU, the allocator that served
+        this process's memory (utils.cpu_allocator: a preloaded tcmalloc/jemalloc, or glibc and its
+        mmap threshold), which decides much of the peak on CPU (README, "Memory on CPU")."""
+        print(format_peak_memory(memory))
+        if "cuda" not in memory:
+            print(f"CPU memory allocator: {utils.cpu_allocator()}.")
 
     def log_peak_memory(self) -> dict[str, list[float]]:
         """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``, and

@@ -470,6 +470,32 @@ def set_malloc_mmap_threshold(mib: float | None) -> bool:
     return True
 
 
+def cpu_allocator() -> str:
+    """Which allocator serves this process's memory, in words: a preloaded ``*malloc*`` library
+    mapped into the process (``/proc/self/maps``: tcmalloc, jemalloc, mimalloc), else glibc's
+    malloc with the threshold :func:`set_malloc_mmap_threshold` set (or its default), else the C
+    library's malloc (not Linux). Never raises."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
+    except OSError:
+        paths = set()
+    preloaded = sorted(os.path.basename(p) for p in paths if "malloc" in os.path.basename(p))
+    if preloaded:
+        return f"{preloaded[0]} (preloaded)"
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return "the C library's malloc"
+    libc.gnu_get_libc_version.restype = ctypes.c_char_p
+    version = libc.gnu_get_libc_version().decode()
+    mib = next((m for m in reversed(_MALLOC_SET) if m == m), None)  # the last threshold set (nan: a note)
+    if mib is None:
+        return f"glibc {version} malloc, its default mmap threshold (128 KiB, growing to 32 MiB)"
+    return f"glibc {version} malloc, mmap threshold {mib:g} MiB (malloc_mmap_threshold_mib)"
+
+
 def set_seed(seed: int) -> None:
     """Seed Python, NumPy and torch (all devices)."""
     random.seed(seed)

@@ -968,9 +968,11 @@ def main(argv: list[str] | None = None) -> int:
                     variant = {"error": r["error"]}
                 else:
                     variant = side_figures(r, task, args.batch_size, per_step)
+                    unit = "tokens/s" if task == "sft" else "pairs/s"
                     print(
-                        f"{label} ours {variant['per_s']:9.3f}, peak RSS {variant['rss_peak_mib']:.0f} MiB "
-                        f"({variant['rss_peak_gb']:.2f} GB), run {variant['wall_s']:.0f} s",
+                        f"{label} ours {variant['per_s']:9.3f} {unit}, peak RSS {variant['rss_peak_mib']:.0f} MiB "
+                        f"({variant['rss_peak_gb']:.2f} GB), steps {', '.join(f'{s:.1f}' for s in variant['steps_s'])} s, "
+                        f"other processes {variant['others_cpu']:.2f} CPUs, run {variant['wall_s']:.0f} s",
                         flush=True,
                     )
                 rows.append(compare(name, variant, figures["trl"], extra))

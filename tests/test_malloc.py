@@ -125,7 +125,27 @@ def test_readme_tcmalloc_command_trains_and_the_glibc_setting_steps_aside(tmp_pa
         assert out.returncode == 0, out.stderr[-2000:]
         note = "malloc_mmap_threshold_mib is glibc's; " + str(TCMALLOC)
         assert (out.stdout.count(note) == 1) == bool(preload), out.stdout[-2000:]
+        allocator = "CPU memory allocator: libtcmalloc_minimal.so.4" if preload else "CPU memory allocator: glibc"
+        assert allocator in out.stdout, out.stdout[-2000:]
         (metrics,) = (tmp_path / name).rglob("metrics.jsonl")
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
         losses[name] = [r["loss/train"] for r in records if "loss/train" in r]
     assert losses["glibc"] and losses["tcmalloc"] == pytest.approx(losses["glibc"], abs=1e-6)
+
+
+@needs_glibc
+def test_the_end_of_a_cpu_run_names_the_allocator(tmp_path):
+    """A user could not tell from a run which allocator served it (found by a fresh-user trial):
+    the end of a CPU run names it, here glibc with the threshold the run set (its own process:
+    the setting is process-wide)."""
+    import os
+
+    from conftest import TINY
+
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    args = [*TINY, f"output_root={tmp_path}", "n_examples=8", "eval_every=8", "malloc_mmap_threshold_mib=2"]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stdout.splitlines() if line.startswith("CPU memory allocator:")]
+    assert len(lines) == 1 and lines[0].endswith(" malloc, mmap threshold 2 MiB (malloc_mmap_threshold_mib)."), lines
+    assert lines[0].startswith("CPU memory allocator: glibc 2.")
