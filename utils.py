@@ -414,7 +414,31 @@ def validate_malloc_mmap_threshold(value) -> None:
         )
 
 
-_MALLOC_SET: list[float] = []
+_MALLOC = {"threshold_mib": None, "noted": False}  # what set_malloc_mmap_threshold did in this process
+
+
+def _preloaded_malloc() -> str | None:
+    """Another allocator in this process: the first ``*malloc*`` library of ``LD_PRELOAD`` as
+    written there (tcmalloc, jemalloc, mimalloc), else the file name of one mapped into the
+    process (``/proc/self/maps``), else None."""
+    listed = [lib for lib in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "malloc" in os.path.basename(lib)]
+    if listed:
+        return listed[0]
+    try:
+        with open("/proc/self/maps") as f:
+            names = {os.path.basename(line.split()[-1]) for line in f if "/" in line}
+    except OSError:
+        return None
+    return min((n for n in names if "malloc" in n), default=None)
+
+
+def _glibc():
+    """This process's C library through ctypes if it is glibc (it has ``gnu_get_libc_version``
+    and ``mallopt``), else None."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
 
 
 def set_malloc_mmap_threshold(mib: float | None) -> bool:
@@ -449,24 +473,20 @@ def set_malloc_mmap_threshold(mib: float | None) -> bool:
     validate_malloc_mmap_threshold(mib)
     if mib is None:
         return False
-    import ctypes
-
-    preloaded = [lib for lib in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "malloc" in os.path.basename(lib)]
-    if preloaded:
-        if not _MALLOC_SET:
-            print(f"malloc_mmap_threshold_mib is glibc's; {preloaded[0]} is preloaded and allocates instead, so it is not set.")
-            _MALLOC_SET.append(float("nan"))
-        return False
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
-        if not _MALLOC_SET:
-            print("malloc_mmap_threshold_mib applies to glibc's malloc (Linux); this C library's allocator is left as it is.")
-            _MALLOC_SET.append(float("nan"))
+    preloaded, libc = _preloaded_malloc(), _glibc()
+    if preloaded or libc is None:
+        if not _MALLOC["noted"]:
+            print(
+                f"malloc_mmap_threshold_mib is glibc's; {preloaded} is preloaded and allocates instead, so it is not set."
+                if preloaded
+                else "malloc_mmap_threshold_mib applies to glibc's malloc (Linux); this C library's allocator is left as it is."
+            )
+            _MALLOC["noted"] = True
         return False
     m_mmap_threshold = -3  # malloc.h
     if not libc.mallopt(m_mmap_threshold, int(mib * 2**20)):
         raise ConfigError(f"glibc's mallopt refused malloc_mmap_threshold_mib={mib}; use a value in (0, 32].")
-    _MALLOC_SET.append(mib)
+    _MALLOC["threshold_mib"] = mib
     return True
 
 
@@ -475,22 +495,17 @@ def cpu_allocator() -> str:
     mapped into the process (``/proc/self/maps``: tcmalloc, jemalloc, mimalloc), else glibc's
     malloc with the threshold :func:`set_malloc_mmap_threshold` set (or its default), else the C
     library's malloc (not Linux). Never raises."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "/" in line}
-    except OSError:
-        paths = set()
-    preloaded = sorted(os.path.basename(p) for p in paths if "malloc" in os.path.basename(p))
+    preloaded = _preloaded_malloc()
     if preloaded:
-        return f"{preloaded[0]} (preloaded)"
+        return f"{os.path.basename(preloaded)} (preloaded)"
+    libc = _glibc()
+    if libc is None:
+        return "the C library's malloc"
     import ctypes
 
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return "the C library's malloc"
     libc.gnu_get_libc_version.restype = ctypes.c_char_p
     version = libc.gnu_get_libc_version().decode()
-    mib = next((m for m in reversed(_MALLOC_SET) if m == m), None)  # the last threshold set (nan: a note)
+    mib = _MALLOC["threshold_mib"]
     if mib is None:
         return f"glibc {version} malloc, its default mmap threshold (128 KiB, growing to 32 MiB)"
     return f"glibc {version} malloc, mmap threshold {mib:g} MiB (malloc_mmap_threshold_mib)"

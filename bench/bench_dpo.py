@@ -700,6 +700,31 @@ def wait_quiet(max_wait: float, threshold: float = 0.15) -> tuple[float, float]:
             return time.time() - t0, used
 
 
+def base_spec(args, tmp: Path, n_pairs: int, **extra) -> dict:
+    """The settings every worker of a run shares, from the command line's ``args`` (threads,
+    seed, batch size, max_length with half of it for the prompt, lr, beta, warm-up and measured
+    steps, TRL's optim), ``n_pairs`` pairs prepared into ``tmp``; ``extra`` adds or replaces
+    keys (``models``, ``max_grad_norm``; bench_memory.py: the model folder, the LoRA rank)."""
+    return {
+        "threads": args.threads,
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "max_prompt_length": args.max_length // 2,
+        "lr": args.lr,
+        "max_grad_norm": 1.0,
+        "beta": args.beta,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "n_pairs": n_pairs,
+        "trl_optim": args.trl_optim,
+        "pairs_file": str(tmp / "pairs.json"),
+        "tmp": str(tmp),
+        "models": [],
+        **extra,
+    }
+
+
 def spawn(role: str, spec: dict, tmp: Path, timeout: int = 1200, script: str | None = None) -> dict:
     """Run one worker (``script --worker role``, this file by default) in a fresh interpreter;
     return its JSON result."""
@@ -812,23 +837,7 @@ def main() -> None:
         print(f"warning: 1-minute load average is {load_before:.2f} before starting: other work shares the CPUs", flush=True)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        base = {
-            "threads": args.threads,
-            "seed": args.seed,
-            "batch_size": args.batch_size,
-            "max_length": args.max_length,
-            "max_prompt_length": args.max_length // 2,
-            "lr": args.lr,
-            "max_grad_norm": args.max_grad_norm,
-            "beta": args.beta,
-            "warmup": args.warmup,
-            "steps": args.steps,
-            "n_pairs": n_pairs,
-            "trl_optim": args.trl_optim,
-            "pairs_file": str(tmp / "pairs.json"),
-            "tmp": str(tmp),
-            "models": models,
-        }
+        base = base_spec(args, tmp, n_pairs, models=models, max_grad_norm=args.max_grad_norm)
         prep = spawn("prepare", base, tmp)
         model_dirs = {"stories": str(STORIES), "random": prep["random_dir"]}
         measured = slice(args.warmup, args.warmup + args.steps)

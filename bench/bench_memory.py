@@ -876,26 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        base = {
-            "threads": args.threads,
-            "seed": args.seed,
-            "batch_size": args.batch_size,
-            "max_length": args.max_length,
-            "max_prompt_length": args.max_length // 2,
-            "lr": args.lr,
-            "max_grad_norm": 1.0,
-            "beta": args.beta,
-            "lora_r": args.lora_r,
-            "warmup": args.warmup,
-            "steps": args.steps,
-            "n_pairs": n_pairs,
-            "trl_optim": args.trl_optim,
-            "pairs_file": str(tmp / "pairs.json"),
-            "tmp": str(tmp),
-            "models": [],
-            "model_dir": str(model),
-            "tokenizer_dir": str(model),
-        }
+        base = bench_dpo.base_spec(args, tmp, n_pairs, lora_r=args.lora_r, model_dir=str(model), tokenizer_dir=str(model))
         prep = spawn("prepare", base, tmp, args.timeout)
         if "error" in prep:
             raise SystemExit(f"Error: preparing the pairs failed: {prep['error']}\n{prep['log']}")
