@@ -275,26 +275,79 @@ def add_conversation_pair(
     return True
 
 
-def check_messages(value, where: str, column: str) -> Messages:
-    """``value`` (column ``column`` of the row ``where``) as a conversation: a non-empty list of
-    messages, each with a string ``role`` and ``content`` (other keys, such as Arrow's nulls for
-    keys of other rows, are dropped).
+STANDARD_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a conversation may hold; any other is refused (chat templates such as SmolLM2's render any role as text)."""
+
+ROLES_EXAMPLE = "'data.hf.roles={human: user, gpt: assistant}'"
+
+
+def check_roles_mapping(roles) -> dict[str, str]:
+    """``data.hf.roles`` (your role -> a standard role, or None) as a dict.
 
     Raises:
-        DataError: if it is not a list of messages, or a message lacks role or content (naming the message).
+        DataError: if it is not a mapping, or maps a role to one outside :data:`STANDARD_ROLES`.
     """
+    if roles is None:
+        return {}
+    if not isinstance(roles, dict):  # e.g. bash split an unquoted {a: b, c: d} into two overrides
+        raise DataError(
+            f"data.hf.roles must be a mapping such as {{human: user, gpt: assistant}}, got {roles!r}; "
+            f"quote the whole override in the shell: {ROLES_EXAMPLE}."
+        )
+    for name, role in roles.items():
+        if role not in STANDARD_ROLES:
+            raise DataError(
+                f"data.hf.roles maps {name!r} to {role!r}, which is not one of {', '.join(STANDARD_ROLES)}; map each of "
+                "your roles to one of them."
+            )
+    return {str(name): role for name, role in roles.items()}
+
+
+def _role_and_content(m, roles: dict[str, str]) -> tuple:
+    """A message's (role, content): ``role`` / ``content``, else ShareGPT's ``from`` / ``value``, the role mapped by ``roles``."""
+    if not isinstance(m, dict):
+        return None, None
+    if m.get("role") is None and m.get("content") is None and ("from" in m or "value" in m):  # ShareGPT's keys
+        role, content = m.get("from"), m.get("value")
+    else:
+        role, content = m.get("role"), m.get("content")
+    return roles.get(role, role) if isinstance(role, str) else role, content
+
+
+def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
+    """The one sentence for a message of ``what`` (e.g. "message 2 of 'chosen'") in ``where`` whose role is not standard."""
+    return DataError(f"{where}: {what} has role {role!r}, which is not one of {', '.join(STANDARD_ROLES)}; {hint}.")
+
+
+def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None) -> Messages:
+    """``value`` (column ``column`` of the row ``where``) as a conversation: a non-empty list of
+    messages (one message object is a list of one, as LLaMA-Factory's ShareGPT ``chosen``), each
+    with a string ``role`` and ``content``, or ShareGPT's ``from`` and ``value``; other keys (such
+    as Arrow's nulls for keys of other rows) are dropped. ``roles`` (``data.hf.roles``) renames
+    roles; every role must then be one of :data:`STANDARD_ROLES`.
+
+    Raises:
+        DataError: if it is not a list of messages, a message lacks role or content, or a role is
+            not standard (naming the message and ``data.hf.roles``).
+    """
+    roles = roles or {}
+    if isinstance(value, dict):
+        value = [value]
     if not isinstance(value, list) or not value:
         raise DataError(
             f"{where}: column {column!r} is not a list of messages ({_json_kind(value)}); give a list of {{role, content}}."
         )
     messages = []
     for k, m in enumerate(value, 1):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        role, content = _role_and_content(m, roles)
+        if not isinstance(role, str) or not isinstance(content, str):
             raise DataError(
                 f"{where}: message {k} of {column!r} has no string 'role' and 'content' ({json.dumps(m, ensure_ascii=False)[:80]});"
                 " every message needs both."
             )
-        messages.append({"role": m["role"], "content": m["content"]})
+        if role not in STANDARD_ROLES:
+            raise unknown_role(role, where, f"message {k} of {column!r}", f"map your roles to those with {ROLES_EXAMPLE}")
+        messages.append({"role": role, "content": content})
     return messages
 
 
@@ -956,12 +1009,13 @@ def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[
     )
 
 
-def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], source: str) -> str:
+def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], source: str, roles: dict | None = None) -> str:
     """The format of rows with columns ``found`` (``first`` is the first row; ``columns`` maps each
-    of :data:`HF_COLUMNS` to the column that holds it): ``ranked`` (a responses column),
-    ``conversational`` (prompt beside chosen / rejected message lists that are the responses),
-    ``implicit`` (chosen / rejected whole conversations, a prompt string beside them ignored) or
-    ``standard`` (prompt / chosen / rejected strings).
+    of :data:`HF_COLUMNS` to the column that holds it; ``roles`` is ``data.hf.roles``): ``ranked`` (a
+    responses column), ``conversational`` (a prompt of messages beside chosen / rejected messages,
+    or a prompt string beside chosen / rejected that start with the assistant's turn), ``implicit``
+    (chosen / rejected whole conversations, a prompt string beside them ignored) or ``standard``
+    (prompt / chosen / rejected strings).
 
     Raises:
         DataError: if the columns match no format, naming the columns found and the mapping to set.
@@ -971,8 +1025,9 @@ def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], sou
         return "ranked"
     if has["chosen"] and has["rejected"]:
         chosen, prompt = first.get(columns["chosen"]), first.get(columns["prompt"])
+        chosen = [chosen] if isinstance(chosen, dict) else chosen  # one message (LLaMA-Factory's ShareGPT layout)
         if isinstance(chosen, list):
-            starts_with_answer = bool(chosen) and isinstance(chosen[0], dict) and chosen[0].get("role") == "assistant"
+            starts_with_answer = bool(chosen) and _role_and_content(chosen[0], roles or {})[0] == "assistant"
             return (
                 "conversational" if isinstance(prompt, list) or (isinstance(prompt, str) and starts_with_answer) else "implicit"
             )
@@ -985,22 +1040,75 @@ def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], sou
     )
 
 
-def _hf_prompt(value, where: str, column: str, conversation: bool) -> str | Messages:
+def _hf_prompt(value, where: str, column: str, conversation: bool, roles: dict[str, str]) -> str | Messages:
     if isinstance(value, str) and not conversation:
         return value
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    return check_messages(value, where, column)
+    return check_messages(value, where, column, roles)
 
 
-def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str):
+def _prompt_turns(prompt: Messages, text: str | None, messages: Messages) -> int | None:
+    """How many leading messages of ``messages`` (a chosen or rejected column) are the prompt's:
+    0 when it starts with the assistant's turn (it is the response alone); ``len(prompt)`` when it
+    begins with the prompt's messages; with a prompt string ``text``, up to and including its last
+    user turn whose content is ``text`` (HuggingFaceH4/ultrafeedback_binarized: the prompt is the
+    last user turn, chosen / rejected the whole conversation). The messages after them must start
+    with the assistant's turn. None when no reading fits."""
+    if messages[0]["role"] == "assistant":
+        return 0
+    n = len(prompt)
+    if messages[:n] == prompt and messages[n:] and messages[n]["role"] == "assistant":
+        return n
+    if text is not None:
+        turns = [k for k, m in enumerate(messages) if m["role"] == "user" and m["content"].strip() == text.strip()]
+        if turns and messages[turns[-1] + 1 :] and messages[turns[-1] + 1]["role"] == "assistant":
+            return turns[-1] + 1
+    return None
+
+
+def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, columns: dict, where: str, roles: dict):
+    """(prompt messages, chosen response, rejected response) of a conversational row: the response
+    columns are the responses, or whole conversations whose prompt part (:func:`_prompt_turns`)
+    becomes the prompt.
+
+    Raises:
+        DataError: naming the row when a response column fits no reading, or chosen and rejected
+            hold different conversations before their responses.
+    """
+    c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
+    prompt = _hf_prompt(raw_prompt, where, p, True, roles)
+    text = raw_prompt if isinstance(raw_prompt, str) else None
+    cuts = [_prompt_turns(prompt, text, messages) for messages in (chosen, rejected)]
+    for column, messages, cut in zip((c, r), (chosen, rejected), cuts):
+        if cut is None:
+            which = (
+                f"none of its user turns followed by the assistant's is the {p!r} text"
+                if text is not None
+                else f"it does not begin with the {p!r} messages followed by the assistant's turn"
+            )
+            raise DataError(
+                f"{where}: {column!r} starts with a {messages[0]['role']} message, so it holds more than the response, but "
+                f"{which}, so its prompt cannot be told from its response; fix the row, or set data.hf.format=implicit to "
+                f"split chosen and rejected at their common messages and ignore {p!r}."
+            )
+    prompts = [messages[:cut] if cut else prompt for messages, cut in zip((chosen, rejected), cuts)]
+    if prompts[0] != prompts[1]:
+        raise DataError(
+            f"{where}: {c!r} and {r!r} hold different conversations before their responses ({len(prompts[0])} and "
+            f"{len(prompts[1])} messages); a pair answers one prompt, so give both the same earlier turns."
+        )
+    return prompts[0], chosen[cuts[0] :], rejected[cuts[1] :]
+
+
+def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: dict[str, str]):
     """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists (prompt
-    messages, response messages) for a conversational row.
+    messages, response messages) for a conversational row (:func:`_conversational_pair`).
 
     Raises:
         DataError: naming the row for a missing or mistyped column, a message without role or
-            content, a response not ending with the assistant's turn, or chosen and rejected
-            conversations that share no prompt.
+            content or with a role that is not standard, a response not ending with the
+            assistant's turn, or chosen and rejected conversations that share no prompt.
     """
     c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
     if fmt == "standard":
@@ -1010,15 +1118,11 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str):
                     f"{where}: column {column!r} is missing or not a string; standard rows need prompt, chosen and rejected strings."
                 )
         return row[p], row[c], row[r]
-    chosen, rejected = check_messages(row.get(c), where, c), check_messages(row.get(r), where, r)
+    chosen, rejected = check_messages(row.get(c), where, c, roles), check_messages(row.get(r), where, r, roles)
     check_ends_with_assistant(chosen, where, c)
     check_ends_with_assistant(rejected, where, r)
     if fmt == "conversational":
-        prompt = _hf_prompt(row.get(p), where, p, True)
-        n = len(prompt)
-        if chosen[:n] == prompt and rejected[:n] == prompt and min(len(chosen), len(rejected)) > n:
-            chosen, rejected = chosen[n:], rejected[n:]  # whole conversations beside their prompt
-        return prompt, chosen, rejected
+        return _conversational_pair(row.get(p), chosen, rejected, columns, where, roles)
     split = split_conversations(chosen, rejected)
     if split is None:
         raise DataError(
@@ -1028,7 +1132,9 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str):
     return split
 
 
-def _hf_ranked(row: dict, columns: dict[str, str], where: str) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
+def _hf_ranked(
+    row: dict, columns: dict[str, str], where: str, roles: dict[str, str]
+) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
     """(prompt, [(response, score), ...]) of a ranked row: ``responses`` a list with a parallel
     ``scores`` list, or a list of {text or response, score} objects; a response is a string or
     a list of messages (then the row is conversational).
@@ -1047,7 +1153,7 @@ def _hf_ranked(row: dict, columns: dict[str, str], where: str) -> tuple[str | Me
     else:
         items = list(zip(responses, scores))
     conversation = isinstance(row.get(pc), list) or any(isinstance(t, list) for t, _ in items)
-    prompt = _hf_prompt(row.get(pc), where, pc, conversation)
+    prompt = _hf_prompt(row.get(pc), where, pc, conversation, roles)
     if not isinstance(prompt, (str, list)):
         raise DataError(f"{where}: column {pc!r} is missing or not a string or a list of messages.")
     ranked = []
@@ -1055,7 +1161,7 @@ def _hf_ranked(row: dict, columns: dict[str, str], where: str) -> tuple[str | Me
         if not isinstance(score, (int, float)) or isinstance(score, bool):
             raise DataError(f"{where}: response {k} has no numeric score; give {sc!r} or a 'score' in each response object.")
         if conversation:
-            text = [{"role": "assistant", "content": text}] if isinstance(text, str) else check_messages(text, where, rc)
+            text = [{"role": "assistant", "content": text}] if isinstance(text, str) else check_messages(text, where, rc, roles)
             check_ends_with_assistant(text, where, rc)
         elif not isinstance(text, str):
             raise DataError(f"{where}: response {k} of {rc!r} has no text; give strings or {{text, score}} objects.")
@@ -1070,13 +1176,15 @@ def hf_rows_to_data(
     format: str = "auto",
     columns: dict | None = None,
     max_pairs_per_prompt: int | None = None,
+    roles: dict | None = None,
 ) -> DatasetDict:
     """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict:
     text pairs by :func:`add_pair`, conversational ones by :func:`add_conversation_pair` (an
     implicit prompt by :func:`split_conversations`). A ranked row gives every pair of responses
     with different scores (higher chosen; ties skipped and counted) and its best-scored response
     as sft_target. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those with
-    the largest score gaps, else the first ones.
+    the largest score gaps, else the first ones. ``roles`` (``data.hf.roles``) renames the
+    messages' roles (:func:`check_messages`).
 
     Raises:
         DataError: for an unknown format or mapping key, columns that match no format, or a bad
@@ -1100,13 +1208,14 @@ def hf_rows_to_data(
         key, col = missing[0]
         raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
     columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
-    fmt = detect_hf_format(found, rows[0], columns, source) if format == "auto" and rows else format
+    roles = check_roles_mapping(roles)
+    fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
     data: DatasetDict = {}
     gaps: dict[str, list[float]] = {}
     for i, row in enumerate(rows, 1):
         where = f"{source}, row {i}"
         if fmt == "ranked":
-            prompt, ranked = _hf_ranked(row, columns, where)
+            prompt, ranked = _hf_ranked(row, columns, where, roles)
             candidates = []
             for a in range(len(ranked)):
                 for b in range(a + 1, len(ranked)):
@@ -1116,7 +1225,7 @@ def hf_rows_to_data(
                     else:
                         candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
         else:
-            prompt, chosen, rejected = _hf_pair(row, fmt, columns, where)
+            prompt, chosen, rejected = _hf_pair(row, fmt, columns, where, roles)
             candidates = [((chosen, rejected), 0.0)]
         key = prompt if isinstance(prompt, str) else conversation_key(prompt)
         for (chosen, rejected), gap in candidates:
@@ -1193,6 +1302,7 @@ def get_hf(
     max_pairs_per_prompt: int | None = None,
     holdout_fraction: float = 0.1,
     cache_dir: str | None = None,
+    roles: dict | None = None,
 ) -> DatasetDict:
     """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them.
 
@@ -1211,12 +1321,15 @@ def get_hf(
         holdout_fraction: when the source has no ``test_split`` (one file, or test_split null),
             this deterministic slice of the prompts is the eval split (:func:`apply_holdout`).
         cache_dir: where ``datasets`` caches what it prepares (None: its default).
+        roles: a mapping from your messages' roles to system / user / assistant / tool, e.g.
+            {human: user, gpt: assistant} (ShareGPT's ``from`` / ``value`` messages are read too);
+            any other role is refused (:func:`check_messages`).
 
     Raises:
         DataError: one sentence naming the file / split and the row, before any model loads.
     """
     rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
-    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt)
+    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles)
     return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 
@@ -1233,6 +1346,7 @@ def get_hf_prompts(
     max_pairs_per_prompt: int | None = None,
     holdout_fraction: float = 0.1,
     cache_dir: str | None = None,
+    roles: dict | None = None,
 ) -> list:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options: rows with
     chosen / rejected or ranked responses give the prompts of their pairs (an implicit prompt
@@ -1246,15 +1360,16 @@ def get_hf_prompts(
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
-        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt)
+        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles)
     else:
+        roles = check_roles_mapping(roles)
         data = {}
         column = mapped["prompt"]
         for i, row in enumerate(rows, 1):
             value = row.get(column)
             if not isinstance(value, (str, list)):
                 raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
-            prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list))
+            prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list), roles)
             key = prompt if isinstance(prompt, str) else conversation_key(prompt)
             if not (prompt if isinstance(prompt, str) else prompt[-1]["content"]).strip():
                 note_row(report, "skipped: empty prompt", key)
@@ -1491,10 +1606,37 @@ def load_dataset_dict(name: str, split: str, options: dict | None = None, silent
     if not silent:
         n_pairs = sum(len(v["pairs"]) for v in data.values())
         n_unpaired = sum(len(v.get("labels", ())) for v in data.values())
-        counted = f"{n_unpaired} unpaired completions" if n_unpaired and not n_pairs else f"{n_pairs} pairs"
+        unpaired = n_unpaired and not n_pairs
+        counted = f"{n_unpaired} unpaired completions" if unpaired else f"{n_pairs} pairs"
+        n_copies = count_duplicates(data)
+        if n_copies:
+            report[f"kept: exact duplicate {'completions' if unpaired else 'pairs'}"] = n_copies
         notes = _notes(report)
         print(f"[data] {name}/{split}: {len(data)} prompts, {counted}" + (f" ({notes})" if notes else ""))
+        n = n_unpaired if unpaired else n_pairs
+        if n_copies > DUPLICATE_WARNING_SHARE * n:
+            what = (
+                "unpaired completions (same prompt, completion and label)"
+                if unpaired
+                else "pairs (same prompt, chosen and rejected)"
+            )
+            print(
+                f"[data] warning: {name}/{split}: {_share(n_copies, n)} of the {what} repeat an earlier one exactly; each copy is "
+                "trained on, so deduplicate the data unless the repetition is meant."
+            )
     return data
+
+
+DUPLICATE_WARNING_SHARE = 0.1
+"""The share of exact duplicate pairs in a split above which :func:`load_dataset_dict` warns."""
+
+
+def count_duplicates(data: DatasetDict) -> int:
+    """How many pairs of ``data`` (unpaired rows: labelled completions) repeat an earlier one of
+    the same prompt exactly (same prompt, chosen and rejected; same prompt, completion and label)."""
+    return sum(
+        len(items) - len(set(map(tuple, items))) for entry in data.values() for items in (entry["pairs"], entry.get("labels", ()))
+    )
 
 
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
@@ -1918,6 +2060,34 @@ def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool =
         ) from e
 
 
+def _check_tool_turns(tokenizer, conversations: list[Messages], row: str) -> None:
+    """Check that the chat template renders every ``tool`` message of ``conversations`` (each a
+    whole conversation of the example ``row``): the rendering must succeed and hold its content.
+
+    Raises:
+        DataError: one sentence naming the row and the template when it raises or leaves a tool message out.
+    """
+    import jinja2
+
+    for messages in conversations:
+        contents = [m["content"].strip() for m in messages if m["role"] == "tool"]
+        if not contents:
+            continue
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except (jinja2.TemplateError, TypeError, ValueError) as e:
+            reason = f"it raises: {e}"
+        else:
+            if all(content in text for content in contents):
+                continue
+            reason = "its rendering leaves the tool message's content out"
+        name = tokenizer.name_or_path or type(tokenizer).__name__
+        raise DataError(
+            f"{row} holds a 'tool' message, which the chat template of {name!r} cannot render ({reason}); set "
+            "model.chat_template to a template that renders tool messages, or leave such rows out."
+        )
+
+
 def drop_earliest_turn(messages: list[dict]) -> list[dict] | None:
     """``messages`` without their earliest turn (a user message and what follows it up to the
     next user message), keeping a leading system message, so that what is left still starts at a
@@ -1967,6 +2137,10 @@ def _split(text: str, spans: list[tuple[int, int]], offset: int = 0) -> list[lis
 def _check_messages(messages, row: str, what: str, last_assistant: bool) -> None:
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
         raise DataError(f"{row}: the {what} is not a non-empty list of {{role, content}} messages.")
+    for k, m in enumerate(messages, 1):
+        if m["role"] not in STANDARD_ROLES:
+            hint = "map it to one of them where the data is read (datasets=[hf]: data.hf.roles)"
+            raise unknown_role(m["role"], row, f"message {k} of the {what}", hint)
     if last_assistant and messages[-1]["role"] != "assistant":
         raise DataError(
             f"{row}: the {what} ends with a {messages[-1]['role']!r} message; a response must end with the assistant's message."
@@ -2067,13 +2241,19 @@ def render_conversations(
         )
     eot = end_of_turn_token(tokenizer)
     out = list(examples)
-    n_broke = n_dropped = n_turns = 0
+    n_broke = n_dropped = n_turns = n_empty = 0
+    first_empty = None
     for i in todo:
         ex, row = examples[i], rows[i]
         _check_messages(ex["prompt"], row, "prompt", last_assistant=False)
+        sides = [ex[side] for side in ("chosen", "rejected") if ex.get(side) is not None]
         for side in ("chosen", "rejected"):
             if ex.get(side) is not None:
                 _check_messages(ex[side], row, f"{side} response", last_assistant=True)
+        _check_tool_turns(tokenizer, [ex["prompt"] + messages for messages in sides] or [ex["prompt"]], row)
+        if any(m["role"] == "assistant" and not str(m.get("content", "")).strip() for m in sum(sides, ex["prompt"])):
+            n_empty += 1
+            first_empty = first_empty or row
         prompt, dropped = ex["prompt"], 0
         while True:
             new, broke = _render_example(ex, prompt, tokenizer, eot, all_assistant_turns, row)
@@ -2100,6 +2280,12 @@ def render_conversations(
                 "does not start with the prompt's rendering (it changes earlier turns, e.g. drops a thinking part or adds a "
                 "default system message in one rendering only); their responses are tokenized after the prompt as rendered "
                 "for generation, so no label shifts."
+            )
+        if n_empty:
+            print(
+                f"[data] warning: {label}: {_share(n_empty, len(todo))} conversations hold an empty assistant message before "
+                f"their last turn (the first: {first_empty}); each is kept as an empty turn (trained as one where it is part of "
+                "a response): fix or drop those rows if that is not meant."
             )
     return out
 
