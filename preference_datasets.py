@@ -896,6 +896,11 @@ def get_json(
             add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}")
             continue
         for field in ("prompt", "chosen", "rejected"):
+            if isinstance(row, dict) and isinstance(row.get(field), list):  # conversations: the hf loader reads them
+                raise DataError(
+                    f"{file}, row {i}: field {field!r} is a list of messages, which datasets=[json] does not read; read "
+                    f"conversations with datasets=[hf] data.hf.path={file}."
+                )
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise DataError(
                     f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."

@@ -223,7 +223,7 @@ def test_bad_conversations_are_one_sentence_naming_the_row():
         "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
         "{{ raise_exception('Only user and assistant roles are supported') }}{% endif %}{{ m['content'] }}{% endfor %}"
     )
-    bad_role = conv([{"role": "tool", "content": "x"}, user("Hi")], [assistant("Yes")], [assistant("No")], row="f.jsonl, row 7")
+    bad_role = conv([{"role": "system", "content": "x"}, user("Hi")], [assistant("Yes")], [assistant("No")], row="f.jsonl, row 7")
     with pytest.raises(
         pd.DataError, match=r"f.jsonl, row 7: the chat template rejects .*Only user and assistant roles are supported"
     ):
