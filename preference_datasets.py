@@ -2225,14 +2225,17 @@ def render_conversations(
       turns (:func:`drop_earliest_turn`) before tokens are cut; counted in one line per split.
     - ``all_assistant_turns`` (SFT): the prompt's assistant turns are trained as well.
     - A multi-message response trains only its assistant turns.
+    - Every role must be one of :data:`STANDARD_ROLES`; a ``tool`` message must come out of the
+      template with its content (:func:`_check_tool_turns`); conversations holding an empty
+      assistant message are kept and counted in one warning per split, naming the first.
 
     Rendered examples carry ``end_token_id``, ``messages`` (the prompt's, after any turn was
     dropped) and, where only parts are trained, ``pieces``. ``split`` names the split in messages.
 
     Raises:
         DataError: one sentence naming the row, when the tokenizer has no chat template, the
-            template rejects a conversation (its own message), or a response is not a message
-            list ending with the assistant's message.
+            template rejects a conversation (its own message) or cannot render a tool message, a
+            role is not standard, or a response is not a message list ending with the assistant's message.
     """
     label = "eval" if split == "test" else split
     todo = [i for i, ex in enumerate(examples) if ex.get("conversation")]
