@@ -1055,20 +1055,20 @@ def _hf_prompt(value, where: str, column: str, conversation: bool, roles: dict[s
 
 def _prompt_turns(prompt: Messages, text: str | None, messages: Messages) -> int | None:
     """How many leading messages of ``messages`` (a chosen or rejected column) are the prompt's:
-    0 when it starts with the assistant's turn (it is the response alone); ``len(prompt)`` when it
-    begins with the prompt's messages; with a prompt string ``text``, up to and including its last
-    user turn whose content is ``text`` (HuggingFaceH4/ultrafeedback_binarized: the prompt is the
-    last user turn, chosen / rejected the whole conversation). The messages after them must start
-    with the assistant's turn. None when no reading fits."""
+    0 when it starts with the assistant's turn (it is the response alone); for a prompt of
+    messages, ``len(prompt)`` when it begins with them; for a prompt string ``text``, up to and
+    including its last user turn whose content is ``text`` (surrounding whitespace aside;
+    HuggingFaceH4/ultrafeedback_binarized: the prompt is the last user turn, chosen / rejected the
+    whole conversation). The messages after them must start with the assistant's turn. None when
+    no reading fits."""
     if messages[0]["role"] == "assistant":
         return 0
-    n = len(prompt)
-    if messages[:n] == prompt and messages[n:] and messages[n]["role"] == "assistant":
-        return n
-    if text is not None:
-        turns = [k for k, m in enumerate(messages) if m["role"] == "user" and m["content"].strip() == text.strip()]
-        if turns and messages[turns[-1] + 1 :] and messages[turns[-1] + 1]["role"] == "assistant":
-            return turns[-1] + 1
+    if text is None:
+        n = len(prompt)
+        return n if messages[:n] == prompt and messages[n:] and messages[n]["role"] == "assistant" else None
+    turns = [k for k, m in enumerate(messages) if m["role"] == "user" and m["content"].strip() == text.strip()]
+    if turns and messages[turns[-1] + 1 :] and messages[turns[-1] + 1]["role"] == "assistant":
+        return turns[-1] + 1
     return None
 
 

@@ -83,10 +83,12 @@ def test_ultrafeedback_layout_read_as_conversational_takes_the_earlier_turns_as_
     """Regression: format=conversational trained the whole conversation (earlier user turns and
     role tags) as the response to the last user message."""
     multi = [user("u1"), bot("a1"), user("u2")]
-    f = write(tmp_path, [h4_row([user("q")], "good1", "bad1"), h4_row(multi, "good2", "bad2")])
+    again = [user("r"), bot("a1"), user("r")]  # the question asked twice: the prompt runs to its last asking
+    f = write(tmp_path, [h4_row([user("q")], "good1", "bad1"), h4_row(multi, "good2", "bad2"), h4_row(again, "g", "b")])
     expected = [
         (key([user("q")]), [bot("good1")], [bot("bad1")]),
         (key(multi), [bot("good2")], [bot("bad2")]),
+        (key(again), [bot("g")], [bot("b")]),
     ]
     assert pairs_of(load(tmp_path, f, format="conversational")) == expected
     assert pairs_of(load(tmp_path, f)) == expected  # format=auto (implicit) reads the same pairs
@@ -94,6 +96,7 @@ def test_ultrafeedback_layout_read_as_conversational_takes_the_earlier_turns_as_
     assert [(ex["prompt"], ex["chosen"], ex["rejected"]) for ex in examples] == [
         ([user("q")], [bot("good1")], [bot("bad1")]),
         (multi, [bot("good2")], [bot("bad2")]),
+        (again, [bot("g")], [bot("b")]),
     ]
     # rendered and tokenized: the prompt is the whole earlier conversation, the trained tokens only the last answer
     tok = smollm2()
