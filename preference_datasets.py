@@ -1597,9 +1597,13 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
     return got, report
 
 
-def load_dataset_dict(name: str, split: str, options: dict | None = None, silent: bool = False) -> DatasetDict:
+def load_dataset_dict(
+    name: str, split: str, options: dict | None = None, silent: bool = False, copies_trained: bool = False
+) -> DatasetDict:
     """Load one registered dataset's split and print what was skipped or repaired in it
-    (only its own rows when a held-out slice is carved, see :func:`apply_holdout`).
+    (only its own rows when a held-out slice is carved, see :func:`apply_holdout`) and how many
+    pairs repeat another exactly (:func:`count_duplicates`); with ``copies_trained`` (each pair is
+    an example: DPO, not SFT or prompts), a share above :data:`DUPLICATE_WARNING_SHARE` is warned.
 
     Raises:
         DataError: if ``name`` is not registered, the loader rejects its options/data, or the
@@ -1619,7 +1623,7 @@ def load_dataset_dict(name: str, split: str, options: dict | None = None, silent
         notes = _notes(report)
         print(f"[data] {name}/{split}: {len(data)} prompts, {counted}" + (f" ({notes})" if notes else ""))
         n = n_unpaired if unpaired else n_pairs
-        if n_copies > DUPLICATE_WARNING_SHARE * n:
+        if copies_trained and n_copies > DUPLICATE_WARNING_SHARE * n:
             what = (
                 "unpaired completions (same prompt, completion and label)"
                 if unpaired
@@ -1681,7 +1685,8 @@ def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, s
     """Flat list of examples of all ``names`` for ``split`` (see :func:`flatten`)."""
     examples = []
     for name in names:
-        examples.extend(flatten(name, load_dataset_dict(name, split, options.get(name), silent), sft_mode))
+        data = load_dataset_dict(name, split, options.get(name), silent, copies_trained=not sft_mode)
+        examples.extend(flatten(name, data, sft_mode))
     return examples
 
 

@@ -363,8 +363,9 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
     copies = [{"prompt": "P", "chosen": "good", "rejected": "bad"}] * 50
     distinct = [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"} for i in range(10)]
     f = write_jsonl(tmp_path / "d.jsonl", copies + distinct)
-    data = pd.load_dataset_dict("json", "train", {"path": {"train": f, "test": f}})
-    assert sum(len(e["pairs"]) for e in data.values()) == 60  # every copy is kept and trained on
+    options = {"json": {"path": {"train": f, "test": f}}}
+    examples = pd.load_examples(["json"], "train", options, sft_mode=False)
+    assert len(examples) == 60  # every copy is kept and trained on
     # 60 pairs of which the 49 copies after the first of P's are exact duplicates: 49 / 60 = 81.7%
     assert capsys.readouterr().out.splitlines() == [
         "[data] json/train: 11 prompts, 60 pairs (49 kept: exact duplicate pairs)",
@@ -376,8 +377,11 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
         {"prompt": f"p{i}", "chosen": "good", "rejected": "bad"} for i in range(17)
     ]
     f = write_jsonl(tmp_path / "few.jsonl", rows)
-    pd.load_dataset_dict("json", "train", {"path": {"train": f, "test": f}})
+    pd.load_examples(["json"], "train", {"json": {"path": {"train": f, "test": f}}}, sft_mode=False)
     assert capsys.readouterr().out.splitlines() == ["[data] json/train: 18 prompts, 20 pairs (1 kept: exact duplicate pairs)"]
+    # SFT trains each prompt once: the copies are counted, not warned
+    assert len(pd.load_examples(["json"], "train", options, sft_mode=True)) == 11
+    assert capsys.readouterr().out.splitlines() == ["[data] json/train: 11 prompts, 60 pairs (49 kept: exact duplicate pairs)"]
 
 
 def test_json_rows_of_messages_point_to_the_hf_loader(tmp_path):
