@@ -11,6 +11,7 @@ The objective the pairs are trained with is any paired one with a reference (los
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -358,8 +359,9 @@ def label_pairs(
         return list(scorer.judge(prompts, pairs)), None
     scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
     scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
-    nan = lambda a, b: a != a or b != b  # noqa: E731
-    preferences = [None if nan(a, b) else 0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()]
+    preferences = [
+        None if math.isnan(a) or math.isnan(b) else 0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()
+    ]
     return preferences, scores
 
 

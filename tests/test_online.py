@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose_config, metric_records, run_train, tiny_llama_scorer
+from conftest import TINY, compose_config, metric_records, needs_shared, run_train, tiny_llama_scorer
 from omegaconf import OmegaConf
 
 import losses
@@ -143,6 +143,9 @@ def test_reward_model_training_starts_at_ln2_learns_and_exports_a_loadable_score
     scorer = rewards.RewardModelScorer(str(hf))
     got = scorer.score(["2+3="], ["5"])
     assert got.shape == (1,) and torch.isfinite(got).all()
+    # Its trained head passes the untrained-head checks (config.json's and loading's), as online DPO loads it.
+    built = rewards.build_scorer(compose_config([*ONLINE, f"reward_model.name_or_path={hf}"]), device="cpu")
+    assert torch.equal(built.score(["2+3="], ["5"]), got)
 
 
 def test_reward_model_starts_from_an_sft_archive(tmp_path, capsys):
@@ -455,4 +458,136 @@ def test_a_missing_reward_model_folder_stops_before_any_run_folder_is_made(tmp_p
     config = compose_config([*TINY, *ONLINE, f"output_root={tmp_path / 'out'}", f"reward_model.name_or_path={tmp_path / 'nope'}"])
     with pytest.raises(utils.ConfigError, match="is not a folder"):
         train.main(config)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ----------------------------------------------------------------------------- a judge that fails (issue 22)
+
+
+class ScriptedJudgeServer(LocalChatServer):
+    """A local chat-completions endpoint whose answer to the n-th request (1-based, counted
+    under a lock) is ``answer(n, content)``: a string (the judge's reply) or an int (an HTTP
+    error status)."""
+
+    def __init__(self, answer):
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        lock, count = threading.Lock(), [0]
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    count[0] += 1
+                    n = count[0]
+                reply = answer(n, body["messages"][0]["content"])
+                if isinstance(reply, int):
+                    self.send_response(reply)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.count = count
+        self.serve(Handler)
+
+
+def http_judge(server) -> list[str]:
+    """Online DPO labelled by ``server``, asked once per pair (no retry)."""
+    return ["online.scorer=http_judge", f"judge.base_url={server.url}", "judge.model=m", "judge.max_retries=0", "judge.timeout=5"]
+
+
+@pytest.mark.parametrize("answer, why", [(500, "HTTP 500 from http://127.0.0.1"), ("maybe", "the judge answered 'maybe'")])
+def test_a_judge_that_always_fails_stops_with_one_sentence_and_keeps_the_checkpoint(tmp_path, answer, why):
+    # Before: 0 pairs labelled, "Done", exit 0 and FINISHED. Steps of 8 pairs, an eval every 8
+    # examples: the eval at 8 sees 8 judgements, all failed, keeps step-8 and stops.
+    from test_checkpoint_faults import CLI_TINY, cli, one_error_line
+
+    server = ScriptedJudgeServer(lambda n, content: answer)
+    try:
+        result = cli([*CLI_TINY, *ONLINE, *http_judge(server), "n_examples=24", "eval_every=8"], tmp_path)
+    finally:
+        server.close()
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    run_dir = next((tmp_path / "out").iterdir())
+    error = one_error_line(result)
+    expected = "Error: Training stopped: no pair could be labelled since the last eval (all 8 judgements failed; e.g. "
+    assert error.startswith(expected + why), error
+    assert f"the checkpoint {run_dir / 'step-8'} is kept" in error and f"resume={run_dir}" in error
+    assert (
+        "[judge] after 8 examples: 8 of 8 judgements failed since the last eval (100%; online.max_failure_rate=0.1)"
+        in result.stdout
+    )
+    assert "Done" not in result.stdout and not (run_dir / utils.FINISHED).exists()
+    assert (run_dir / "LATEST").resolve().name == "step-8" and (run_dir / "LATEST" / "policy.pt").exists()
+    assert server.count[0] == 8  # nothing was judged after the stop
+
+
+@pytest.mark.parametrize("every, overrides, stops", [(8, ["online.max_failure_rate=0.25"], False), (4, [], True)])
+def test_a_judge_failing_a_share_stops_only_above_max_failure_rate(tmp_path, capsys, every, overrides, stops):
+    # Every `every`-th request fails; an eval every 16 examples sees 16 judgements: 16 / 8 = 2
+    # failed (12.5% <= 0.25: trains on) or 16 / 4 = 4 failed (25% > the default 0.1: stops at 16).
+    server = ScriptedJudgeServer(lambda n, content: "nope" if n % every == 0 else "0")
+    config = compose_config([*TINY, *ONLINE, *http_judge(server), *overrides, "n_examples=32", "eval_every=16"])
+    config.output_root = str(tmp_path)
+    try:
+        if stops:
+            with pytest.raises(trainers.JudgeFailureError) as stopped:
+                train.main(config)
+        else:
+            run_dir = Path(train.main(config)[0])
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    failed = 16 // every
+    share = f"{failed / 16:.0%}"
+    rate = 0.25 if overrides else 0.1
+    assert (
+        f"[judge] after 16 examples: {failed} of 16 judgements failed since the last eval ({share}; online.max_failure_rate={rate})"
+        in out
+    )
+    if stops:
+        assert str(stopped.value).startswith(
+            "Training stopped: 4 of 16 judgements since the last eval failed (25% > online.max_failure_rate=0.1; e.g. the judge answered 'nope'"
+        )
+        run_dir = next(tmp_path.iterdir())
+        assert (run_dir / "LATEST").resolve().name == "step-16" and not (run_dir / utils.FINISHED).exists()
+        return
+    assert "[judge] after 32 examples: 2 of 16 judgements failed since the last eval (12%; online.max_failure_rate=0.25)" in out
+    assert (run_dir / utils.FINISHED).exists() and server.count[0] == 32
+
+
+def test_a_nan_reward_fails_the_judgement_instead_of_a_tie():
+    completions = torch.tensor([[5, 1]] * 4)
+    mask = trainers.completion_mask(completions, 1)
+    scorer = FixedScorer({"a": float("nan"), "b": 1.0, "c": 2.0, "d": 2.0})
+    preferences, _ = trainers.label_pairs(scorer, ["p", "q"], list("abcd"), completions, mask, 1, None)
+    assert preferences == [None, rewards.TIE]
+
+
+def test_max_failure_rate_is_a_share():
+    with pytest.raises(utils.ConfigError, match=r"online.max_failure_rate must be in \[0, 1\], got 1.5"):
+        utils.validate_config(compose_config([*TINY, *ONLINE, "online.max_failure_rate=1.5"]))
+
+
+def test_a_causal_lm_as_reward_model_is_one_sentence_exit_2_and_no_run_folder(tmp_path):
+    # Before: a warning that its score head is random, then online DPO trained against random scores.
+    from test_checkpoint_faults import CLI_TINY, cli, one_error_line
+
+    stories = needs_shared("models", "stories260K")
+    result = cli([*CLI_TINY, *ONLINE[:-1], f"reward_model.name_or_path={stories}"], tmp_path)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert one_error_line(result) == (
+        f"Error: reward_model.name_or_path={stories} has no trained score head (its config.json names LlamaForCausalLM), "
+        "so its scores would be random: give a reward model (e.g. the LATEST/hf of a loss=reward run), "
+        "or set reward_model.allow_untrained_head=true to use it anyway."
+    )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
