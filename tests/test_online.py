@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -591,3 +592,85 @@ def test_a_causal_lm_as_reward_model_is_one_sentence_exit_2_and_no_run_folder(tm
         "or set reward_model.allow_untrained_head=true to use it anyway."
     )
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ----------------------------------------------------------------------------- exact resume with the HTTP judge (issue 22)
+
+
+def plain(value) -> bool:
+    """True if ``value`` holds only plain types (what ``torch.load(weights_only=True)`` reads back)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp_path):
+    # The judge favours the response shown first and fails one request in eight by a hash of what
+    # it was shown, so every pair's label and every failure depend on the judge's order-shuffling
+    # RNG. The run is killed (SIGKILL) during its third step, after the checkpoint at 16 examples;
+    # resumed, the judge must shuffle on from where it was and count on from its failures then.
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_checkpoint_faults import CLI_TINY
+
+    victim = {}
+
+    def answer(n, content):
+        if victim.get("pid") and n == 20:  # the 4th request of step 3: step-16 is published
+            os.kill(victim.pop("pid"), signal.SIGKILL)
+        return "?" if hashlib.sha256(content.encode()).digest()[0] % 8 == 0 else "0"
+
+    full_server, cut_server = ScriptedJudgeServer(answer), ScriptedJudgeServer(answer)
+    args = [*CLI_TINY, *ONLINE, "n_examples=48", "eval_every=16", "save_hf_export=false", "online.max_failure_rate=1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+    def train_py(extra: list[str], pid: bool = False) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        if pid:
+            victim["pid"] = proc.pid
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+    try:
+        full = train_py([*args, *http_judge(full_server), f"output_root={tmp_path / 'full'}"])
+        assert full.returncode == 0, full.stdout[-3000:]
+        cut = train_py([*args, *http_judge(cut_server), f"output_root={tmp_path / 'cut'}"], pid=True)
+        assert cut.returncode == -signal.SIGKILL, cut.stdout[-3000:]
+        cut_dir = next((tmp_path / "cut").iterdir())
+        assert (cut_dir / "LATEST").resolve().name == "step-16"
+        resumed = train_py([f"resume={cut_dir}"])
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert "Resuming after 16 examples" in resumed.stdout
+    finally:
+        full_server.close()
+        cut_server.close()
+    full_dir = next((tmp_path / "full").iterdir())
+    a = torch.load(full_dir / "LATEST" / "policy.pt", weights_only=True)
+    b = torch.load(cut_dir / "LATEST" / "policy.pt", weights_only=True)
+    assert a["step_idx"] == b["step_idx"] == 48
+    for name in a["state"]:
+        assert torch.equal(a["state"][name], b["state"][name]), name
+    state_a = torch.load(full_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
+    state_b = torch.load(cut_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
+    assert plain(state_a) and state_a == state_b
+    # 48 pairs were judged in all, one shuffle draw each (the judge's RNG is seeded with seed=0).
+    rng = random.Random(0)
+    for _ in range(48):
+        rng.random()
+    assert state_a["judges"][0]["rng"] == rng.getstate()
+    # The failures are those metrics.jsonl logged: each train record is one step's 8 pairs.
+    steps = [r for r in metric_records(full_dir) if "online/failed_judgements" in r]
+    assert len(steps) == 6
+    assert 0 < state_a["judges"][0]["failures"] == round(sum(8 * r["online/failed_judgements"] for r in steps)) < 48
