@@ -41,39 +41,50 @@ class OnlineSampling:
     """Of those, the judgements that failed (an error, an answer neither 0 nor 1, a NaN score)."""
     judge_error: str | None = None
     """Why this rank's latest failed judgement failed (an example for the stop sentence)."""
-    rank_judge_states: list | None = None
-    """Every rank's :meth:`judge_state`, in rank order, gathered by :meth:`collect_judge_states` for trainer_state.pt."""
+    rank_states: list | None = None
+    """Every rank's :meth:`rank_state`, in rank order, gathered by :meth:`collect_rank_states` for trainer_state.pt."""
 
-    def judge_state(self) -> dict | None:
-        """This rank's judge state (``rewards`` judges' ``state_dict``: failures and the HTTP
-        judge's order-shuffling RNG, plain types), or None when the scorer keeps none."""
+    def rank_state(self) -> dict:
+        """What differs between ranks and a resume needs: ``judge``, the judge's ``state_dict``
+        (failures and the HTTP judge's order-shuffling RNG, plain types; None when the scorer
+        keeps none), and ``torch_rng`` / ``cuda_rng``, the RNG this rank samples completions
+        with (ranks draw apart: ``generate`` stops drawing on a rank whose samples are done)."""
         state_dict = getattr(self.scorer, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
+        return {
+            "judge": state_dict() if callable(state_dict) else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
 
-    def collect_judge_states(self) -> None:
-        """Gather every rank's :meth:`judge_state` into :attr:`rank_judge_states` (a collective: every rank calls it when saving)."""
-        self.rank_judge_states = self.gather_per_rank({"judges": [self.judge_state()]})["judges"] if self.online else None
+    def collect_rank_states(self) -> None:
+        """Gather every rank's :meth:`rank_state` into :attr:`rank_states` (a collective: every rank calls it when saving)."""
+        self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"] if self.online else None
 
     def online_state(self) -> dict | None:
-        """What trainer_state.pt keeps of online DPO: ``judges`` (one state per rank) and the
-        failure counts since the last eval; None for an offline run."""
+        """What trainer_state.pt keeps of online DPO: ``ranks`` (:meth:`rank_state` of each rank)
+        and the failure counts since the last eval; None for an offline run."""
         if not self.online:
             return None
         return {
-            "judges": self.rank_judge_states,
+            "ranks": self.rank_states,
             "judged_since_eval": self.judged_since_eval,
             "failed_since_eval": self.failed_since_eval,
         }
 
     def restore_online_state(self, state: dict | None) -> None:
-        """Restore :meth:`online_state`'s saving: this rank's judge state and the counts (absent in older checkpoints)."""
+        """Restore :meth:`online_state`'s saving: this rank's judge and sampling RNG, and the counts (absent in older checkpoints)."""
         if not self.online or not state:
             return
         self.judged_since_eval, self.failed_since_eval = int(state["judged_since_eval"]), int(state["failed_since_eval"])
-        judges = state.get("judges") or []
-        mine = judges[self.rank] if self.rank < len(judges) else None
-        if mine is not None and callable(getattr(self.scorer, "load_state_dict", None)):
-            self.scorer.load_state_dict(mine)
+        ranks = state.get("ranks") or []
+        if self.rank >= len(ranks):  # resumed on more ranks than saved: the shared RNG state stays
+            return
+        mine = ranks[self.rank]
+        if mine["judge"] is not None and callable(getattr(self.scorer, "load_state_dict", None)):
+            self.scorer.load_state_dict(mine["judge"])
+        torch.set_rng_state(mine["torch_rng"])
+        if mine["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda_rng"])
 
     def count_judgements(self, metrics: dict) -> None:
         """Add a step's gathered ``online/failed_judgements`` (one 0/1 per pair) to the counts since the last eval."""

@@ -1030,7 +1030,7 @@ class BasicTrainer(OnlineSampling):
         """
         step = self.example_counter
         self.hf_export_failure = None
-        self.collect_judge_states()
+        self.collect_rank_states()
 
         def write(tmp):
             torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(tmp, "policy.pt"))
@@ -1138,7 +1138,7 @@ class BasicTrainer(OnlineSampling):
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
             "wandb_id": self.logger.run_id,
-            "online": self.online_state(),  # the judges' RNG and failure counts (plain types)
+            "online": self.online_state(),  # each rank's judge (RNG, failures) and sampling RNG
         }
 
     @staticmethod
@@ -1486,7 +1486,7 @@ class _DistributedTrainer(BasicTrainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
         step = self.example_counter
-        self.collect_judge_states()  # every rank's judge, before rank 0 writes trainer_state.pt
+        self.collect_rank_states()  # every rank's judge and sampling RNG, before rank 0 writes trainer_state.pt
         name = f"step-{step}"
         tmp = os.path.join(self.run_dir, f".{name}.tmp")
         path = os.path.join(self.run_dir, name)

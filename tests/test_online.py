@@ -606,11 +606,13 @@ def plain(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
 
-def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp_path, ranks):
     # The judge favours the response shown first and fails one request in eight by a hash of what
     # it was shown, so every pair's label and every failure depend on the judge's order-shuffling
     # RNG. The run is killed (SIGKILL) during its third step, after the checkpoint at 16 examples;
     # resumed, the judge must shuffle on from where it was and count on from its failures then.
+    # With 2 ranks (FSDPTrainer) each rank's judge labels its 4 pairs of a step and is kept apart.
     import hashlib
     import os
     import signal
@@ -629,6 +631,7 @@ def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp
 
     full_server, cut_server = ScriptedJudgeServer(answer), ScriptedJudgeServer(answer)
     args = [*CLI_TINY, *ONLINE, "n_examples=48", "eval_every=16", "save_hf_export=false", "online.max_failure_rate=1"]
+    args += ["trainer=FSDPTrainer", "world_size=2"] if ranks == 2 else []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
     def train_py(extra: list[str], pid: bool = False) -> subprocess.CompletedProcess:
@@ -664,13 +667,17 @@ def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp
         assert torch.equal(a["state"][name], b["state"][name]), name
     state_a = torch.load(full_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
     state_b = torch.load(cut_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
-    assert plain(state_a) and state_a == state_b
-    # 48 pairs were judged in all, one shuffle draw each (the judge's RNG is seeded with seed=0).
+    judges_a, judges_b = ([rank["judge"] for rank in state["ranks"]] for state in (state_a, state_b))
+    assert plain(judges_a) and judges_a == judges_b
+    for rank_a, rank_b in zip(state_a["ranks"], state_b["ranks"]):
+        assert torch.equal(rank_a["torch_rng"], rank_b["torch_rng"])
+    # 48 pairs were judged in all, 48 / ranks by each rank's judge, one shuffle draw each (seeded with seed=0).
     rng = random.Random(0)
-    for _ in range(48):
+    for _ in range(48 // ranks):
         rng.random()
-    assert state_a["judges"][0]["rng"] == rng.getstate()
+    assert len(judges_a) == ranks and all(judge["rng"] == rng.getstate() for judge in judges_a)
     # The failures are those metrics.jsonl logged: each train record is one step's 8 pairs.
     steps = [r for r in metric_records(full_dir) if "online/failed_judgements" in r]
     assert len(steps) == 6
-    assert 0 < state_a["judges"][0]["failures"] == round(sum(8 * r["online/failed_judgements"] for r in steps)) < 48
+    failures = sum(judge["failures"] for judge in judges_a)
+    assert 0 < failures == round(sum(8 * r["online/failed_judgements"] for r in steps)) < 48
