@@ -506,15 +506,22 @@ def http_judge(server) -> list[str]:
     return ["online.scorer=http_judge", f"judge.base_url={server.url}", "judge.model=m", "judge.max_retries=0", "judge.timeout=5"]
 
 
-@pytest.mark.parametrize("answer, why", [(500, "HTTP 500 from http://127.0.0.1"), ("maybe", "the judge answered 'maybe'")])
-def test_a_judge_that_always_fails_stops_with_one_sentence_and_keeps_the_checkpoint(tmp_path, answer, why):
+@pytest.mark.parametrize(
+    "answer, why, trainer",
+    [
+        (500, "HTTP 500 from http://127.0.0.1", []),
+        ("maybe", "the judge answered 'maybe'", []),
+        ("maybe", "the judge answered 'maybe'", ["trainer=FSDPTrainer", "world_size=2"]),  # every rank stops, one line
+    ],
+)
+def test_a_judge_that_always_fails_stops_with_one_sentence_and_keeps_the_checkpoint(tmp_path, answer, why, trainer):
     # Before: 0 pairs labelled, "Done", exit 0 and FINISHED. Steps of 8 pairs, an eval every 8
     # examples: the eval at 8 sees 8 judgements, all failed, keeps step-8 and stops.
     from test_checkpoint_faults import CLI_TINY, cli, one_error_line
 
     server = ScriptedJudgeServer(lambda n, content: answer)
     try:
-        result = cli([*CLI_TINY, *ONLINE, *http_judge(server), "n_examples=24", "eval_every=8"], tmp_path)
+        result = cli([*CLI_TINY, *ONLINE, *http_judge(server), "n_examples=24", "eval_every=8", *trainer], tmp_path)
     finally:
         server.close()
     assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
