@@ -11,6 +11,7 @@ The objective the pairs are trained with is any paired one with a reference (los
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 
@@ -22,6 +23,10 @@ import rewards
 import utils
 
 
+class JudgeFailureError(RuntimeError):
+    """Too many of online DPO's judgements failed since the last eval; the message names the checkpoint kept."""
+
+
 class OnlineSampling:
     """Online DPO's sampling, labelling and evaluation, mixed into ``trainers.BasicTrainer``
     (which sets ``policy``, ``tokenizer``, ``config``, ``stop_ids``, ``device``, ...)."""
@@ -29,6 +34,92 @@ class OnlineSampling:
     scorer = None
     """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
     (``.judge``), colocated or on remote workers."""
+
+    judged_since_eval = 0
+    """Pairs sent to the scorer or judge since the last eval, over all ranks."""
+    failed_since_eval = 0
+    """Of those, the judgements that failed (an error, an answer neither 0 nor 1, a NaN score)."""
+    judge_error: str | None = None
+    """Why this rank's latest failed judgement failed (an example for the stop sentence)."""
+    rank_states: list | None = None
+    """Every rank's :meth:`rank_state`, in rank order, gathered by :meth:`collect_rank_states` for trainer_state.pt."""
+
+    def rank_state(self) -> dict:
+        """What differs between ranks and a resume needs: ``judge``, the judge's ``state_dict``
+        (failures and the HTTP judge's order-shuffling RNG, plain types; None when the scorer
+        keeps none), and ``torch_rng`` / ``cuda_rng``, the RNG this rank samples completions
+        with (ranks draw apart: ``generate`` stops drawing on a rank whose samples are done)."""
+        state_dict = getattr(self.scorer, "state_dict", None)
+        return {
+            "judge": state_dict() if callable(state_dict) else None,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        }
+
+    def collect_rank_states(self) -> None:
+        """Gather every rank's :meth:`rank_state` into :attr:`rank_states` (a collective: every rank calls it when saving)."""
+        self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"] if self.online else None
+
+    def online_state(self) -> dict | None:
+        """What trainer_state.pt keeps of online DPO: ``ranks`` (:meth:`rank_state` of each rank)
+        and the failure counts since the last eval; None for an offline run."""
+        if not self.online:
+            return None
+        return {
+            "ranks": self.rank_states,
+            "judged_since_eval": self.judged_since_eval,
+            "failed_since_eval": self.failed_since_eval,
+        }
+
+    def restore_online_state(self, state: dict | None) -> None:
+        """Restore :meth:`online_state`'s saving: this rank's judge and sampling RNG, and the counts (absent in older checkpoints)."""
+        if not self.online or not state:
+            return
+        self.judged_since_eval, self.failed_since_eval = int(state["judged_since_eval"]), int(state["failed_since_eval"])
+        ranks = state.get("ranks") or []
+        if self.rank >= len(ranks):  # resumed on more ranks than saved: the shared RNG state stays
+            return
+        mine = ranks[self.rank]
+        if mine["judge"] is not None and callable(getattr(self.scorer, "load_state_dict", None)):
+            self.scorer.load_state_dict(mine["judge"])
+        torch.set_rng_state(mine["torch_rng"])
+        if mine["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(mine["cuda_rng"])
+
+    def count_judgements(self, metrics: dict) -> None:
+        """Add a step's gathered ``online/failed_judgements`` (one 0/1 per pair) to the counts since the last eval."""
+        failed = metrics.get("online/failed_judgements", [])
+        self.judged_since_eval += len(failed)
+        self.failed_since_eval += int(sum(failed))
+
+    def judge_report(self) -> str | None:
+        """At an eval: print the share of judgements that failed since the last one (main rank),
+        start a new count, and return the stop sentence (a ``{checkpoint}`` field left to fill)
+        when no pair could be labelled or the share is above ``online.max_failure_rate``
+        (failures / judged pairs, as evaluate.py's ``max_failure_rate``), else None."""
+        failed, judged = self.failed_since_eval, self.judged_since_eval
+        self.failed_since_eval = self.judged_since_eval = 0
+        if not self.online or not judged:
+            return None
+        limit = float(self.config.online.get("max_failure_rate", 0.1))
+        share = failed / judged
+        if self.is_main:
+            print(
+                f"[judge] after {self.example_counter} examples: {failed} of {judged} judgements failed since the last eval "
+                f"({share:.0%}; online.max_failure_rate={limit:g})"
+            )
+        if failed < judged and share <= limit:
+            return None
+        example = f"; e.g. {self.judge_error}" if self.judge_error else ""
+        what = (
+            f"no pair could be labelled since the last eval (all {judged} judgements failed{example})"
+            if failed == judged
+            else f"{failed} of {judged} judgements since the last eval failed ({share:.0%} > online.max_failure_rate={limit:g}{example})"
+        )
+        return (
+            f"Training stopped: {what}; the checkpoint {{checkpoint}} is kept: fix the judge or reward model "
+            f"(online.scorer={self.config.online.scorer}), then continue with resume={self.run_dir}."
+        )
 
     @torch.no_grad()
     def sample_completions(self, batch: dict, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,6 +185,11 @@ class OnlineSampling:
         has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
         texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
         preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
+        errors = getattr(self.scorer, "last_errors", None)
+        if errors:
+            self.judge_error = errors[-1]
+        elif scores is not None and None in preferences:
+            self.judge_error = "a NaN score"
 
         coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
         elements, weights, ties, failed, order = [], [], [], [], []
@@ -267,14 +363,16 @@ def label_pairs(
 
     Returns:
         (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
-        (a failed judgement); scores (B, 2) float32 after the penalty, or None for a judge.
+        (a failed judgement, or a NaN score); scores (B, 2) float32 after the penalty, or None for a judge.
     """
     pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
     if not hasattr(scorer, "score"):
         return list(scorer.judge(prompts, pairs)), None
     scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
     scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
-    preferences = [0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()]
+    preferences = [
+        None if math.isnan(a) or math.isnan(b) else 0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()
+    ]
     return preferences, scores
 
 

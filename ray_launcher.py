@@ -480,6 +480,16 @@ class ScorerActor:
         results = list(self.scorer.judge(prompts, pairs))
         return results, self.scorer.failures - before, list(getattr(self.scorer, "last_errors", []))
 
+    def state_dict(self) -> dict | None:
+        """The judge's ``state_dict`` (e.g. the HTTP judge's order-shuffling RNG), or None when it keeps none."""
+        state_dict = getattr(self.scorer, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def load_state_dict(self, state: dict | None) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state is not None:
+            self.scorer.load_state_dict(state)
+
 
 class _RemoteScoring:
     """What :class:`RemoteScorer` and :class:`RemoteJudge` share: the actors and the fan-out."""
@@ -564,6 +574,20 @@ class RemoteJudge(_RemoteScoring):
             self.failures += failed
             self.last_errors.extend(errors)
         return results
+
+    def state_dict(self) -> dict:
+        """``failures`` and each actor's judge state (:meth:`ScorerActor.state_dict`), in actor order, for a resume."""
+        import ray
+
+        return {"failures": self.failures, "actors": ray.get([actor.state_dict.remote() for actor in self.actors])}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned; with another number of actors their judges start afresh."""
+        import ray
+
+        self.failures = int(state["failures"])
+        if len(state["actors"]) == len(self.actors):
+            ray.get([actor.load_state_dict.remote(s) for actor, s in zip(self.actors, state["actors"])])
 
 
 def start_scorer(config: DictConfig, build: str = "rewards.build_scorer") -> RemoteScorer | RemoteJudge:

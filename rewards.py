@@ -125,29 +125,46 @@ class RewardModelScorer:
     backbone's hidden state at position -1: a sequence scores the same alone or in any batch.
 
     Args:
-        name_or_path: a local folder or hub id. A checkpoint saved as a causal LM (no trained
-            score head) loads with a random head and a printed warning: fine for tests only.
+        name_or_path: a local folder or hub id. A checkpoint whose score head loading left
+            random (a causal LM: its head is among transformers' missing keys) is refused.
         device: where the model runs ("cpu", "cuda", "cuda:1").
         batch_size: texts per forward pass.
         max_length: tokens per text; a longer text keeps its end (and its BOS, if any).
         dtype: a torch dtype or its name ("bfloat16"); None loads the checkpoint's default.
+        allow_untrained_head: load a checkpoint whose head is random all the same, with a
+            warning (``reward_model.allow_untrained_head``; tests only).
 
     Raises:
         ValueError: if the checkpoint's head has more than one output, or the model has no
             ``score`` head (an encoder classifier such as DeBERTa pools its first token).
+        ConfigError: if the head's weights are not in the checkpoint and ``allow_untrained_head`` is false.
     """
 
-    def __init__(self, name_or_path: str, device="cpu", batch_size: int = 16, max_length: int = 1024, dtype=None):
+    def __init__(
+        self,
+        name_or_path: str,
+        device="cpu",
+        batch_size: int = 16,
+        max_length: int = 1024,
+        dtype=None,
+        allow_untrained_head=False,
+    ):
         import transformers
 
         config = transformers.AutoConfig.from_pretrained(name_or_path)
-        trained_head = any(a.endswith("ForSequenceClassification") for a in config.architectures or [])
-        if trained_head and config.num_labels != 1:
+        if config.num_labels != 1 and any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
             raise ValueError(f"Reward model {name_or_path} has {config.num_labels} outputs; a reward model needs exactly one.")
-        if not trained_head:
-            print(f"[reward_model] warning: {name_or_path} has no sequence-classification head; its score head is random.")
         dtype = get_dtype(dtype) if isinstance(dtype, str) else dtype
-        model = transformers.AutoModelForSequenceClassification.from_pretrained(name_or_path, num_labels=1, dtype=dtype)
+        model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
+            name_or_path, num_labels=1, dtype=dtype, output_loading_info=True
+        )
+        random_head = untrained_head(model, info)
+        if random_head and not allow_untrained_head:
+            raise ConfigError(untrained_head_error(name_or_path, f"{', '.join(random_head)} not in the checkpoint"))
+        if random_head:
+            print(
+                f"[reward_model] warning: {name_or_path}'s score head is random ({', '.join(random_head)} not in the checkpoint)."
+            )
         tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
         self._attach(model, tokenizer, device, batch_size, max_length)
 
@@ -218,6 +235,45 @@ class RewardModelScorer:
                 hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
                 scores[chunk] = self.model.score(hidden[:, -1]).float().cpu()[:, 0]
         return scores
+
+
+def untrained_head(model, loading_info: dict) -> list[str]:
+    """The head's parameters that ``from_pretrained(..., output_loading_info=True)`` left at their
+    random start (missing from the checkpoint, or of another shape), by name; [] when it was trained.
+
+    The head is every parameter outside the backbone (``model.base_model_prefix``): ``score.*``
+    of a decoder reward model, ``classifier.*`` of an encoder one."""
+    mismatched = {k if isinstance(k, str) else k[0] for k in loading_info.get("mismatched_keys", [])}
+    untouched = set(loading_info.get("missing_keys", [])) | mismatched
+    backbone = model.base_model_prefix + "."
+    return [n for n, _ in model.named_parameters() if not n.startswith(backbone) and n in untouched]
+
+
+def untrained_head_error(name_or_path: str, why: str) -> str:
+    """The sentence that refuses a reward model whose score head was never trained; ``why`` says how it was seen."""
+    return (
+        f"reward_model.name_or_path={name_or_path} has no trained score head ({why}), so its scores would be random: "
+        "give a reward model (e.g. the LATEST/hf of a loss=reward run), or set reward_model.allow_untrained_head=true "
+        "to use it anyway."
+    )
+
+
+def check_reward_model_config(name_or_path: str, allow_untrained_head: bool = False) -> None:
+    """Refuse a local reward model folder whose config.json names no sequence-classification
+    architecture (a causal LM: its head would be random), before any weight is read; hub ids and
+    folders with no ``architectures`` are checked when loaded (:class:`RewardModelScorer`).
+
+    Raises:
+        ConfigError: :func:`untrained_head_error`'s sentence.
+    """
+    import transformers
+
+    path = os.path.expanduser(name_or_path)
+    if allow_untrained_head or not os.path.isfile(os.path.join(path, "config.json")):
+        return
+    architectures = transformers.AutoConfig.from_pretrained(path).architectures or []
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ConfigError(untrained_head_error(name_or_path, f"its config.json names {architectures[0]}"))
 
 
 def apply_missing_eos_penalty(
@@ -292,6 +348,14 @@ class PairwiseJudge:
     def _fail(self, why: str) -> None:
         self.failures += 1
         self.last_errors.append(why)
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to judge on as this judge would have, in plain types (``failures``)."""
+        return {"failures": self.failures}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.failures = int(state["failures"])
 
 
 class RewardModelJudge(PairwiseJudge):
@@ -426,6 +490,16 @@ class HTTPJudge(PairwiseJudge):
         with self._lock:
             super()._fail(why)
 
+    def state_dict(self) -> dict:
+        """``failures`` and ``rng``, the order-shuffling RNG's ``getstate()`` (a tuple of ints)."""
+        return {**super().state_dict(), "rng": self.rng.getstate()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (the RNG's state may come back with lists for tuples)."""
+        super().load_state_dict(state)
+        version, internal, gauss_next = state["rng"]
+        self.rng.setstate((version, tuple(internal), gauss_next))
+
     def _ask(self, prompt: str, pair: tuple[str, str]) -> int | None:
         content = self.template.format(prompt=prompt, response0=pair[0], response1=pair[1])
         body = {
@@ -487,8 +561,9 @@ def build_scorer(config, device=None):
     ``reward_model.dtype``, if the config has it, is its dtype.
 
     Raises:
-        ConfigError: if ``online.scorer`` is unknown, ``reward_model.name_or_path`` is null
-            or a local path that is not a folder, or ``judge.base_url``/``judge.model`` is null.
+        ConfigError: if ``online.scorer`` is unknown, ``reward_model.name_or_path`` is null,
+            a local path that is not a folder or a model whose score head was never trained
+            (unless ``reward_model.allow_untrained_head``), or ``judge.base_url``/``judge.model`` is null.
     """
     kind = config.online.scorer
     if kind not in SCORERS:
@@ -518,8 +593,15 @@ def build_scorer(config, device=None):
         raise ConfigError(f"online.scorer={kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
     if looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
         raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
+    allow = bool(rm.get("allow_untrained_head", False))
+    check_reward_model_config(path, allow)  # before the weights load
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     scorer = RewardModelScorer(
-        os.path.expanduser(path), device=device, batch_size=rm.batch_size, max_length=rm.max_length, dtype=rm.get("dtype")
+        os.path.expanduser(path),
+        device=device,
+        batch_size=rm.batch_size,
+        max_length=rm.max_length,
+        dtype=rm.get("dtype"),
+        allow_untrained_head=allow,
     )
     return RewardModelJudge(scorer) if kind == "reward_model_judge" else scorer

@@ -673,7 +673,7 @@ def hydra_main(config: DictConfig) -> None:
     except (utils.ConfigError, DataError) as e:
         say_once_per_node(e, rank)
         sys.exit(2)
-    except (trainers.NonFiniteLossError, utils.CheckpointError) as e:  # a NaN step, a disk full: finished work is kept
+    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError) as e:  # finished work is kept
         say_once_per_node(e, rank)
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
     except KeyboardInterrupt:

@@ -26,7 +26,7 @@ import tqdm
 
 import losses
 import utils
-from online import OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
+from online import JudgeFailureError, OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
 from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from preference_datasets import as_pair_batch, get_batch_iterator, left_pad, mismatched_pairs, stop_token_ids
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
@@ -781,6 +781,8 @@ class BasicTrainer(OnlineSampling):
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
         collected = defaultdict(list, self.gather_metrics(collected))
+        if self.online:
+            self.count_judgements(collected)
         collected["lr"].append(self.scheduler.get_last_lr()[0])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
@@ -890,8 +892,11 @@ class BasicTrainer(OnlineSampling):
                     self.evaluate()
                     while self.next_eval_at <= self.example_counter:  # before saving: a resume does not evaluate again
                         self.next_eval_at += config.eval_every
+                    stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
                     if self.example_counter > 0:
-                        self.save()
+                        path = self.save()
+                        if stop:
+                            raise JudgeFailureError(stop.format(checkpoint=path))
                 metrics = self.train_step(batch)
                 tokens += self.step_tokens
                 self.batch_counter += 1
@@ -925,7 +930,10 @@ class BasicTrainer(OnlineSampling):
                 self.wait_for_all()
                 return self.stop_signal or signal.SIGTERM
             self.evaluate()
+            stop = self.judge_report()
             path = self.save()
+            if stop:
+                raise JudgeFailureError(stop.format(checkpoint=path))
             memory = self.log_peak_memory()
             if self.is_main:
                 written = utils.plot_curves(self.run_dir)
@@ -1022,6 +1030,7 @@ class BasicTrainer(OnlineSampling):
         """
         step = self.example_counter
         self.hf_export_failure = None
+        self.collect_rank_states()
 
         def write(tmp):
             torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(tmp, "policy.pt"))
@@ -1117,7 +1126,7 @@ class BasicTrainer(OnlineSampling):
             )
 
     def trainer_state(self) -> dict:
-        """Counters, RNG states and the W&B run id: what resume needs besides the weights."""
+        """Counters, RNG states, the W&B run id and online DPO's judge state: what resume needs besides the weights."""
         return {
             "example_counter": self.example_counter,
             "batch_counter": self.batch_counter,
@@ -1129,6 +1138,7 @@ class BasicTrainer(OnlineSampling):
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
             "wandb_id": self.logger.run_id,
+            "online": self.online_state(),  # each rank's judge (RNG, failures) and sampling RNG
         }
 
     @staticmethod
@@ -1160,6 +1170,7 @@ class BasicTrainer(OnlineSampling):
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.restore_online_state(state.get("online"))
         if self.is_main:  # what was logged after this checkpoint is logged again as training repeats it
             dropped = self.logger.rewind(self.example_counter)
             for name in ("samples.jsonl", "completions.jsonl"):
@@ -1475,6 +1486,7 @@ class _DistributedTrainer(BasicTrainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
         step = self.example_counter
+        self.collect_rank_states()  # every rank's judge and sampling RNG, before rank 0 writes trainer_state.pt
         name = f"step-{step}"
         tmp = os.path.join(self.run_dir, f".{name}.tmp")
         path = os.path.join(self.run_dir, name)

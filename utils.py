@@ -366,6 +366,8 @@ def validate_online(config: DictConfig) -> None:
         )
     if not online.temperature > 0:
         raise ConfigError(f"online.temperature must be > 0 (online DPO samples), got {online.temperature}.")
+    if not 0 <= online.get("max_failure_rate", 0.1) <= 1:
+        raise ConfigError(f"online.max_failure_rate must be in [0, 1], got {online.max_failure_rate}.")
     if config.trainer == "TensorParallelTrainer":
         raise ConfigError("online DPO runs with BasicTrainer or FSDPTrainer.")
 

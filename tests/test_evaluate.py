@@ -644,3 +644,18 @@ def test_prompts_the_policy_trained_on_are_refused(tmp_path):
     assert 30 <= seen <= 40  # about 90% of the first 40 prompts of the file are outside the 10% held out
     with pytest.raises(DataError, match=r"evaluation prompts of hh are in the training data .* data.hh.holdout_fraction=0.1"):
         evaluate.main(eval_config([*common, "data.hh.holdout_fraction=0.0", "reward_model.name_or_path=unused"]))
+
+
+def test_a_causal_lm_as_the_judges_reward_model_is_refused_before_sampling(tmp_path):
+    # evaluate.py shares online DPO's check: a plain causal LM's score head is random.
+    from test_rewards import causal_lm_without_architectures
+
+    stories = needs_shared("models", "stories260K")
+    for judge in ("reward_model", "reward_model_judge"):
+        with pytest.raises(ConfigError, match=r"has no trained score head \(its config.json names LlamaForCausalLM\)"):
+            evaluate.Judge(eval_config([*FAST, "policy=unused", f"judge={judge}", f"reward_model.name_or_path={stories}"]))
+    # A folder whose config.json names no architecture passes that check, and is refused when loaded.
+    lm = causal_lm_without_architectures(tmp_path / "lm")
+    judge = evaluate.Judge(eval_config([*FAST, "policy=unused", f"reward_model.name_or_path={lm}"]))
+    with pytest.raises(ConfigError, match="has no trained score head .score.weight not in the checkpoint."):
+        judge._build()

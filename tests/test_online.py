@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, compose_config, metric_records, run_train, tiny_llama_scorer
+from conftest import TINY, compose_config, metric_records, needs_shared, run_train, tiny_llama_scorer
 from omegaconf import OmegaConf
 
 import losses
@@ -143,6 +144,9 @@ def test_reward_model_training_starts_at_ln2_learns_and_exports_a_loadable_score
     scorer = rewards.RewardModelScorer(str(hf))
     got = scorer.score(["2+3="], ["5"])
     assert got.shape == (1,) and torch.isfinite(got).all()
+    # Its trained head passes the untrained-head checks (config.json's and loading's), as online DPO loads it.
+    built = rewards.build_scorer(compose_config([*ONLINE, f"reward_model.name_or_path={hf}"]), device="cpu")
+    assert torch.equal(built.score(["2+3="], ["5"]), got)
 
 
 def test_reward_model_starts_from_an_sft_archive(tmp_path, capsys):
@@ -456,3 +460,231 @@ def test_a_missing_reward_model_folder_stops_before_any_run_folder_is_made(tmp_p
     with pytest.raises(utils.ConfigError, match="is not a folder"):
         train.main(config)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ----------------------------------------------------------------------------- a judge that fails (issue 22)
+
+
+class ScriptedJudgeServer(LocalChatServer):
+    """A local chat-completions endpoint whose answer to the n-th request (1-based, counted
+    under a lock) is ``answer(n, content)``: a string (the judge's reply) or an int (an HTTP
+    error status)."""
+
+    def __init__(self, answer):
+        import threading
+        from http.server import BaseHTTPRequestHandler
+
+        lock, count = threading.Lock(), [0]
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with lock:
+                    count[0] += 1
+                    n = count[0]
+                reply = answer(n, body["messages"][0]["content"])
+                if isinstance(reply, int):
+                    self.send_response(reply)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.count = count
+        self.serve(Handler)
+
+
+def http_judge(server) -> list[str]:
+    """Online DPO labelled by ``server``, asked once per pair (no retry)."""
+    return ["online.scorer=http_judge", f"judge.base_url={server.url}", "judge.model=m", "judge.max_retries=0", "judge.timeout=5"]
+
+
+@pytest.mark.parametrize(
+    "answer, why, trainer",
+    [
+        (500, "HTTP 500 from http://127.0.0.1", []),
+        ("maybe", "the judge answered 'maybe'", []),
+        ("maybe", "the judge answered 'maybe'", ["trainer=FSDPTrainer", "world_size=2"]),  # every rank stops, one line
+    ],
+)
+def test_a_judge_that_always_fails_stops_with_one_sentence_and_keeps_the_checkpoint(tmp_path, answer, why, trainer):
+    # Before: 0 pairs labelled, "Done", exit 0 and FINISHED. Steps of 8 pairs, an eval every 8
+    # examples: the eval at 8 sees 8 judgements, all failed, keeps step-8 and stops.
+    from test_checkpoint_faults import CLI_TINY, cli, one_error_line
+
+    server = ScriptedJudgeServer(lambda n, content: answer)
+    try:
+        result = cli([*CLI_TINY, *ONLINE, *http_judge(server), "n_examples=24", "eval_every=8", *trainer], tmp_path)
+    finally:
+        server.close()
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    run_dir = next((tmp_path / "out").iterdir())
+    error = one_error_line(result)
+    expected = "Error: Training stopped: no pair could be labelled since the last eval (all 8 judgements failed; e.g. "
+    assert error.startswith(expected + why), error
+    assert f"the checkpoint {run_dir / 'step-8'} is kept" in error and f"resume={run_dir}" in error
+    assert (
+        "[judge] after 8 examples: 8 of 8 judgements failed since the last eval (100%; online.max_failure_rate=0.1)"
+        in result.stdout
+    )
+    assert "Done" not in result.stdout and not (run_dir / utils.FINISHED).exists()
+    assert (run_dir / "LATEST").resolve().name == "step-8" and (run_dir / "LATEST" / "policy.pt").exists()
+    assert server.count[0] == 8  # nothing was judged after the stop
+
+
+@pytest.mark.parametrize("every, overrides, stops", [(8, ["online.max_failure_rate=0.25"], False), (4, [], True)])
+def test_a_judge_failing_a_share_stops_only_above_max_failure_rate(tmp_path, capsys, every, overrides, stops):
+    # Every `every`-th request fails; an eval every 16 examples sees 16 judgements: 16 / 8 = 2
+    # failed (12.5% <= 0.25: trains on) or 16 / 4 = 4 failed (25% > the default 0.1: stops at 16).
+    server = ScriptedJudgeServer(lambda n, content: "nope" if n % every == 0 else "0")
+    config = compose_config([*TINY, *ONLINE, *http_judge(server), *overrides, "n_examples=32", "eval_every=16"])
+    config.output_root = str(tmp_path)
+    try:
+        if stops:
+            with pytest.raises(trainers.JudgeFailureError) as stopped:
+                train.main(config)
+        else:
+            run_dir = Path(train.main(config)[0])
+    finally:
+        server.close()
+    out = capsys.readouterr().out
+    failed = 16 // every
+    share = f"{failed / 16:.0%}"
+    rate = 0.25 if overrides else 0.1
+    assert (
+        f"[judge] after 16 examples: {failed} of 16 judgements failed since the last eval ({share}; online.max_failure_rate={rate})"
+        in out
+    )
+    if stops:
+        assert str(stopped.value).startswith(
+            "Training stopped: 4 of 16 judgements since the last eval failed (25% > online.max_failure_rate=0.1; e.g. the judge answered 'nope'"
+        )
+        run_dir = next(tmp_path.iterdir())
+        assert (run_dir / "LATEST").resolve().name == "step-16" and not (run_dir / utils.FINISHED).exists()
+        return
+    assert "[judge] after 32 examples: 2 of 16 judgements failed since the last eval (12%; online.max_failure_rate=0.25)" in out
+    assert (run_dir / utils.FINISHED).exists() and server.count[0] == 32
+
+
+def test_a_nan_reward_fails_the_judgement_instead_of_a_tie():
+    completions = torch.tensor([[5, 1]] * 4)
+    mask = trainers.completion_mask(completions, 1)
+    scorer = FixedScorer({"a": float("nan"), "b": 1.0, "c": 2.0, "d": 2.0})
+    preferences, _ = trainers.label_pairs(scorer, ["p", "q"], list("abcd"), completions, mask, 1, None)
+    assert preferences == [None, rewards.TIE]
+
+
+def test_max_failure_rate_is_a_share():
+    with pytest.raises(utils.ConfigError, match=r"online.max_failure_rate must be in \[0, 1\], got 1.5"):
+        utils.validate_config(compose_config([*TINY, *ONLINE, "online.max_failure_rate=1.5"]))
+
+
+def test_a_causal_lm_as_reward_model_is_one_sentence_exit_2_and_no_run_folder(tmp_path):
+    # Before: a warning that its score head is random, then online DPO trained against random scores.
+    from test_checkpoint_faults import CLI_TINY, cli, one_error_line
+
+    stories = needs_shared("models", "stories260K")
+    result = cli([*CLI_TINY, *ONLINE[:-1], f"reward_model.name_or_path={stories}"], tmp_path)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert one_error_line(result) == (
+        f"Error: reward_model.name_or_path={stories} has no trained score head (its config.json names LlamaForCausalLM), "
+        "so its scores would be random: give a reward model (e.g. the LATEST/hf of a loss=reward run), "
+        "or set reward_model.allow_untrained_head=true to use it anyway."
+    )
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# ----------------------------------------------------------------------------- exact resume with the HTTP judge (issue 22)
+
+
+def plain(value) -> bool:
+    """True if ``value`` holds only plain types (what ``torch.load(weights_only=True)`` reads back)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and plain(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return all(plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp_path, ranks):
+    # The judge favours the response shown first and fails one request in eight by a hash of what
+    # it was shown, so every pair's label and every failure depend on the judge's order-shuffling
+    # RNG. The run is killed (SIGKILL) during its third step, after the checkpoint at 16 examples;
+    # resumed, the judge must shuffle on from where it was and count on from its failures then.
+    # With 2 ranks (FSDPTrainer) each rank's judge labels its 4 pairs of a step and is kept apart.
+    import hashlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from test_checkpoint_faults import CLI_TINY
+
+    victim = {}
+
+    def answer(n, content):
+        if victim.get("pid") and n == 20:  # the 4th request of step 3: step-16 is published
+            os.kill(victim.pop("pid"), signal.SIGKILL)
+        return "?" if hashlib.sha256(content.encode()).digest()[0] % 8 == 0 else "0"
+
+    full_server, cut_server = ScriptedJudgeServer(answer), ScriptedJudgeServer(answer)
+    args = [*CLI_TINY, *ONLINE, "n_examples=48", "eval_every=16", "save_hf_export=false", "online.max_failure_rate=1"]
+    args += ["trainer=FSDPTrainer", "world_size=2"] if ranks == 2 else []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+
+    def train_py(extra: list[str], pid: bool = False) -> subprocess.CompletedProcess:
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        if pid:
+            victim["pid"] = proc.pid
+        try:
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+
+    try:
+        full = train_py([*args, *http_judge(full_server), f"output_root={tmp_path / 'full'}"])
+        assert full.returncode == 0, full.stdout[-3000:]
+        cut = train_py([*args, *http_judge(cut_server), f"output_root={tmp_path / 'cut'}"], pid=True)
+        assert cut.returncode == -signal.SIGKILL, cut.stdout[-3000:]
+        cut_dir = next((tmp_path / "cut").iterdir())
+        assert (cut_dir / "LATEST").resolve().name == "step-16"
+        resumed = train_py([f"resume={cut_dir}"])
+        assert resumed.returncode == 0, resumed.stdout[-3000:]
+        assert "Resuming after 16 examples" in resumed.stdout
+    finally:
+        full_server.close()
+        cut_server.close()
+    full_dir = next((tmp_path / "full").iterdir())
+    a = torch.load(full_dir / "LATEST" / "policy.pt", weights_only=True)
+    b = torch.load(cut_dir / "LATEST" / "policy.pt", weights_only=True)
+    assert a["step_idx"] == b["step_idx"] == 48
+    for name in a["state"]:
+        assert torch.equal(a["state"][name], b["state"][name]), name
+    state_a = torch.load(full_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
+    state_b = torch.load(cut_dir / "LATEST" / "trainer_state.pt", weights_only=False)["online"]
+    judges_a, judges_b = ([rank["judge"] for rank in state["ranks"]] for state in (state_a, state_b))
+    assert plain(judges_a) and judges_a == judges_b
+    for rank_a, rank_b in zip(state_a["ranks"], state_b["ranks"]):
+        assert torch.equal(rank_a["torch_rng"], rank_b["torch_rng"])
+    # 48 pairs were judged in all, 48 / ranks by each rank's judge, one shuffle draw each (seeded with seed=0).
+    rng = random.Random(0)
+    for _ in range(48 // ranks):
+        rng.random()
+    assert len(judges_a) == ranks and all(judge["rng"] == rng.getstate() for judge in judges_a)
+    # The failures are those metrics.jsonl logged: each train record is one step's 8 pairs.
+    steps = [r for r in metric_records(full_dir) if "online/failed_judgements" in r]
+    assert len(steps) == 6
+    failures = sum(judge["failures"] for judge in judges_a)
+    assert 0 < failures == round(sum(8 * r["online/failed_judgements"] for r in steps)) < 48

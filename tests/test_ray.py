@@ -297,6 +297,35 @@ def test_remote_scorer_and_judge_keep_order_dtype_and_failures(cluster):
 
 
 @pytest.mark.timeout(180)
+def test_a_remote_http_judge_resumes_its_order_shuffling_and_failures(cluster):
+    # The server prefers whatever it is shown first, and fails a request whose text has a "!",
+    # so the answers depend on each actor's shuffling RNG; actors restored from state_dict()
+    # judge the next batch as the first ones do (fresh actors would repeat the first batch's draws).
+    from test_online import ScriptedJudgeServer, http_judge
+
+    server = ScriptedJudgeServer(lambda n, content: "?" if "!" in content else "0")
+    actors = []
+    try:
+        config = compose_config([*SCORER_RUN, *http_judge(server)])
+        first = ray_launcher.start_scorer(config)
+        actors += first.actors
+        pairs = [(f"a{i}", f"b{i}!" if i % 3 == 0 else f"b{i}") for i in range(8)]
+        first.judge(PROMPTS[:1] * 8, pairs)
+        state = first.state_dict()
+        assert state["failures"] == 3 and len(state["actors"]) == 2  # pairs 0, 3 and 6
+        expected = first.judge(PROMPTS[:1] * 8, pairs)
+        second = ray_launcher.start_scorer(config)
+        actors += second.actors
+        second.load_state_dict(state)
+        assert second.judge(PROMPTS[:1] * 8, pairs) == expected and second.failures == first.failures == 6
+        assert second.state_dict() == first.state_dict()
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        server.close()
+
+
+@pytest.mark.timeout(180)
 def test_remote_reward_model_scores_as_the_local_one(cluster, tmp_path):
     from test_rewards import tiny_llama
     from transformers import ByT5Tokenizer

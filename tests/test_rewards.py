@@ -206,9 +206,52 @@ def test_loading_checks_the_head(tmp_path, capsys):
     torch.manual_seed(0)
     LlamaForCausalLM(tiny_llama(384, 0).config).save_pretrained(tmp_path / "lm")
     ByT5Tokenizer().save_pretrained(tmp_path / "lm")
-    scorer = RewardModelScorer(str(tmp_path / "lm"))
-    assert "no sequence-classification head; its score head is random" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"has no trained score head \(score.weight not in the checkpoint\)"):
+        RewardModelScorer(str(tmp_path / "lm"))
+    scorer = RewardModelScorer(str(tmp_path / "lm"), allow_untrained_head=True)  # said explicitly: a warning
+    assert "score head is random (score.weight not in the checkpoint)" in capsys.readouterr().out
     assert scorer.score(["a"], ["b"]).shape == (1,)
+
+
+def causal_lm_without_architectures(folder) -> str:
+    """A causal LM's folder whose config.json names no architecture: only loading can tell its head is random."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama(384, 0).config).save_pretrained(folder)
+    ByT5Tokenizer().save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("architectures")
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_random_head_is_found_by_loading_whatever_config_json_says(tmp_path, rm_folder):
+    lm = causal_lm_without_architectures(tmp_path / "lm")
+    config = compose_config(["online.scorer=reward_model", f"reward_model.name_or_path={lm}"])
+    with pytest.raises(ConfigError, match="has no trained score head .score.weight not in the checkpoint."):
+        build_scorer(config, "cpu")
+    # A reward model whose head is in its checkpoint has no head parameter loading left random.
+    model, info = LlamaForSequenceClassification.from_pretrained(rm_folder, num_labels=1, output_loading_info=True)
+    assert rewards.untrained_head(model, info) == []
+    model, info = LlamaForSequenceClassification.from_pretrained(lm, num_labels=1, output_loading_info=True)
+    assert rewards.untrained_head(model, info) == ["score.weight"]
+
+
+def test_a_plain_causal_lm_as_reward_model_is_one_sentence_before_loading(monkeypatch):
+    stories = needs_shared("models", "stories260K")
+    loads = []
+    monkeypatch.setattr(RewardModelScorer, "__init__", lambda self, *a, **k: loads.append(a))
+    config = compose_config(["online.scorer=reward_model_judge", f"reward_model.name_or_path={stories}"])
+    with pytest.raises(ConfigError) as refused:
+        build_scorer(config, "cpu")
+    assert str(refused.value) == (
+        f"reward_model.name_or_path={stories} has no trained score head (its config.json names LlamaForCausalLM), "
+        "so its scores would be random: give a reward model (e.g. the LATEST/hf of a loss=reward run), "
+        "or set reward_model.allow_untrained_head=true to use it anyway."
+    )
+    assert loads == []  # refused before any weight was read
+    config.reward_model.allow_untrained_head = True
+    build_scorer(config, "cpu")
+    assert len(loads) == 1
 
 
 # ----------------------------------------------------------------------------- missing-EOS penalty
