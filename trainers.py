@@ -1116,9 +1116,13 @@ class BasicTrainer(OnlineSampling):
                 flush=True,
             )
 
+    data_fingerprint: dict | None = None
+    """``{split: utils.examples_fingerprint}`` of the train and eval examples (set by train.main),
+    kept in trainer_state.pt so that resume can tell when the data changed."""
+
     def trainer_state(self) -> dict:
-        """Counters, RNG states and the W&B run id: what resume needs besides the weights."""
-        return {
+        """Counters, RNG states, the W&B run id and the data's fingerprint: what resume needs besides the weights."""
+        state = {
             "example_counter": self.example_counter,
             "batch_counter": self.batch_counter,
             "next_eval_at": self.next_eval_at,
@@ -1130,6 +1134,9 @@ class BasicTrainer(OnlineSampling):
             },
             "wandb_id": self.logger.run_id,
         }
+        if self.data_fingerprint is not None:
+            state["data"] = self.data_fingerprint
+        return state
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):
