@@ -7,6 +7,7 @@ reference, and hands off to the trainer named by ``config.trainer``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import signal
@@ -55,11 +56,14 @@ def says_once() -> bool:
 def effective_config(config: DictConfig) -> DictConfig:
     """The config to run: with ``resume=<run folder>``, that run's saved config.
 
-    ``resume=auto`` is first resolved (the same way on every rank, from the folders alone):
-    :func:`utils.resumable_run` of ``output_root`` and ``exp_name``, the newest run folder of
-    this experiment with a LATEST checkpoint and config.yaml and no FINISHED, continued as with
-    ``resume=<that folder>``; when there is none, a fresh run of ``config`` (``resume=null``).
-    One line says which (:func:`says_once`).
+    ``resume=auto`` is first resolved (the same way on every rank, from the folders and the
+    config alone): the newest of :func:`utils.resumable_runs` of ``output_root`` and
+    ``exp_name`` (run folders of this experiment with a LATEST checkpoint and config.yaml and no
+    FINISHED) whose saved config equals ``config`` resolved (:func:`utils.config_differences`:
+    all keys but :data:`utils.RUN_FOLDER_KEYS`), continued as with ``resume=<that folder>``;
+    when there is none, a fresh run of ``config`` (``resume=null``). One line says which, and
+    names the first keys that kept the newest unfinished run from being continued
+    (:func:`says_once`).
 
     Raises:
         utils.ConfigError: if the resume folder has no LATEST checkpoint or config.yaml.
@@ -68,12 +72,22 @@ def effective_config(config: DictConfig) -> DictConfig:
     if config.resume == "auto":
         AUTO_RESUMED = True
         root, exp_name = config.output_root, config.exp_name
-        found = utils.resumable_run(root, exp_name)
+        found, other = auto_resume_run(config)
         if says_once():
-            if found is None:
+            if found is None and other is None:
                 print(f"resume=auto: no unfinished run of exp_name={exp_name} in {root}; starting a fresh run.")
-            else:
+            elif found is None:
+                print(
+                    f"resume=auto: the newest unfinished run of exp_name={exp_name}, {other[0]}, was started with "
+                    f"another config ({utils.describe_differences(other[1])}); starting a fresh run."
+                )
+            elif other is None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name}.")
+            else:
+                print(
+                    f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name} with this "
+                    f"config (the newer {other[0]} differs in {utils.describe_differences(other[1])})."
+                )
         config.resume = found
     resume_dir = config.resume
     if resume_dir is not None:
@@ -88,6 +102,45 @@ def effective_config(config: DictConfig) -> DictConfig:
         config.resume = resume_dir
     OmegaConf.resolve(config)
     return config
+
+
+def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
+    """What ``resume=auto`` finds for ``config``: (the newest unfinished run of its ``exp_name``
+    whose saved config equals it, or None; (the newest unfinished run, its
+    :func:`utils.config_differences`) when that one differs, else None)."""
+    new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
+    newest_other = None
+    for run in utils.resumable_runs(config.output_root, config.exp_name):
+        try:
+            saved = OmegaConf.load(os.path.join(run, "config.yaml"))
+        except Exception as e:  # an unreadable config.yaml: that run cannot be matched
+            differences = [("config.yaml", f"unreadable ({type(e).__name__})", "this command")]
+        else:
+            differences = utils.config_differences(saved, new)
+        if not differences:
+            return run, newest_other
+        newest_other = newest_other or (run, differences)
+    return None, newest_other
+
+
+def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
+    """With ``resume=<run folder>``: one sentence when the command line's other keys ``given``
+    (:func:`utils.given_keys`) set values that differ from the run's saved config (which the
+    resumed run uses), else None (also when the folder has no config.yaml: :func:`effective_config`
+    says so)."""
+    saved = os.path.join(str(config.resume), "config.yaml")
+    keys = [k for k in given if k != "resume"]
+    if not keys or not os.path.isfile(saved):
+        return None
+    differences = utils.config_differences(OmegaConf.load(saved), config, keys)
+    if not differences:
+        return None
+    archive = os.path.join(str(config.resume), "LATEST", "policy.pt")
+    return (
+        f"resume={config.resume} continues that run with its saved config, but this command changes "
+        f"{utils.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
+        f"from its checkpoint with model.archive={archive} and them."
+    )
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
@@ -291,6 +344,17 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
     utils.check_eval_size(config, len(eval_examples))
+    fingerprint = {"train": utils.examples_fingerprint(train_examples), "eval": utils.examples_fingerprint(eval_examples)}
+    resume_state = None
+    if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
+        resume_state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
+        problem = utils.data_change(resume_state.get("data"), fingerprint, checkpoint_dir)
+        if problem is not None:
+            raise DataError(problem)
+        if resume_state.get("data") is None and rank == 0:
+            print(f"Note: {checkpoint_dir} predates data fingerprints, so resume cannot check that the data is unchanged.")
+    if rank == 0:
+        print(utils.training_length(config, len(train_examples)))
 
     scorer = None
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
@@ -301,13 +365,14 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
             config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         )
 
+    recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
     policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
         held.enter_context(utils.lock_run_dir(run_dir))  # before config.yaml: resume= cannot take it
-        OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+        OmegaConf.save(recorded, os.path.join(run_dir, "config.yaml"))
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
     if rank == 0:
@@ -323,9 +388,6 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
             f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {len(train_examples)} train / {n_eval} eval examples."
         )
 
-    resume_state = None
-    if checkpoint_dir is not None:
-        resume_state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None
@@ -343,6 +405,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         trainer.reference_model = reference = None
     trainer.reference_cache = reference_cache
     trainer.scorer = scorer
+    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
     if attach is not None:
         attach(trainer)
     if checkpoint_dir is not None:
@@ -607,12 +670,13 @@ def sweep_error(overrides: list[str]) -> str | None:
                     config = compose(config_name="config", overrides=job)
                 except HydraException:
                     return None
-            if config.resume is None:  # resume= runs the saved config, checked when it starts
-                n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
-                try:
+            try:
+                utils.settle_given(config, utils.given_keys(job))  # as hydra_main does
+                if config.resume is None:  # resume= runs the saved config, checked when it starts
+                    n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
                     utils.validate_config(config, n)
-                except utils.ConfigError as e:
-                    problem = str(e)
+            except utils.ConfigError as e:
+                problem = str(e)
         if problem is not None:
             return f"In the job {' '.join(job[i] for i in swept)}: {problem}" if swept else problem
     return None
@@ -654,13 +718,15 @@ def hydra_main(config: DictConfig) -> None:
     """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        config = effective_config(config)  # resume=auto resolved (a fresh run keeps the overrides)
-        if config.resume is not None and says_once():
-            from hydra.core.hydra_config import HydraConfig
+        from hydra.core.hydra_config import HydraConfig
 
-            ignored = [o for o in HydraConfig.get().overrides.task if not o.startswith("resume=")]
-            if ignored:
-                print(f"Note: resume= continues with the run's saved config; ignoring {ignored}.")
+        given = utils.given_keys(list(HydraConfig.get().overrides.task))
+        utils.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
+        if config.resume not in (None, "auto"):
+            problem = resume_override_error(config, given)
+            if problem is not None:
+                raise utils.ConfigError(problem)
+        config = effective_config(config)  # resume=auto resolved (a fresh run keeps the overrides)
         if config.get("launcher") == "ray":
             import ray_launcher
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send

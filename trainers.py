@@ -1125,9 +1125,13 @@ class BasicTrainer(OnlineSampling):
                 flush=True,
             )
 
+    data_fingerprint: dict | None = None
+    """``{split: utils.examples_fingerprint}`` of the train and eval examples (set by train.main),
+    kept in trainer_state.pt so that resume can tell when the data changed."""
+
     def trainer_state(self) -> dict:
-        """Counters, RNG states, the W&B run id and online DPO's judge state: what resume needs besides the weights."""
-        return {
+        """Counters, RNG states, the W&B run id, online DPO's judge state and the data's fingerprint: what resume needs besides the weights."""
+        state = {
             "example_counter": self.example_counter,
             "batch_counter": self.batch_counter,
             "next_eval_at": self.next_eval_at,
@@ -1140,6 +1144,9 @@ class BasicTrainer(OnlineSampling):
             "wandb_id": self.logger.run_id,
             "online": self.online_state(),  # each rank's judge (RNG, failures) and sampling RNG
         }
+        if self.data_fingerprint is not None:
+            state["data"] = self.data_fingerprint
+        return state
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):

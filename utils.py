@@ -143,6 +143,10 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
     if config.model.name_or_path is None and config.model.get("config") is None:
         raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
+    if config.get("resume") is None:  # a fresh run (a resumed one keeps what it started with)
+        problem = model_contradiction(config)
+        if problem is not None:
+            raise ConfigError(problem)
     path = config.model.name_or_path
     if (
         path is not None
@@ -158,6 +162,67 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"model.archive={config.model.archive} is a folder; give a checkpoint's policy.pt, "
             f"e.g. {os.path.join(config.model.archive, 'LATEST', 'policy.pt')}."
         )
+
+
+def model_contradiction(config: DictConfig) -> str | None:
+    """One sentence when two ``model.*`` keys contradict (one would be silently ignored), else None."""
+    model = config.model
+    path, built = model.get("name_or_path"), model.get("config") is not None
+    if path is not None and built:  # load_model builds from model.config and never reads the path's weights
+        return (
+            f"model.name_or_path={path} is not loaded when model.config is set (the default model=tiny builds a "
+            "random model from it); add model=blank_model to train that model, or drop model.name_or_path."
+        )
+    if model.get("device_map") and built:
+        return f"model.device_map={model.device_map} places loaded weights, but model.config builds a random model; drop it."
+    if model.get("device_map") and config.get("trainer", "BasicTrainer") != "BasicTrainer":
+        return (
+            f"model.device_map={model.device_map} is for trainer=BasicTrainer (one process over the local GPUs); "
+            f"{config.trainer} places the model itself: drop it."
+        )
+    return None
+
+
+def given_keys(overrides: list[str]) -> set[str]:
+    """The keys (and config groups) that command-line ``overrides`` set, deletions (``~key``) left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if not o.is_delete()}
+
+
+def settle_given(config: DictConfig, given: set[str]) -> None:
+    """Apply what the command line's keys ``given`` mean over a preset's or config.yaml's values:
+    ``n_epochs`` given without ``n_examples`` governs (``n_examples`` becomes null, so a preset's
+    ``n_examples``, e.g. model=tiny's 40000, does not win); ``n_examples`` given wins as always.
+
+    Raises:
+        ConfigError: when the command line gives two keys that contradict (both ``n_epochs`` and
+            ``n_examples``, both ``model.tokenizer_class`` and ``model.tokenizer_name_or_path``).
+    """
+    pairs = (
+        ("n_epochs", "n_examples", "the training length"),
+        ("model.tokenizer_class", "model.tokenizer_name_or_path", "the tokenizer"),
+    )
+    for a, b, what in pairs:
+        va, vb = OmegaConf.select(config, a), OmegaConf.select(config, b)
+        if a in given and b in given and va is not None and vb is not None:
+            raise ConfigError(
+                f"{a}={override_text(va)} and {b}={override_text(vb)} both set {what} and contradict; give only one."
+            )
+    if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
+        config.n_examples = None
+
+
+def training_length(config: DictConfig, n_train: int) -> str:
+    """One line saying which of ``n_examples`` and ``n_epochs`` governs and what it makes of ``n_train`` examples."""
+    if config.get("n_examples"):
+        epochs = config.n_examples / max(n_train, 1)
+        return (
+            f"Training length: n_examples={config.n_examples} governs (n_epochs={config.n_epochs} is not used): "
+            f"{epochs:.3g} epochs of {n_train} train examples."
+        )
+    total = config.n_epochs * n_train
+    return f"Training length: n_epochs={config.n_epochs} governs (n_examples=null): {total} examples ({n_train} per epoch)."
 
 
 def data_parallel_size(config: DictConfig, world_size: int) -> int:
@@ -928,15 +993,22 @@ def mark_finished(run_dir: str, examples: int) -> None:
 
 
 def resumable_run(root: str, exp_name: str) -> str | None:
-    """What ``resume=auto`` continues: the newest run folder ``<root>/<exp_name>_<timestamp>``
-    (newest by the timestamp in its name, so every node that sees the same folders picks the
-    same one) that has a ``LATEST`` checkpoint and a ``config.yaml`` and no :data:`FINISHED`;
-    None when there is none (or ``root`` does not exist). Folders of other experiments
-    (another ``exp_name``, including ones that start with this one) are never picked."""
+    """The newest of :func:`resumable_runs` (None when there is none)."""
+    runs = resumable_runs(root, exp_name)
+    return runs[0] if runs else None
+
+
+def resumable_runs(root: str, exp_name: str) -> list[str]:
+    """What ``resume=auto`` may continue, newest first: the run folders
+    ``<root>/<exp_name>_<timestamp>`` (ordered by the timestamp in the name, so every node that
+    sees the same folders orders them alike) that have a ``LATEST`` checkpoint and a
+    ``config.yaml`` and no :data:`FINISHED`; empty when there is none (or ``root`` does not
+    exist). Folders of other experiments (another ``exp_name``, including ones that start with
+    this one) are never listed."""
     import re
 
     if not os.path.isdir(root):
-        return None
+        return []
     pattern = re.compile(re.escape(exp_name) + "_(" + RUN_DIR_STAMP + ")")
     found = []
     for name in os.listdir(root):
@@ -948,7 +1020,72 @@ def resumable_run(root: str, exp_name: str) -> str | None:
             os.path.join(path, FINISHED)
         ):
             found.append((match.group(1), path))
-    return max(found)[1] if found else None
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")
+"""Keys that name where a run is, not what it trains: left out when a new command is compared
+with a run's saved config (:func:`config_differences`)."""
+
+
+def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | None = None) -> list[tuple[str, object, object]]:
+    """``(dotted key, saved value, new value)`` for each leaf where the resolved configs differ (a
+    key one lacks: ``"absent"``), in ``saved``'s key order, :data:`RUN_FOLDER_KEYS` left out;
+    ``keys`` limits it to those keys and what lies under them (e.g. ``loss`` for ``loss=ipo``)."""
+    a, b = flat_config(saved), flat_config(new)
+
+    def inside(key: str, top: str) -> bool:
+        return key == top or key.startswith(top + ".")
+
+    out = []
+    for key in list(a) + [k for k in b if k not in a]:
+        if any(inside(key, skip) for skip in RUN_FOLDER_KEYS):
+            continue
+        if keys is not None and not any(inside(key, k) for k in keys):
+            continue
+        va, vb = a.get(key, "absent"), b.get(key, "absent")
+        if va != vb:
+            out.append((key, va, vb))
+    return out
+
+
+def describe_differences(differences: list[tuple[str, object, object]], limit: int = 3) -> str:
+    """``lr (saved 0.003, given 1.0), loss.name (saved dpo, given ipo)``: the first ``limit`` of
+    :func:`config_differences`, and how many more."""
+    text = ", ".join(f"{k} (saved {override_text(a)}, given {override_text(b)})" for k, a, b in differences[:limit])
+    more = len(differences) - limit
+    return text + (f" and {more} more" if more > 0 else "")
+
+
+def examples_fingerprint(examples: list[dict]) -> dict:
+    """``{"n": number of examples, "sha256": hex digest of them in order}``: what identifies a
+    split's data on resume (plain ints and strings, so trainer_state.pt loads with ``weights_only``)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for example in examples:
+        h.update(json.dumps(example, sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return {"n": len(examples), "sha256": h.hexdigest()}
+
+
+def data_change(saved: dict | None, now: dict, checkpoint_dir: str) -> str | None:
+    """One sentence when a split's examples differ from those a checkpoint was trained on (its
+    trainer_state's ``data``: ``{split: examples_fingerprint}``), else None; None also for a
+    checkpoint written before fingerprints were kept (the caller notes it)."""
+    if not saved:
+        return None
+    for split, fp in now.items():
+        old = saved.get(split)
+        if old is None or (old["n"], old["sha256"]) == (fp["n"], fp["sha256"]):
+            continue
+        same = " (the same count, other contents)" if old["n"] == fp["n"] else ""
+        return (
+            f"The {split} split changed since this run's checkpoint: {old['n']} examples then, {fp['n']} now{same}; "
+            f"restore that data to resume, or start a new run from the checkpoint with "
+            f"model.archive={os.path.join(checkpoint_dir, 'policy.pt')}."
+        )
+    return None
 
 
 RUN_LOCK = ".lock"

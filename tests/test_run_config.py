@@ -1,0 +1,321 @@
+"""Training on something other than what the command asked for (issue 22, "Silently wrong
+training"): a model path a preset ignores, n_epochs a preset's n_examples overrides, data changed
+under a resumed run, and resume= / resume=auto with another config."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, TINY, compose_config, needs_shared, run_train
+from omegaconf import OmegaConf
+
+import train
+import utils
+from preference_datasets import DataError
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def train_py(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """``python train.py args`` from the repository root; a run past ``timeout`` fails the test."""
+    try:
+        return subprocess.run(
+            [sys.executable, "train.py", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"train.py {' '.join(args)} ran past {timeout} s")
+
+
+def settled(overrides: list[str]):
+    """The config ``python train.py <overrides>`` runs (before resume=): composed, then the
+    command line's keys applied over the preset's as hydra_main applies them."""
+    config = compose_config(overrides)
+    utils.settle_given(config, utils.given_keys(overrides))
+    return config
+
+
+# ----------------------------------------------------------------------------- model.* contradictions
+
+
+def test_a_model_path_with_the_default_preset_is_one_sentence_before_anything_loads(tmp_path):
+    # Regression: the default model=tiny's random model trained, and config.yaml recorded the path too.
+    stories = "../shared/models/stories260K"
+    out = train_py([f"model.name_or_path={stories}", f"output_root={tmp_path}"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr == (
+        f"Error: model.name_or_path={stories} is not loaded when model.config is set (the default model=tiny builds a "
+        "random model from it); add model=blank_model to train that model, or drop model.name_or_path.\n"
+    )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_other_model_contradictions_are_one_sentence():
+    with pytest.raises(utils.ConfigError, match=r"^model.device_map=auto places loaded weights, but model.config builds"):
+        utils.validate_config(compose_config(["model.device_map=auto"]))
+    stories = str(needs_shared("models", "stories260K"))
+    on_fsdp = compose_config(
+        ["model=blank_model", f"model.name_or_path={stories}", "model.device_map=auto", "trainer=FSDPTrainer"]
+    )
+    with pytest.raises(utils.ConfigError, match=r"^model.device_map=auto is for trainer=BasicTrainer"):
+        utils.validate_config(on_fsdp)
+    utils.validate_config(compose_config(["model=blank_model", f"model.name_or_path={stories}"]))  # what the README says
+    with pytest.raises(utils.ConfigError) as e:  # both given: which tokenizer?
+        settled(["model=blank_model", "model.tokenizer_class=ByT5Tokenizer", "model.tokenizer_name_or_path=gpt2"])
+    assert str(e.value) == (
+        "model.tokenizer_class=ByT5Tokenizer and model.tokenizer_name_or_path=gpt2 both set the tokenizer and contradict; "
+        "give only one."
+    )
+    # the preset's tokenizer_class and the command line's tokenizer_name_or_path: the path wins (README "Chat")
+    assert settled(["model.tokenizer_name_or_path=gpt2"]).model.tokenizer_class == "ByT5Tokenizer"
+
+
+def readme_overrides() -> list[list[str]]:
+    """The model.*, trainer, n_epochs and n_examples overrides of every README line (a command, a
+    shell variable or a sentence) that sets model.name_or_path (``$VAR`` words left out)."""
+    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    found = []
+    for line in text.splitlines():
+        if "is not loaded when model.config is set" in line:  # the README quoting the error itself
+            continue
+        words = re.sub(r"[`\"']", " ", line.split(" #")[0]).split()
+        words = [re.sub(r"^[A-Z0-9_]+=", "", w).rstrip(".,;") for w in words]  # S260="model=... -> model=...
+        keep = [w for w in words if re.match(r"^(model(\.[\w.]+)?|trainer|n_epochs|n_examples)=", w) and "$" not in w]
+        if any(w.startswith("model.name_or_path=") for w in keep):
+            found.append([re.sub(r"<[^>]*>?", "X", w) for w in keep])
+    return found
+
+
+def test_the_readme_commands_that_give_a_model_path_have_no_contradiction():
+    commands = readme_overrides()
+    assert len(commands) >= 5  # S260 (three sections), SMOL (two), the LoRA command, the chat-data example
+    for overrides in commands:
+        config = settled(overrides)
+        assert utils.model_contradiction(config) is None, overrides
+
+
+# ----------------------------------------------------------------------------- n_epochs and n_examples
+
+
+def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
+    assert compose_config([]).n_examples == 40000  # model=tiny sets it
+    assert (settled([]).n_examples, settled([]).n_epochs) == (40000, 1)  # nothing given: the preset's n_examples
+    config = settled(["n_epochs=2"])
+    assert (config.n_examples, config.n_epochs) == (None, 2)
+    config = settled(["n_examples=100"])
+    assert (config.n_examples, config.n_epochs) == (100, 1)
+    assert settled(["n_epochs=3", "n_examples=null"]).n_examples is None
+    with pytest.raises(utils.ConfigError) as e:
+        settled(["n_epochs=1", "n_examples=100"])
+    assert str(e.value) == "n_epochs=1 and n_examples=100 both set the training length and contradict; give only one."
+    assert utils.training_length(settled(["n_epochs=2"]), 16) == (
+        "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch)."
+    )
+    assert utils.training_length(settled([]), 16000) == (
+        "Training length: n_examples=40000 governs (n_epochs=1 is not used): 2.5 epochs of 16000 train examples."
+    )
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def pairs(start: int, stop: int) -> list[dict]:
+    return [{"prompt": f"{i}+{i}=", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"} for i in range(start, stop)]
+
+
+SMALL = ["batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "sample_during_eval=false", "save_hf_export=false"]
+SMALL += ["progress_bar=false", "warmup_steps=2", "minimum_log_interval_secs=0"]
+
+
+def json_data(tmp_path: Path) -> list[str]:
+    """16 train and 8 eval pairs in two files."""
+    train_file, test_file = (
+        write_jsonl(tmp_path / "train.jsonl", pairs(0, 16)),
+        write_jsonl(tmp_path / "test.jsonl", pairs(16, 24)),
+    )
+    return ["datasets=[json]", f"data.json.path={{train: {train_file}, test: {test_file}}}"]
+
+
+def test_n_epochs_1_trains_one_epoch_with_the_default_preset(tmp_path):
+    # Regression: model=tiny's n_examples=40000 won, so n_epochs=1 of 16 pairs ran 2,500 epochs.
+    out = train_py([*json_data(tmp_path), *SMALL, "n_epochs=1", "eval_every=16", f"output_root={tmp_path / 'out'}"], timeout=90)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Training length: n_epochs=1 governs (n_examples=null): 16 examples (16 per epoch).\n" in out.stdout
+    (run_dir,) = (tmp_path / "out").iterdir()
+    assert (run_dir / utils.FINISHED).read_text() == "16\n"
+    both = train_py([*json_data(tmp_path), "n_epochs=1", "n_examples=100", f"output_root={tmp_path / 'out2'}"])
+    assert both.returncode == 2
+    assert both.stderr == "Error: n_epochs=1 and n_examples=100 both set the training length and contradict; give only one.\n"
+
+
+# ----------------------------------------------------------------------------- resume: the data
+
+
+def run_to_8_of_16(tmp_path: Path) -> tuple[list[str], Path]:
+    """A run of 16 examples on :func:`json_data` whose LATEST is its step-8 checkpoint, unfinished."""
+    data = json_data(tmp_path)
+    run_dir = run_train([*data, *SMALL, "n_examples=16", "eval_every=8"], tmp_path / "out")
+    (run_dir / "LATEST").unlink()
+    (run_dir / "LATEST").symlink_to("step-8")
+    (run_dir / utils.FINISHED).unlink()
+    return data, run_dir
+
+
+def test_resume_after_the_data_changed_is_one_sentence(tmp_path):
+    # Regression: rows added between kill and resume= gave another split and the run went on.
+    _, run_dir = run_to_8_of_16(tmp_path)
+    state = torch.load(run_dir / "step-8" / "trainer_state.pt", weights_only=False)
+    assert {split: fp["n"] for split, fp in state["data"].items()} == {"train": 16, "eval": 8}
+    assert all(type(v) in (int, str) for fp in state["data"].values() for v in fp.values())  # plain types only
+    with open(tmp_path / "train.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in pairs(100, 104)))
+    out = train_py([f"resume={run_dir}"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr == (
+        "Error: The train split changed since this run's checkpoint: 16 examples then, 20 now; restore that data to "
+        f"resume, or start a new run from the checkpoint with model.archive={run_dir}/LATEST/policy.pt.\n"
+    )
+    write_jsonl(tmp_path / "train.jsonl", pairs(0, 16))  # restored: it resumes
+    write_jsonl(tmp_path / "test.jsonl", pairs(17, 25))  # the eval file: as many rows, other contents
+    with pytest.raises(
+        DataError, match=r"^The eval split changed since this run's checkpoint: 8 examples then, 8 now \(the same"
+    ):
+        train.main(compose_config([f"resume={run_dir}"]))
+
+
+def test_resume_with_the_same_data_continues_and_an_old_checkpoint_gets_a_note(tmp_path, capsys):
+    _, run_dir = run_to_8_of_16(tmp_path)
+    capsys.readouterr()
+    _, stop = train.main(compose_config([f"resume={run_dir}"]))
+    assert stop is None and (run_dir / utils.FINISHED).read_text() == "16\n"
+    out = capsys.readouterr().out
+    assert "Resuming after 8 examples." in out and "predates data fingerprints" not in out
+    # a checkpoint written before fingerprints were kept: resumed, with a note
+    path = run_dir / "step-8" / "trainer_state.pt"
+    state = torch.load(path, weights_only=False)
+    del state["data"]
+    torch.save(state, path)
+    (run_dir / "LATEST").unlink()
+    (run_dir / "LATEST").symlink_to("step-8")
+    (run_dir / utils.FINISHED).unlink()
+    _, stop = train.main(compose_config([f"resume={run_dir}"]))
+    out = capsys.readouterr().out
+    assert stop is None and "Resuming after 8 examples." in out
+    assert f"Note: {run_dir}/LATEST predates data fingerprints, so resume cannot check that the data is unchanged.\n" in out
+
+
+def test_examples_fingerprint_is_sha256_of_the_examples_in_order():
+    import hashlib
+
+    a, b = {"prompt": "p", "chosen": "c", "rejected": "r"}, {"prompt": "q", "chosen": "c", "rejected": "r"}
+    expected = hashlib.sha256(
+        b'{"chosen": "c", "prompt": "p", "rejected": "r"}\n{"chosen": "c", "prompt": "q", "rejected": "r"}\n'
+    ).hexdigest()
+    assert utils.examples_fingerprint([a, b]) == {"n": 2, "sha256": expected}
+    assert utils.examples_fingerprint([b, a])["sha256"] != expected  # the order is part of the data
+
+
+# ----------------------------------------------------------------------------- resume: the config
+
+
+def test_resume_with_a_changed_key_is_one_sentence_and_the_same_value_passes(tmp_path):
+    # Regression: "Note: resume= continues with the run's saved config; ignoring ['lr=1.0', 'loss=ipo']".
+    run_dir = run_train(["n_examples=8", "eval_every=8", "sample_during_eval=false", "save_hf_export=false"], tmp_path)
+    out = train_py([f"resume={run_dir}", "lr=1.0", "loss=ipo"])
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.startswith(
+        f"Error: resume={run_dir} continues that run with its saved config, but this command changes lr (saved 0.003, "
+        "given 1.0), loss.name (saved dpo, given ipo), "
+    )
+    assert out.stderr.endswith(
+        "; drop those overrides to continue the run, or start a new run from its checkpoint with "
+        f"model.archive={run_dir}/LATEST/policy.pt and them.\n"
+    )
+    same = train_py([f"resume={run_dir}", "lr=3e-3", "loss=dpo", f"output_root={tmp_path / 'elsewhere'}"])
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "Nothing to do: this run is complete (8/8 examples)" in same.stdout and "Note" not in same.stdout
+
+
+def make_run(root: Path, name: str, overrides: list[str]) -> Path:
+    """A run folder ``root/name`` with the config.yaml of ``overrides`` and a LATEST checkpoint link, unfinished."""
+    run_dir = root / name
+    (run_dir / "step-8").mkdir(parents=True)
+    config = compose_config([*TINY, f"output_root={root}", "resume=null", *overrides])
+    OmegaConf.resolve(config)
+    OmegaConf.save(config, run_dir / "config.yaml")
+    (run_dir / "LATEST").symlink_to("step-8")
+    return run_dir
+
+
+def auto(root: Path, *extra: str):
+    return train.effective_config(compose_config([*TINY, f"output_root={root}", "resume=auto", *extra]))
+
+
+def test_resume_auto_continues_only_a_run_of_the_same_config(tmp_path, capsys):
+    # Regression: a new command with the same exp_name silently continued an older unfinished run.
+    older = make_run(tmp_path, "dpo_run_2025-01-01_00-00-00_000000", ["lr=0.5"])
+    config = auto(tmp_path, "lr=0.5")
+    assert config.resume == str(older)
+    assert capsys.readouterr().out == f"resume=auto: continuing {older}, the newest unfinished run of exp_name=dpo_run.\n"
+
+    config = auto(tmp_path, "lr=0.6")
+    assert config.resume is None and config.lr == 0.6
+    assert capsys.readouterr().out == (
+        f"resume=auto: the newest unfinished run of exp_name=dpo_run, {older}, was started with another config "
+        "(lr (saved 0.5, given 0.6)); starting a fresh run.\n"
+    )
+
+    newer = make_run(tmp_path, "dpo_run_2025-01-02_00-00-00_000000", ["lr=0.7", "loss.beta=0.2"])
+    config = auto(tmp_path, "lr=0.5")  # the older run has this config: it is continued, past the newer one
+    assert config.resume == str(older)
+    assert capsys.readouterr().out == (
+        f"resume=auto: continuing {older}, the newest unfinished run of exp_name=dpo_run with this config "
+        f"(the newer {newer} differs in lr (saved 0.7, given 0.5), loss.beta (saved 0.2, given 0.1)).\n"
+    )
+    # where the runs are (output_root, resume) is not their config
+    assert auto(tmp_path, "lr=0.7", "loss.beta=0.2").resume == str(newer)
+
+
+def test_the_readme_config_table_gives_the_tiny_presets_values():
+    # Regression: the table listed config.yaml's lr 5e-7, batch_size 4, n_examples null... while
+    # `python train.py` (model=tiny) ran lr 3e-3, batch_size 32, n_examples 40000.
+    import yaml
+
+    def text(value) -> str:
+        return (
+            {None: "null", True: "true", False: "false"}.get(value, str(value)) if not isinstance(value, float) else f"{value:g}"
+        )
+
+    def same(a: str, b) -> bool:
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return a == text(b)
+
+    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
+    tiny = yaml.safe_load((REPO / "config" / "model" / "tiny.yaml").read_text())
+    tiny_keys = {k for k in tiny if k not in ("defaults", "model")}
+    rows = {}
+    for line in (REPO / "README.md").read_text().split("## Configuration", 1)[1].split("### Models", 1)[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            for i, key in enumerate(re.findall(r"`([\w.]+)`", cells[0])):
+                rows[key] = (i, cells[1])
+    for key in tiny_keys:
+        i, cell = rows[key]  # every key tiny sets has a row
+        assert "; tiny: " in cell, (key, cell)
+        ours, theirs = (part.split(", ") for part in cell.split("; tiny: "))
+        assert same(ours[i], base[key]), (key, cell)
+        assert same(theirs[i], tiny[key]), (key, cell)
+    for key, (i, cell) in rows.items():
+        if "; tiny: " in cell and key in base and key not in tiny_keys:  # a key tiny leaves: the same on both sides
+            ours, theirs = (part.split(", ") for part in cell.split("; tiny: "))
+            assert ours[i] == theirs[i], (key, cell)
