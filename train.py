@@ -37,8 +37,15 @@ def cached_reference(reference, examples: list[dict], tokenizer, config, distrib
     found = None
     if rank == 0:
         path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
-        found = (path, trainers.read_reference_cache(path))
-    return utils.broadcast_object(found) if distributed else found
+        try:
+            found = (path, trainers.read_reference_cache(path))
+        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
+            found = (path, e)
+    if distributed:
+        found = utils.broadcast_object(found)
+    if isinstance(found[1], utils.ConfigError):
+        raise found[1]
+    return found
 
 
 AUTO_RESUMED = False
@@ -133,12 +140,9 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
 
     @functools.cache
     def archive() -> dict:
-        try:
-            state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise utils.ConfigError(
-                f"model.archive={config.model.archive} could not be read ({type(e).__name__}); give the policy.pt of an earlier run."
-            ) from e
+        state = utils.load_weights_file(
+            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+        )
         if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
             raise utils.ConfigError(
                 f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."
@@ -325,7 +329,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
 
     resume_state = None
     if checkpoint_dir is not None:
-        resume_state = torch.load(os.path.join(checkpoint_dir, "trainer_state.pt"), weights_only=False)
+        resume_state = trainers.read_checkpoint_file(checkpoint_dir, "trainer_state.pt")
     logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None

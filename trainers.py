@@ -1124,7 +1124,7 @@ class BasicTrainer(OnlineSampling):
             "next_eval_at": self.next_eval_at,
             "rng": {
                 "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                "numpy": numpy_rng_state(),
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
@@ -1133,8 +1133,8 @@ class BasicTrainer(OnlineSampling):
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):
-        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU."""
-        return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
+        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU (:func:`read_checkpoint_file`)."""
+        return read_checkpoint_file(checkpoint_dir, name)
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
@@ -1156,7 +1156,7 @@ class BasicTrainer(OnlineSampling):
         self.batch_counter = state["batch_counter"]
         self.next_eval_at = state["next_eval_at"]
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -1166,6 +1166,42 @@ class BasicTrainer(OnlineSampling):
                 utils.rewind_jsonl(os.path.join(self.run_dir, name), self.example_counter)
             if dropped:
                 print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
+
+
+def numpy_rng_state() -> dict:
+    """NumPy's global RNG state as plain values and a tensor, which ``torch.load(weights_only=True)``
+    reads: ``np.random.get_state(legacy=False)`` with its 624-word key as an int64 tensor."""
+    state = np.random.get_state(legacy=False)
+    key = torch.from_numpy(state["state"]["key"].astype(np.int64))
+    return {**state, "state": {**state["state"], "key": key}}
+
+
+def set_numpy_rng_state(state) -> None:
+    """Restore NumPy's global RNG from :func:`numpy_rng_state`'s dict, or from the tuple of
+    ``np.random.get_state()`` that checkpoints of earlier versions hold."""
+    if isinstance(state, dict):
+        key = state["state"]["key"].numpy().astype(np.uint32)  # the int64 copy of MT19937's uint32 words
+        state = {**state, "state": {**state["state"], "key": key}}
+    np.random.set_state(state)
+
+
+def read_checkpoint_file(checkpoint_dir: str, name: str):
+    """Load ``name`` from the checkpoint folder ``checkpoint_dir`` onto the CPU with ``weights_only=True``;
+    a trainer_state.pt of an earlier version (NumPy's RNG state as a uint32 ndarray) is read by allowing
+    just the globals that rebuild such an array (no code of the file's choosing can run).
+
+    Raises:
+        utils.ConfigError: one sentence naming the file when it cannot be read or holds anything else.
+    """
+    path = os.path.join(checkpoint_dir, name)
+    reconstruct = np.empty(0).__reduce__()[0]  # numpy(._)core.multiarray._reconstruct: an empty ndarray of a given class
+    old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
+    return utils.load_weights_file(
+        path,
+        f"The checkpoint file {path}",
+        "resume only from checkpoints written by this repository's train.py",
+        safe_globals=old_numpy if name == "trainer_state.pt" else (),
+    )
 
 
 def format_peak_memory(memory: dict[str, list[float]]) -> str:
@@ -1239,8 +1275,13 @@ def read_reference_cache(path: str) -> dict | None:
     """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such file."""
     if not os.path.exists(path):
         return None
+    cache = utils.load_weights_file(
+        path,
+        f"The reference log-prob cache {path}",
+        "delete that file (this run then computes the log-probs again) and check who else can write to cache_dir",
+    )
     print(f"Reference log-probs: reusing {path}")
-    return torch.load(path, weights_only=False)
+    return cache
 
 
 def write_reference_cache(path: str, cache: dict) -> str | None:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import tempfile
@@ -631,7 +632,10 @@ def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) ->
     dtype = get_dtype(config.model.reference_dtype) or get_dtype(config.model.policy_dtype)
     reference = load_model(config.model, tokenizer, dtype, config.seed)
     if apply_archive and config.model.archive is not None:
-        reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
+        archive = load_weights_file(
+            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+        )
+        reference.load_state_dict(archive["state"])
     return reference
 
 
@@ -1036,6 +1040,31 @@ def failure_reason(error: BaseException) -> str:
     """``error`` as a short reason for a sentence: its type and the first line of its message."""
     line = (str(error).strip().splitlines() or [""])[0].strip().rstrip(".")
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
+    """The contents of the ``torch.save`` file ``path``, loaded onto the CPU with ``weights_only=True``:
+    tensors and plain values only (plus ``safe_globals``), so that nothing in the file can run code.
+
+    Raises:
+        ConfigError: one sentence that names the file (``label``, e.g. ``model.archive=<path>``)
+            and says what to do (``fix``) when it cannot be read or holds anything else.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses a global, e.g. GLOBAL posix.system, before calling it
+        found = re.search(r"GLOBAL (\S+)|but got <class '([^']+)'>", str(e))
+        if found is None:  # not a pickle of ours at all (e.g. a text file)
+            raise ConfigError(f"{label} could not be read (UnpicklingError); {fix}.") from None
+        raise ConfigError(
+            f"{label} holds more than tensors and plain values (e.g. {found.group(1) or found.group(2)}), and is not "
+            f"loaded because unpickling it could run code; {fix}."
+        ) from None
+    except Exception as e:  # a missing, truncated or foreign file
+        raise ConfigError(f"{label} could not be read ({failure_reason(e)}); {fix}.") from None
 
 
 def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
