@@ -1204,6 +1204,82 @@ def read_checkpoint_file(checkpoint_dir: str, name: str):
     )
 
 
+SHARDED_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": None,  # None: every class defined there (the metadata's dataclasses, enums)
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},  # and torch's dtypes (``torch float32``)
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+}
+"""The globals a DCP ``.metadata`` pickle may name (:func:`read_sharded_checkpoint`); any other is refused."""
+
+
+def read_sharded_checkpoint(state: dict, folder: str) -> None:
+    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: its
+    ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and its planner loads the
+    non-tensor entries with ``torch.load(weights_only=False)``, either of which runs code a crafted
+    folder holds; here the metadata goes through an unpickler that allows :data:`SHARDED_METADATA_CLASSES`
+    alone and the entries through ``weights_only=True``.
+
+    Raises:
+        utils.ConfigError: one sentence naming ``folder`` when it holds anything else.
+    """
+    import pickle
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def refuse(what: str) -> utils.ConfigError:
+        return utils.ConfigError(
+            f"The sharded checkpoint {folder} holds more than tensors and plain values (e.g. {what}), and is not "
+            "loaded because unpickling it could run code; resume only from checkpoints written by this repository's train.py."
+        )
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            allowed = SHARDED_METADATA_CLASSES.get(module, set())
+            found = getattr(sys.modules.get(module), name, None)
+            if allowed is None and isinstance(found, type) and found.__module__ == module:
+                return found
+            if (module == "torch" and isinstance(found, torch.dtype)) or (allowed and name in allowed):
+                return super().find_class(module, name)
+            raise refuse(f"{module}.{name}")
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata with the unpickler above
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes with weights_only=True
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise refuse(f"the entry {read_item.dest_index.fqn}") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    metadata = os.path.join(folder, ".metadata")
+    if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
+        with open(metadata, "rb") as f:
+            MetadataUnpickler(f).load()
+    try:
+        dcp.load(state, storage_reader=Reader(folder), planner=Planner())
+    except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
+        refusal = next((exc for exc, _ in e.failures.values() if isinstance(exc, utils.ConfigError)), None)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
 def format_peak_memory(memory: dict[str, list[float]]) -> str:
     """One line for the end of a run from :meth:`BasicTrainer.log_peak_memory`'s figures, e.g.
     ``Peak memory: 812 MiB resident (640 MiB by the end of model loading)``; one clause per rank
@@ -1622,7 +1698,6 @@ class _DistributedTrainer(BasicTrainer):
     def load(self, checkpoint_dir: str) -> None:
         """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard; LoRA: the
         adapters and their optimizer state, :meth:`sharded_options`)."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_state_dict,
@@ -1635,7 +1710,7 @@ class _DistributedTrainer(BasicTrainer):
         state = {"model": model_sd, "optimizer": optim_sd}
         if self.updates_reference:
             state["reference"] = get_model_state_dict(self.reference_model)
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, "sharded"))
+        read_sharded_checkpoint(state, os.path.join(checkpoint_dir, "sharded"))
         set_state_dict(
             self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
         )
