@@ -1099,7 +1099,7 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
     """
     tmp = None
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
+        tmp = make_folder(run_dir, f".{name}.tmp-")
         write(tmp)
         return publish_checkpoint(run_dir, name, tmp)
     except BaseException as e:
@@ -1110,6 +1110,20 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
         raise
 
 
+def make_folder(parent: str, prefix: str) -> str:
+    """A new folder ``<parent>/<prefix><random hex>`` with the mode ``mkdir`` gives (0o777 less the
+    umask), unlike ``tempfile.mkdtemp``'s 0o700, so a checkpoint's folder is as shared as any other."""
+    import secrets
+
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap the ``LATEST``
     symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path.
@@ -1118,7 +1132,6 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     resume), ``LATEST`` points at ``tmp``, then at the old folder moved aside, while the folders
     are renamed, so that at every moment it names a complete checkpoint."""
     final = os.path.join(run_dir, name)
-    os.chmod(tmp, 0o755)
     if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
         point_latest(run_dir, os.path.basename(tmp))
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)
