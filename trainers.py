@@ -1198,7 +1198,7 @@ def read_checkpoint_file(checkpoint_dir: str, name: str):
     old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
     return utils.load_weights_file(
         path,
-        f"The checkpoint file {path}",
+        f"The checkpoint file {os.path.realpath(path)}",  # step-N/, not LATEST/, which moves
         "resume only from checkpoints written by this repository's train.py",
         safe_globals=old_numpy if name == "trainer_state.pt" else (),
     )
