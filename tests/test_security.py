@@ -246,7 +246,7 @@ def test_a_planted_sharded_entry_runs_nothing_and_is_one_sentence(tmp_path):
 
 
 class CountingServer(LocalChatServer):
-    """Answers "0" to every request, counting those that carry an Authorization header."""
+    """Answers "0" to every POST or GET, counting them and those that carry an Authorization header."""
 
     def __init__(self):
         self.with_key = self.hits = 0
@@ -256,7 +256,7 @@ class CountingServer(LocalChatServer):
             def log_message(self, *args):
                 pass
 
-            def do_POST(self):
+            def do_POST(self):  # also GET: urllib turned a POST redirected by 301/302 into a GET
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 server.hits += 1
                 server.with_key += "Authorization" in self.headers
@@ -265,6 +265,8 @@ class CountingServer(LocalChatServer):
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            do_GET = do_POST
 
         self.serve(Handler)
 
