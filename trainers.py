@@ -1249,11 +1249,13 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
 
     class Reader(dcp.FileSystemReader):
         def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata with the unpickler above
-            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as f:
+            rank = kwargs.get("rank")  # newer DCP: a rank's own __<rank>.metadata when there is no global one
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
                 metadata = MetadataUnpickler(f).load()
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
             return metadata
 
     class Planner(dcp.DefaultLoadPlanner):
