@@ -1233,7 +1233,7 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
 
     def refuse(what: str) -> utils.ConfigError:
         return utils.ConfigError(
-            f"The sharded checkpoint {folder} holds more than tensors and plain values (e.g. {what}), and is not "
+            f"The sharded checkpoint {os.path.realpath(folder)} holds more than tensors and plain values (e.g. {what}), and is not "
             "loaded because unpickling it could run code; resume only from checkpoints written by this repository's train.py."
         )
 

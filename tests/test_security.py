@@ -242,6 +242,28 @@ def test_a_planted_sharded_entry_runs_nothing_and_is_one_sentence(tmp_path):
     assert not marker.exists()
 
 
+def test_fsdp_resume_from_a_planted_sharded_metadata_is_one_sentence_on_both_ranks(tmp_path):
+    import pickle
+
+    from test_checkpoint_faults import FSDP
+
+    done = cli([*FSDP, "save_hf_export=false"], tmp_path / "first")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = next(p for p in (tmp_path / "first" / "out").iterdir() if p.is_dir())
+    (run / "FINISHED").unlink(missing_ok=True)
+    sharded = (run / "LATEST" / "sharded").resolve()
+    marker = tmp_path / "marker"
+    (sharded / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    done = cli([f"resume={run}"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done) == (
+        f"Error: The sharded checkpoint {sharded} holds more than tensors and plain values "
+        "(e.g. builtins.exec), and is not loaded because unpickling it could run code; resume only from checkpoints "
+        "written by this repository's train.py."
+    )
+    assert not marker.exists()
+
+
 # ----------------------------------------------------------------------------- the HTTP judge
 
 
