@@ -369,13 +369,18 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
         model = peft.PeftModel.from_pretrained(model, source.adapter)
     if source.weights is not None:
         try:
-            checkpoint = torch.load(source.weights, map_location="cpu", weights_only=False)
+            checkpoint = utils.load_weights_file(
+                source.weights, f"The weights file {source.weights}", "give a checkpoint written by train.py"
+            )
             if checkpoint.get("lora") is None:
                 model.load_state_dict(checkpoint["state"])
             else:
                 archive = source.model_config.get("archive")
                 if archive is not None:
-                    model.load_state_dict(torch.load(archive, map_location="cpu", weights_only=False)["state"])
+                    base = utils.load_weights_file(
+                        archive, f"{source.label}'s model.archive={archive}", "give the policy.pt of an earlier run"
+                    )
+                    model.load_state_dict(base["state"])
                 model = utils.apply_lora(model, OmegaConf.create(checkpoint["lora"]))
                 # the adapters are named as in the base that peft injected them into (trainers: policy_checkpoint)
                 unexpected = model.get_base_model().load_state_dict(checkpoint["state"], strict=False).unexpected_keys

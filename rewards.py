@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import difflib
+import functools
 import http.client
 import json
 import os
@@ -325,6 +326,116 @@ def apply_missing_eos_penalty(
     return scores - penalty * missing.to(scores.dtype)
 
 
+# ----------------------------------------------------------------------------- HTTP transport
+
+
+class RequestDeadline:
+    """A whole request's time limit: each connect and read waits at most what is left, and when
+    the time is up the connection's socket is shut down, which ends a read a server trickles."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.end = time.monotonic() + seconds
+        self.expired = False
+        self._sock = None
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self.expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def left(self) -> float:
+        """Seconds left (at least a millisecond: a socket timeout of 0 would mean non-blocking)."""
+        return max(self.end - time.monotonic(), 1e-3)
+
+    def attach(self, sock) -> None:
+        """Shut ``sock`` down when the deadline passes (at once if it has)."""
+        with self._lock:
+            self._sock = sock
+            expired = self.expired
+        if expired:
+            self._shutdown(sock)
+
+    def expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sock = self._sock
+        if sock is not None:
+            self._shutdown(sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    @staticmethod
+    def _shutdown(sock) -> None:
+        import socket
+
+        try:
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own call (an SSLSocket's would unwrap TLS)
+        except OSError:
+            pass
+
+
+class _DeadlineConnection:
+    """Mixed into ``http.client``'s connections: connect within the deadline, then hand it the socket."""
+
+    def __init__(self, *args, deadline: RequestDeadline, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.deadline = deadline
+
+    def connect(self):
+        self.timeout = self.deadline.left()  # also each later read's socket timeout
+        super().connect()
+        self.deadline.attach(self.sock)
+
+
+class _DeadlineHTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
+    pass
+
+
+class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
+    pass
+
+
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None  # not followed: urllib raises the 3xx as an HTTPError, and the key goes nowhere else
+
+
+def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
+    """POST ``data`` to ``url`` with ``headers`` and return the response's body, all within
+    ``timeout`` seconds (connect and every read together); redirects are not followed.
+
+    Raises:
+        urllib.error.HTTPError: for a response that is not 2xx (a 3xx too, with its ``Location``).
+        TimeoutError: when the whole request took longer than ``timeout``.
+        OSError, http.client.HTTPException: when the connection fails.
+    """
+    deadline = RequestDeadline(timeout)
+
+    class HTTPHandler(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=deadline), req)
+
+    class HTTPSHandler(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=deadline), req, context=self._context)
+
+    opener = urllib.request.build_opener(HTTPHandler, HTTPSHandler, _NoRedirects)
+    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            body = response.read()
+    except (OSError, http.client.HTTPException):
+        if deadline.expired:  # the socket was shut down at the deadline
+            raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s") from None
+        raise
+    finally:
+        deadline.cancel()
+    if deadline.expired:  # a body cut short at the deadline
+        raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s")
+    return body
+
+
 # ----------------------------------------------------------------------------- judges
 
 
@@ -512,13 +623,13 @@ class HTTPJudge(PairwiseJudge):
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers=self._headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    raw = response.read()
+                raw = post(self.url, data, self._headers, self.timeout)
             except urllib.error.HTTPError as e:
                 e.close()
                 why = f"HTTP {e.code} from {self.url}"
+                if 300 <= e.code < 400:
+                    why += f", a redirect to {e.headers.get('Location')} that is not followed (give judge.base_url the address it names if you trust it)"
                 if e.code != 429 and e.code < 500:
                     break
                 continue

@@ -38,8 +38,15 @@ def cached_reference(reference, examples: list[dict], tokenizer, config, distrib
     found = None
     if rank == 0:
         path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
-        found = (path, trainers.read_reference_cache(path))
-    return utils.broadcast_object(found) if distributed else found
+        try:
+            found = (path, trainers.read_reference_cache(path))
+        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
+            found = (path, e)
+    if distributed:
+        found = utils.broadcast_object(found)
+    if isinstance(found[1], utils.ConfigError):
+        raise found[1]
+    return found
 
 
 AUTO_RESUMED = False
@@ -186,12 +193,9 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
 
     @functools.cache
     def archive() -> dict:
-        try:
-            state = torch.load(config.model.archive, map_location="cpu", weights_only=False)
-        except Exception as e:
-            raise utils.ConfigError(
-                f"model.archive={config.model.archive} could not be read ({type(e).__name__}); give the policy.pt of an earlier run."
-            ) from e
+        state = utils.load_weights_file(
+            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+        )
         if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
             raise utils.ConfigError(
                 f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."

@@ -1137,7 +1137,7 @@ class BasicTrainer(OnlineSampling):
             "next_eval_at": self.next_eval_at,
             "rng": {
                 "python": random.getstate(),
-                "numpy": np.random.get_state(),
+                "numpy": numpy_rng_state(),
                 "torch": torch.get_rng_state(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
@@ -1150,8 +1150,8 @@ class BasicTrainer(OnlineSampling):
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):
-        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU."""
-        return torch.load(os.path.join(checkpoint_dir, name), map_location="cpu", weights_only=False)
+        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU (:func:`read_checkpoint_file`)."""
+        return read_checkpoint_file(checkpoint_dir, name)
 
     def load(self, checkpoint_dir: str) -> None:
         """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
@@ -1173,7 +1173,7 @@ class BasicTrainer(OnlineSampling):
         self.batch_counter = state["batch_counter"]
         self.next_eval_at = state["next_eval_at"]
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        set_numpy_rng_state(state["rng"]["numpy"])
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
@@ -1184,6 +1184,120 @@ class BasicTrainer(OnlineSampling):
                 utils.rewind_jsonl(os.path.join(self.run_dir, name), self.example_counter)
             if dropped:
                 print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
+
+
+def numpy_rng_state() -> dict:
+    """NumPy's global RNG state as plain values and a tensor, which ``torch.load(weights_only=True)``
+    reads: ``np.random.get_state(legacy=False)`` with its 624-word key as an int64 tensor."""
+    state = np.random.get_state(legacy=False)
+    key = torch.from_numpy(state["state"]["key"].astype(np.int64))
+    return {**state, "state": {**state["state"], "key": key}}
+
+
+def set_numpy_rng_state(state) -> None:
+    """Restore NumPy's global RNG from :func:`numpy_rng_state`'s dict, or from the tuple of
+    ``np.random.get_state()`` that checkpoints of earlier versions hold."""
+    if isinstance(state, dict):
+        key = state["state"]["key"].numpy().astype(np.uint32)  # the int64 copy of MT19937's uint32 words
+        state = {**state, "state": {**state["state"], "key": key}}
+    np.random.set_state(state)
+
+
+def read_checkpoint_file(checkpoint_dir: str, name: str):
+    """Load ``name`` from the checkpoint folder ``checkpoint_dir`` onto the CPU with ``weights_only=True``;
+    a trainer_state.pt of an earlier version (NumPy's RNG state as a uint32 ndarray) is read by allowing
+    just the globals that rebuild such an array (no code of the file's choosing can run).
+
+    Raises:
+        utils.ConfigError: one sentence naming the file when it cannot be read or holds anything else.
+    """
+    path = os.path.join(checkpoint_dir, name)
+    reconstruct = np.empty(0).__reduce__()[0]  # numpy(._)core.multiarray._reconstruct: an empty ndarray of a given class
+    old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
+    return utils.load_weights_file(
+        path,
+        f"The checkpoint file {os.path.realpath(path)}",  # step-N/, not LATEST/, which moves
+        "resume only from checkpoints written by this repository's train.py",
+        safe_globals=old_numpy if name == "trainer_state.pt" else (),
+    )
+
+
+SHARDED_METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": None,  # None: every class defined there (the metadata's dataclasses, enums)
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch": {"Size"},  # and torch's dtypes (``torch float32``)
+    "torch.serialization": {"_get_layout"},  # a layout by its name
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
+}
+"""The globals a DCP ``.metadata`` pickle may name (:func:`read_sharded_checkpoint`); any other is refused."""
+
+
+def read_sharded_checkpoint(state: dict, folder: str) -> None:
+    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: its
+    ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and its planner loads the
+    non-tensor entries with ``torch.load(weights_only=False)``, either of which runs code a crafted
+    folder holds; here the metadata goes through an unpickler that allows :data:`SHARDED_METADATA_CLASSES`
+    alone and the entries through ``weights_only=True``.
+
+    Raises:
+        utils.ConfigError: one sentence naming ``folder`` when it holds anything else.
+    """
+    import pickle
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    def refuse(what: str) -> utils.ConfigError:
+        return utils.ConfigError(
+            f"The sharded checkpoint {os.path.realpath(folder)} holds more than tensors and plain values (e.g. {what}), and is not "
+            "loaded because unpickling it could run code; resume only from checkpoints written by this repository's train.py."
+        )
+
+    class MetadataUnpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            allowed = SHARDED_METADATA_CLASSES.get(module, set())
+            found = getattr(sys.modules.get(module), name, None)
+            if allowed is None and isinstance(found, type) and found.__module__ == module:
+                return found
+            if (module == "torch" and isinstance(found, torch.dtype)) or (allowed and name in allowed):
+                return super().find_class(module, name)
+            raise refuse(f"{module}.{name}")
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata with the unpickler above
+            rank = kwargs.get("rank")  # newer DCP: a rank's own __<rank>.metadata when there is no global one
+            name = ".metadata" if rank is None else f"__{rank}.metadata"
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+                metadata = MetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = getattr(self, "load_id", None)
+            return metadata
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes with weights_only=True
+            try:
+                loaded = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError:
+                raise refuse(f"the entry {read_item.dest_index.fqn}") from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    metadata = os.path.join(folder, ".metadata")
+    if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
+        with open(metadata, "rb") as f:
+            MetadataUnpickler(f).load()
+    try:
+        dcp.load(state, storage_reader=Reader(folder), planner=Planner())
+    except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
+        refusal = next((exc for exc, _ in e.failures.values() if isinstance(exc, utils.ConfigError)), None)
+        if refusal is None:
+            raise
+        raise refusal from None
 
 
 def format_peak_memory(memory: dict[str, list[float]]) -> str:
@@ -1257,8 +1371,13 @@ def read_reference_cache(path: str) -> dict | None:
     """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such file."""
     if not os.path.exists(path):
         return None
+    cache = utils.load_weights_file(
+        path,
+        f"The reference log-prob cache {path}",
+        "delete that file (this run then computes the log-probs again) and check who else can write to cache_dir",
+    )
     print(f"Reference log-probs: reusing {path}")
-    return torch.load(path, weights_only=False)
+    return cache
 
 
 def write_reference_cache(path: str, cache: dict) -> str | None:
@@ -1600,7 +1719,6 @@ class _DistributedTrainer(BasicTrainer):
     def load(self, checkpoint_dir: str) -> None:
         """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard; LoRA: the
         adapters and their optimizer state, :meth:`sharded_options`)."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_state_dict,
@@ -1613,7 +1731,7 @@ class _DistributedTrainer(BasicTrainer):
         state = {"model": model_sd, "optimizer": optim_sd}
         if self.updates_reference:
             state["reference"] = get_model_state_dict(self.reference_model)
-        dcp.load(state, checkpoint_id=os.path.join(checkpoint_dir, "sharded"))
+        read_sharded_checkpoint(state, os.path.join(checkpoint_dir, "sharded"))
         set_state_dict(
             self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
         )

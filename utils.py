@@ -10,6 +10,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import socket
 import tempfile
@@ -698,7 +699,10 @@ def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) ->
     dtype = get_dtype(config.model.reference_dtype) or get_dtype(config.model.policy_dtype)
     reference = load_model(config.model, tokenizer, dtype, config.seed)
     if apply_archive and config.model.archive is not None:
-        reference.load_state_dict(torch.load(config.model.archive, map_location="cpu", weights_only=False)["state"])
+        archive = load_weights_file(
+            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+        )
+        reference.load_state_dict(archive["state"])
     return reference
 
 
@@ -1177,6 +1181,31 @@ def failure_reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
+def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
+    """The contents of the ``torch.save`` file ``path``, loaded onto the CPU with ``weights_only=True``:
+    tensors and plain values only (plus ``safe_globals``), so that nothing in the file can run code.
+
+    Raises:
+        ConfigError: one sentence that names the file (``label``, e.g. ``model.archive=<path>``)
+            and says what to do (``fix``) when it cannot be read or holds anything else.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses a global, e.g. GLOBAL posix.system, before calling it
+        found = re.search(r"GLOBAL (\S+)|but got <class '([^']+)'>", str(e))
+        if found is None:  # not a pickle of ours at all (e.g. a text file)
+            raise ConfigError(f"{label} could not be read (UnpicklingError); {fix}.") from None
+        raise ConfigError(
+            f"{label} holds more than tensors and plain values (e.g. {found.group(1) or found.group(2)}), and is not "
+            f"loaded because unpickling it could run code; {fix}."
+        ) from None
+    except Exception as e:  # a missing, truncated or foreign file
+        raise ConfigError(f"{label} could not be read ({failure_reason(e)}); {fix}.") from None
+
+
 def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
     """The sentence for checkpoint ``name`` of ``run_dir`` that could not be written: why
     (``reason``), the disk's free space, where ``LATEST`` still points, and how to continue."""
@@ -1209,7 +1238,7 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
     """
     tmp = None
     try:
-        tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=run_dir)
+        tmp = make_folder(run_dir, f".{name}.tmp-")
         write(tmp)
         return publish_checkpoint(run_dir, name, tmp)
     except BaseException as e:
@@ -1220,6 +1249,20 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
         raise
 
 
+def make_folder(parent: str, prefix: str) -> str:
+    """A new folder ``<parent>/<prefix><random hex>`` with the mode ``mkdir`` gives (0o777 less the
+    umask), unlike ``tempfile.mkdtemp``'s 0o700, so a checkpoint's folder is as shared as any other."""
+    import secrets
+
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
 def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap the ``LATEST``
     symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path.
@@ -1228,7 +1271,6 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     resume), ``LATEST`` points at ``tmp``, then at the old folder moved aside, while the folders
     are renamed, so that at every moment it names a complete checkpoint."""
     final = os.path.join(run_dir, name)
-    os.chmod(tmp, 0o755)
     if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
         point_latest(run_dir, os.path.basename(tmp))
         old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)

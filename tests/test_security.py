@@ -1,0 +1,404 @@
+"""Issue 22's security cases: no file a user can be handed runs code when loaded (checkpoints,
+``model.archive``, evaluate.py's ``policy=``, the reference cache, FSDP's ``sharded/``), the HTTP
+judge follows no redirect and keeps to its timeout, checkpoint folders respect the umask."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import REPO, TINY, compose_config, run_train
+from test_checkpoint_faults import cli, one_error_line
+from test_online import LocalChatServer
+
+import rewards
+import train
+import trainers
+import utils
+
+QUICK = ["sample_during_eval=false", "save_hf_export=false", "num_threads=1"]
+
+
+class Planted:
+    """Pickles as a call of ``exec`` that creates the file ``marker``: what a crafted checkpoint holds."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.marker!r}, 'w').close()",))
+
+
+def plant(path: Path, marker: Path, contents: dict | None = None) -> None:
+    """Overwrite the torch.save file ``path`` with ``contents`` (default: its own) plus a :class:`Planted`."""
+    contents = dict(torch.load(path, weights_only=True) if contents is None else contents)
+    contents["x"] = Planted(marker)
+    path.unlink()
+    torch.save(contents, path)
+
+
+def test_planted_object_runs_code_when_unpickled_unsafely(tmp_path):
+    # The test's own premise: a plain torch.load of a planted file creates the marker.
+    marker = tmp_path / "marker"
+    torch.save({"x": Planted(marker)}, tmp_path / "f.pt")
+    torch.load(tmp_path / "f.pt", weights_only=False)
+    assert marker.exists()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A finished tiny DPO run with checkpoints at 24 and 48 examples."""
+    return run_train([*QUICK, "keep_checkpoints=0"], tmp_path_factory.mktemp("finished"))
+
+
+def checkpoint_of(run: Path, tmp_path: Path, step: int = 24) -> Path:
+    """A copy of ``run`` whose LATEST is ``step-<step>``, unfinished; returns the copy."""
+    copy = tmp_path / run.name
+    shutil.copytree(run, copy, symlinks=True)
+    (copy / "LATEST").unlink()
+    (copy / "LATEST").symlink_to(f"step-{step}")
+    (copy / "FINISHED").unlink(missing_ok=True)
+    return copy
+
+
+# ----------------------------------------------------------------------------- files that run code
+
+
+def test_a_planted_model_archive_runs_nothing_and_is_one_sentence(finished, tmp_path):
+    archive = tmp_path / "policy.pt"
+    shutil.copy(finished / "LATEST" / "policy.pt", archive)
+    marker = tmp_path / "marker"
+    plant(archive, marker)
+    done = cli([*TINY, *QUICK, f"model.archive={archive}"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done) == (
+        f"Error: model.archive={archive} holds more than tensors and plain values (e.g. exec), and is not "
+        "loaded because unpickling it could run code; give the policy.pt of an earlier run."
+    )
+    assert not marker.exists()
+    with pytest.raises(utils.ConfigError, match=r"\(e\.g\. exec\)"):  # the reference's own read (utils.load_reference)
+        utils.load_reference(
+            compose_config([*TINY, f"model.archive={archive}"]), utils.load_tokenizer(compose_config(TINY).model)
+        )
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"])
+def test_resume_from_a_planted_checkpoint_file_runs_nothing_and_is_one_sentence(finished, tmp_path, name):
+    run = checkpoint_of(finished, tmp_path)
+    marker = tmp_path / "marker"
+    plant(run / "step-24" / name, marker)
+    done = cli([f"resume={run}"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done) == (
+        f"Error: The checkpoint file {run / 'step-24' / name} holds more than tensors and plain values (e.g. "
+        "exec), and is not loaded because unpickling it could run code; resume only from checkpoints "
+        "written by this repository's train.py."
+    )
+    assert not marker.exists()
+
+
+def test_evaluate_of_a_planted_policy_runs_nothing_and_is_one_sentence(finished, tmp_path):
+    run = checkpoint_of(finished, tmp_path)
+    weights = run / "step-24" / "policy.pt"
+    marker = tmp_path / "marker"
+    plant(weights, marker)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    args = [f"policy={weights}", "datasets=[arithmetic]", "data.arithmetic.n_test=4", "n_prompts=2", "progress_bar=false"]
+    args += ["judge=http_judge", "judge.base_url=http://127.0.0.1:9/v1", "judge.model=m"]  # never reached
+    done = subprocess.run([sys.executable, "evaluate.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: The weights file {weights} holds more than tensors and plain values (e.g. exec), and is not "
+        "loaded because unpickling it could run code; give a checkpoint written by train.py."
+    ], done.stderr[-3000:]
+    assert not marker.exists()
+
+
+def test_a_planted_reference_cache_in_cache_dir_runs_nothing_and_is_one_sentence(tmp_path, capsys):
+    cache_dir = tmp_path / "cache"
+    args = [*TINY, *QUICK, "precompute_ref_log_probs=true", f"cache_dir={cache_dir}", "n_examples=8"]
+    train.main(compose_config([*args, f"output_root={tmp_path / 'first'}"]))
+    (path,) = cache_dir.glob("reference_logps-*.pt")  # the name a second run of the same inputs looks for
+    cache = torch.load(path, weights_only=True)
+    assert len(cache) == 64 + 16 and all(isinstance(v, tuple) and len(v) == 2 for v in cache.values())
+    marker = tmp_path / "marker"
+    plant(path, marker)
+    done = cli(args, tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done) == (
+        f"Error: The reference log-prob cache {path} holds more than tensors and plain values (e.g. exec), "
+        "and is not loaded because unpickling it could run code; delete that file (this run then computes the "
+        "log-probs again) and check who else can write to cache_dir."
+    )
+    assert not marker.exists()
+
+
+def test_a_file_that_is_no_checkpoint_at_all_could_not_be_read(tmp_path):
+    (tmp_path / "policy.pt").write_text("not a checkpoint")
+    with pytest.raises(utils.ConfigError) as got:
+        trainers.read_checkpoint_file(str(tmp_path), "policy.pt")
+    assert str(got.value) == (
+        f"The checkpoint file {tmp_path / 'policy.pt'} could not be read (UnpicklingError); resume only from "
+        "checkpoints written by this repository's train.py."
+    )
+
+
+# ----------------------------------------------------------------------------- NumPy's RNG state
+
+
+def test_numpy_rng_state_is_saved_as_plain_values_and_restored_exactly(tmp_path):
+    np.random.seed(7)
+    np.random.standard_normal()  # a cached second gaussian: has_gauss=1
+    torch.save({"numpy": trainers.numpy_rng_state()}, tmp_path / "s.pt")
+    after = np.random.standard_normal(3), np.random.random(3)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(tmp_path / "s.pt")) == []
+    trainers.set_numpy_rng_state(torch.load(tmp_path / "s.pt", weights_only=True)["numpy"])
+    again = np.random.standard_normal(3), np.random.random(3)
+    assert all(np.array_equal(a, b) for a, b in zip(after, again))
+
+
+def test_an_earlier_versions_trainer_state_with_a_numpy_array_still_loads_and_restores(tmp_path):
+    np.random.seed(11)
+    np.random.standard_normal()
+    torch.save({"rng": {"numpy": np.random.get_state()}}, tmp_path / "trainer_state.pt")  # the old format
+    expected = np.random.random(4)
+    np.random.seed(0)
+    state = trainers.read_checkpoint_file(str(tmp_path), "trainer_state.pt")
+    trainers.set_numpy_rng_state(state["rng"]["numpy"])
+    assert np.array_equal(np.random.random(4), expected)
+    os.replace(tmp_path / "trainer_state.pt", tmp_path / "policy.pt")  # only trainer_state.pt may hold the array
+    with pytest.raises(utils.ConfigError, match=r"\(e\.g\. numpy\._core\.multiarray\._reconstruct\)|\(e\.g\. numpy\.core"):
+        trainers.read_checkpoint_file(str(tmp_path), "policy.pt")
+
+
+def test_resume_from_an_earlier_versions_checkpoint_is_bit_exact(finished, tmp_path):
+    run = checkpoint_of(finished, tmp_path)
+    path = run / "step-24" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    new = state["rng"]["numpy"]
+    key = new["state"]["key"].numpy().astype(np.uint32)
+    state["rng"]["numpy"] = ("MT19937", key, new["state"]["pos"], new["has_gauss"], new["gauss"])  # as np.random.get_state()
+    torch.save(state, path)
+    assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+    train.main(compose_config([f"resume={run}"]))
+    a = torch.load(finished / "step-48" / "policy.pt", weights_only=True)["state"]
+    b = torch.load(run / "step-48" / "policy.pt", weights_only=True)["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- FSDP's sharded/ (DCP)
+
+
+def dcp_save(state: dict, folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=str(folder))
+
+
+def test_a_sharded_checkpoint_reads_back_tensors_and_plain_values(tmp_path):
+    saved = {"w": torch.arange(6.0).reshape(2, 3), "groups": {"lr": 0.5, "betas": (0.9, 0.99), "name": "a", "n": None}}
+    dcp_save(saved, tmp_path / "sharded")
+    state = {"w": torch.zeros(2, 3), "groups": {"lr": 0.0, "betas": None, "name": None, "n": 1}}
+    trainers.read_sharded_checkpoint(state, str(tmp_path / "sharded"))
+    assert torch.equal(state["w"], saved["w"]) and state["groups"] == {"lr": 0.5, "betas": (0.9, 0.99), "name": "a", "n": None}
+
+
+def test_a_planted_sharded_metadata_runs_nothing_and_is_one_sentence(tmp_path):
+    import pickle
+
+    dcp_save({"w": torch.ones(2)}, tmp_path / "sharded")
+    marker = tmp_path / "marker"
+    (tmp_path / "sharded" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(utils.ConfigError) as got:
+        trainers.read_sharded_checkpoint({"w": torch.zeros(2)}, str(tmp_path / "sharded"))
+    assert str(got.value) == (
+        f"The sharded checkpoint {tmp_path / 'sharded'} holds more than tensors and plain values (e.g. builtins.exec), "
+        "and is not loaded because unpickling it could run code; resume only from checkpoints written by this "
+        "repository's train.py."
+    )
+    assert not marker.exists()
+
+
+def test_a_planted_sharded_entry_runs_nothing_and_is_one_sentence(tmp_path):
+    marker = tmp_path / "marker"
+    dcp_save({"w": torch.ones(2), "extra": Planted(marker)}, tmp_path / "sharded")  # a non-tensor entry: torch.save'd bytes
+    assert not marker.exists()
+    with pytest.raises(utils.ConfigError, match=r"holds more than tensors and plain values \(e\.g\. the entry extra\)"):
+        trainers.read_sharded_checkpoint({"w": torch.zeros(2), "extra": 0}, str(tmp_path / "sharded"))
+    assert not marker.exists()
+
+
+def test_fsdp_resume_from_a_planted_sharded_metadata_is_one_sentence_on_both_ranks(tmp_path):
+    import pickle
+
+    from test_checkpoint_faults import FSDP
+
+    done = cli([*FSDP, "save_hf_export=false"], tmp_path / "first")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = next(p for p in (tmp_path / "first" / "out").iterdir() if p.is_dir())
+    (run / "FINISHED").unlink(missing_ok=True)
+    sharded = (run / "LATEST" / "sharded").resolve()
+    marker = tmp_path / "marker"
+    (sharded / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    done = cli([f"resume={run}"], tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done) == (
+        f"Error: The sharded checkpoint {sharded} holds more than tensors and plain values "
+        "(e.g. builtins.exec), and is not loaded because unpickling it could run code; resume only from checkpoints "
+        "written by this repository's train.py."
+    )
+    assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- the HTTP judge
+
+
+class CountingServer(LocalChatServer):
+    """Answers "0" to every POST or GET, counting them and those that carry an Authorization header."""
+
+    def __init__(self):
+        self.with_key = self.hits = 0
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # also GET: urllib turned a POST redirected by 301/302 into a GET
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                server.hits += 1
+                server.with_key += "Authorization" in self.headers
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "0"}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST
+
+        self.serve(Handler)
+
+
+class RedirectServer(LocalChatServer):
+    """Answers every request with ``code`` and ``Location: <target>``."""
+
+    def __init__(self, target: str, code: int = 302):
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(code)
+                self.send_header("Location", target)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.serve(Handler)
+
+
+@pytest.mark.parametrize("code", [301, 302, 307, 308])
+def test_the_http_judge_follows_no_redirect_and_sends_its_key_nowhere_else(monkeypatch, code):
+    monkeypatch.setenv("TEST_JUDGE_KEY", "secret")
+    other = CountingServer()
+    redirect = RedirectServer(f"{other.url}/chat/completions", code)
+    try:
+        judge = rewards.HTTPJudge(redirect.url, "m", api_key_env="TEST_JUDGE_KEY", max_retries=2, backoff=0.0, timeout=5)
+        assert judge.judge(["p"] * 4, [("a", "b")] * 4) == [None] * 4
+    finally:
+        redirect.close()
+        other.close()
+    assert other.hits == other.with_key == 0
+    assert judge.last_errors[0] == (
+        f"HTTP {code} from {redirect.url}/chat/completions, a redirect to {other.url}/chat/completions that is not "
+        "followed (give judge.base_url the address it names if you trust it) (after 1 attempts)"
+    )
+
+
+class TricklingServer(LocalChatServer):
+    """Sends a valid answer one byte every 0.5 s (no single read waits long)."""
+
+    def __init__(self):
+        self.done = threading.Event()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "0"}}]}).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    for i in range(len(data)):
+                        if server.done.wait(0.5):
+                            return
+                        self.wfile.write(data[i : i + 1])
+                        self.wfile.flush()
+                except OSError:  # the client left
+                    pass
+
+        self.serve(Handler)
+
+    def close(self):
+        self.done.set()
+        super().close()
+
+
+def test_the_judge_timeout_bounds_the_whole_request_of_a_trickling_server():
+    server = TricklingServer()
+    try:
+        judge = rewards.HTTPJudge(server.url, "m", max_retries=0, backoff=0.0, timeout=2)
+        start = time.monotonic()
+        assert judge.judge(["p"], [("a", "b")]) == [None]
+        took = time.monotonic() - start
+    finally:
+        server.close()
+    assert took < 3.0, took  # about 30 bytes at 2 per second: 15 s if each read had its own 2 s
+    assert judge.last_errors[0] == (
+        f"TimeoutError from {server.url}/chat/completions: timed out: no whole response within judge.timeout=2 s "
+        "(after 1 attempts)"
+    )
+
+
+def test_post_returns_the_body_well_within_the_deadline():
+    server = CountingServer()
+    try:
+        start = time.monotonic()
+        body = rewards.post(f"{server.url}/chat/completions", b"{}", {"Content-Type": "application/json"}, timeout=1.0)
+        assert json.loads(body)["choices"][0]["message"]["content"] == "0"
+        time.sleep(1.2)  # the deadline passes after the request ended: nothing happens
+    finally:
+        server.close()
+    assert server.hits == 1 and time.monotonic() - start < 5
+
+
+# ----------------------------------------------------------------------------- the umask
+
+
+@pytest.mark.parametrize("umask", [0o077, 0o022])
+def test_checkpoint_folders_get_the_mode_mkdir_gives_under_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = utils.save_checkpoint_dir(str(tmp_path), "step-8", lambda tmp: Path(tmp, "f.pt").write_bytes(b"x"))
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask  # 0o700 and 0o755
+    assert stat.S_IMODE(os.stat(Path(path, "f.pt")).st_mode) == 0o666 & ~umask
