@@ -314,6 +314,18 @@ def _role_and_content(m, roles: dict[str, str]) -> tuple:
     return roles.get(role, role) if isinstance(role, str) else role, content
 
 
+LIKELY_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant"}
+LIKELY_ROLES |= {"function": "tool", "observation": "tool", "ipython": "tool"}
+"""Role names other formats use (lower-cased) and the standard role each usually means, for the hint of :func:`role_hint`."""
+
+
+def role_hint(role: str, roles: dict[str, str]) -> str:
+    """How to map the non-standard ``role`` with ``data.hf.roles`` (``roles``: the mapping given so far)."""
+    target = LIKELY_ROLES.get(role.lower(), "<user, assistant, system or tool>")
+    mapping = ", ".join(f"{name}: {standard}" for name, standard in {**roles, role: target}.items())
+    return f"map it with 'data.hf.roles={{{mapping}}}'"
+
+
 def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
     """The one sentence for a message of ``what`` (e.g. "message 2 of 'chosen'") in ``where`` whose role is not standard."""
     return DataError(f"{where}: {what} has role {role!r}, which is not one of {', '.join(STANDARD_ROLES)}; {hint}.")
@@ -346,7 +358,7 @@ def check_messages(value, where: str, column: str, roles: dict[str, str] | None 
                 " every message needs both."
             )
         if role not in STANDARD_ROLES:
-            raise unknown_role(role, where, f"message {k} of {column!r}", f"map your roles to those with {ROLES_EXAMPLE}")
+            raise unknown_role(role, where, f"message {k} of {column!r}", role_hint(role, roles))
         messages.append({"role": role, "content": content})
     return messages
 
@@ -1619,7 +1631,7 @@ def load_dataset_dict(
         counted = f"{n_unpaired} unpaired completions" if unpaired else f"{n_pairs} pairs"
         n_copies = count_duplicates(data)
         if n_copies:
-            report[f"kept: exact duplicate {'completions' if unpaired else 'pairs'}"] = n_copies
+            report[f"repeat an earlier {'completion' if unpaired else 'pair'} exactly (kept)"] = n_copies
         notes = _notes(report)
         print(f"[data] {name}/{split}: {len(data)} prompts, {counted}" + (f" ({notes})" if notes else ""))
         n = n_unpaired if unpaired else n_pairs
@@ -1630,8 +1642,9 @@ def load_dataset_dict(
                 else "pairs (same prompt, chosen and rejected)"
             )
             print(
-                f"[data] warning: {name}/{split}: {_share(n_copies, n)} of the {what} repeat an earlier one exactly; each copy is "
-                "trained on, so deduplicate the data unless the repetition is meant."
+                f"[data] warning: {name}/{split}: {_share(n_copies, n)} of the {what} repeat an earlier one exactly; each copy "
+                f"{'is trained on' if split == 'train' else 'counts in the eval metrics'}, so deduplicate the data unless the "
+                "repetition is meant."
             )
     return data
 

@@ -352,7 +352,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     resume_state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
         resume_state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
-        problem = utils.data_change(resume_state.get("data"), fingerprint, checkpoint_dir)
+        problem = utils.data_change(resume_state.get("data"), fingerprint, checkpoint_dir, auto=AUTO_RESUMED)
         if problem is not None:
             raise DataError(problem)
         if resume_state.get("data") is None and rank == 0:
@@ -590,6 +590,13 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
         return None
+    for text, o in zip(overrides, parsed):  # model=<a folder or hub id>: a preset name was expected
+        value = o.value() if o.key_or_group == "model" and not o.is_sweep_override() else None
+        if isinstance(value, str) and ("/" in value or os.path.isdir(value)):
+            return (
+                f"{text}: model= takes a preset of config/model/ (e.g. tiny, pythia28); to load a folder or hub id, "
+                f"give model=blank_model model.name_or_path={value}."
+            )
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         try:
             config = compose(config_name=config_name, overrides=overrides)

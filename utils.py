@@ -142,6 +142,8 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
     if config.get("launcher", "local") not in ("local", "ray"):
         raise ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
+    if OmegaConf.is_missing(config.model, "name_or_path"):  # model=blank_model (or a preset built on it) alone
+        raise ConfigError("model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.")
     if config.model.name_or_path is None and config.model.get("config") is None:
         raise ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
     if config.get("resume") is None:  # a fresh run (a resumed one keeps what it started with)
@@ -217,13 +219,22 @@ def settle_given(config: DictConfig, given: set[str]) -> None:
 def training_length(config: DictConfig, n_train: int) -> str:
     """One line saying which of ``n_examples`` and ``n_epochs`` governs and what it makes of ``n_train`` examples."""
     if config.get("n_examples"):
-        epochs = config.n_examples / max(n_train, 1)
-        return (
-            f"Training length: n_examples={config.n_examples} governs (n_epochs={config.n_epochs} is not used): "
+        total = config.n_examples
+        epochs = total / max(n_train, 1)
+        line = (
+            f"Training length: n_examples={total} governs (n_epochs={config.n_epochs} is not used): "
             f"{epochs:.3g} epochs of {n_train} train examples."
         )
-    total = config.n_epochs * n_train
-    return f"Training length: n_epochs={config.n_epochs} governs (n_examples=null): {total} examples ({n_train} per epoch)."
+    else:
+        total = config.n_epochs * n_train
+        line = f"Training length: n_epochs={config.n_epochs} governs (n_examples=null): {total} examples ({n_train} per epoch)."
+    steps = -(-total // config.batch_size)  # optimizer steps (the last batch may be short)
+    if config.get("warmup_steps", 0) >= steps:  # a run inside its warmup never trains at lr
+        line += (
+            f" Note: warmup_steps={config.warmup_steps} is not shorter than the run's {steps} optimizer step{'s' * (steps != 1)}, so the "
+            f"learning rate never reaches lr={config.lr}; lower warmup_steps."
+        )
+    return line
 
 
 def data_parallel_size(config: DictConfig, world_size: int) -> int:
@@ -1073,10 +1084,11 @@ def examples_fingerprint(examples: list[dict]) -> dict:
     return {"n": len(examples), "sha256": h.hexdigest()}
 
 
-def data_change(saved: dict | None, now: dict, checkpoint_dir: str) -> str | None:
+def data_change(saved: dict | None, now: dict, checkpoint_dir: str, auto: bool = False) -> str | None:
     """One sentence when a split's examples differ from those a checkpoint was trained on (its
     trainer_state's ``data``: ``{split: examples_fingerprint}``), else None; None also for a
-    checkpoint written before fingerprints were kept (the caller notes it)."""
+    checkpoint written before fingerprints were kept (the caller notes it). ``auto``: the run was
+    picked by ``resume=auto``, so the sentence also says how to start afresh."""
     if not saved:
         return None
     for split, fp in now.items():
@@ -1084,10 +1096,11 @@ def data_change(saved: dict | None, now: dict, checkpoint_dir: str) -> str | Non
         if old is None or (old["n"], old["sha256"]) == (fp["n"], fp["sha256"]):
             continue
         same = " (the same count, other contents)" if old["n"] == fp["n"] else ""
+        fresh = "start a fresh run under another exp_name, or " if auto else ""
         return (
             f"The {split} split changed since this run's checkpoint: {old['n']} examples then, {fp['n']} now{same}; "
-            f"restore that data to resume, or start a new run from the checkpoint with "
-            f"model.archive={os.path.join(checkpoint_dir, 'policy.pt')}."
+            f"restore that data to resume, or {fresh}start a new run from the checkpoint's weights (the optimizer and "
+            f"learning-rate schedule start anew) with model.archive={os.path.join(os.path.realpath(checkpoint_dir), 'policy.pt')}."
         )
     return None
 

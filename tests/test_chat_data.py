@@ -187,9 +187,10 @@ def test_a_role_outside_the_standard_four_is_refused_before_any_model(tmp_path, 
     )
     with pytest.raises(DataError) as e:
         train.main(config)
+    likely = {"human": "user", "gpt": "assistant", "bot": "assistant", "function": "tool"}[role]
     assert str(e.value) == (
         f"{f}, row 2: message 2 of 'chosen' has role {role!r}, which is not one of system, user, assistant, tool; "
-        "map your roles to those with 'data.hf.roles={human: user, gpt: assistant}'."
+        f"map it with 'data.hf.roles={{{role}: {likely}}}'."
     )
     assert not out.exists()
 
@@ -222,8 +223,15 @@ def test_data_hf_roles_maps_roles_and_reads_sharegpt_messages(tmp_path):
         load(tmp_path, f)
     assert str(e.value) == (
         f"{f}, row 1: message 1 of 'chosen' has role 'human', which is not one of system, user, assistant, tool; "
-        "map your roles to those with 'data.hf.roles={human: user, gpt: assistant}'."
+        "map it with 'data.hf.roles={human: user}'."
     )
+    # the hint names the role found and keeps the mapping given (found by a new user: it repeated a fixed example)
+    with pytest.raises(DataError) as e:
+        load(tmp_path, f, roles={"gpt": "assistant"})
+    assert str(e.value).endswith("map it with 'data.hf.roles={gpt: assistant, human: user}'.")
+    with pytest.raises(DataError) as e:
+        load(tmp_path, f, roles={"Human": "user", "gpt": "assistant"})  # roles are case-sensitive
+    assert str(e.value).endswith("map it with 'data.hf.roles={Human: user, gpt: assistant, human: user}'.")
     with pytest.raises(DataError) as e:
         load(tmp_path, f, roles={"human": "person"})
     assert str(e.value) == (
@@ -368,7 +376,7 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
     assert len(examples) == 60  # every copy is kept and trained on
     # 60 pairs of which the 49 copies after the first of P's are exact duplicates: 49 / 60 = 81.7%
     assert capsys.readouterr().out.splitlines() == [
-        "[data] json/train: 11 prompts, 60 pairs (49 kept: exact duplicate pairs)",
+        "[data] json/train: 11 prompts, 60 pairs (49 repeat an earlier pair exactly (kept))",
         "[data] warning: json/train: 81.7% (49 of 60) of the pairs (same prompt, chosen and rejected) repeat an earlier "
         "one exactly; each copy is trained on, so deduplicate the data unless the repetition is meant.",
     ]
@@ -378,10 +386,21 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
     ]
     f = write_jsonl(tmp_path / "few.jsonl", rows)
     pd.load_examples(["json"], "train", {"json": {"path": {"train": f, "test": f}}}, sft_mode=False)
-    assert capsys.readouterr().out.splitlines() == ["[data] json/train: 18 prompts, 20 pairs (1 kept: exact duplicate pairs)"]
+    assert capsys.readouterr().out.splitlines() == [
+        "[data] json/train: 18 prompts, 20 pairs (1 repeat an earlier pair exactly (kept))"
+    ]
+    # the eval split's copies are not trained on: the warning says what they do (found by a new user)
+    pd.load_examples(["json"], "test", options, sft_mode=False)
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[1]
+        .endswith("each copy counts in the eval metrics, so deduplicate the data unless the repetition is meant.")
+    )
     # SFT trains each prompt once: the copies are counted, not warned
     assert len(pd.load_examples(["json"], "train", options, sft_mode=True)) == 11
-    assert capsys.readouterr().out.splitlines() == ["[data] json/train: 11 prompts, 60 pairs (49 kept: exact duplicate pairs)"]
+    assert capsys.readouterr().out.splitlines() == [
+        "[data] json/train: 11 prompts, 60 pairs (49 repeat an earlier pair exactly (kept))"
+    ]
 
 
 def test_json_rows_of_messages_point_to_the_hf_loader(tmp_path):

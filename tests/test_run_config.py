@@ -56,6 +56,24 @@ def test_a_model_path_with_the_default_preset_is_one_sentence_before_anything_lo
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
+def test_a_model_preset_without_its_path_or_a_path_as_a_preset_is_one_sentence(tmp_path):
+    # Regression (a new user's first tries): model=blank_model alone gave OmegaConf's MissingMandatoryValue
+    # traceback; model=<a folder> gave Hydra's "Could not find 'model/../shared/models/stories260K'".
+    out = train_py(["model=blank_model", f"output_root={tmp_path}"])
+    assert (out.returncode, out.stderr) == (
+        2,
+        "Error: model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.\n",
+    )
+    for path in ("../shared/models/stories260K", "EleutherAI/pythia-70m"):
+        out = train_py([f"model={path}", f"output_root={tmp_path}"])
+        assert (out.returncode, out.stderr) == (
+            2,
+            f"Error: model={path}: model= takes a preset of config/model/ (e.g. tiny, pythia28); to load a folder or hub "
+            f"id, give model=blank_model model.name_or_path={path}.\n",
+        )
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
 def test_other_model_contradictions_are_one_sentence():
     with pytest.raises(utils.ConfigError, match=r"^model.device_map=auto places loaded weights, but model.config builds"):
         utils.validate_config(compose_config(["model.device_map=auto"]))
@@ -114,8 +132,19 @@ def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
     with pytest.raises(utils.ConfigError) as e:
         settled(["n_epochs=1", "n_examples=100"])
     assert str(e.value) == "n_epochs=1 and n_examples=100 both set the training length and contradict; give only one."
-    assert utils.training_length(settled(["n_epochs=2"]), 16) == (
+    assert utils.training_length(settled(["n_epochs=2", "warmup_steps=0"]), 16) == (
         "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch)."
+    )
+    # tiny's batch_size=32: 32 examples are 1 optimizer step, inside tiny's 20 warmup steps, whose
+    # multiplier (step + 1) / 21 never reaches 1 (found by a new user: n_epochs=1 of a small file trained at 1/21 of lr)
+    assert utils.training_length(settled(["n_epochs=2"]), 16) == (
+        "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch). Note: warmup_steps=20 is "
+        "not shorter than the run's 1 optimizer step, so the learning rate never reaches lr=0.003; lower warmup_steps."
+    )
+    # 33 examples are 2 steps (the last one short); warmup_steps=1 reaches lr at the second
+    assert "Note" not in utils.training_length(settled(["n_examples=33", "warmup_steps=1"]), 16)
+    assert "Note: warmup_steps=2 is not shorter than the run's 2 optimizer steps" in utils.training_length(
+        settled(["n_examples=33", "warmup_steps=2"]), 16
     )
     assert utils.training_length(settled([]), 16000) == (
         "Training length: n_examples=40000 governs (n_epochs=1 is not used): 2.5 epochs of 16000 train examples."
@@ -148,7 +177,7 @@ def test_n_epochs_1_trains_one_epoch_with_the_default_preset(tmp_path):
     # Regression: model=tiny's n_examples=40000 won, so n_epochs=1 of 16 pairs ran 2,500 epochs.
     out = train_py([*json_data(tmp_path), *SMALL, "n_epochs=1", "eval_every=16", f"output_root={tmp_path / 'out'}"], timeout=90)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "Training length: n_epochs=1 governs (n_examples=null): 16 examples (16 per epoch).\n" in out.stdout
+    assert "Training length: n_epochs=1 governs (n_examples=null): 16 examples (16 per epoch). Note: warmup_steps=2" in out.stdout
     (run_dir,) = (tmp_path / "out").iterdir()
     assert (run_dir / utils.FINISHED).read_text() == "16\n"
     both = train_py([*json_data(tmp_path), "n_epochs=1", "n_examples=100", f"output_root={tmp_path / 'out2'}"])
@@ -171,7 +200,7 @@ def run_to_8_of_16(tmp_path: Path) -> tuple[list[str], Path]:
 
 def test_resume_after_the_data_changed_is_one_sentence(tmp_path):
     # Regression: rows added between kill and resume= gave another split and the run went on.
-    _, run_dir = run_to_8_of_16(tmp_path)
+    data, run_dir = run_to_8_of_16(tmp_path)
     state = torch.load(run_dir / "step-8" / "trainer_state.pt", weights_only=False)
     assert {split: fp["n"] for split, fp in state["data"].items()} == {"train": 16, "eval": 8}
     assert all(type(v) in (int, str) for fp in state["data"].values() for v in fp.values())  # plain types only
@@ -181,8 +210,14 @@ def test_resume_after_the_data_changed_is_one_sentence(tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stderr == (
         "Error: The train split changed since this run's checkpoint: 16 examples then, 20 now; restore that data to "
-        f"resume, or start a new run from the checkpoint with model.archive={run_dir}/LATEST/policy.pt.\n"
+        "resume, or start a new run from the checkpoint's weights (the optimizer and learning-rate schedule start anew) "
+        f"with model.archive={run_dir}/step-8/policy.pt.\n"
     )
+    # resume=auto picks the run by its config, then says how to start afresh (found by a new user: a requeued job
+    # was only told to restore the data or take the weights)
+    auto = train_py([*TINY, *data, *SMALL, "n_examples=16", "eval_every=8", "resume=auto", f"output_root={tmp_path / 'out'}"])
+    assert auto.returncode == 2, auto.stderr[-2000:]
+    assert "20 now; restore that data to resume, or start a fresh run under another exp_name, or start a new run" in auto.stderr
     write_jsonl(tmp_path / "train.jsonl", pairs(0, 16))  # restored: it resumes
     write_jsonl(tmp_path / "test.jsonl", pairs(17, 25))  # the eval file: as many rows, other contents
     with pytest.raises(
