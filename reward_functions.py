@@ -119,7 +119,7 @@ def resolve(spec: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"reward_functions: {spec} is a {type(fn).__name__}, not a function; {choose}.")
     try:
-        inspect.signature(fn).bind([], [])
+        inspect.signature(fn).bind_partial([], [])  # the rest may be fields
     except TypeError as e:
         raise ConfigError(
             f"reward_functions: {spec} cannot be called as fn(prompts, completions, **fields) ({e}); give it that signature."
