@@ -365,6 +365,11 @@ def test_a_function_raising_on_some_rows_counts_them_and_runs_on_only_under_the_
     failed = [r["online/failed_judgements"] for r in metric_records(run_dir) if "online/failed_judgements" in r]
     assert failed and 0 < sum(failed) / len(failed) < 1  # some pairs failed, some were labelled
     assert "[judge] after 16 examples:" in out and (run_dir / utils.FINISHED).exists()
+    # At each eval the odd questions' completions fail; eval/scores is the mean over the others (1.0), not NaN.
+    assert [r["eval/scores"] for r in metric_records(run_dir) if "eval/scores" in r] == [1.0, 1.0, 1.0]
+    table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]
+    odd = lambda prompt: int(reward_functions.ARITHMETIC_PROMPT.fullmatch(prompt)[1]) % 2  # noqa: E731
+    assert [r["score"] for r in table] == [None if odd(r["prompt"]) else 1.0 for r in table]
 
 
 # ----------------------------------------------------------------------------- evaluate.py
