@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 import re
@@ -29,11 +30,18 @@ REWARD_FUNCTIONS: dict[str, Callable] = {}
 """The registered reward functions by name (:func:`register_reward_function`)."""
 
 
-def register_reward_function(name: str):
-    """A decorator adding the function to :data:`REWARD_FUNCTIONS` under ``name``."""
+REQUIRES: dict[str, str] = {}
+"""The package a registered function imports when called, by name (checked when it is named)."""
+
+
+def register_reward_function(name: str, requires: str | None = None):
+    """A decorator adding the function to :data:`REWARD_FUNCTIONS` under ``name``; ``requires``:
+    the module it imports when called, checked by :func:`resolve`."""
 
     def register(fn: Callable) -> Callable:
         REWARD_FUNCTIONS[name] = fn
+        if requires:
+            REQUIRES[name] = requires
         return fn
 
     return register
@@ -74,7 +82,7 @@ def _vader():
     return SentimentIntensityAnalyzer()
 
 
-@register_reward_function("sentiment")
+@register_reward_function("sentiment", requires="vaderSentiment")
 def sentiment(prompts: list[str], completions: list[str], **fields) -> list[float | None]:
     """VADER's compound score of the completion alone, in [-1, 1] (Hutto & Gilbert 2014; the
     ``vaderSentiment`` package): positive for positive sentiment, 0.0 for none."""
@@ -101,6 +109,11 @@ def resolve(spec: str) -> Callable:
     choose = f"give a registered name ({registered_names()}) or module:function"
     if ":" not in spec:
         if spec in REWARD_FUNCTIONS:
+            if spec in REQUIRES and importlib.util.find_spec(REQUIRES[spec]) is None:
+                raise ConfigError(
+                    f"reward_functions: {spec} needs the {REQUIRES[spec]} package, which is not installed; "
+                    "pip install -r requirements.txt."
+                )
             return REWARD_FUNCTIONS[spec]
         close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""

@@ -188,6 +188,16 @@ def test_bad_names_and_weights_are_one_sentence(user_module, specs, weights, mes
     assert str(e.value) == message
 
 
+def test_sentiment_without_vadersentiment_installed_is_one_sentence(monkeypatch):
+    monkeypatch.setitem(reward_functions.REQUIRES, "sentiment", "vaderSentiment_not_installed")
+    with pytest.raises(ConfigError) as e:
+        reward_functions.resolve_all(["sentiment"], None)
+    assert str(e.value) == (
+        "reward_functions: sentiment needs the vaderSentiment_not_installed package, which is not installed; "
+        "pip install -r requirements.txt."
+    )
+
+
 def test_a_function_that_returns_the_wrong_length_or_a_non_number_fails_those_completions(user_module):
     user_module(
         "bad_rewards",
