@@ -21,7 +21,9 @@ import importlib
 import importlib.util
 import inspect
 import math
+import os
 import re
+import sys
 from collections.abc import Callable
 
 from utils import ConfigError
@@ -119,6 +121,8 @@ def resolve(spec: str) -> Callable:
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"reward_functions: {spec!r} is not a registered reward function; {hint}{choose}.")
     module_name, _, attr = spec.partition(":")
+    if os.getcwd() not in sys.path:  # python path/to/train.py puts the script's folder there, not the current one
+        sys.path.append(os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # a missing module, or one that fails while importing

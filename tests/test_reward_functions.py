@@ -140,6 +140,13 @@ def test_module_function_from_a_users_module_gets_the_fields_it_names(user_modul
     assert got.tolist() == [21.0, 20.0]
 
 
+def test_a_module_in_the_current_directory_imports(tmp_path, monkeypatch):
+    (tmp_path / "here_rewards.py").write_text("def two(prompts, completions, **fields):\n    return [2.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".", str(tmp_path))])
+    assert scorer(["here_rewards:two"]).score(["p"], ["c"]).tolist() == [2.0]
+
+
 @pytest.mark.parametrize(
     "specs, weights, message",
     [
