@@ -671,23 +671,37 @@ def sample_all(source: Source, side: str, batches: list[list[dict]], config, cac
 # ----------------------------------------------------------------------------- judging
 
 
+def _source(fn) -> str:
+    """A digest of ``fn``'s source code (its name where the source cannot be read): cached scores
+    are asked again after the function changes."""
+    import inspect
+
+    try:
+        return utils.digest([inspect.getsource(fn)])
+    except (OSError, TypeError):
+        return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
 class Judge:
     """The judge ``judge=`` names, built lazily from the config sections online DPO uses
     (``rewards.build_scorer``: ``reward_model.*``, ``judge.*``), with its cache.
 
-    - ``reward_model``: each response is scored (cached per prompt and response), A wins when its
-      score is higher (:func:`compare_scores`).
+    - ``reward_model``, ``reward_function``: each response is scored (cached per prompt and
+      response) by the reward model or by ``reward_functions`` weighted by ``reward_weights``, A
+      wins when its score is higher (:func:`compare_scores`); a response no function could score
+      fails.
     - ``reward_model_judge``, ``http_judge``: pairwise, each pair asked in both orders (cached per
       order) and combined by :func:`combine_orders`. The HTTP judge's ``judge.template`` null
       uses the DPO paper's prompt for the task (summarisation for tldr, else dialogue); it is
       never shuffled (both orders are asked).
 
     A failed judgement is not cached: a resumed evaluation asks it again. Built (and checked:
-    the reward model's folder, the HTTP judge's settings) before anything is sampled; ``cache``
-    is set once the output folder exists.
+    the reward model's folder, the HTTP judge's settings, the reward functions' imports and
+    weights) before anything is sampled; ``cache`` is set once the output folder exists.
 
     Raises:
-        ConfigError: for an unknown judge, a missing reward model, or bad ``judge.*`` settings.
+        ConfigError: for an unknown judge, a missing reward model, bad ``judge.*`` settings, or
+            reward functions that do not import or weights that do not match them.
     """
 
     def __init__(self, config: DictConfig, cache: Cache | None = None):
@@ -701,6 +715,8 @@ class Judge:
         if self.kind == "http_judge":
             for template in {self.template(it) for it in ({"dataset": d} for d in config.datasets)}:
                 self._identity(template)  # checks base_url, model and the template now, before any sampling
+        elif self.kind == "reward_function":
+            self._build()  # imports the functions and checks the weights now, before any sampling
         else:
             self._check_reward_model()
 
@@ -738,6 +754,9 @@ class Judge:
         if self.kind == "http_judge":
             judge = rewards.build_scorer(self._scorer_config(template))  # no request is made
             return utils.digest(["http", judge.url, judge.model, judge.template, judge.max_tokens])
+        if self.kind == "reward_function":
+            scorer = self._build()
+            return utils.digest([self.kind, scorer.names, scorer.weights, [_source(fn) for fn in scorer.functions]])
         path = os.path.expanduser(self.config.reward_model.name_or_path)
         where = _folder_stat(path) if os.path.isdir(path) else path
         return utils.digest([self.kind, where, self.config.reward_model.max_length])
@@ -746,7 +765,7 @@ class Judge:
         """Set ``verdict`` and ``detail`` of each row (``judge_prompt``, ``a``, ``b``, ``dataset``),
         asking only what the cache lacks, :data:`JUDGE_CHUNK` requests (or texts to score) at a time."""
         chunk = JUDGE_CHUNK
-        if self.kind == "reward_model":
+        if self.kind in ("reward_model", "reward_function"):
             self._by_scores(rows, chunk)
         else:
             self._pairwise(rows, chunk)
@@ -763,9 +782,11 @@ class Judge:
         todo = list(wanted.items())
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
-            scores = self._build().score([p for _, (p, _) in part], [t for _, (_, t) in part]).tolist()
+            scorer = self._build()
+            scores = scorer.score([p for _, (p, _) in part], [t for _, (_, t) in part]).tolist()
             self.cache.put([{"key": k, "score": s} for (k, _), s in zip(part, scores) if not math.isnan(s)])
-            self.errors += ["NaN score" for s in scores if math.isnan(s)]
+            why = getattr(scorer, "last_errors", None)  # a reward function's sentences
+            self.errors += list(why) if why else ["NaN score" for s in scores if math.isnan(s)]
         for row in rows:
             a, b = (self.cache.get(key(row["judge_prompt"], t)) for t in (row["a"], row["b"]))
             sa, sb = (float("nan") if r is None else r["score"] for r in (a, b))
@@ -895,7 +916,11 @@ def summarize(rows: list[dict], config, policy: Source, baseline_label: str) -> 
         "policy": policy.label,
         "baseline": baseline_label,
         "judge": config.judge.name,
-        "reward_model": config.reward_model.name_or_path if config.judge.name != "http_judge" else None,
+        "reward_model": config.reward_model.name_or_path if config.judge.name in ("reward_model", "reward_model_judge") else None,
+        "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
+        "reward_weights": list(config.reward_weights)
+        if config.judge.name == "reward_function" and config.get("reward_weights")
+        else None,
         "judge_model": config.judge.model if config.judge.name == "http_judge" else None,
         "datasets": list(config.datasets),
         "n_prompts": config.n_prompts,

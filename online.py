@@ -117,7 +117,7 @@ class OnlineSampling:
             else f"{failed} of {judged} judgements since the last eval failed ({share:.0%} > online.max_failure_rate={limit:g}{example})"
         )
         return (
-            f"Training stopped: {what}; the checkpoint {{checkpoint}} is kept: fix the judge or reward model "
+            f"Training stopped: {what}; the checkpoint {{checkpoint}} is kept: fix the judge, reward model or reward function "
             f"(online.scorer={self.config.online.scorer}), then continue with resume={self.run_dir}."
         )
 
@@ -282,7 +282,7 @@ class OnlineSampling:
                             "index": batch["index"][i],
                             "prompt": batch["prompt"][i],
                             "completion": text,
-                            "score": scores[i],
+                            "score": None if scores[i] != scores[i] else scores[i],  # NaN: a failed score
                             "contain_eos": bool(
                                 (torch.isin(completions[i], torch.tensor(eos, device=completions.device)) & cmask[i]).any()
                             ),
@@ -295,7 +295,8 @@ class OnlineSampling:
             "eval/completion_length": float(np.mean([r["length"] for r in rows])),
         }
         if scorer is not None:
-            means["eval/scores"] = float(np.mean([r["score"] for r in rows]))
+            scored = [r["score"] for r in rows if r["score"] is not None]
+            means["eval/scores"] = float(np.mean(scored)) if scored else float("nan")  # over the completions that were scored
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
             table = [

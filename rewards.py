@@ -8,11 +8,13 @@ an annotator which is better. The annotator is one of:
 - :class:`RewardModelJudge`: the same model used pairwise (the higher score wins).
 - :class:`HTTPJudge`: an LLM judge behind an OpenAI-compatible chat-completions endpoint,
   as the paper's AI feedback (TRL's ``OnlineDPOTrainer`` and its judges are the peer).
+- :class:`RewardFunctionScorer`: Python reward functions (reward_functions.py), weighted; one
+  float per text, as a reward model gives.
 
 Pairwise judges answer 0 (the first completion is better), 1 (the second), :data:`TIE`, or
 None when the judgement failed; the caller counts a None and skips that pair, it never labels
-it. :func:`build_scorer` picks one from the ``online``, ``reward_model`` and ``judge`` config
-sections.
+it. :func:`build_scorer` picks one from the ``online``, ``reward_model``, ``judge`` and
+``reward_functions`` config sections.
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import concurrent.futures
 import difflib
 import functools
 import http.client
+import inspect
 import json
+import math
+import numbers
 import os
 import random
 import re
@@ -32,12 +37,13 @@ import urllib.request
 
 import torch
 
+import reward_functions
 from utils import ConfigError, get_dtype, looks_local
 
 TIE = -1
 """A pairwise judgement saying neither completion is better."""
 
-SCORERS = ("reward_model", "reward_model_judge", "http_judge")
+SCORERS = ("reward_model", "reward_model_judge", "http_judge", "reward_function")
 """The values of ``online.scorer``."""
 
 JUDGE_THREADS = 8
@@ -436,6 +442,153 @@ def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
     return body
 
 
+# ----------------------------------------------------------------------------- reward functions
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """``text`` as a short repr for an error sentence: its first ``limit`` characters, then "..."."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+class RewardFunctionScorer:
+    """Scores completions with Python reward functions (reward_functions.py): the weighted sum,
+    over the functions that scored a completion, of weight * score (a None is skipped, as TRL's
+    ``reward_weights`` sum does); one float per text, as :class:`RewardModelScorer` gives.
+
+    A completion fails (NaN score, its reason in ``last_errors``) when every function returned
+    None for it, or when any function raised on it or gave it something that is not a number;
+    a function that returns a list of the wrong length fails the whole call. When a function
+    raises on a call, it is asked again one completion at a time, so the rows that raise are
+    named and the others are scored. Nothing raises for a failure: online DPO and evaluate.py
+    count failures against their ``max_failure_rate``.
+
+    Args:
+        names: how each function is named in the config (error sentences name it so).
+        functions: the callables, ``fn(prompts, completions, **fields) -> list[float | None]``.
+        weights: one per function.
+
+    Attributes:
+        last_errors: why each completion of the last :meth:`score` call failed, one sentence each.
+        failures: failed completions over the scorer's lifetime.
+    """
+
+    def __init__(self, names: list[str], functions: list, weights: list[float]):
+        if not len(names) == len(functions) == len(weights):
+            raise ValueError(
+                f"{len(names)} names, {len(functions)} functions and {len(weights)} weights; give one of each per function."
+            )
+        self.names, self.functions, self.weights = list(names), list(functions), [float(w) for w in weights]
+        self.last_errors: list[str] = []
+        self.failures = 0
+        self._fields_taken = [self._takes(fn) for fn in self.functions]
+
+    @classmethod
+    def from_config(cls, config) -> RewardFunctionScorer:
+        """The scorer over ``config.reward_functions`` and ``config.reward_weights``.
+
+        Raises:
+            ConfigError: as ``reward_functions.resolve_all`` (one sentence).
+        """
+        specs = config.get("reward_functions")
+        specs = list(specs) if specs is not None and not isinstance(specs, str) else specs
+        weights = config.get("reward_weights")
+        return cls(*reward_functions.resolve_all(specs, weights))
+
+    @staticmethod
+    def _takes(fn):
+        """None when ``fn`` takes every field (``**kwargs``, or no signature to read), else the names it takes."""
+        try:
+            parameters = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):
+            return None
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            return None
+        return {p.name for p in parameters}
+
+    def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
+        """The weighted reward of each ``completions[i]`` answering ``prompts[i]``; ``fields`` are
+        the rows' other columns, each a list of the same length.
+
+        Returns:
+            (N,) float32 on the CPU; NaN for a completion that failed (see the class).
+
+        Raises:
+            ValueError: if the lists differ in length.
+        """
+        n = len(prompts)
+        if len(completions) != n or any(len(v) != n for v in fields.values()):
+            raise ValueError(
+                f"score() got {n} prompts, {len(completions)} completions and fields of other lengths; pass one of each per text."
+            )
+        self.last_errors = []
+        totals = [0.0] * n
+        scored = [False] * n
+        failed: dict[int, str] = {}  # row -> why
+        for name, fn, weight, takes in zip(self.names, self.functions, self.weights, self._fields_taken):
+            passed = {k: list(v) for k, v in fields.items() if takes is None or k in takes}
+            for i, value in enumerate(self._call(name, fn, list(prompts), list(completions), passed, failed)):
+                if value is not None and i not in failed:
+                    totals[i] += weight * value
+                    scored[i] = True
+        for i in range(n):
+            if i not in failed and not scored[i]:
+                failed[i] = (
+                    f"every reward function ({', '.join(self.names)}) returned None for the completion of prompt {_shown(prompts[i])}"
+                )
+        scores = torch.tensor(totals, dtype=torch.float32)
+        for i in sorted(failed):
+            scores[i] = float("nan")
+            self.last_errors.append(failed[i])
+        self.failures += len(failed)
+        return scores
+
+    def _call(self, name: str, fn, prompts: list[str], completions: list[str], fields: dict, failed: dict) -> list[float | None]:
+        """``fn``'s scores of the rows as floats or None (NaN read as None); rows it raised on or
+        gave a non-number are added to ``failed`` with the sentence that says so."""
+        n = len(prompts)
+        try:
+            values = fn(prompts, completions, **fields)
+        except Exception:  # asked again row by row: which rows raise
+            values = []
+            for i in range(n):
+                try:
+                    row = fn(prompts[i : i + 1], completions[i : i + 1], **{k: v[i : i + 1] for k, v in fields.items()})
+                except Exception as e:
+                    failed.setdefault(
+                        i,
+                        f"reward function {name} raised {type(e).__name__}: {e} on the completion of prompt {_shown(prompts[i])}",
+                    )
+                    values.append(None)
+                    continue
+                values.append(row[0] if isinstance(row, (list, tuple)) and len(row) == 1 else row)
+        if isinstance(values, torch.Tensor):
+            values = values.tolist()
+        if not isinstance(values, (list, tuple)) or len(values) != n:
+            got = f"{len(values)} scores" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+            for i in range(n):
+                failed.setdefault(
+                    i,
+                    f"reward function {name} returned {got} for {n} completions; it must return a list of one number (or None) per completion",
+                )
+            return [None] * n
+        out: list[float | None] = []
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor) and v.numel() == 1:
+                v = v.item()
+            if v is None or (isinstance(v, numbers.Real) and math.isnan(v)):
+                out.append(None)
+            elif isinstance(v, numbers.Real):
+                out.append(float(v))
+            else:
+                failed.setdefault(
+                    i,
+                    f"reward function {name} returned {repr(v)[:40]} (a {type(v).__name__}) for the completion of prompt "
+                    f"{_shown(prompts[i])}; it must return a number or None",
+                )
+                out.append(None)
+        return out
+
+
 # ----------------------------------------------------------------------------- judges
 
 
@@ -667,6 +820,8 @@ def build_scorer(config, device=None):
     - ``reward_model``: a :class:`RewardModelScorer` over ``reward_model.*``.
     - ``reward_model_judge``: a :class:`RewardModelJudge` over that scorer.
     - ``http_judge``: an :class:`HTTPJudge` over ``judge.*`` (seeded by ``config.seed``).
+    - ``reward_function``: a :class:`RewardFunctionScorer` over ``reward_functions`` and
+      ``reward_weights`` (no model is loaded).
 
     ``device`` (None: "cuda" when available, else "cpu") is where a reward model runs;
     ``reward_model.dtype``, if the config has it, is its dtype.
@@ -674,13 +829,16 @@ def build_scorer(config, device=None):
     Raises:
         ConfigError: if ``online.scorer`` is unknown, ``reward_model.name_or_path`` is null,
             a local path that is not a folder or a model whose score head was never trained
-            (unless ``reward_model.allow_untrained_head``), or ``judge.base_url``/``judge.model`` is null.
+            (unless ``reward_model.allow_untrained_head``), ``judge.base_url``/``judge.model`` is null,
+            or a reward function that does not import or weights that do not match them.
     """
     kind = config.online.scorer
     if kind not in SCORERS:
         close = difflib.get_close_matches(str(kind), SCORERS, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
         raise ConfigError(f"Unknown online.scorer={kind}; {hint}choose one of {', '.join(SCORERS)}.")
+    if kind == "reward_function":
+        return RewardFunctionScorer.from_config(config)
     if kind == "http_judge":
         judge = config.judge
         if judge.base_url is None or judge.model is None:

@@ -424,8 +424,10 @@ def validate_online(config: DictConfig) -> None:
         raise ConfigError(
             "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
         )
-    if online.scorer not in ("reward_model", "reward_model_judge", "http_judge"):
-        raise ConfigError(f"online.scorer must be reward_model, reward_model_judge or http_judge, got {online.scorer}.")
+    if online.scorer not in ("reward_model", "reward_model_judge", "http_judge", "reward_function"):
+        raise ConfigError(
+            f"online.scorer must be reward_model, reward_model_judge, http_judge or reward_function, got {online.scorer}."
+        )
     if online.scorer in ("reward_model", "reward_model_judge") and config.reward_model.name_or_path is None:
         raise ConfigError(
             f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
