@@ -15,8 +15,8 @@ and reported per temperature as the win rate of A over B with a 95% interval ove
   ``n``. Ties are counted in ``tie_rate`` and are not wins: win_rate + tie_rate + loss_rate = 1.
 - The interval is the Wilson score interval of wins / n (scipy's ``binomtest``), n the judged
   prompts at that temperature (one sample per prompt, so the prompts are the independent units).
-- Samples and judgements are cached in the output folder (``samples-rank<r>.jsonl``,
-  ``judgements-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
+- Samples, judgements and log-probs are cached in the output folder (``samples-rank<r>.jsonl``,
+  ``judgements-rank<r>.jsonl``, ``logps-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
   continues an interrupted evaluation without redoing them. A batch of prompts is sampled with
   a seed drawn from ``seed``, the batch's prompts, the temperature and the side (A or B), so the
   same seed gives the same samples, on one process or several.
