@@ -390,7 +390,10 @@ def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str
     if config.get("reference") is not None:
         return resolve_source(config.reference, config, "reference"), None
     if policy.run_config is None:
-        return None, f"{policy.label} is not a run trained here; give reference=<folder or hub id> to measure the KL"
+        return (
+            None,
+            f"{policy.label} is not a run folder or checkpoint of train.py (whose start is the reference); give reference=<folder or hub id>",
+        )
     try:
         return reference_source(policy), None
     except ConfigError as e:

@@ -235,7 +235,10 @@ def test_resume_computes_no_log_prob_again_and_an_old_cache_without_tokens_is_re
 def test_no_reference_for_a_folder_outside_a_run_is_null_and_said(runs, tmp_path, capsys):
     outside = shutil.copytree(runs["dpo"] / "LATEST" / "hf", tmp_path / "my_model")
     out = run_eval([f"policy={outside}", *rm_args(runs), f"output_root={tmp_path / 'out'}"])
-    assert "kl_mean is null: my_model is not a run trained here; give reference=<folder or hub id>" in capsys.readouterr().out
+    assert (
+        "kl_mean is null: my_model is not a run folder or checkpoint of train.py (whose start is the reference); give reference=<folder or hub id>"
+        in capsys.readouterr().out
+    )
     got = results(out)
     assert got["reference"] is None and all(r["kl"] is None for r in verdicts(out))
     assert all(
