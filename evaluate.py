@@ -15,11 +15,16 @@ and reported per temperature as the win rate of A over B with a 95% interval ove
   ``n``. Ties are counted in ``tie_rate`` and are not wins: win_rate + tie_rate + loss_rate = 1.
 - The interval is the Wilson score interval of wins / n (scipy's ``binomtest``), n the judged
   prompts at that temperature (one sample per prompt, so the prompts are the independent units).
-- Samples and judgements are cached in the output folder (``samples-rank<r>.jsonl``,
-  ``judgements-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
+- Samples, judgements and log-probs are cached in the output folder (``samples-rank<r>.jsonl``,
+  ``judgements-rank<r>.jsonl``, ``logps-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
   continues an interrupted evaluation without redoing them. A batch of prompts is sampled with
   a seed drawn from ``seed``, the batch's prompts, the temperature and the side (A or B), so the
   same seed gives the same samples, on one process or several.
+- Beside the win rates, per temperature: A's mean reward (a judge that scores each response),
+  and the Monte Carlo estimate of KL(A || reference) from A's own samples, each with a t interval
+  over prompts (:func:`mean_interval`). A sample's log-ratio is log pi_A(y|x) - log pi_ref(y|x)
+  of the models' own distributions (temperature 1, no top-k / top-p), summed over the sampled
+  tokens: at ``temperature=1`` without top-k / top-p it estimates KL(pi_A || pi_ref) without bias.
 - Under ``torchrun --nproc_per_node N``, batch k of prompts goes to rank k mod N and the rows are
   gathered on rank 0, which writes the results (the same as one process: tested).
 """
@@ -45,6 +50,7 @@ import rewards
 import utils
 from online import completion_mask
 from preference_datasets import DataError
+from trainers import response_logps
 from utils import ConfigError
 
 CONFIDENCE = 0.95
@@ -55,6 +61,19 @@ INTERVAL = (
     "ties are not wins (win_rate + tie_rate + loss_rate = 1); failed judgements are left out of n"
 )
 """How the interval in results.json is computed (written there as ``interval``)."""
+
+MEAN_INTERVAL = (
+    "Student t interval (95%) of the mean over prompts (one sample per prompt): mean +- t(0.975, n-1) * sd / sqrt(n), "
+    "sd with n-1; null for n < 2"
+)
+"""How ``reward_ci_*`` and ``kl_ci_*`` are computed (written in results.json as ``mean_interval``)."""
+
+KL_OF = (
+    "mean over A's samples of sum over the sampled response tokens (stop token included) of log pi_A - log pi_ref, "
+    "both the models' own distributions (temperature 1, no top-k/top-p) on the same prompt tokens; "
+    "KL(pi_A || pi_ref) without bias for samples at temperature 1 without top-k/top-p"
+)
+"""What ``kl_mean`` is (written in results.json as ``kl_of``)."""
 
 VERDICTS = ("win", "tie", "loss", "failed")
 """A judged pair's outcome, from A's side."""
@@ -83,6 +102,22 @@ def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[
 
     ci = binomtest(wins, n).proportion_ci(confidence_level=confidence, method="wilson")
     return float(ci.low), float(ci.high)
+
+
+def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float | None, float | None, float | None]:
+    """(mean, low, high) of ``values``: the Student t interval mean +- t(0.975, n-1) * sd / sqrt(n)
+    (sd with n-1); (None, None, None) for no values, (mean, None, None) for one."""
+    n = len(values)
+    if n == 0:
+        return None, None, None
+    mean = math.fsum(values) / n
+    if n == 1:
+        return mean, None, None
+    from scipy.stats import t as student_t
+
+    sd = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    half = float(student_t.ppf(0.5 + confidence / 2, n - 1)) * sd / math.sqrt(n)
+    return mean, mean - half, mean + half
 
 
 def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
@@ -344,6 +379,37 @@ def reference_source(policy: Source) -> Source:
     return source
 
 
+def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str | None]:
+    """The model KL(A || reference) is measured against: ``reference=`` (named as ``policy=`` is),
+    else the policy run's start (:func:`reference_source`); with why there is none (a hub id or a
+    folder outside a run, an archive not here) when there is none.
+
+    Raises:
+        ConfigError: for a ``reference=`` that :func:`resolve_source` refuses.
+    """
+    if config.get("reference") is not None:
+        return resolve_source(config.reference, config, "reference"), None
+    if policy.run_config is None:
+        return (
+            None,
+            f"{policy.label} is not a run folder or checkpoint of train.py (whose start is the reference); give reference=<folder or hub id>",
+        )
+    try:
+        return reference_source(policy), None
+    except ConfigError as e:
+        return None, str(e)
+
+
+def check_same_vocabulary(policy: Source, reference: Source) -> None:
+    """Raise ConfigError unless ``reference``'s tokenizer has ``policy``'s vocabulary (the KL
+    compares the two models' probabilities of the same token ids)."""
+    if utils.load_tokenizer(policy.model_config).get_vocab() != utils.load_tokenizer(reference.model_config).get_vocab():
+        raise ConfigError(
+            f"reference={reference.label} has another vocabulary than the policy {policy.label}, so KL(policy || reference) "
+            "over token ids is undefined; give a reference with the policy's tokenizer."
+        )
+
+
 def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
     """(model in eval mode on ``device``, tokenizer) of ``source``. A LoRA run's ``policy.pt``
     (adapters only, with its ``lora`` settings) is loaded onto its base: the run's model with its
@@ -544,7 +610,7 @@ def generate_batch(
 
     Returns:
         per prompt ``{"text": :func:`completion_text`, "n_tokens": generated tokens up to and
-        with the stop token, "ended": whether it stopped at one}``.
+        with the stop token, "ended": whether it stopped at one, "tokens": those token ids}``.
     """
     from transformers import GenerationConfig
 
@@ -571,7 +637,7 @@ def generate_batch(
         tokens = row[m].tolist()
         ended = bool(tokens) and tokens[-1] in stop_ids
         text = completion_text(tokenizer, list(prompt), tokens[:-1] if ended else tokens)
-        samples.append({"text": text, "n_tokens": len(tokens), "ended": ended})
+        samples.append({"text": text, "n_tokens": len(tokens), "ended": ended, "tokens": tokens})
     return samples
 
 
@@ -634,10 +700,13 @@ def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
     return int(utils.digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
 
 
-def sample_all(source: Source, side: str, batches: list[list[dict]], config, cache: Cache, device, show: bool) -> dict:
+def sample_all(
+    source: Source, side: str, batches: list[list[dict]], config, cache: Cache, device, show: bool, need_tokens: bool = False
+) -> dict:
     """Samples of ``source`` for every item of ``batches`` at every temperature, taken from
     ``cache`` or generated (the model is loaded only if something is missing) and cached batch
-    by batch.
+    by batch. With ``need_tokens``, a cached sample without its token ids (an evaluation from
+    before they were kept) counts as missing: its batch is sampled again, with the same seed.
 
     Returns:
         {(item id, temperature): sample record}.
@@ -649,7 +718,8 @@ def sample_all(source: Source, side: str, batches: list[list[dict]], config, cac
         for b, batch in enumerate(batches)
         for t in temps
     }
-    todo = [(b, t) for (b, t), ks in keys.items() if any(cache.get(k) is None for k in ks)]
+    missing = lambda k: cache.get(k) is None or (need_tokens and "tokens" not in cache.get(k))  # noqa: E731
+    todo = [(b, t) for (b, t), ks in keys.items() if any(missing(k) for k in ks)]
     if todo:
         model, tokenizer = load_source(source, device)
         stop_ids = preference_datasets.stop_token_ids(tokenizer)
@@ -661,11 +731,62 @@ def sample_all(source: Source, side: str, batches: list[list[dict]], config, cac
             records = [
                 {"key": k, "side": side, "id": it["id"], "temperature": t, **s}
                 for k, it, s in zip(keys[(b, t)], batches[b], samples)
-                if cache.get(k) is None
+                if missing(k)
             ]
             cache.put(records)
         del model
     return {(it["id"], t): cache.get(keys[(b, t)][i]) for (b, t) in keys for i, it in enumerate(batches[b])}
+
+
+def completion_logps(model, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
+    """log p(completion | prompt) under ``model``'s own distribution (temperature 1, no top-k /
+    top-p): the sum over the completion's tokens, by the trainer's ``trainers.response_logps``.
+
+    Returns:
+        (N,) float32 (float64 for a float64 model), on the CPU.
+    """
+    rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # losses.IGNORE_INDEX: the prompt and the padding
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        ids[i, : len(r)] = torch.tensor(r)
+        mask[i, : len(r)] = 1
+        labels[i, len(p) : len(r)] = torch.tensor(r[len(p) :], dtype=torch.long)
+    device = next(model.parameters()).device
+    inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device), "labels": labels.to(device)}
+    with torch.inference_mode():
+        logps, _ = response_logps(model, inputs, average_log_prob=False)
+    return logps.cpu()
+
+
+def logps_all(
+    source: Source, batches: list[list[dict]], samples: dict, prompts: dict, config, cache: Cache, device, show: bool
+) -> dict:
+    """:func:`completion_logps` under ``source`` of every sample in ``samples`` (A's), taken from
+    ``cache`` or computed batch by batch (the model is loaded only if something is missing).
+
+    Args:
+        samples: {(item id, temperature): sample record with its ``tokens``}, as :func:`sample_all` returns.
+        prompts: a callable giving batch b's prompt token ids as A saw them (the policy's tokenizer).
+
+    Returns:
+        {(item id, temperature): log-prob in nats}.
+    """
+    temps = [float(t) for t in config.temperatures]
+    key = lambda it, t: utils.digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
+    todo = [(b, t) for b, batch in enumerate(batches) for t in temps if any(cache.get(key(it, t)) is None for it in batch)]
+    if todo:
+        model, _ = load_source(source, device)
+        from tqdm import tqdm
+
+        for b, t in tqdm(todo, desc=f"log-probs: {source.label}", disable=not show, leave=False):
+            tokens = [samples[(it["id"], t)]["tokens"] for it in batches[b]]
+            logps = completion_logps(model, prompts(b), tokens).tolist()
+            cache.put([{"key": key(it, t), "logp": lp} for it, lp in zip(batches[b], logps)])
+        del model
+    return {(it["id"], t): cache.get(key(it, t))["logp"] for batch in batches for it in batch for t in temps}
 
 
 # ----------------------------------------------------------------------------- judging
@@ -869,6 +990,60 @@ def plot_win_rates(series: list[dict], path: str, baseline: str, judge: str) -> 
     plt.close(fig)
 
 
+def _bar(r: dict, name: str, end: str) -> float:
+    """An error bar's length: from ``<name>_mean`` to its interval's ``end`` (0 without an interval)."""
+    bound = r.get(f"{name}_ci_{end}")
+    return 0.0 if bound is None else abs(bound - r[f"{name}_mean"])
+
+
+def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
+    """The DPO paper's frontier axes: A's mean reward against its KL from the reference, one
+    point per policy and temperature (labelled ``T=<t>``), the 95% intervals as error bars;
+    a temperature without a reward or a KL (a pairwise judge, no reference) has no point.
+
+    Args:
+        series: as :func:`plot_win_rates`.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    drawn = 0
+    for s in series:
+        points = sorted(
+            (float(t), r)
+            for t, r in s["temperatures"].items()
+            if r.get("reward_mean") is not None and r.get("kl_mean") is not None
+        )
+        if not points:
+            continue
+        xs, ys = [r["kl_mean"] for _, r in points], [r["reward_mean"] for _, r in points]
+        xerr, yerr = ([[_bar(r, name, end) for _, r in points] for end in ("low", "high")] for name in ("kl", "reward"))
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=2, label=s["label"])
+        for (t, _), x, y in zip(points, xs, ys):
+            ax.annotate(f"T={t:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        drawn += len(points)
+    if not drawn:
+        ax.text(
+            0.5,
+            0.5,
+            "no point: the reward (pairwise judge) or the KL (no reference) is null",
+            ha="center",
+            fontsize=8,
+            transform=ax.transAxes,
+        )
+    ax.set_xlabel("KL(policy || reference), nats (mean over samples)")
+    ax.set_ylabel(f"mean reward ({judge})")
+    ax.set_title("reward against KL (bars: 95% t intervals over prompts)", fontsize=9)
+    if drawn:
+        ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def write_html(rows: list[dict], path: str, title: str) -> None:
     """A page of side-by-side samples: per temperature, each prompt with A's and B's response and
     the verdict (and the scores, or the judge's answer in each order); all text escaped."""
@@ -901,16 +1076,27 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
     utils.write_atomic(path, "\n".join(parts) + "\n")
 
 
-def summarize(rows: list[dict], config, policy: Source, baseline_label: str) -> dict:
+def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
     """results.json's content: the settings, :data:`INTERVAL`, and per temperature
     :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
-    and their mean length in tokens (``a_tokens``)."""
+    and their mean length in tokens (``a_tokens``), A's mean reward (``reward_mean``,
+    ``reward_ci_low``, ``reward_ci_high`` over the ``reward_n`` scored samples; null for a
+    pairwise judge) and the KL estimate (``kl_mean``, ``kl_ci_low``, ``kl_ci_high`` over ``kl_n``;
+    null without a reference), each :func:`mean_interval`."""
     temperatures = {}
     for t in config.temperatures:
         mine = [r for r in rows if r["temperature"] == float(t)]
         stats = win_rate_stats([r["verdict"] for r in mine], config.max_failure_rate)
         stats["a_ended"] = sum(r["a_ended"] for r in mine) / len(mine) if mine else None
         stats["a_tokens"] = sum(r["a_tokens"] for r in mine) / len(mine) if mine else None
+        # a judge that scores each response writes score_a (None where it failed); a pairwise one does not
+        scores = [(r.get("detail") or {}).get("score_a") for r in mine if "score_a" in (r.get("detail") or {})]
+        scores = [x for x in scores if x is not None]
+        stats["reward_mean"], stats["reward_ci_low"], stats["reward_ci_high"] = mean_interval(scores)
+        stats["reward_n"] = len(scores)
+        kls = [r["kl"] for r in mine if r.get("kl") is not None]
+        stats["kl_mean"], stats["kl_ci_low"], stats["kl_ci_high"] = mean_interval(kls)
+        stats["kl_n"] = len(kls)
         temperatures[temperature_key(t)] = stats
     return {
         "policy": policy.label,
@@ -927,20 +1113,36 @@ def summarize(rows: list[dict], config, policy: Source, baseline_label: str) -> 
         "seed": config.seed,
         "max_new_tokens": config.max_new_tokens,
         "interval": INTERVAL,
+        "reference": None if reference is None else reference.label,
+        "kl_of": KL_OF,
+        "mean_interval": MEAN_INTERVAL,
         "max_failure_rate": config.max_failure_rate,
         "temperatures": temperatures,
     }
 
 
+def _with_interval(mean, low, high) -> str:
+    """``mean [low, high]`` to 3 decimals; ``-`` for none, no interval for one value."""
+    if mean is None:
+        return "-"
+    return f"{mean:.3f}" + ("" if low is None else f" [{low:.3f}, {high:.3f}]")
+
+
 def results_table(results: dict) -> str:
     """The per-temperature results as a Markdown table."""
-    lines = ["| temperature | win rate | 95% interval | tie rate | n | failed |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| temperature | win rate | 95% interval | tie rate | n | failed | reward [95%] | KL [95%] |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for t, r in results["temperatures"].items():
+        reward = _with_interval(r.get("reward_mean"), r.get("reward_ci_low"), r.get("reward_ci_high"))
+        kl = _with_interval(r.get("kl_mean"), r.get("kl_ci_low"), r.get("kl_ci_high"))
         if r["win_rate"] is None:
-            lines.append(f"| {t} | - | - | - | 0 | {r['failed']} |")
+            lines.append(f"| {t} | - | - | - | 0 | {r['failed']} | {reward} | {kl} |")
         else:
             lines.append(
-                f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']} | {r['failed']} |"
+                f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']} | {r['failed']} "
+                f"| {reward} | {kl} |"
             )
     return "\n".join(lines)
 
@@ -1057,6 +1259,9 @@ def main(config: DictConfig) -> str:
         baseline = resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
     baseline_label = config.get("baseline_label") or baseline_label
+    reference, no_reference = kl_reference(config, policy)
+    if reference is not None:
+        check_same_vocabulary(policy, reference)
     judge = Judge(config)  # its settings checked before any folder is made
     items = load_items(config, silent=rank != 0)
     if not items:
@@ -1088,7 +1293,9 @@ def main(config: DictConfig) -> str:
     if rank == 0:
         print(f"Evaluation folder: {out}", flush=True)
     try:
-        return _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge)
+        if rank == 0 and no_reference is not None:
+            print(f"kl_mean is null: {no_reference}", flush=True)
+        return _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge, reference)
     except KeyboardInterrupt:
         raise Interrupted(out) from None
     finally:
@@ -1096,16 +1303,31 @@ def main(config: DictConfig) -> str:
             lock.release()
 
 
-def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge) -> str:
-    """main()'s work once the folder is held: sample, judge, gather, write, report."""
+def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label, items, judge, reference=None) -> str:
+    """main()'s work once the folder is held: sample, log-probs for the KL, judge, gather, write, report."""
     samples = Cache(out, "samples", rank)
     judge.cache = Cache(out, "judgements", rank)
     size = config.generate_batch_size
     batches = [items[i : i + size] for i in range(0, len(items), size)]
     mine = [b for k, b in enumerate(batches) if k % world == rank]
     show = rank == 0 and bool(config.get("progress_bar", True))
-    a = sample_all(policy, "A", mine, config, samples, device, show)
+    a = sample_all(policy, "A", mine, config, samples, device, show, need_tokens=reference is not None)
     b = sample_all(baseline, "B", mine, config, samples, device, show) if baseline is not None else None
+    kl = {}
+    if reference is not None:
+        logps = Cache(out, "logps", rank)
+        tokenizer, ids = [], {}
+
+        def prompts(k: int) -> list[list[int]]:
+            if not tokenizer:
+                tokenizer.append(utils.load_tokenizer(policy.model_config))
+            if k not in ids:
+                ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
+            return ids[k]
+
+        a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
+        ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
+        kl = {k: (a_logps[k], ref_logps[k]) for k in a_logps}
     rows = []
     for batch in mine:
         for it in batch:
@@ -1123,6 +1345,9 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                         "b": text_b,
                         "a_ended": sa["ended"],
                         "a_tokens": sa["n_tokens"],
+                        "a_logp": kl[(it["id"], t)][0] if kl else None,
+                        "ref_logp": kl[(it["id"], t)][1] if kl else None,
+                        "kl": kl[(it["id"], t)][0] - kl[(it["id"], t)][1] if kl else None,
                     }
                 )
     judge.judge_all(rows)
@@ -1132,7 +1357,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
         rows = [r for part, _ in gathered for r in part]
         errors = [e for _, part in gathered for e in part]
     rows.sort(key=lambda r: (r["temperature"], r["index"]))
-    results = summarize(rows, config, policy, baseline_label)
+    results = summarize(rows, config, policy, baseline_label, reference)
     if rank == 0:
         utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
         with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
@@ -1147,7 +1372,11 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
             baseline_label,
             config.judge.name,
         )
+        plot_reward_kl(
+            plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
+        )
         print(f"{title} ({INTERVAL}):\n{results_table(results)}")
+        print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
         for t, r in results["temperatures"].items():
             if r["too_many_failures"]:
                 print(
@@ -1155,7 +1384,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                     f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
                     + (f" (e.g. {errors[0]})." if errors else ".")
                 )
-        print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, samples.html")
+        print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
     if world > 1:
         import torch.distributed as dist
 
