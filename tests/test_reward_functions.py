@@ -411,6 +411,13 @@ def test_evaluate_with_judge_reward_function_scores_every_response_by_hand(tmp_p
     for t in ("0", "1"):
         stats = got["temperatures"][t]
         assert stats["n"] == 6 and stats["failed"] == 0
+        # the mean reward of A's samples is the share of right answers, worked out from the rows above
+        mine = [
+            float(r["a"].strip() == str(sum(map(int, reward_functions.ARITHMETIC_PROMPT.fullmatch(r["judge_prompt"]).groups()))))
+            for r in rows
+            if str(r.get("temperature")) in (t, f"{t}.0")
+        ]
+        assert len(mine) == 6 and stats["reward_mean"] == pytest.approx(sum(mine) / 6)
 
 
 def test_evaluate_refuses_an_unknown_reward_function_before_sampling(tmp_path):
