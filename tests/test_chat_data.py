@@ -13,6 +13,7 @@ import datasets
 import pytest
 from conftest import TINY, compose_config, needs_shared
 from omegaconf import OmegaConf
+from test_hf_data import bot, key, user
 from transformers import AutoTokenizer
 
 import preference_datasets as pd
@@ -22,18 +23,6 @@ from preference_datasets import DataError
 
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 """SmolLM2's default system message (its template adds it when the first message is not a system one)."""
-
-
-def user(text: str) -> dict:
-    return {"role": "user", "content": text}
-
-
-def bot(text: str) -> dict:
-    return {"role": "assistant", "content": text}
-
-
-def key(messages: list[dict]) -> str:
-    return json.dumps(messages, ensure_ascii=False)
 
 
 def smollm2():
