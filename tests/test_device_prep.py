@@ -31,6 +31,7 @@ IMPORT_TO_DIST = {  # import name -> distribution name, where they differ
 OPTIONAL = {  # imported only with options the device run leaves off
     "wandb": "utils.WandbLogger, only with wandb.enabled=true",
     "ray": "ray_launcher, only with launcher=ray",
+    "vaderSentiment": "reward_functions.sentiment, only with reward_functions=[sentiment]",
 }
 OVERRIDES = {"transformers": "the image's 5.17 lacks slice_logits_to_keep (bench/README.md, device run)"}
 
