@@ -482,9 +482,9 @@ def response_text(response) -> str:
     return "\n\n".join(m["content"] for m in response if m.get("role") == "assistant")
 
 
-def load_items(config: DictConfig, silent: bool = False) -> list[dict]:
-    """The first ``n_prompts`` held-out prompts (split "test") of each dataset in ``datasets``,
-    in the dataset's order.
+def load_items(config: DictConfig, silent: bool = False, split: str = "test") -> list[dict]:
+    """The first ``n_prompts`` prompts of ``split`` (held-out: "test") of each dataset in
+    ``datasets``, in the dataset's order.
 
     Each item: ``id`` (``<dataset>/<k>``), ``index`` (its place in the list), ``dataset``, ``prompt`` (as the dataset gives it: a
     string, or a list of messages that each policy's chat template renders), ``judge_prompt``
@@ -498,16 +498,16 @@ def load_items(config: DictConfig, silent: bool = False) -> list[dict]:
     options = OmegaConf.to_container(config.data, resolve=True)
     items = []
     for name in config.datasets:
-        if config.baseline == "chosen":
+        if config.get("baseline") == "chosen":
             if name not in preference_datasets.DATASETS:
                 raise ConfigError(
                     f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
                     "use baseline=reference or another policy."
                 )
-            data = preference_datasets.load_dataset_dict(name, "test", options.get(name), silent)
+            data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
             entries = [(entry.get("prompt_messages", key), entry["sft_target"]) for key, entry in data.items()]
         else:
-            entries = [(p, None) for p in preference_datasets.load_prompts([name], "test", options, silent)]
+            entries = [(p, None) for p in preference_datasets.load_prompts([name], split, options, silent)]
         mode = preference_datasets.prompt_truncation_mode(name)
         for k, (prompt, chosen) in enumerate(entries[: config.n_prompts]):
             conversation = isinstance(prompt, list)

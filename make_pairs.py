@@ -1,0 +1,187 @@
+"""An offline preference file from a policy's own samples: ``python make_pairs.py policy=... output=pairs.jsonl``.
+
+For each of ``n_prompts`` prompts of ``split``, ``k`` completions are sampled from the policy at
+``temperature`` and scored by the reward functions (``reward_functions``, ``reward_weights``: a
+weighted sum, rewards.RewardFunctionScorer). Every two completions of a prompt with different
+scores make a pair, the higher chosen (the DPO paper's IMDb data, Rafailov et al. 2023, section
+6.1: k=4 gives up to 6 pairs); two equal scores are a tie, skipped and counted; a completion
+whose score failed (every function returned None, or one raised) is left out and counted.
+
+``output`` gets one JSON object a line, ``{prompt, chosen, rejected, chosen_score,
+rejected_score}``: what ``python train.py datasets=[json] data.json.path=<output>`` reads (the
+extra keys are kept for the reader). ``<output>.samples.jsonl`` beside it holds every completion
+with its score (null: failed) and why it failed. Both are written atomically. This is the data
+step of iterative / semi-online DPO: train on the file, then sample from the new checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import sys
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import evaluate
+import preference_datasets
+import rewards
+import utils
+from preference_datasets import DataError
+from utils import ConfigError
+
+
+def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list[tuple[int, int]], int, int]:
+    """The pairs of one prompt's completions: every two with scores that differ, as (chosen
+    index, rejected index) with the higher score chosen, in index order.
+
+    Returns:
+        (pairs, ties: two scored completions with equal scores, failures: completions whose score is None or NaN).
+    """
+    scored = [i for i, s in enumerate(scores) if s is not None and not math.isnan(s)]
+    pairs, ties = [], 0
+    for i, j in itertools.combinations(scored, 2):
+        if scores[i] == scores[j]:
+            ties += 1
+        else:
+            pairs.append((i, j) if scores[i] > scores[j] else (j, i))
+    return pairs, ties, len(completions) - len(scored)
+
+
+def check_config(config: DictConfig) -> None:
+    """Raise ConfigError (one sentence) for a missing policy or output, ``k`` < 2, ``n_prompts`` /
+    ``max_new_tokens`` / ``generate_batch_size`` < 1, a negative temperature, a ``split`` other than
+    train or test, ``max_failure_rate`` outside [0, 1] or ``datasets`` that is not a list."""
+    if OmegaConf.is_missing(config, "policy") or config.policy is None:
+        raise ConfigError("Give the policy to sample from: policy=<run folder | checkpoint | hf folder | hub id>.")
+    if OmegaConf.is_missing(config, "output") or not config.output:
+        raise ConfigError("Give the file to write: output=<pairs.jsonl>.")
+    if not isinstance(config.k, int) or config.k < 2:
+        raise ConfigError(f"k must be an integer >= 2 (completions per prompt; a pair needs two), got {config.k}.")
+    for key in ("n_prompts", "max_new_tokens", "generate_batch_size"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
+    if not isinstance(config.temperature, (int, float)) or config.temperature < 0:
+        raise ConfigError(
+            f"temperature must be a number >= 0 (0: greedy, which gives k equal completions), got {config.temperature}."
+        )
+    if config.split not in ("train", "test"):
+        raise ConfigError(f"split must be train or test (the prompts' split), got {config.split}.")
+    if not 0 <= config.max_failure_rate <= 1:
+        raise ConfigError(f"max_failure_rate must be in [0, 1], got {config.max_failure_rate}.")
+    if not OmegaConf.is_list(config.datasets) or not len(config.datasets):
+        raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
+
+
+def train_command(policy: evaluate.Source, output: str) -> str:
+    """The command that trains on ``output``, starting from ``policy``."""
+    start = f"model.archive={policy.weights}" if policy.weights else f"model.name_or_path={policy.model_config.name_or_path}"
+    return f"python train.py datasets=[json] data.json.path={output} {start}"
+
+
+def main(config: DictConfig) -> dict:
+    """Sample, score, pair and write; returns the summary counts.
+
+    Raises:
+        ConfigError, DataError: bad input (one sentence), before any model loads where it can be
+            seen then; also when no pair could be made (after the samples file is written).
+    """
+    check_config(config)
+    scorer = rewards.RewardFunctionScorer.from_config(config)  # an unknown function is refused before any model loads
+    utils.set_threads(config.num_threads)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    policy = evaluate.resolve_source(config.policy, config, "policy")
+    items = evaluate.load_items(config, silent=False, split=config.split)
+    if not items:
+        raise DataError(f"datasets={list(config.datasets)} gave no {config.split} prompts; give a dataset with that split.")
+    output = os.path.abspath(os.path.expanduser(str(config.output)))
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+
+    model, tokenizer = evaluate.load_source(policy, device)
+    stop_ids = preference_datasets.stop_token_ids(tokenizer)
+    k, size = int(config.k), int(config.generate_batch_size)
+    samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
+    for start in range(0, len(items), size):
+        batch = items[start : start + size]
+        ids = evaluate.prompt_ids(batch, tokenizer, config)
+        seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
+        out = evaluate.generate_batch(
+            model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
+        )
+        texts = [
+            evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)
+        ]
+        prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
+        scores = scorer.score(prompts, texts).tolist()
+        errors = iter(scorer.last_errors)  # one sentence per failed completion, in order
+        for n, it in enumerate(batch):
+            mine = [None if math.isnan(s) else s for s in scores[n * k : (n + 1) * k]]
+            completions = texts[n * k : (n + 1) * k]
+            for j, (text, score) in enumerate(zip(completions, mine)):
+                sample = out[n * k + j]
+                samples.append(
+                    {
+                        "id": it["id"],
+                        "prompt": it["prompt"],
+                        "completion": text,
+                        "score": score,
+                        "ended": sample["ended"],
+                        "n_tokens": sample["n_tokens"],
+                        "error": next(errors) if score is None else None,
+                    }
+                )
+            chosen_rejected, ties, failures = make_pairs(completions, mine)
+            for c, r in chosen_rejected:
+                pairs.append(
+                    {
+                        "prompt": it["prompt"],
+                        "chosen": completions[c],
+                        "rejected": completions[r],
+                        "chosen_score": mine[c],
+                        "rejected_score": mine[r],
+                        "id": it["id"],
+                    }
+                )
+            counts["prompts"] += 1
+            counts["completions"] += k
+            counts["pairs"] += len(chosen_rejected)
+            counts["ties"] += ties
+            counts["failures"] += failures
+    del model
+
+    samples_path = output + ".samples.jsonl"
+    utils.write_atomic(samples_path, "".join(json.dumps(s) + "\n" for s in samples))
+    summary = ", ".join(f"{v} {name}" for name, v in counts.items())
+    print(f"{summary} (k={k}, temperature={config.temperature}, reward_functions={list(scorer.names)})")
+    if counts["failures"] > config.max_failure_rate * counts["completions"]:
+        first = next((s["error"] for s in samples if s["error"]), "")
+        print(
+            f"Warning: {counts['failures']} of {counts['completions']} completions could not be scored "
+            f"(> max_failure_rate={config.max_failure_rate}), e.g. {first}; see {samples_path}."
+        )
+    if not pairs:
+        raise DataError(
+            f"No pair: every prompt's completions scored the same or failed ({summary}); {samples_path} holds them: "
+            "raise temperature or k, or give reward functions that tell the completions apart."
+        )
+    utils.write_atomic(output, "".join(json.dumps(p) + "\n" for p in pairs))
+    print(f"Pairs: {output} (every completion: {samples_path})")
+    print(f"Train on them: {train_command(policy, output)}")
+    return counts
+
+
+@hydra.main(version_base="1.3", config_path="config", config_name="make_pairs")
+def hydra_main(config: DictConfig) -> None:
+    """The command line: bad input exits 2 with its one sentence."""
+    try:
+        main(config)
+    except (ConfigError, DataError) as e:
+        print(f"Error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    hydra_main()

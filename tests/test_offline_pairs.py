@@ -1,0 +1,143 @@
+"""make_pairs.py: k sampled completions per prompt, scored by reward functions, paired as the DPO paper's IMDb data."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, run_train
+from hydra import compose, initialize_config_dir
+
+import make_pairs
+import preference_datasets
+import train
+from utils import ConfigError
+
+
+def pairs_config(overrides: list[str]):
+    """The composed config of ``python make_pairs.py <overrides>``."""
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        return compose(config_name="make_pairs", overrides=overrides)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return run_train([], tmp_path_factory.mktemp("run"))
+
+
+def test_pairs_by_hand_ties_and_failures_counted():
+    # scores 3, 1, 3, None, 2: pairs (0,1) (0,4) (2,1) (2,4) (4,1); tie (0,2); one failure
+    pairs, ties, failures = make_pairs.make_pairs(list("abcde"), [3.0, 1.0, 3.0, None, 2.0])
+    assert sorted(pairs) == [(0, 1), (0, 4), (2, 1), (2, 4), (4, 1)]
+    assert (ties, failures) == (1, 1)
+    assert make_pairs.make_pairs(list("abcd"), [4.0, 3.0, 2.0, 1.0])[0] == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+
+
+def test_offline_pairs_by_length_end_to_end_then_trains(run, tmp_path, capsys):
+    output = tmp_path / "pairs.jsonl"
+    config = pairs_config(
+        [
+            f"policy={run}",
+            f"output={output}",
+            "reward_functions=[length]",
+            "n_prompts=6",
+            "k=4",
+            "max_new_tokens=12",
+            "data.arithmetic.n_train=64",
+            "data.arithmetic.n_test=16",
+        ]
+    )
+    counts = make_pairs.main(config)
+    pairs = read_jsonl(output)
+    samples = read_jsonl(Path(str(output) + ".samples.jsonl"))
+    assert len(samples) == 6 * 4 and counts["prompts"] == 6 and counts["completions"] == 24
+    train_prompts = preference_datasets.load_prompts(["arithmetic"], "train", {"arithmetic": {"n_train": 64, "n_test": 16}})
+    assert [s["prompt"] for s in samples[::4]] == train_prompts[:6]  # split=train (the default): prompts to train on
+    for s in samples:
+        assert s["score"] == len(s["completion"])  # length: characters, recomputed here
+    assert pairs
+    for p in pairs:
+        assert p["chosen_score"] == len(p["chosen"]) > p["rejected_score"] == len(p["rejected"])
+    expected_pairs = expected_ties = 0
+    for prompt in {s["id"] for s in samples}:
+        lengths = [len(s["completion"]) for s in samples if s["id"] == prompt]
+        assert len(lengths) == 4
+        differ = sum(a != b for a, b in itertools.combinations(lengths, 2))
+        assert sum(p["id"] == prompt for p in pairs) == differ
+        expected_pairs, expected_ties = expected_pairs + differ, expected_ties + 6 - differ
+    assert (counts["pairs"], counts["ties"], counts["failures"]) == (expected_pairs, expected_ties, 0)
+    printed = capsys.readouterr().out
+    assert f"6 prompts, 24 completions, {expected_pairs} pairs, {expected_ties} ties, 0 failures" in printed
+    assert f"python train.py datasets=[json] data.json.path={output} model.archive=" in printed
+
+    from conftest import compose_config
+
+    trained = compose_config(
+        [
+            *TINY,
+            f"output_root={tmp_path}",
+            "datasets=[json]",
+            f"data.json.path={output}",
+            "data.json.holdout_fraction=0",
+            f"model.archive={run}/LATEST/policy.pt",
+            "n_examples=8",
+            "batch_size=4",
+            "eval_batch_size=4",
+            "n_eval_examples=4",
+            "eval_every=8",
+        ]
+    )
+    _, stop = train.main(trained)
+    assert stop is None
+
+
+def test_a_failed_score_is_left_out_and_counted(run, tmp_path, monkeypatch):
+    import reward_functions
+
+    # None for every completion with an even length: those are failures, never in a pair
+    monkeypatch.setitem(
+        reward_functions.REWARD_FUNCTIONS,
+        "length",
+        lambda prompts, completions, **f: [None if len(c) % 2 == 0 else float(len(c)) for c in completions],
+    )
+    output = tmp_path / "pairs.jsonl"
+    config = pairs_config(
+        [
+            f"policy={run}",
+            f"output={output}",
+            "reward_functions=[length]",
+            "n_prompts=6",
+            "max_new_tokens=12",
+            "max_failure_rate=1",
+        ]
+    )
+    counts = make_pairs.main(config)
+    samples = read_jsonl(Path(str(output) + ".samples.jsonl"))
+    failed = [s for s in samples if len(s["completion"]) % 2 == 0]
+    assert counts["failures"] == len(failed) and all(s["score"] is None and s["error"] for s in failed)
+    assert all(len(p["chosen"]) % 2 == 1 and len(p["rejected"]) % 2 == 1 for p in read_jsonl(output))
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["reward_functions=[lenght]"], "'lenght' is not a registered reward function; did you mean 'length'?"),
+        (["k=1"], "k must be an integer >= 2"),
+        (["split=eval"], "split must be train or test"),
+    ],
+)
+def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_path, monkeypatch):
+    import evaluate
+
+    monkeypatch.setattr(evaluate, "load_source", lambda *a: pytest.fail("a model was loaded"))
+    config = pairs_config(["policy=nowhere/run", f"output={tmp_path}/p.jsonl", *overrides])
+    with pytest.raises(ConfigError, match=None) as e:
+        make_pairs.main(config)
+    assert says in str(e.value)
+    assert not (tmp_path / "p.jsonl").exists()
