@@ -77,9 +77,13 @@ def check_config(config: DictConfig) -> None:
 
 
 def train_command(policy: evaluate.Source, output: str) -> str:
-    """The command that trains on ``output``, starting from ``policy``."""
-    start = f"model.archive={policy.weights}" if policy.weights else f"model.name_or_path={policy.model_config.name_or_path}"
-    return f"python train.py datasets=[json] data.json.path={output} {start}"
+    """The command that trains on ``output``, starting from ``policy`` (a run's checkpoint as its
+    ``model.archive`` over the run's ``model.name_or_path``; an hf folder or hub id as the model)."""
+    name = policy.model_config.get("name_or_path")
+    start = [f"model.name_or_path={name}"] if name else []  # null: the run's model=tiny, train.py's default
+    if policy.weights:
+        start.append(f"model.archive={policy.weights}")
+    return " ".join(["python train.py datasets=[json]", f"data.json.path={output}", *start])
 
 
 def main(config: DictConfig) -> dict:
