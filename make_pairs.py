@@ -8,8 +8,9 @@ scores make a pair, the higher chosen (the DPO paper's IMDb data, Rafailov et al
 whose score failed (every function returned None, or one raised) is left out and counted.
 
 ``output`` gets one JSON object a line, ``{prompt, chosen, rejected, chosen_score,
-rejected_score}``: what ``python train.py datasets=[json] data.json.path=<output>`` reads (the
-extra keys are kept for the reader). ``<output>.samples.jsonl`` beside it holds every completion
+rejected_score, id}``: what ``python train.py datasets=[json] data.json.path=<output>`` reads (the
+extra keys are kept for the reader); for conversational prompts, the ``hf`` loader's
+conversational rows (``datasets=[hf] data.hf.path=<output>``). ``<output>.samples.jsonl`` beside it holds every completion
 with its score (null: failed) and why it failed. Both are written atomically. This is the data
 step of iterative / semi-online DPO: train on the file, then sample from the new checkpoint.
 """
@@ -51,6 +52,17 @@ def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list
     return pairs, ties, len(completions) - len(scored)
 
 
+def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rejected_score: float) -> dict:
+    """One output row: a text prompt as the ``json`` loader reads it (prompt, chosen, rejected
+    strings); a conversation (a list of messages) as the ``hf`` loader's conversational format
+    (each response one assistant message), since ``json`` reads strings only; the scores and the
+    prompt's id kept beside them."""
+    if item["conversation"]:
+        chosen, rejected = ([{"role": "assistant", "content": t.strip()}] for t in (chosen, rejected))
+    row = {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected}
+    return {**row, "chosen_score": chosen_score, "rejected_score": rejected_score, "id": item["id"]}
+
+
 def check_config(config: DictConfig) -> None:
     """Raise ConfigError (one sentence) for a missing policy or output, ``k`` < 2, ``n_prompts`` /
     ``max_new_tokens`` / ``generate_batch_size`` < 1, a negative temperature, a ``split`` other than
@@ -76,14 +88,16 @@ def check_config(config: DictConfig) -> None:
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
 
 
-def train_command(policy: evaluate.Source, output: str) -> str:
-    """The command that trains on ``output``, starting from ``policy`` (a run's checkpoint as its
-    ``model.archive`` over the run's ``model.name_or_path``; an hf folder or hub id as the model)."""
+def train_command(policy: evaluate.Source, output: str, conversational: bool = False) -> str:
+    """The command that trains on ``output`` (``datasets=[hf]`` for conversations), starting from
+    ``policy`` (a run's checkpoint as its ``model.archive`` over the run's ``model.name_or_path``;
+    an hf folder or hub id as the model)."""
     name = policy.model_config.get("name_or_path")
     start = [f"model.name_or_path={name}"] if name else []  # null: the run's model=tiny, train.py's default
     if policy.weights:
         start.append(f"model.archive={policy.weights}")
-    return " ".join(["python train.py datasets=[json]", f"data.json.path={output}", *start])
+    data = f"datasets=[hf] data.hf.path={output}" if conversational else f"datasets=[json] data.json.path={output}"
+    return " ".join(["python train.py", data, *start])
 
 
 def main(config: DictConfig) -> dict:
@@ -101,6 +115,12 @@ def main(config: DictConfig) -> dict:
     items = evaluate.load_items(config, silent=False, split=config.split)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no {config.split} prompts; give a dataset with that split.")
+    conversational = {it["conversation"] for it in items}
+    if len(conversational) > 1:
+        raise ConfigError(
+            f"datasets={list(config.datasets)} mix text prompts and conversations, and a preference file holds one kind; "
+            "make one file per kind (one make_pairs.py run each)."
+        )
     output = os.path.abspath(os.path.expanduser(str(config.output)))
     os.makedirs(os.path.dirname(output), exist_ok=True)
 
@@ -139,16 +159,7 @@ def main(config: DictConfig) -> dict:
                 )
             chosen_rejected, ties, failures = make_pairs(completions, mine)
             for c, r in chosen_rejected:
-                pairs.append(
-                    {
-                        "prompt": it["prompt"],
-                        "chosen": completions[c],
-                        "rejected": completions[r],
-                        "chosen_score": mine[c],
-                        "rejected_score": mine[r],
-                        "id": it["id"],
-                    }
-                )
+                pairs.append(pair_record(it, completions[c], completions[r], mine[c], mine[r]))
             counts["prompts"] += 1
             counts["completions"] += k
             counts["pairs"] += len(chosen_rejected)
@@ -173,7 +184,7 @@ def main(config: DictConfig) -> dict:
         )
     utils.write_atomic(output, "".join(json.dumps(p) + "\n" for p in pairs))
     print(f"Pairs: {output} (every completion: {samples_path})")
-    print(f"Train on them: {train_command(policy, output)}")
+    print(f"Train on them: {train_command(policy, output, conversational.pop())}")
     return counts
 
 

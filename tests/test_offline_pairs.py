@@ -124,6 +124,21 @@ def test_a_failed_score_is_left_out_and_counted(run, tmp_path, monkeypatch):
     assert all(len(p["chosen"]) % 2 == 1 and len(p["rejected"]) % 2 == 1 for p in read_jsonl(output))
 
 
+def test_a_conversation_pair_is_a_row_the_hf_loader_reads_and_a_text_pair_one_json_reads(tmp_path):
+    import collections
+
+    item = {"prompt": [{"role": "user", "content": "Hi?"}], "conversation": True, "id": "hh/0"}
+    row = make_pairs.pair_record(item, " Hello there. ", " No.", 13.0, 4.0)
+    assert row["chosen"] == [{"role": "assistant", "content": "Hello there."}]
+    data = preference_datasets.hf_rows_to_data([row], collections.Counter(), "pairs.jsonl")
+    assert len(data) == 1 and [len(e["pairs"]) for e in data.values()] == [1]
+    text = make_pairs.pair_record({"prompt": "Q: 1+1=\nA:", "conversation": False, "id": "a/0"}, " 2", " 3", 1.0, 0.0)
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps(text) + "\n")
+    data = preference_datasets.get_json("train", collections.Counter(), str(path), holdout_fraction=0)
+    assert list(data) == ["Q: 1+1=\nA:"] and data["Q: 1+1=\nA:"]["sft_target"] == " 2"
+
+
 @pytest.mark.parametrize(
     "overrides, says",
     [
@@ -141,3 +156,17 @@ def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_p
         make_pairs.main(config)
     assert says in str(e.value)
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_text_prompts_and_conversations_mixed_are_refused_before_any_model_loads(run, tmp_path, monkeypatch):
+    import evaluate
+
+    items = [
+        {"id": "a/0", "prompt": "Q: 1+1=\nA:", "conversation": False},
+        {"id": "b/0", "prompt": [{"role": "user", "content": "Hi?"}], "conversation": True},
+    ]
+    monkeypatch.setattr(evaluate, "load_items", lambda *a, **k: items)
+    monkeypatch.setattr(evaluate, "load_source", lambda *a: pytest.fail("a model was loaded"))
+    config = pairs_config([f"policy={run}", f"output={tmp_path}/p.jsonl", "reward_functions=[length]"])
+    with pytest.raises(ConfigError, match="mix text prompts and conversations"):
+        make_pairs.main(config)
