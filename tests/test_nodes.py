@@ -275,7 +275,7 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
     code, text = cli([*args, "resume=auto"], cut_root)  # the same command again: continues that run
     assert code == 0, text[-3000:]
     assert text.count(f"resume=auto: continuing {cut}, the newest unfinished run of exp_name=dpo_run.") == 1
-    assert "Note" not in text and "Error" not in text  # the same command: the run's own config
+    assert "ignoring" not in text and "Error" not in text  # the same command: the run's own config
     assert f"Resuming after {stopped_at} examples" in text
     assert (cut / utils.FINISHED).read_text() == f"{n}\n"
     a, b = weights(full), weights(cut)
