@@ -338,14 +338,14 @@ def test_online_dpo_with_arithmetic_under_two_process_fsdp(tmp_path):
 def test_a_reward_function_raising_on_every_row_stops_online_dpo_naming_the_row(tmp_path, user_module, capsys):
     user_module("boom", "def score(prompts, completions, **fields):\n    raise ValueError('no model here')\n")
     with pytest.raises(trainers.JudgeFailureError) as stopped:
-        run_train([*ONLINE, "reward_functions=[boom:score]", "n_examples=16", "eval_every=8"], tmp_path)
+        run_train([*ONLINE, "reward_functions=[boom:score]", "n_examples=16", "eval_every=8"], tmp_path / "out")
     message = str(stopped.value)
     assert message.startswith(
         "Training stopped: no pair could be labelled since the last eval (all 8 judgements failed; "
         "e.g. reward function boom:score raised ValueError: no model here on the completion of prompt 'Q: "
     ), message
     assert "fix the judge, reward model or reward function (online.scorer=reward_function)" in message
-    run_dir = next(tmp_path.iterdir())
+    (run_dir,) = (tmp_path / "out").iterdir()  # the run folder alone (tmp_path also holds boom.py: iterdir's order varies)
     assert (run_dir / "LATEST").resolve().name == "step-8"
 
 
