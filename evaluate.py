@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 import preference_datasets
 import rewards
 import utils
+from losses import IGNORE_INDEX
 from online import completion_mask
 from preference_datasets import DataError
 from trainers import response_logps
@@ -749,7 +750,7 @@ def completion_logps(model, prompts: list[list[int]], completions: list[list[int
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
-    labels = torch.full((len(rows), width), -100, dtype=torch.long)  # losses.IGNORE_INDEX: the prompt and the padding
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)  # the prompt and the padding
     for i, (p, r) in enumerate(zip(prompts, rows)):
         ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(r)] = 1

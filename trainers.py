@@ -1235,7 +1235,7 @@ SHARDED_METADATA_CLASSES = {
 def read_sharded_checkpoint(state: dict, folder: str) -> None:
     """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: its
     ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and its planner loads the
-    non-tensor entries with ``torch.load(weights_only=False)``, either of which runs code a crafted
+    non-tensor entries with torch's full (unrestricted) unpickler, either of which runs code a crafted
     folder holds; here the metadata goes through an unpickler that allows :data:`SHARDED_METADATA_CLASSES`
     alone and the entries through ``weights_only=True``.
 

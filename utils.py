@@ -1009,12 +1009,6 @@ def mark_finished(run_dir: str, examples: int) -> None:
     write_atomic(os.path.join(run_dir, FINISHED), f"{examples}\n")
 
 
-def resumable_run(root: str, exp_name: str) -> str | None:
-    """The newest of :func:`resumable_runs` (None when there is none)."""
-    runs = resumable_runs(root, exp_name)
-    return runs[0] if runs else None
-
-
 def resumable_runs(root: str, exp_name: str) -> list[str]:
     """What ``resume=auto`` may continue, newest first: the run folders
     ``<root>/<exp_name>_<timestamp>`` (ordered by the timestamp in the name, so every node that

@@ -353,7 +353,7 @@ def test_finished_is_written_at_the_end_and_for_a_complete_run_without_one(tmp_p
     _, stop_signal = train.main(compose_config([f"resume={run_dir}"]))
     assert stop_signal is None and (run_dir / utils.FINISHED).read_text() == "8\n"
     assert (run_dir / "metrics.jsonl").read_text() == before
-    assert utils.resumable_run(str(tmp_path), "dpo_run") is None
+    assert utils.resumable_runs(str(tmp_path), "dpo_run") == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
