@@ -52,6 +52,7 @@ class DatasetSpec:
 
     loader: Callable[..., DatasetDict]
     truncation_mode: str
+    reward_functions: tuple[str, ...] = ()  # what checks an answer to its prompts exactly (eval_reward_functions=auto)
 
 
 DATASETS: dict[str, DatasetSpec] = {}
@@ -59,29 +60,36 @@ PROMPT_DATASETS: dict[str, DatasetSpec] = {}
 """Prompt-only datasets for online DPO: loaders return a list of prompt strings."""
 
 
-def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncation_mode: str):
+def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncation_mode: str, reward_functions=()):
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
 
     def wrap(fn):
         if name in registry:
             raise ValueError(f"A {kind} named {name!r} is already registered.")
-        registry[name] = DatasetSpec(fn, truncation_mode)
+        registry[name] = DatasetSpec(fn, truncation_mode, tuple(reward_functions))
         return fn
 
     return wrap
 
 
-def register_dataset(name: str, truncation_mode: str = "keep_start"):
+def register_dataset(name: str, truncation_mode: str = "keep_start", reward_functions: tuple[str, ...] = ()):
     """Decorator: register ``fn(split, report, **options) -> DatasetDict`` under ``name``.
 
     ``split`` is "train" or "test"; ``report`` is a Counter to count skipped or repaired
-    records in; ``options`` are the keys of ``data.<name>`` in the config.
+    records in; ``options`` are the keys of ``data.<name>`` in the config; ``reward_functions``:
+    registered reward functions that score an answer to its prompts exactly (a verifiable task),
+    which every eval then applies to the policy's greedy answers (``eval_reward_functions=auto``).
 
     Raises:
         ValueError: if the name is taken or the truncation mode is unknown.
     """
-    return _registrar(DATASETS, "dataset", name, truncation_mode)
+    return _registrar(DATASETS, "dataset", name, truncation_mode, reward_functions)
+
+
+def declared_reward_functions(names) -> list[str]:
+    """The reward functions the datasets ``names`` register as checking their answers exactly, in order."""
+    return [f for name in names if name in DATASETS for f in DATASETS[name].reward_functions]
 
 
 def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
@@ -1397,7 +1405,7 @@ def get_hf_prompts(
     return dataset_prompts(apply_holdout(data, split, holdout_fraction, report) if carve else data)
 
 
-@register_dataset("arithmetic", truncation_mode="keep_start")
+@register_dataset("arithmetic", truncation_mode="keep_start", reward_functions=("arithmetic",))
 def get_arithmetic(
     split: str, report: collections.Counter, n_train: int = 4000, n_test: int = 256, max_operand: int = 99
 ) -> DatasetDict:

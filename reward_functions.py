@@ -171,3 +171,27 @@ def resolve_all(specs, weights) -> tuple[list[str], list[Callable], list[float]]
             f"({', '.join(names)}), or null for 1.0 each."
         )
     return names, functions, [float(w) for w in weights]
+
+
+def eval_functions(spec, declared: list[str]) -> list[tuple[str, Callable]]:
+    """The reward functions each eval applies to the policy's greedy answers (``eval_reward_functions``):
+    ``auto`` gives ``declared`` (what the datasets register as checking their answers exactly, e.g.
+    ``arithmetic``), a list names them as ``reward_functions`` does, null or [] none.
+
+    Raises:
+        ConfigError: for a value that is none of these, or a name :func:`resolve` refuses.
+    """
+    if spec is None:
+        return []
+    if isinstance(spec, str):
+        if spec != "auto":
+            raise ConfigError(
+                f"eval_reward_functions={spec!r}: give auto (the datasets' own answer checks), a list such as "
+                "[arithmetic] or [my_rewards:exact], or null for none."
+            )
+        names = list(dict.fromkeys(declared))
+    else:
+        names = list(spec)
+        if not all(isinstance(s, str) for s in names):
+            raise ConfigError(f"eval_reward_functions must be auto, null or a list of names, got {spec!r}.")
+    return [(str(name), resolve(name)) for name in names]

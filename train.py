@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import os
 import signal
 import socket
@@ -23,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import losses
 import preference_datasets
+import reward_functions
 import trainers
 import utils
 from preference_datasets import DataError, load_examples
@@ -291,6 +293,8 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
+    declared = preference_datasets.declared_reward_functions(config.datasets)
+    reward_functions.eval_functions(config.get("eval_reward_functions"), declared)  # a bad name: one sentence, before loading
     if config.model.get("fsdp_policy_mp") == "float16" and int(os.environ.get("RANK", 0)) == 0:
         print(
             "Note: model.fsdp_policy_mp=float16 computes in float16 without a gradient scaler, so small gradients "
@@ -724,6 +728,149 @@ def say_once_per_node(error: Exception, rank: int) -> None:
         time.sleep(1)
 
 
+STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr")
+"""Keys (and their sub-keys) of a command line that its SFT stage sets itself (:func:`stage_commands`)."""
+
+
+def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
+    """Whether this command runs ``sft_first``'s SFT stage before itself: ``sft_first.n_examples``
+    is set, and the run starts a preference objective offline from the model's own weights.
+
+    A preset's ``sft_first`` (model=tiny's) that does not apply (``model.archive`` or ``resume=``
+    given, ``loss=sft``, a reward model, online DPO) is left out with a note.
+
+    Raises:
+        utils.ConfigError: when the command line itself sets ``sft_first.n_examples`` for a run
+            it cannot apply to, or combines it with ``resume=auto``.
+    """
+    stage = config.get("sft_first") or {}
+    if stage.get("n_examples") is None or "RANK" in os.environ:
+        return False
+    objective = losses.OBJECTIVES.get(config.loss.name)
+    reason = None
+    if config.model.get("archive") is not None:
+        reason = "model.archive is given (the SFT policy this run starts from)"
+    elif config.resume not in (None, "auto"):
+        reason = "resume= continues one run"
+    elif config.loss.name == "sft" or objective is None or objective.score_head:
+        reason = f"loss={config.loss.name} is not a preference objective that starts from an SFT policy"
+    elif config.get("online") and config.online.enabled:
+        reason = "online DPO samples from the model it starts from"
+    elif config.resume == "auto":
+        raise utils.ConfigError(
+            "sft_first.n_examples runs two runs (SFT, then this one) and resume=auto continues one: set "
+            "sft_first.n_examples=null and give the SFT policy as model.archive=<SFT run>/LATEST/policy.pt."
+        )
+    if reason is None:
+        return True
+    if any(k == "sft_first" or k.startswith("sft_first.") for k in given):
+        raise utils.ConfigError(f"sft_first.n_examples={stage.n_examples} cannot apply: {reason}; set sft_first.n_examples=null.")
+    if says_once():
+        print(f"Note: no SFT stage (sft_first.n_examples={stage.n_examples} from the preset): {reason}.")
+    return False
+
+
+def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str], list[str]]:
+    """The two command lines (overrides) of ``sft_first``: the SFT stage (``loss=sft``,
+    ``n_examples=sft_first.n_examples``, ``lr=sft_first.lr`` if set, ``exp_name=<exp_name>_sft``
+    if one was given; the command's other overrides kept), and this run with
+    ``model.archive`` left to be appended once the first has finished."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    kept = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") not in STAGE_KEYS]
+    stage = config.sft_first
+    sft = [*kept, "loss=sft", f"n_examples={stage.n_examples}", "sft_first.n_examples=null"]
+    if stage.get("lr") is not None:
+        sft.append(f"lr={stage.lr}")
+    given_name = next((o.value() for o in parsed if o.key_or_group == "exp_name"), None)
+    if given_name is not None:
+        sft.append(f"exp_name={given_name}_sft")
+    return sft, [*overrides, "sft_first.n_examples=null"]
+
+
+def run_stages(config: DictConfig, overrides: list[str]) -> int:
+    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py``
+    in its own session (the reference repository's two commands, printed as they run); a Ctrl-C or
+    SIGTERM is forwarded once to the stage running. Returns the exit code."""
+    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    sft, dpo = stage_commands(config, overrides)
+    root = config.output_root
+    before = set(os.listdir(root)) if os.path.isdir(root) else set()
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, frame):
+        if child and child[0].poll() is None:
+            child[0].send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
+            if number == 2:
+                finished = [
+                    d for d in sorted(set(os.listdir(root)) - before) if os.path.exists(os.path.join(root, d, utils.FINISHED))
+                ]
+                if not finished:
+                    print("Error: the SFT stage finished without a finished run folder in output_root.", file=sys.stderr)
+                    return 1
+                archive = os.path.join(root, finished[-1], "LATEST", "policy.pt")
+                args = [*args, f"model.archive={archive}"]
+                what = f"{config.loss.name} from the SFT policy"
+            print(f"\n=== Stage {number} of 2: {what}\n    python {script} {' '.join(args)}\n", flush=True)
+            child[:] = [subprocess.Popen([sys.executable, script, *args], start_new_session=True)]
+            code = child[0].wait()
+            if code != 0:
+                if code != 2:  # 2: the stage said its one-sentence error already
+                    made = sorted(d for d in set(os.listdir(root)) - before if os.path.exists(os.path.join(root, d, "LATEST")))
+                    hint = ""
+                    if made and number == 1:
+                        folder = os.path.join(root, made[-1])
+                        hint = (
+                            f" Continue it with python {script} resume={folder}, then stage 2: python {script} "
+                            f"{' '.join(dpo)} model.archive={os.path.join(folder, 'LATEST', 'policy.pt')}"
+                        )
+                    print(f"Stage {number} of 2 ended with exit code {code}.{hint}", file=sys.stderr)
+                return code
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    sft_dir = os.path.join(root, finished[-1])
+    runs = [d for d in sorted(set(os.listdir(root)) - before) if d != finished[-1] and os.path.isdir(os.path.join(root, d))]
+    print(f"\nBoth stages finished: the SFT run {sft_dir}, then the {config.loss.name} run {os.path.join(root, runs[-1])}.")
+    for line in stage_summary(sft_dir, os.path.join(root, runs[-1])):
+        print(line)
+    return 0
+
+
+def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
+    """Lines comparing the two stages' evals: each ``answers_eval/<name>`` at the SFT stage's first
+    eval, its last (= the second stage's first) and the second stage's last, and the second
+    stage's reward accuracy at its first and last eval."""
+
+    def evals(folder):
+        path = os.path.join(folder, "metrics.jsonl")
+        rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+        return [r for r in rows if any(k.endswith("_eval/accuracies") or k.startswith("answers_eval/") for k in r)]
+
+    first, second = evals(sft_dir), evals(run_dir)
+    lines = []
+    if first and second:
+        for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended"))):
+            values = [first[0].get(key), first[-1].get(key), second[-1].get(key)]
+            if all(isinstance(v, (int, float)) for v in values):
+                lines.append(
+                    f"{key} (greedy answers to the held-out prompts): {values[0]:.2f} at the start, "
+                    f"{values[1]:.2f} after SFT, {values[2]:.2f} after the second stage."
+                )
+    accuracy = [r.get("rewards_eval/accuracies") for r in (second[:1] + second[-1:])] if second else []
+    if len(accuracy) == 2 and all(isinstance(v, (int, float)) for v in accuracy):
+        lines.append(
+            f"rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): {accuracy[0]:.2f} at the second "
+            f"stage's start (policy = reference: every margin 0), {accuracy[1]:.2f} at its end."
+        )
+    return lines
+
+
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
     """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
@@ -731,8 +878,12 @@ def hydra_main(config: DictConfig) -> None:
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        given = utils.given_keys(list(HydraConfig.get().overrides.task))
+        overrides = list(HydraConfig.get().overrides.task)
+        given = utils.given_keys(overrides)
         utils.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
+        if sft_stage_wanted(config, given):
+            utils.validate_config(config)  # a bad value is said once, before either stage starts
+            sys.exit(run_stages(config, overrides))
         if config.resume not in (None, "auto"):
             problem = resume_override_error(config, given)
             if problem is not None:

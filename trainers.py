@@ -25,10 +25,19 @@ import torch
 import tqdm
 
 import losses
+import reward_functions
+import rewards
 import utils
 from online import JudgeFailureError, OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
 from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
-from preference_datasets import as_pair_batch, get_batch_iterator, left_pad, mismatched_pairs, stop_token_ids
+from preference_datasets import (
+    as_pair_batch,
+    declared_reward_functions,
+    get_batch_iterator,
+    left_pad,
+    mismatched_pairs,
+    stop_token_ids,
+)
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -231,6 +240,8 @@ class BasicTrainer(OnlineSampling):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
         )
+        declared = declared_reward_functions(config.datasets)
+        self.answer_functions = reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
         n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
         self.eval_batches = list(
             get_batch_iterator(
@@ -677,12 +688,70 @@ class BasicTrainer(OnlineSampling):
                 collected[k].extend(v)
         collected = self.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
+        if self.answer_functions and not self.objective.score_head:
+            means |= self.score_answers()
         if self.config.sample_during_eval and not self.objective.score_head:  # a reward model does not generate
             self.sample()
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
             print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
         self.policy.train()
+        return means
+
+    @torch.no_grad()
+    def score_answers(self) -> dict:
+        """The policy's greedy answer to every eval prompt, scored by each of ``eval_reward_functions``:
+        ``answers_eval/<name>`` is the mean score over the prompts it scored (for an exact check such
+        as ``arithmetic``, the share answered exactly right), ``answers_eval/<name>_failed`` the share
+        it could not score (None, a non-number or an exception), ``answers_eval/ended`` the share of
+        answers that stopped at EOS within ``max_length - max_prompt_length`` new tokens."""
+        prompts, ids = [], []
+        for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
+            prompts.extend(batch["prompt"])
+            ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
+        world, size = self.data_world_size, self.config.eval_batch_size
+        part = split_batch({"prompt": prompts, "ids": ids}, world)
+        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": [], "ids": []}
+        n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
+        pad_id = self.tokenizer.pad_token_id
+        rows = []
+        for call in range(n_calls):
+            chunk_prompts, chunk_ids = (
+                mine["prompt"][call * size : (call + 1) * size],
+                mine["ids"][call * size : (call + 1) * size],
+            )
+            stand_in = not chunk_prompts  # this rank has no prompts left: generate for one, keep nothing
+            batch_ids, masks = left_pad(chunk_ids or ids[:1], pad_id)
+            out = self.policy.generate(
+                input_ids=batch_ids.to(self.device),
+                attention_mask=masks.to(self.device),
+                max_new_tokens=max(1, self.config.max_length - self.config.max_prompt_length),  # the same for every prompt
+                do_sample=False,
+                pad_token_id=pad_id,
+                eos_token_id=self.stop_ids,
+                **self.generate_kwargs(),
+            )
+            if stand_in:
+                continue
+            completions = out[:, batch_ids.shape[1] :].cpu()
+            mask = completion_mask(completions, self.stop_ids)
+            texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
+            ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
+            for name, fn in self.answer_functions:
+                scorer = rewards.RewardFunctionScorer([name], [fn], [1.0])
+                scores = scorer.score(chunk_prompts, texts).tolist()  # NaN: not scorable
+                rows.extend({"function": name, "score": score} for score in scores)
+            rows.extend({"function": None, "ended": e} for e in ended)
+        rows = self.gather_metrics({"rows": rows})["rows"]
+        means = {}
+        for name, _ in self.answer_functions:
+            scores = [r["score"] for r in rows if r["function"] == name]
+            scored = [s for s in scores if math.isfinite(s)]
+            means[f"answers_eval/{name}"] = float(np.mean(scored)) if scored else float("nan")
+            if len(scored) < len(scores):
+                means[f"answers_eval/{name}_failed"] = 1 - len(scored) / len(scores)
+        ended = [r["ended"] for r in rows if r["function"] is None]
+        means["answers_eval/ended"] = float(np.mean(ended)) if ended else float("nan")
         return means
 
     @torch.no_grad()

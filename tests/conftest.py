@@ -23,6 +23,8 @@ TINY = [
     "progress_bar=false",
     "minimum_log_interval_secs=0",
     "warmup_steps=2",
+    "lr=3e-3",
+    "sft_first.n_examples=null",
 ]
 
 

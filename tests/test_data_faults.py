@@ -217,7 +217,7 @@ def test_command_line_prints_one_error_line_and_exits_2(tmp_path):
     f = write_truncated_gz(tmp_path)
     out = tmp_path / "runs"
     proc = subprocess.run(
-        [sys.executable, "train.py", "datasets=[json]", f"data.json.path={f}", f"output_root={out}"],
+        [sys.executable, "train.py", "datasets=[json]", f"data.json.path={f}", f"output_root={out}", "sft_first.n_examples=null"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -34,6 +34,7 @@ COMMON = [
     "warmup_steps=2",
     "keep_checkpoints=0",
     "optimizer_foreach=true",  # torch's default on CUDA: one foreach kernel per param group
+    "sft_first.n_examples=null",  # one run, not model=tiny's two stages
 ]
 FAMILIES = {
     "llama": [],

@@ -205,6 +205,7 @@ def test_a_paired_objective_on_unpaired_rows_is_one_sentence_and_exit_2(tmp_path
             sys.executable,
             "train.py",
             "loss=dpo",
+            "sft_first.n_examples=null",
             "datasets=[json]",
             f"data.json.path={{train: {f}, test: {f}}}",
             f"output_root={out}",
@@ -287,6 +288,7 @@ def test_kto_under_fsdp_ends_as_basic_trainer(tmp_path):
     common = [
         "loss=kto",
         "loss.beta=0.5",
+        "sft_first.n_examples=null",
         "datasets=[json]",
         f"data.json.path={{train: {f}, test: {f}}}",
         "batch_size=4",

@@ -36,6 +36,7 @@ ARGS = [
     "warmup_steps=2",
     "keep_checkpoints=0",
     "sample_during_eval=false",
+    "sft_first.n_examples=null",  # one run, not model=tiny's two stages
 ]
 JOB_ID = "4242"
 

@@ -96,6 +96,7 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
     args = ["trainer=FSDPTrainer", "world_size=2", "n_examples=100000", "data.arithmetic.n_train=400", "eval_every=32"]
     args += ["batch_size=8", "eval_batch_size=8", "n_eval_examples=16", "data.arithmetic.n_test=16", "progress_bar=false"]
     args += ["sample_during_eval=false", "save_hf_export=false", "warmup_steps=2", f"output_root={tmp_path}"]
+    args += ["sft_first.n_examples=null"]  # one run, not model=tiny's two stages
     launcher = subprocess.Popen(
         [sys.executable, "train.py", *args],
         cwd=REPO,
