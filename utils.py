@@ -1451,6 +1451,7 @@ def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
     return [
         (r"^(memory|counters)/", None, "", "", None),  # one value at the end / the x axis itself
         (r"/accuracies$", "accuracy", "pair accuracy", "accuracy (fraction of pairs, chosen > rejected)", fraction),
+        (r"^answers_eval/", "answers_eval", "the policy's greedy answers (eval)", "mean score (exact checks: share right)", None),
         (r"^loss/", "loss", "loss", f"loss ({loss_unit})", None),
         (r"^rewards(_train)?/", "rewards_train", "implicit rewards (train)", "reward β·log(π/π_ref) (nats)", None),
         (r"^rewards_eval/", "rewards_eval", "implicit rewards (eval)", "reward β·log(π/π_ref) (nats)", None),

@@ -53,9 +53,11 @@ def test_answers_eval_is_the_mean_over_an_independent_greedy_decode(tmp_path):
     # length scores the characters of each answer: the logged mean must be the mean over the
     # 16 held-out prompts of transformers' greedy answers from the final checkpoint, EOS dropped,
     # each up to max_length - max_prompt_length = 8 new tokens
-    run_dir = run_train(["eval_reward_functions=[length,arithmetic]", "max_length=24", "max_prompt_length=16"], tmp_path)
+    # (SFT for 768 examples: enough to end answers with EOS, so what follows an EOS must be dropped)
+    overrides = ["loss=sft", "n_examples=768", "eval_every=768", "max_length=24", "max_prompt_length=16"]
+    run_dir = run_train([*overrides, "eval_reward_functions=[length,arithmetic]"], tmp_path)
     last = [r for r in metric_records(run_dir) if "answers_eval/length" in r][-1]
-    assert last["step"] == 48
+    assert last["step"] == 768
     from transformers import ByT5Tokenizer
 
     tokenizer = ByT5Tokenizer()
@@ -65,6 +67,7 @@ def test_answers_eval_is_the_mean_over_an_independent_greedy_decode(tmp_path):
     texts = [tokenizer.decode(a[: a.index(eos)] if eos in a else a, skip_special_tokens=True) for a in answers]
     assert last["answers_eval/length"] == pytest.approx(sum(len(t) for t in texts) / 16)
     assert last["answers_eval/ended"] == pytest.approx(sum(eos in a for a in answers) / 16)
+    assert 0 < last["answers_eval/ended"]  # some answers ended: the test sees what follows an EOS dropped
     right = sum(t.strip() == str(a + b) for t, (a, b) in zip(texts, questions(16)))
     assert last["answers_eval/arithmetic"] == pytest.approx(right / 16)
     assert "answers_eval/arithmetic_failed" not in last  # every prompt is an addition question

@@ -338,9 +338,16 @@ def test_the_readme_config_table_gives_the_tiny_presets_values():
         except (TypeError, ValueError):
             return a == text(b)
 
-    base = yaml.safe_load((REPO / "config" / "config.yaml").read_text())
-    tiny = yaml.safe_load((REPO / "config" / "model" / "tiny.yaml").read_text())
-    tiny_keys = {k for k in tiny if k not in ("defaults", "model")}
+    def flat(node: dict) -> dict:  # sft_first: {n_examples: ...} -> sft_first.n_examples
+        return {
+            f"{k}.{j}" if isinstance(v, dict) else k: w
+            for k, v in node.items()
+            for j, w in (v.items() if isinstance(v, dict) else [(None, v)])
+        }
+
+    base = flat(yaml.safe_load((REPO / "config" / "config.yaml").read_text()))
+    tiny = flat({k: v for k, v in yaml.safe_load((REPO / "config" / "model" / "tiny.yaml").read_text()).items() if k != "model"})
+    tiny_keys = {k for k in tiny if k != "defaults"}
     rows = {}
     for line in (REPO / "README.md").read_text().split("## Configuration", 1)[1].split("### Models", 1)[0].splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
