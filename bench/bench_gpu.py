@@ -102,6 +102,7 @@ def run(size: str, trainer: str, args, out: Path, peaks: dict) -> dict:
         "sample_during_eval=false",
         "save_hf_export=false",
         "lr=1e-5",
+        "sft_first.n_examples=null",  # one run: model=tiny's preset would run an SFT stage first
         f"max_length={args.max_length}",
         f"max_prompt_length={args.max_length - 16}",
         "progress_bar=false",
