@@ -47,6 +47,7 @@ SMALL = [
     "keep_checkpoints=0",
     "sample_during_eval=false",
     "optimizer_foreach=true",  # as torch does on CUDA
+    "sft_first.n_examples=null",  # one run, not model=tiny's two stages
 ]
 
 

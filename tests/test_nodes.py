@@ -243,6 +243,7 @@ LONG = [
     "minimum_log_interval_secs=0",
     "lr_scheduler=linear",
     "keep_checkpoints=0",
+    "sft_first.n_examples=null",  # one run, not model=tiny's two stages
 ]
 SIGUSR1_RUNS = {
     "basic": [*LONG, "n_examples=800", "eval_every=400", "data.arithmetic.n_train=200"],  # 100 steps, SIGUSR1 after ~5
