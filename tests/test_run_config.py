@@ -122,8 +122,8 @@ def test_the_readme_commands_that_give_a_model_path_have_no_contradiction():
 
 
 def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
-    assert compose_config([]).n_examples == 40000  # model=tiny sets it
-    assert (settled([]).n_examples, settled([]).n_epochs) == (40000, 1)  # nothing given: the preset's n_examples
+    assert compose_config([]).n_examples == 16000  # model=tiny sets it
+    assert (settled([]).n_examples, settled([]).n_epochs) == (16000, 1)  # nothing given: the preset's n_examples
     config = settled(["n_epochs=2"])
     assert (config.n_examples, config.n_epochs) == (None, 2)
     config = settled(["n_examples=100"])
@@ -139,15 +139,15 @@ def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
     # multiplier (step + 1) / 21 never reaches 1 (found by a new user: n_epochs=1 of a small file trained at 1/21 of lr)
     assert utils.training_length(settled(["n_epochs=2"]), 16) == (
         "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch). Note: warmup_steps=20 is "
-        "not shorter than the run's 1 optimizer step, so the learning rate never reaches lr=0.003; lower warmup_steps."
+        "not shorter than the run's 1 optimizer step, so the learning rate never reaches lr=0.0003; lower warmup_steps."
     )
     # 33 examples are 2 steps (the last one short); warmup_steps=1 reaches lr at the second
     assert "Note" not in utils.training_length(settled(["n_examples=33", "warmup_steps=1"]), 16)
     assert "Note: warmup_steps=2 is not shorter than the run's 2 optimizer steps" in utils.training_length(
         settled(["n_examples=33", "warmup_steps=2"]), 16
     )
-    assert utils.training_length(settled([]), 16000) == (
-        "Training length: n_examples=40000 governs (n_epochs=1 is not used): 2.5 epochs of 16000 train examples."
+    assert utils.training_length(settled([]), 4000) == (
+        "Training length: n_examples=16000 governs (n_epochs=1 is not used): 4 epochs of 4000 train examples."
     )
 
 
