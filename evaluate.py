@@ -490,7 +490,8 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
     Each item: ``id`` (``<dataset>/<k>``), ``index`` (its place in the list), ``dataset``, ``prompt`` (as the dataset gives it: a
     string, or a list of messages that each policy's chat template renders), ``judge_prompt``
     (text: :func:`messages_text` of a conversation), ``chosen`` (the dataset's chosen response as
-    text, with ``baseline=chosen``; else None), ``conversation`` and ``truncation_mode``.
+    text, with ``baseline=chosen``; else None), ``conversation``, ``truncation_mode`` and ``fields``
+    (the other columns of the prompt's row, which reward functions get; {} when none).
 
     Raises:
         ConfigError: with ``baseline=chosen``, for a dataset that has prompts only (tldr).
@@ -506,11 +507,11 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
                     "use baseline=reference or another policy."
                 )
             data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
-            entries = [(entry.get("prompt_messages", key), entry["sft_target"]) for key, entry in data.items()]
+            entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
         else:
-            entries = [(p, None) for p in preference_datasets.load_prompts([name], split, options, silent)]
+            entries = [(p, None, f) for p, f in preference_datasets.load_prompt_entries(name, split, options, silent)]
         mode = preference_datasets.prompt_truncation_mode(name)
-        for k, (prompt, chosen) in enumerate(entries[: config.n_prompts]):
+        for k, (prompt, chosen, fields) in enumerate(entries[: config.n_prompts]):
             conversation = isinstance(prompt, list)
             items.append(
                 {
@@ -522,6 +523,7 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
                     "chosen": None if chosen is None else judged_response(response_text(chosen), conversation),
                     "conversation": conversation,
                     "truncation_mode": mode,
+                    "fields": fields,
                 }
             )
     return items
@@ -894,23 +896,29 @@ class Judge:
 
     def _by_scores(self, rows: list[dict], chunk: int) -> None:
         identity = self._identity()
-        key = lambda prompt, text: utils.digest([identity, prompt, text])  # noqa: E731
+        by_function = self.kind == "reward_function"  # a reward function reads the row's fields; a reward model does not
+
+        def key(row: dict, text: str) -> str:
+            fields = row.get("fields") if by_function else None
+            return utils.digest([identity, row["judge_prompt"], text, *([fields] if fields else [])])
+
         wanted = {}
         for row in rows:
             for text in (row["a"], row["b"]):
-                k = key(row["judge_prompt"], text)
+                k = key(row, text)
                 if self.cache.get(k) is None:
-                    wanted[k] = (row["judge_prompt"], text)
+                    wanted[k] = (row["judge_prompt"], text, row.get("fields"))
         todo = list(wanted.items())
         for start in range(0, len(todo), chunk):
             part = todo[start : start + chunk]
             scorer = self._build()
-            scores = scorer.score([p for _, (p, _) in part], [t for _, (_, t) in part]).tolist()
+            fields = rewards.field_columns([f for _, (_, _, f) in part]) if by_function else {}
+            scores = scorer.score([p for _, (p, _, _) in part], [t for _, (_, t, _) in part], **fields).tolist()
             self.cache.put([{"key": k, "score": s} for (k, _), s in zip(part, scores) if not math.isnan(s)])
             why = getattr(scorer, "last_errors", None)  # a reward function's sentences
             self.errors += list(why) if why else ["NaN score" for s in scores if math.isnan(s)]
         for row in rows:
-            a, b = (self.cache.get(key(row["judge_prompt"], t)) for t in (row["a"], row["b"]))
+            a, b = (self.cache.get(key(row, t)) for t in (row["a"], row["b"]))
             sa, sb = (float("nan") if r is None else r["score"] for r in (a, b))
             row["verdict"] = compare_scores(sa, sb)
             row["detail"] = {"score_a": None if a is None else sa, "score_b": None if b is None else sb}
@@ -1267,6 +1275,8 @@ def main(config: DictConfig) -> str:
     items = load_items(config, silent=rank != 0)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no prompts; give a dataset with a held-out split.")
+    if judge.kind == "reward_function":  # a column the functions cannot take: one sentence before sampling
+        rewards.field_columns([it["fields"] for it in items])
     overlap = training_overlap(items, policy)
     if overlap:
         name, count = next(iter(overlap.items()))
@@ -1349,6 +1359,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                         "a_logp": kl[(it["id"], t)][0] if kl else None,
                         "ref_logp": kl[(it["id"], t)][1] if kl else None,
                         "kl": kl[(it["id"], t)][0] - kl[(it["id"], t)][1] if kl else None,
+                        **({"fields": it["fields"]} if it["fields"] else {}),
                     }
                 )
     judge.judge_all(rows)

@@ -8,9 +8,10 @@ scores make a pair, the higher chosen (the DPO paper's IMDb data, Rafailov et al
 whose score failed (every function returned None, or one raised) is left out and counted.
 
 ``output`` gets one JSON object a line, ``{prompt, chosen, rejected, chosen_score,
-rejected_score, id}``: what ``python train.py datasets=[json] data.json.path=<output>`` reads (the
-extra keys are kept for the reader); for conversational prompts, the ``hf`` loader's
-conversational rows (``datasets=[hf] data.hf.path=<output>``). ``<output>.samples.jsonl`` beside it holds every completion
+rejected_score, id}`` after the prompt row's other columns: what ``python train.py datasets=[json]
+data.json.path=<output>`` reads (the extra keys are kept for the reader, and reach reward functions as
+fields); for conversational prompts, the ``hf`` loader's conversational rows (``datasets=[hf]
+data.hf.path=<output>``). ``<output>.samples.jsonl`` beside it holds every completion
 with its score (null: failed) and why it failed. Both are written atomically. This is the data
 step of iterative / semi-online DPO: train on the file, then sample from the new checkpoint.
 """
@@ -56,11 +57,12 @@ def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rej
     """One output row: a text prompt as the ``json`` loader reads it (prompt, chosen, rejected
     strings); a conversation (a list of messages) as the ``hf`` loader's conversational format
     (each response one assistant message), since ``json`` reads strings only; the scores and the
-    prompt's id kept beside them."""
+    prompt's id kept beside them, after the prompt row's other columns (its fields: a reference
+    answer stays with its prompt, for the reward functions of a run that trains on the file)."""
     if item["conversation"]:
         chosen, rejected = ([{"role": "assistant", "content": t.strip()}] for t in (chosen, rejected))
     row = {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected}
-    return {**row, "chosen_score": chosen_score, "rejected_score": rejected_score, "id": item["id"]}
+    return {**item.get("fields", {}), **row, "chosen_score": chosen_score, "rejected_score": rejected_score, "id": item["id"]}
 
 
 def check_config(config: DictConfig) -> None:
@@ -121,6 +123,7 @@ def main(config: DictConfig) -> dict:
             f"datasets={list(config.datasets)} mix text prompts and conversations, and a preference file holds one kind; "
             "make one file per kind (one make_pairs.py run each)."
         )
+    rewards.field_columns([it["fields"] for it in items])  # a column the reward functions cannot take: one sentence now
     output = os.path.abspath(os.path.expanduser(str(config.output)))
     os.makedirs(os.path.dirname(output), exist_ok=True)
 
@@ -139,7 +142,8 @@ def main(config: DictConfig) -> dict:
             evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)
         ]
         prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
-        scores = scorer.score(prompts, texts).tolist()
+        fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
+        scores = scorer.score(prompts, texts, **fields).tolist()
         errors = iter(scorer.last_errors)  # one sentence per failed completion, in order
         for n, it in enumerate(batch):
             mine = [None if math.isnan(s) else s for s in scores[n * k : (n + 1) * k]]

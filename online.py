@@ -184,7 +184,9 @@ class OnlineSampling:
         cmask = completion_mask(completions, eos)
         has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
         texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
-        preferences, scores = label_pairs(self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty)
+        preferences, scores = label_pairs(
+            self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty, batch.get("fields")
+        )
         errors = getattr(self.scorer, "last_errors", None)
         if errors:
             self.judge_error = errors[-1]
@@ -271,8 +273,11 @@ class OnlineSampling:
                 _, _, completions = self.sample_completions(batch, 1)
                 cmask = completion_mask(completions, eos)
                 texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+                fields = rewards.field_columns(batch.get("fields") or [])
                 scores = (
-                    scorer.score(list(batch["prompt"]), texts).float().tolist() if scorer is not None else [None] * len(texts)
+                    scorer.score(list(batch["prompt"]), texts, **fields).float().tolist()
+                    if scorer is not None
+                    else [None] * len(texts)
                 )
                 if not weight:
                     continue
@@ -352,15 +357,18 @@ def label_pairs(
     mask: torch.Tensor,
     eos_token_id: int | list[int],
     missing_eos_penalty: float | None,
+    fields: list[dict] | None = None,
 ) -> tuple[list[int | None], torch.Tensor | None]:
     """Which completion of each pair is better, by a reward model's scores or a pairwise judge.
 
     Args:
-        scorer: a ``rewards`` scorer (``.score(prompts, completions) -> (N,)``) or pairwise judge
-            (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
+        scorer: a ``rewards`` scorer (``.score(prompts, completions, **fields) -> (N,)``) or pairwise
+            judge (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
         prompts: B prompts; texts: 2B decoded completions, rows 2i and 2i+1 answering prompt i.
         completions, mask: (2B, T) generated token ids and :func:`completion_mask`, for the EOS penalty.
         missing_eos_penalty: subtracted from the score of a completion with no EOS (scores only).
+        fields: B dicts, prompt i's row's other columns, given to both its completions' scores
+            (``rewards.field_columns``; a judge gets none); None: no fields.
 
     Returns:
         (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
@@ -369,7 +377,8 @@ def label_pairs(
     pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
     if not hasattr(scorer, "score"):
         return list(scorer.judge(prompts, pairs)), None
-    scores = scorer.score([p for p in prompts for _ in range(2)], texts).float().cpu()
+    columns = rewards.field_columns([f for f in fields or [] for _ in range(2)])
+    scores = scorer.score([p for p in prompts for _ in range(2)], texts, **columns).float().cpu()
     scores = rewards.apply_missing_eos_penalty(scores, completions, eos_token_id, missing_eos_penalty, mask).view(-1, 2)
     preferences = [
         None if math.isnan(a) or math.isnan(b) else 0 if a > b else 1 if b > a else rewards.TIE for a, b in scores.tolist()

@@ -4,8 +4,9 @@ Every loader returns the reference repository's dict::
 
     {prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected), ...], "sft_target": str}}
 
-and is registered by name with :func:`register_dataset`, so ``datasets=[name]`` finds it.
-Adding a dataset is adding one decorated function (see the README).
+(an entry may also keep ``"fields"``, the other columns of its rows, which reward functions
+receive: :func:`add_fields`) and is registered by name with :func:`register_dataset`, so
+``datasets=[name]`` finds it. Adding a dataset is adding one decorated function (see the README).
 
 Real records are messy; every loader counts what it skipped or repaired in a
 ``collections.Counter`` (``report``, a :class:`DataReport`) that :func:`load_dataset_dict`
@@ -94,7 +95,8 @@ def declared_reward_functions(names) -> list[str]:
 
 def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
     """Decorator: register ``fn(split, report, **options) -> list[str]`` (prompts, in a stable
-    order) under ``name`` for online DPO, which samples its own responses. Arguments as
+    order; or a DatasetDict, whose keys are the prompts and whose entries may keep fields) under
+    ``name`` for online DPO, which samples its own responses. Arguments as
     :func:`register_dataset`; see :func:`load_prompts`.
 
     Raises:
@@ -197,6 +199,27 @@ def _append_pair(entry: dict, chosen, rejected, row: str | None) -> None:
     entry["pairs"].append((ids[0], ids[1]))
     if row is not None:
         entry.setdefault("rows", []).append(row)
+
+
+FIELD_TYPES = (str, int, float, bool, type(None), list, dict)
+"""The values a row's other columns keep as fields (JSON's); other kinds (bytes, dates, images) are left out."""
+
+
+def add_fields(entry: dict, row: dict, consumed) -> None:
+    """Keep ``row``'s columns other than ``consumed`` (and ``messages``, a whole conversation) in
+    ``entry["fields"]`` ({column: value}), the fields reward functions receive; a prompt of several
+    rows keeps each column's first value that is not None."""
+    for column, value in row.items():
+        if column not in consumed and column != "messages" and isinstance(value, FIELD_TYPES):
+            if entry.get("fields", {}).get(column) is None:
+                entry.setdefault("fields", {})[column] = value
+
+
+def fill_fields(data: DatasetDict) -> None:
+    """Give every entry of ``data`` every column any entry keeps as a field, None where its rows had none."""
+    columns = list(dict.fromkeys(c for entry in data.values() for c in entry.get("fields", ())))
+    for entry in data.values() if columns else ():
+        entry["fields"] = {c: entry.get("fields", {}).get(c) for c in columns}
 
 
 def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, report: collections.Counter, row: str) -> bool:
@@ -871,7 +894,8 @@ def get_json(
     unpaired rows {prompt, completion, label} (TRL's unpaired preference format: ``label`` true
     for a desirable completion, false for an undesirable one; only objectives declared
     ``unpaired``, e.g. loss=kto, train on them, see :func:`check_pairing`). A row with a
-    ``completion`` or ``label`` field is unpaired; a file holds one kind.
+    ``completion`` or ``label`` field is unpaired; a file holds one kind. A row's other fields are
+    kept as its prompt's fields, for reward functions (:func:`add_fields`).
 
     ``data.json.path`` is a mapping {train: file, test: file}, or one file, from which a
     deterministic eval slice of ``holdout_fraction`` of the prompts is carved (so the eval
@@ -913,7 +937,8 @@ def get_json(
                     f"{file}, row {i}: field 'label' is {value}, not true or false; every unpaired row needs prompt, "
                     "completion and label (true: the completion is desirable)."
                 )
-            add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}")
+            if add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}"):
+                add_fields(data[row["prompt"]], row, ("prompt", "completion", "label"))
             continue
         for field in ("prompt", "chosen", "rejected"):
             if isinstance(row, dict) and isinstance(row.get(field), list):  # conversations: the hf loader reads them
@@ -925,7 +950,8 @@ def get_json(
                 raise DataError(
                     f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."
                 )
-        add_pair(data, row["prompt"], row["chosen"], row["rejected"], report)
+        if add_pair(data, row["prompt"], row["chosen"], row["rejected"], report):
+            add_fields(data[row["prompt"]], row, ("prompt", "chosen", "rejected"))
     if not isinstance(path, str):
         return data
     if not holdout_fraction:
@@ -1260,6 +1286,7 @@ def hf_rows_to_data(
                 added = add_conversation_pair(data, prompt, chosen, rejected, report, where)
             if added:
                 gaps.setdefault(key, []).append(gap)
+                add_fields(data[key], row, columns.values())
         if fmt == "ranked" and key in data:
             data[key]["sft_target"] = max(ranked, key=lambda t: t[1])[0]
     if max_pairs_per_prompt is not None:
@@ -1350,6 +1377,8 @@ def get_hf(
             {human: user, gpt: assistant} (ShareGPT's ``from`` / ``value`` messages are read too);
             any other role is refused (:func:`check_messages`).
 
+    The columns no format reads are kept as the prompts' fields, for reward functions (:func:`add_fields`).
+
     Raises:
         DataError: one sentence naming the file / split and the row, before any model loads.
     """
@@ -1372,11 +1401,13 @@ def get_hf_prompts(
     holdout_fraction: float = 0.1,
     cache_dir: str | None = None,
     roles: dict | None = None,
-) -> list:
+) -> DatasetDict:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options: rows with
     chosen / rejected or ranked responses give the prompts of their pairs (an implicit prompt
     included); rows with only a prompt column (mapped by ``columns``; a string or a list of
-    messages) give it. Empty and repeated prompts are skipped and counted.
+    messages) give it, with their other columns as fields (:func:`add_fields`). Empty and
+    repeated prompts are skipped and counted. Returns a DatasetDict (prompt-only entries hold no
+    pairs): its keys are the prompts.
 
     Raises:
         DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
@@ -1402,7 +1433,8 @@ def get_hf_prompts(
                 note_row(report, "skipped: repeated prompt", key)
             else:
                 data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
-    return dataset_prompts(apply_holdout(data, split, holdout_fraction, report) if carve else data)
+                add_fields(data[key], row, (column,))
+    return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 
 @register_dataset("arithmetic", truncation_mode="keep_start", reward_functions=("arithmetic",))
@@ -1611,6 +1643,8 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
         got = call_loader(spec, name, split, options, report)
     finally:
         _LOADING.reset(token)
+    if isinstance(got, dict):
+        fill_fields(got)
     empty = not got if unit == "prompts" else not any(v["pairs"] or v.get("labels") for v in got.values())
     if empty:
         raise _nothing_left(name, split, report, unit)
@@ -1677,11 +1711,14 @@ def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     the row of each pair adds ``"row"`` (the SFT example: its first pair's row). An unpaired
     entry (see :func:`add_unpaired`) gives one example per labelled completion, in SFT mode too
     (:func:`check_pairing` refuses them for objectives that need pairs):
-    ``{"prompt", "chosen": the completion, "label": bool, "truncation_mode", "row"}``."""
+    ``{"prompt", "chosen": the completion, "label": bool, "truncation_mode", "row"}``. An entry's
+    ``"fields"`` (:func:`add_fields`) go into each of its examples."""
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
         extra = {"conversation": True} if "prompt_messages" in entry else {}
+        if "fields" in entry:
+            extra["fields"] = entry["fields"]
         prompt = entry.get("prompt_messages", prompt)
         if entry.get("labels"):
             rows = entry.get("rows") if len(entry.get("rows", ())) == len(entry["labels"]) else None
@@ -1718,6 +1755,29 @@ def _unknown_prompt_dataset(name: str) -> DataError:
     )
 
 
+def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
+    """The prompts of dataset ``name`` for ``split``, each with its fields: ``(prompt, fields)``,
+    ``fields`` the other columns of the prompt's row ({column: value}, :func:`add_fields`; {} when
+    the dataset keeps none). A conversational prompt is its list of messages, a text prompt a
+    string. See :func:`load_prompts`.
+
+    Raises:
+        DataError: as :func:`load_prompts`.
+    """
+    if name in PROMPT_DATASETS:
+        got, report = _run_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), "prompts")
+        if not silent:
+            notes = _notes(report)
+            print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
+    elif name in DATASETS:
+        got = load_dataset_dict(name, split, (options or {}).get(name), silent)
+    else:
+        raise _unknown_prompt_dataset(name)
+    if isinstance(got, dict):
+        return [(entry.get("prompt_messages", key), entry.get("fields", {})) for key, entry in got.items()]
+    return [(prompt, {}) for prompt in got]
+
+
 def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
     """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data).
 
@@ -1732,26 +1792,14 @@ def load_prompts(names: list[str], split: str, options: dict, silent: bool = Fal
         DataError: if a name is in neither registry (listing both), its loader rejects
             its options or data, or it gives no prompt for the split.
     """
-    prompts: list[str] = []
-    for name in names:
-        if name in PROMPT_DATASETS:
-            got, report = _run_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), "prompts")
-            if not silent:
-                notes = _notes(report)
-                print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
-        elif name in DATASETS:
-            got = dataset_prompts(load_dataset_dict(name, split, (options or {}).get(name), silent))
-        else:
-            raise _unknown_prompt_dataset(name)
-        prompts.extend(got)
-    return prompts
+    return [prompt for name in names for prompt, _ in load_prompt_entries(name, split, options, silent)]
 
 
 def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
     """:func:`load_prompts` as examples that :func:`get_batch_iterator` batches: one
     ``{"prompt", "truncation_mode"}`` per prompt (and ``"conversation": True`` when the prompt is
-    a list of messages), in order, with no responses: online DPO
-    samples them; the batches' left-padded ``prompt_input_ids`` are its input.
+    a list of messages, ``"fields"`` when its row had other columns), in order, with no
+    responses: online DPO samples them; the batches' left-padded ``prompt_input_ids`` are its input.
 
     Raises:
         DataError: as :func:`load_prompts`.
@@ -1759,8 +1807,9 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
     examples = []
     for name in names:
         mode = prompt_truncation_mode(name)
-        for p in load_prompts([name], split, options, silent):
-            examples.append({"prompt": p, "truncation_mode": mode, **({"conversation": True} if isinstance(p, list) else {})})
+        for p, fields in load_prompt_entries(name, split, options, silent):
+            extra = ({"conversation": True} if isinstance(p, list) else {}) | ({"fields": fields} if fields else {})
+            examples.append({"prompt": p, "truncation_mode": mode, **extra})
     return examples
 
 
@@ -2598,7 +2647,8 @@ def get_batch_iterator(
     :func:`epoch_order`), cut into batches of ``batch_size``; a batch may span an
     epoch boundary and only the very last batch may be smaller (nothing is dropped).
     The stream ends after ``n_examples`` examples, else after ``n_epochs`` epochs.
-    ``start_example`` skips that many examples of the stream (resume).
+    ``start_example`` skips that many examples of the stream (resume). When any example has
+    ``"fields"``, every batch has ``"fields"``: one dict per element ({} for an example without).
 
     Raises:
         ValueError: if neither n_epochs nor n_examples is set, or examples is empty.
@@ -2613,6 +2663,7 @@ def get_batch_iterator(
     lengths = None
     if length_grouped:
         lengths = [len(e["prompt"]) + max(len(e.get("chosen", "")), len(e.get("rejected") or "")) for e in examples]
+    with_fields = any("fields" in e for e in examples)  # every batch then has them: collate reads the first element's keys
     orders: dict[int, np.ndarray] = {}
     k = start_example
     while k < total:
@@ -2622,9 +2673,11 @@ def get_batch_iterator(
             if epoch not in orders:
                 orders = {epoch: epoch_order(n, seed, epoch, shuffle, lengths, 64 * batch_size)}
             ex = examples[orders[epoch][idx % n]]
+            fields = {"fields": ex.get("fields", {})} if with_fields else {}
             if "chosen" not in ex:  # a prompt alone (online DPO)
                 rendered = "end_token_id" in ex
-                elements.append(tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered))
+                element = tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered)
+                elements.append(element | fields)
                 continue
             element = tokenize_element(
                 ex["prompt"],
@@ -2639,6 +2692,6 @@ def get_batch_iterator(
             )
             if "label" in ex:  # an unpaired row: its completion is the chosen side
                 element["label"] = bool(ex["label"])
-            elements.append(element)
+            elements.append(element | fields)
         k += len(elements)
         yield collate(elements, pad_id)

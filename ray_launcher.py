@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import rewards
 import trainers
 import utils
 
@@ -469,10 +470,11 @@ class ScorerActor:
             return "score", True
         return "judge", hasattr(self.scorer, "scorer")
 
-    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
-        """The scorer's (or the judge's inner scorer's) ``score``: (N,) float32 on the CPU."""
+    def score(self, prompts: list[str], completions: list[str], fields: list[dict] | None = None) -> torch.Tensor:
+        """The scorer's (or the judge's inner scorer's) ``score``, given ``fields`` (one dict per
+        text, see ``rewards.field_columns``): (N,) float32 on the CPU."""
         scorer = self.scorer if hasattr(self.scorer, "score") else self.scorer.scorer
-        return scorer.score(prompts, completions).float().cpu()
+        return scorer.score(prompts, completions, **rewards.field_columns(fields or [])).float().cpu()
 
     def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> tuple[list, int, list[str]]:
         """The judge's ``judge``, with the failures this call added and their reasons."""
@@ -523,18 +525,20 @@ class RemoteScorer(_RemoteScoring):
         RuntimeError: when there are no actors; when called, if an actor died or is unreachable.
     """
 
-    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
-        """Reward of each ``prompts[i] + completions[i]``: (N,) float32 on the CPU, in input order;
-        the N texts are cut into K contiguous slices, one per actor.
+    def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
+        """Reward of each ``prompts[i] + completions[i]`` (``fields``: the rows' other columns, for
+        reward functions): (N,) float32 on the CPU, in input order; the N texts are cut into K
+        contiguous slices, one per actor.
 
         Raises:
-            ValueError: if the two lists differ in length.
+            ValueError: if the lists differ in length.
         """
-        if len(prompts) != len(completions):
+        if len(prompts) != len(completions) or any(len(v) != len(prompts) for v in fields.values()):
             raise ValueError(f"score() got {len(prompts)} prompts and {len(completions)} completions; pass one of each per text.")
         if not prompts:
             return torch.zeros(0, dtype=torch.float32)
-        return torch.cat(self._map("score", list(prompts), list(completions))).float()
+        rows = [[dict(zip(fields, values)) for values in zip(*fields.values())]] if fields else []  # sliced as the texts
+        return torch.cat(self._map("score", list(prompts), list(completions), *rows)).float()
 
 
 class RemoteJudge(_RemoteScoring):

@@ -2,8 +2,9 @@
 
 A reward function is ``fn(prompts, completions, **fields) -> list[float | None]``: one score per
 completion, ``prompts[i]`` the prompt that ``completions[i]`` answers, ``fields`` the rows' other
-columns as lists of the same length (a reference answer, ...; a function without ``**kwargs`` is
-given only the fields it names); None says a completion cannot be scored (counted as a failure
+columns as lists of the same length (a reference answer, ...: the columns the ``json`` and ``hf``
+loaders keep, see ``preference_datasets.add_fields``; a function without ``**kwargs`` is given
+only the fields it names); None says a completion cannot be scored (counted as a failure
 when no other function scores it). ``reward_functions=[...]`` names them, each a registered name
 (:data:`REWARD_FUNCTIONS`) or ``module:function``; ``reward_weights`` weighs them (TRL's
 ``reward_funcs`` / ``reward_weights``). ``rewards.RewardFunctionScorer`` turns them into a scorer

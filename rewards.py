@@ -38,6 +38,7 @@ import urllib.request
 import torch
 
 import reward_functions
+from preference_datasets import DataError
 from utils import ConfigError, get_dtype, looks_local
 
 TIE = -1
@@ -214,8 +215,8 @@ class RewardModelScorer:
             return [bos] + ids[len(ids) - self.max_length + 1 :]
         return ids[len(ids) - self.max_length :]
 
-    def score(self, prompts: list[str], completions: list[str]) -> torch.Tensor:
-        """Reward of each ``prompts[i] + completions[i]``.
+    def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
+        """Reward of each ``prompts[i] + completions[i]`` (the model reads the text alone: ``fields`` are not used).
 
         Returns:
             (N,) float32 tensor on the CPU, in the reward model's units (unnormalized logits).
@@ -443,6 +444,24 @@ def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
 
 
 # ----------------------------------------------------------------------------- reward functions
+
+
+def field_columns(fields: list[dict | None]) -> dict[str, list]:
+    """The keyword arguments a scorer's ``score(prompts, completions, **fields)`` gets from one dict
+    of fields per text (a data row's other columns): a list per column any text has, None where a
+    text has none; {} when no text has any.
+
+    Raises:
+        DataError: for a column named as a reward function's own parameter (prompts, completions).
+    """
+    columns = list(dict.fromkeys(c for f in fields if f for c in f))
+    for column in columns:
+        if column in ("prompts", "completions"):
+            raise DataError(
+                f"The data has a column named {column!r}, which reward functions would receive as their own {column} "
+                f"argument; rename that column in the data file (e.g. to {column}_field)."
+            )
+    return {c: [(f or {}).get(c) for f in fields] for c in columns}
 
 
 def _shown(text: str, limit: int = 60) -> str:

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 import losses
 import preference_datasets
 import reward_functions
+import rewards
 import trainers
 import utils
 from preference_datasets import DataError, load_examples
@@ -294,7 +295,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
     declared = preference_datasets.declared_reward_functions(config.datasets)
-    reward_functions.eval_functions(config.get("eval_reward_functions"), declared)  # a bad name: one sentence, before loading
+    answer_functions = reward_functions.eval_functions(config.get("eval_reward_functions"), declared)  # a bad name: now
     if config.model.get("fsdp_policy_mp") == "float16" and int(os.environ.get("RANK", 0)) == 0:
         print(
             "Note: model.fsdp_policy_mp=float16 computes in float16 without a gradient scaler, so small gradients "
@@ -352,6 +353,8 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
     utils.check_eval_size(config, len(eval_examples))
+    if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
+        rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
     fingerprint = {"train": utils.examples_fingerprint(train_examples), "eval": utils.examples_fingerprint(eval_examples)}
     resume_state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
@@ -367,8 +370,6 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     scorer = None
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
     if online and not remote_scorer:  # before the run folder: a wrong reward model fails fast
-        import rewards
-
         scorer = rewards.build_scorer(
             config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         )

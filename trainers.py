@@ -704,14 +704,16 @@ class BasicTrainer(OnlineSampling):
         ``answers_eval/<name>`` is the mean score over the prompts it scored (for an exact check such
         as ``arithmetic``, the share answered exactly right), ``answers_eval/<name>_failed`` the share
         it could not score (None, a non-number or an exception), ``answers_eval/ended`` the share of
-        answers that stopped at EOS within ``max_length - max_prompt_length`` new tokens."""
-        prompts, ids = [], []
+        answers that stopped at EOS within ``max_length - max_prompt_length`` new tokens. Each function
+        gets the eval rows' other columns as fields (``rewards.field_columns``)."""
+        prompts, ids, fields = [], [], []
         for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
             prompts.extend(batch["prompt"])
             ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
+            fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
         world, size = self.data_world_size, self.config.eval_batch_size
-        part = split_batch({"prompt": prompts, "ids": ids}, world)
-        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": [], "ids": []}
+        part = split_batch({"prompt": prompts, "ids": ids, "fields": fields}, world)
+        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
         n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
         pad_id = self.tokenizer.pad_token_id
         rows = []
@@ -737,9 +739,10 @@ class BasicTrainer(OnlineSampling):
             mask = completion_mask(completions, self.stop_ids)
             texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
             ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
+            columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
             for name, fn in self.answer_functions:
                 scorer = rewards.RewardFunctionScorer([name], [fn], [1.0])
-                scores = scorer.score(chunk_prompts, texts).tolist()  # NaN: not scorable
+                scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
                 rows.extend({"function": name, "score": score} for score in scores)
             rows.extend({"function": None, "ended": e} for e in ended)
         rows = self.gather_metrics({"rows": rows})["rows"]

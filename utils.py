@@ -1070,11 +1070,13 @@ def describe_differences(differences: list[tuple[str, object, object]], limit: i
 
 def examples_fingerprint(examples: list[dict]) -> dict:
     """``{"n": number of examples, "sha256": hex digest of them in order}``: what identifies a
-    split's data on resume (plain ints and strings, so trainer_state.pt loads with ``weights_only``)."""
+    split's data on resume (plain ints and strings, so trainer_state.pt loads with ``weights_only``).
+    An example's ``fields`` (its row's other columns, for reward functions) are left out."""
     import hashlib
 
     h = hashlib.sha256()
     for example in examples:
+        example = {k: v for k, v in example.items() if k != "fields"}  # checkpoints from before fields were kept resume
         h.update(json.dumps(example, sort_keys=True, default=str).encode())
         h.update(b"\n")
     return {"n": len(examples), "sha256": h.hexdigest()}

@@ -111,6 +111,8 @@ def test_h4_ultrafeedback_layout_implicit_prompt_beside_a_prompt_string(tmp_path
         "truncation_mode": "keep_end",
         "conversation": True,
         "row": f"{src}, row 2",
+        # the columns no format reads (messages aside: the whole conversation again) reach reward functions
+        "fields": {"prompt_id": f"{1:064x}", "score_chosen": 8.0, "score_rejected": 3.5},
     }
     assert pairs_of(load("test", tmp_path, **options)) == [(key([user("Capital of France?")]), [bot("Paris.")], [bot("Lyon.")])]
     sft = examples("test", tmp_path, sft=True, **options)
