@@ -386,6 +386,12 @@ def plot_frontier(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def refuse(message: str) -> None:
+    """A user's mistake: one sentence on stderr, exit 2."""
+    print(f"Error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/frontier_<timestamp>)")
@@ -430,12 +436,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     started = time.time()
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if not (args.model / "config.json").is_file():
+        refuse(f"--model {args.model} is not a Hugging Face model folder (no config.json); give stories260K's folder.")
     out = (args.out or Path("outputs") / f"frontier_{stamp}").resolve()
     out.mkdir(parents=True, exist_ok=True)
-    if not (args.model / "config.json").is_file():
-        raise SystemExit(
-            f"Error: --model {args.model} is not a Hugging Face model folder (no config.json); give stories260K's folder."
-        )
     model = shown_path(args.model.resolve())
     print(f"[frontier] output folder: {out}", flush=True)
 
@@ -444,8 +448,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = story_prefixes(stories, random.Random(args.seed), args.min_words, args.max_words)
     random.Random(args.seed).shuffle(prompts)
     if len(prompts) < args.n_test + args.n_train:
-        raise SystemExit(
-            f"Error: {args.n_stories} stories gave {len(prompts)} distinct prefixes, fewer than --n-test {args.n_test} + "
+        refuse(
+            f"{args.n_stories} stories gave {len(prompts)} distinct prefixes, fewer than --n-test {args.n_test} + "
             f"--n-train {args.n_train}; raise --n-stories."
         )
     test, train = prompts[: args.n_test], prompts[args.n_test : args.n_test + args.n_train]

@@ -135,3 +135,13 @@ def _by_id(samples: list[dict]) -> dict[str, list[dict]]:
     for s in samples:
         grouped.setdefault(s["id"], []).append(s)
     return grouped
+
+
+def test_a_missing_model_is_one_sentence_and_exit_2_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        frontier.main(["--out", str(tmp_path / "out"), "--model", str(tmp_path / "nowhere")])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        f"Error: --model {tmp_path / 'nowhere'} is not a Hugging Face model folder (no config.json); give stories260K's folder.\n"
+    )
+    assert not (tmp_path / "out").exists()
