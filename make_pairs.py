@@ -6,6 +6,8 @@ weighted sum, rewards.RewardFunctionScorer). Every two completions of a prompt w
 scores make a pair, the higher chosen (the DPO paper's IMDb data, Rafailov et al. 2023, section
 6.1: k=4 gives up to 6 pairs); two equal scores are a tie, skipped and counted; a completion
 whose score failed (every function returned None, or one raised) is left out and counted.
+``max_pairs_per_prompt`` keeps a prompt's pairs with the largest score gaps (1: its best
+completion against its worst).
 
 ``output`` gets one JSON object a line, ``{prompt, chosen, rejected, chosen_score,
 rejected_score, id}`` after the prompt row's other columns: what ``python train.py datasets=[json]
@@ -53,6 +55,13 @@ def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list
     return pairs, ties, len(completions) - len(scored)
 
 
+def widest_pairs(pairs: list[tuple[int, int]], scores: list[float], limit: int) -> list[tuple[int, int]]:
+    """The ``limit`` pairs of ``pairs`` (chosen, rejected indices into ``scores``) with the largest
+    score gaps, in their order; equal gaps: the earlier pair first."""
+    widest = sorted(range(len(pairs)), key=lambda n: scores[pairs[n][1]] - scores[pairs[n][0]])[:limit]
+    return [pairs[n] for n in sorted(widest)]
+
+
 def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rejected_score: float) -> dict:
     """One output row: a text prompt as the ``json`` loader reads it (prompt, chosen, rejected
     strings); a conversation (a list of messages) as the ``hf`` loader's conversational format
@@ -67,8 +76,9 @@ def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rej
 
 def check_config(config: DictConfig) -> None:
     """Raise ConfigError (one sentence) for a missing policy or output, ``k`` < 2, ``n_prompts`` /
-    ``max_new_tokens`` / ``generate_batch_size`` < 1, a negative temperature, a ``split`` other than
-    train or test, ``max_failure_rate`` outside [0, 1] or ``datasets`` that is not a list."""
+    ``max_new_tokens`` / ``generate_batch_size`` < 1, ``max_pairs_per_prompt`` neither null nor >= 1,
+    a negative temperature, a ``split`` other than train or test, ``max_failure_rate`` outside
+    [0, 1] or ``datasets`` that is not a list."""
     if OmegaConf.is_missing(config, "policy") or config.policy is None:
         raise ConfigError("Give the policy to sample from: policy=<run folder | checkpoint | hf folder | hub id>.")
     if OmegaConf.is_missing(config, "output") or not config.output:
@@ -78,6 +88,9 @@ def check_config(config: DictConfig) -> None:
     for key in ("n_prompts", "max_new_tokens", "generate_batch_size"):
         if not isinstance(config[key], int) or config[key] < 1:
             raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
+    limit = config.get("max_pairs_per_prompt")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ConfigError(f"max_pairs_per_prompt must be null (every pair) or an integer >= 1, got {limit}.")
     if not isinstance(config.temperature, (int, float)) or config.temperature < 0:
         raise ConfigError(
             f"temperature must be a number >= 0 (0: greedy, which gives k equal completions), got {config.temperature}."
@@ -129,8 +142,10 @@ def main(config: DictConfig) -> dict:
 
     model, tokenizer = evaluate.load_source(policy, device)
     stop_ids = preference_datasets.stop_token_ids(tokenizer)
-    k, size = int(config.k), int(config.generate_batch_size)
+    k, size, limit = int(config.k), int(config.generate_batch_size), config.get("max_pairs_per_prompt")
     samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
+    if limit is not None:
+        counts["left out by max_pairs_per_prompt"] = 0
     for start in range(0, len(items), size):
         batch = items[start : start + size]
         ids = evaluate.prompt_ids(batch, tokenizer, config)
@@ -162,6 +177,9 @@ def main(config: DictConfig) -> dict:
                     }
                 )
             chosen_rejected, ties, failures = make_pairs(completions, mine)
+            if limit is not None and len(chosen_rejected) > limit:
+                counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
+                chosen_rejected = widest_pairs(chosen_rejected, mine, limit)
             for c, r in chosen_rejected:
                 pairs.append(pair_record(it, completions[c], completions[r], mine[c], mine[r]))
             counts["prompts"] += 1

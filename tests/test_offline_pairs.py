@@ -39,6 +39,35 @@ def test_pairs_by_hand_ties_and_failures_counted():
     assert make_pairs.make_pairs(list("abcd"), [4.0, 3.0, 2.0, 1.0])[0] == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
 
 
+def test_widest_pairs_by_hand():
+    # scores 4, 3, 2, 0.5: gaps (0,1) 1, (0,2) 2, (0,3) 3.5, (1,2) 1, (1,3) 2.5, (2,3) 1.5
+    scores = [4.0, 3.0, 2.0, 0.5]
+    pairs = make_pairs.make_pairs(list("abcd"), scores)[0]
+    assert make_pairs.widest_pairs(pairs, scores, 1) == [(0, 3)]
+    assert make_pairs.widest_pairs(pairs, scores, 3) == [(0, 2), (0, 3), (1, 3)]
+    assert make_pairs.widest_pairs(pairs, scores, 4) == [(0, 2), (0, 3), (1, 3), (2, 3)]
+    # scores 2, 1, 0: (0,1) and (1,2) both have gap 1, the earlier is kept
+    assert make_pairs.widest_pairs([(0, 1), (0, 2), (1, 2)], [2.0, 1.0, 0.0], 2) == [(0, 1), (0, 2)]
+
+
+def test_max_pairs_per_prompt_1_keeps_the_longest_against_the_shortest(run, tmp_path, capsys):
+    output = tmp_path / "pairs.jsonl"
+    overrides = [f"policy={run}", f"output={output}", "reward_functions=[length]", "n_prompts=5", "k=6", "max_new_tokens=12"]
+    counts = make_pairs.main(pairs_config([*overrides, "max_pairs_per_prompt=1"]))
+    pairs, samples = read_jsonl(output), read_jsonl(Path(str(output) + ".samples.jsonl"))
+    left_out = 0
+    for prompt in {s["id"] for s in samples}:
+        lengths = [len(s["completion"]) for s in samples if s["id"] == prompt]
+        mine = [p for p in pairs if p["id"] == prompt]
+        differ = sum(a != b for a, b in itertools.combinations(lengths, 2))
+        assert len(mine) == min(differ, 1)
+        if mine:
+            assert (mine[0]["chosen_score"], mine[0]["rejected_score"]) == (max(lengths), min(lengths))
+        left_out += max(differ - 1, 0)
+    assert left_out > 0 and counts["pairs"] == len(pairs) and counts["left out by max_pairs_per_prompt"] == left_out
+    assert f"{left_out} left out by max_pairs_per_prompt" in capsys.readouterr().out
+
+
 def test_offline_pairs_by_length_end_to_end_then_trains(run, tmp_path, capsys):
     output = tmp_path / "pairs.jsonl"
     config = pairs_config(
@@ -145,6 +174,7 @@ def test_a_conversation_pair_is_a_row_the_hf_loader_reads_and_a_text_pair_one_js
         (["reward_functions=[lenght]"], "'lenght' is not a registered reward function; did you mean 'length'?"),
         (["k=1"], "k must be an integer >= 2"),
         (["split=eval"], "split must be train or test"),
+        (["max_pairs_per_prompt=0"], "max_pairs_per_prompt must be null (every pair) or an integer >= 1, got 0."),
     ],
 )
 def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_path, monkeypatch):
