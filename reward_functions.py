@@ -101,8 +101,9 @@ def registered_names() -> str:
     return ", ".join(sorted(REWARD_FUNCTIONS))
 
 
-def resolve(spec: str) -> Callable:
-    """The reward function ``spec`` names: a registered name or ``module:function``.
+def resolve(spec: str, key: str = "reward_functions") -> Callable:
+    """The reward function ``spec`` names: a registered name or ``module:function``; ``key``: the
+    config key that named it (error sentences name it).
 
     Raises:
         ConfigError: if the name is not registered, the module does not import, it has no such
@@ -114,13 +115,12 @@ def resolve(spec: str) -> Callable:
         if spec in REWARD_FUNCTIONS:
             if spec in REQUIRES and importlib.util.find_spec(REQUIRES[spec]) is None:
                 raise ConfigError(
-                    f"reward_functions: {spec} needs the {REQUIRES[spec]} package, which is not installed; "
-                    "pip install -r requirements.txt."
+                    f"{key}: {spec} needs the {REQUIRES[spec]} package, which is not installed; pip install -r requirements.txt."
                 )
             return REWARD_FUNCTIONS[spec]
         close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"reward_functions: {spec!r} is not a registered reward function; {hint}{choose}.")
+        raise ConfigError(f"{key}: {spec!r} is not a registered reward function; {hint}{choose}.")
     module_name, _, attr = spec.partition(":")
     if os.getcwd() not in sys.path:  # python path/to/train.py puts the script's folder there, not the current one
         sys.path.append(os.getcwd())
@@ -128,19 +128,19 @@ def resolve(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except Exception as e:  # a missing module, or one that fails while importing
         raise ConfigError(
-            f"reward_functions: {spec!r} does not import ({type(e).__name__}: {e}); {choose}, "
+            f"{key}: {spec!r} does not import ({type(e).__name__}: {e}); {choose}, "
             "the module importable from the current directory or PYTHONPATH."
         ) from None
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ConfigError(f"reward_functions: module {module_name} has no {attr!r}; {choose}.")
+        raise ConfigError(f"{key}: module {module_name} has no {attr!r}; {choose}.")
     if not callable(fn):
-        raise ConfigError(f"reward_functions: {spec} is a {type(fn).__name__}, not a function; {choose}.")
+        raise ConfigError(f"{key}: {spec} is a {type(fn).__name__}, not a function; {choose}.")
     try:
         inspect.signature(fn).bind_partial([], [])  # the rest may be fields
     except TypeError as e:
         raise ConfigError(
-            f"reward_functions: {spec} cannot be called as fn(prompts, completions, **fields) ({e}); give it that signature."
+            f"{key}: {spec} cannot be called as fn(prompts, completions, **fields) ({e}); give it that signature."
         ) from None
     except ValueError:  # a builtin without a signature: called as it is
         pass
@@ -195,4 +195,4 @@ def eval_functions(spec, declared: list[str]) -> list[tuple[str, Callable]]:
         names = list(spec)
         if not all(isinstance(s, str) for s in names):
             raise ConfigError(f"eval_reward_functions must be auto, null or a list of names, got {spec!r}.")
-    return [(str(name), resolve(name)) for name in names]
+    return [(str(name), resolve(name, "eval_reward_functions")) for name in names]

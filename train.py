@@ -758,8 +758,9 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
     elif config.get("online") and config.online.enabled:
         reason = "online DPO samples from the model it starts from"
     elif config.resume == "auto":
+        source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
         raise utils.ConfigError(
-            "sft_first.n_examples runs two runs (SFT, then this one) and resume=auto continues one: set "
+            f"sft_first.n_examples={stage.n_examples}{source} runs two runs (SFT, then this one) and resume=auto continues one: set "
             "sft_first.n_examples=null and give the SFT policy as model.archive=<SFT run>/LATEST/policy.pt."
         )
     if reason is None:
@@ -854,20 +855,23 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
         return [r for r in rows if any(k.endswith("_eval/accuracies") or k.startswith("answers_eval/") for k in r)]
 
     first, second = evals(sft_dir), evals(run_dir)
+    loss_name = OmegaConf.load(os.path.join(run_dir, "config.yaml")).loss.name
+    n = second[-1].get("answers_eval/n") if second else None
+    n = int(n) if isinstance(n, (int, float)) else "the"
     lines = []
     if first and second:
         for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended"))):
             values = [first[0].get(key), first[-1].get(key), second[-1].get(key)]
             if all(isinstance(v, (int, float)) for v in values):
                 lines.append(
-                    f"{key} (greedy answers to the held-out prompts): {values[0]:.2f} at the start, "
-                    f"{values[1]:.2f} after SFT, {values[2]:.2f} after the second stage."
+                    f"{key} (mean score of the greedy answers to the held-out prompts): {values[0]:.2f} at the start, "
+                    f"{values[1]:.2f} after SFT, {values[2]:.2f} after {loss_name} ({n} prompts)."
                 )
     accuracy = [r.get("rewards_eval/accuracies") for r in (second[:1] + second[-1:])] if second else []
     if len(accuracy) == 2 and all(isinstance(v, (int, float)) for v in accuracy):
         lines.append(
-            f"rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): {accuracy[0]:.2f} at the second "
-            f"stage's start (policy = reference: every margin 0), {accuracy[1]:.2f} at its end."
+            f"rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): {accuracy[0]:.2f} at the start of "
+            f"{loss_name} (policy = reference: every margin 0; chance 0.5), {accuracy[1]:.2f} at its end."
         )
     return lines
 
@@ -884,6 +888,8 @@ def hydra_main(config: DictConfig) -> None:
         utils.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
         if sft_stage_wanted(config, given):
             utils.validate_config(config)  # a bad value is said once, before either stage starts
+            declared = preference_datasets.declared_reward_functions(config.datasets)
+            reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
             sys.exit(run_stages(config, overrides))
         if config.resume not in (None, "auto"):
             problem = resume_override_error(config, given)

@@ -755,6 +755,7 @@ class BasicTrainer(OnlineSampling):
                 means[f"answers_eval/{name}_failed"] = 1 - len(scored) / len(scores)
         ended = [r["ended"] for r in rows if r["function"] is None]
         means["answers_eval/ended"] = float(np.mean(ended)) if ended else float("nan")
+        means["answers_eval/n"] = len(ended)  # the prompts answered (the means' sample size)
         return means
 
     @torch.no_grad()

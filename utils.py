@@ -1451,7 +1451,7 @@ def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
     logp_unit = "nats per token, mean over response tokens" if average_log_prob else "nats, summed over response tokens"
     fraction = (-0.02, 1.02)
     return [
-        (r"^(memory|counters)/", None, "", "", None),  # one value at the end / the x axis itself
+        (r"^(memory|counters)/|^answers_eval/n$", None, "", "", None),  # one value at the end / the x axis / a count
         (r"/accuracies$", "accuracy", "pair accuracy", "accuracy (fraction of pairs, chosen > rejected)", fraction),
         (r"^answers_eval/", "answers_eval", "the policy's greedy answers (eval)", "mean score (exact checks: share right)", None),
         (r"^loss/", "loss", "loss", f"loss ({loss_unit})", None),

@@ -394,7 +394,7 @@ def refuse(message: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: outputs/frontier_<timestamp>)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (null: outputs/frontier_<timestamp>)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the SFT policy and reference (a Hugging Face folder)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-stories", type=int, default=2048, help="stories sampled to cut the prompts from")
