@@ -28,6 +28,12 @@ TINY = [
 ]
 
 
+def one_run(args: list[str]) -> list[str]:
+    """``args`` for a command line that trains one run: model=tiny's preset would run an SFT stage
+    first (``sft_first``) unless the arguments say otherwise."""
+    return args if any(a.startswith("sft_first") for a in args) else [*args, "sft_first.n_examples=null"]
+
+
 def compose_config(overrides: list[str]):
     """The composed config for ``python train.py <overrides>``."""
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):

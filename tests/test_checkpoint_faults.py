@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose_config, metric_records
+from conftest import REPO, TINY, compose_config, metric_records, one_run
 
 import train
 import trainers
@@ -67,7 +67,7 @@ def cli(args: list[str], tmp_path: Path, inject: str | None = None, timeout: int
         (site / "sitecustomize.py").write_text(textwrap.dedent(inject))
         env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen(
-        [sys.executable, "train.py", *args, f"output_root={tmp_path / 'out'}"],
+        [sys.executable, "train.py", *one_run(args), f"output_root={tmp_path / 'out'}"],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_torchrun
+from conftest import REPO, one_run, run_torchrun
 
 import utils
 
@@ -56,7 +56,7 @@ def start_train(args: list[str], out: Path) -> subprocess.Popen:
     """Start ``python train.py args`` in its own process group, output captured as text."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(
-        [sys.executable, "train.py", *args, f"output_root={out}"],
+        [sys.executable, "train.py", *one_run(args), f"output_root={out}"],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

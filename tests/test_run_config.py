@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, TINY, compose_config, needs_shared, run_train
+from conftest import REPO, TINY, compose_config, needs_shared, one_run, run_train
 from omegaconf import OmegaConf
 
 import train
@@ -27,7 +27,7 @@ def train_py(args: list[str], timeout: float = 120) -> subprocess.CompletedProce
     """``python train.py args`` from the repository root; a run past ``timeout`` fails the test."""
     try:
         return subprocess.run(
-            [sys.executable, "train.py", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
+            [sys.executable, "train.py", *one_run(args)], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout
         )
     except subprocess.TimeoutExpired:
         pytest.fail(f"train.py {' '.join(args)} ran past {timeout} s")
