@@ -753,8 +753,8 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
         reason = "model.archive is given (the SFT policy this run starts from)"
     elif config.resume not in (None, "auto"):
         reason = "resume= continues one run"
-    elif config.loss.name == "sft" or objective is None or objective.score_head:
-        reason = f"loss={config.loss.name} is not a preference objective that starts from an SFT policy"
+    elif objective is None or objective.score_head or not objective.uses_reference(config.loss):
+        reason = f"loss={config.loss.name} has no reference model, so no SFT policy to start from"
     elif config.get("online") and config.online.enabled:
         reason = "online DPO samples from the model it starts from"
     elif config.resume == "auto":
