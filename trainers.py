@@ -241,7 +241,10 @@ class BasicTrainer(OnlineSampling):
             self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
         )
         declared = declared_reward_functions(config.datasets)
-        self.answer_functions = reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
+        self.answer_functions = [  # one scorer per function: each is reported on its own
+            (name, rewards.RewardFunctionScorer([name], [fn], [1.0]))
+            for name, fn in reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
+        ]
         n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
         self.eval_batches = list(
             get_batch_iterator(
@@ -740,8 +743,7 @@ class BasicTrainer(OnlineSampling):
             texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
             ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
             columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
-            for name, fn in self.answer_functions:
-                scorer = rewards.RewardFunctionScorer([name], [fn], [1.0])
+            for name, scorer in self.answer_functions:
                 scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
                 rows.extend({"function": name, "score": score} for score in scores)
             rows.extend({"function": None, "ended": e} for e in ended)
