@@ -161,10 +161,18 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
     if config.model.archive is not None and os.path.isdir(config.model.archive):
-        raise ConfigError(
-            f"model.archive={config.model.archive} is a folder; give a checkpoint's policy.pt, "
-            f"e.g. {os.path.join(config.model.archive, 'LATEST', 'policy.pt')}."
+        folder = config.model.archive
+        there = [
+            os.path.join(folder, *p)
+            for p in (("policy.pt",), ("LATEST", "policy.pt"))
+            if os.path.exists(os.path.join(folder, *p))
+        ]
+        hint = (
+            f"model.archive={there[0]}"
+            if there
+            else "the policy.pt of a checkpoint (<run>/LATEST/policy.pt); this folder holds none"
         )
+        raise ConfigError(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}.")
 
 
 def model_contradiction(config: DictConfig) -> str | None:

@@ -364,3 +364,28 @@ def test_the_readme_config_table_gives_the_tiny_presets_values():
         if "; tiny: " in cell and key in base and key not in tiny_keys:  # a key tiny leaves: the same on both sides
             ours, theirs = (part.split(", ") for part in cell.split("; tiny: "))
             assert ours[i] == theirs[i], (key, cell)
+
+
+@pytest.mark.parametrize("given", ["run", "LATEST", "step", "empty"])
+def test_model_archive_given_a_folder_names_the_policy_file_that_is_there(tmp_path, given):
+    # Regression (issue 24): <run>/LATEST and <run>/step-512 suggested .../LATEST/LATEST/policy.pt
+    # and .../step-512/LATEST/policy.pt, neither of which exists.
+    run = tmp_path / "run"
+    (run / "step-512").mkdir(parents=True)
+    (run / "step-512" / "policy.pt").write_bytes(b"")
+    (run / "LATEST").symlink_to("step-512")
+    (tmp_path / "empty").mkdir()
+    folder = {"run": run, "LATEST": run / "LATEST", "step": run / "step-512", "empty": tmp_path / "empty"}[given]
+    expected = {
+        "run": run / "LATEST" / "policy.pt",
+        "LATEST": run / "LATEST" / "policy.pt",
+        "step": run / "step-512" / "policy.pt",
+    }.get(given)
+    with pytest.raises(utils.ConfigError) as error:
+        utils.validate_config(compose_config([f"model.archive={folder}"]))
+    message = str(error.value)
+    assert message.startswith(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: ")
+    if expected is None:
+        assert "this folder holds none" in message
+    else:
+        assert message.endswith(f"model.archive={expected}.")
