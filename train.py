@@ -102,6 +102,11 @@ def effective_config(config: DictConfig) -> DictConfig:
     resume_dir = config.resume
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
+        if os.path.exists(saved) and not os.path.exists(os.path.join(resume_dir, "LATEST")):
+            raise utils.ConfigError(
+                f"resume={resume_dir} has no checkpoint yet (the run stopped before its first): there is nothing to "
+                "resume; start it again with the same command (its config is in config.yaml there)."
+            )
         if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
             parent = os.path.dirname(os.path.normpath(resume_dir))
             hint = ""

@@ -389,3 +389,14 @@ def test_model_archive_given_a_folder_names_the_policy_file_that_is_there(tmp_pa
         assert "this folder holds none" in message
     else:
         assert message.endswith(f"model.archive={expected}.")
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    # Regression (issue 24): it said "is not a run folder" of a folder train.py had made.
+    run = tmp_path / "dpo_run_2026-12-02_10-00-00_000000"
+    run.mkdir()
+    OmegaConf.save(compose_config(TINY), run / "config.yaml")
+    with pytest.raises(
+        utils.ConfigError, match=r"has no checkpoint yet .*nothing to resume; start it again with the same command"
+    ):
+        train.effective_config(compose_config([*TINY, f"resume={run}"]))
