@@ -256,6 +256,19 @@ def data_parallel_size(config: DictConfig, world_size: int) -> int:
     return world_size
 
 
+def hf_folder_error(path: str, key: str) -> str | None:
+    """One sentence when the local folder ``path`` (given as ``key``) is a run folder or a checkpoint
+    of train.py rather than a Hugging Face model folder, naming the export inside it; else None."""
+    folder = os.path.expanduser(str(path))
+    if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "config.json")):
+        return None
+    for inner in (("hf",), ("LATEST", "hf")):
+        export = os.path.join(folder, *inner)
+        if os.path.exists(os.path.join(export, "config.json")):
+            return f"{key}={path} is a run folder or checkpoint of train.py, not a model folder; give its export, {key}={export}."
+    return f"{key}={path} holds no config.json, so it is not a Hugging Face model folder; give one (e.g. a loss=reward run's LATEST/hf)."
+
+
 def looks_local(path: str) -> bool:
     """True if ``path`` can only be a local folder, not a hub id ("org/name" has one slash at most)."""
     path = str(path)
@@ -440,6 +453,10 @@ def validate_online(config: DictConfig) -> None:
         raise ConfigError(
             f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
         )
+    if online.scorer in ("reward_model", "reward_model_judge"):
+        problem = hf_folder_error(config.reward_model.name_or_path, "reward_model.name_or_path")
+        if problem is not None:
+            raise ConfigError(problem)
     if online.scorer == "http_judge" and (config.judge.base_url is None or config.judge.model is None):
         raise ConfigError("online.scorer=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
     if online.ties not in ("skip", "random"):
