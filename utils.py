@@ -1052,11 +1052,37 @@ def resumable_runs(root: str, exp_name: str) -> list[str]:
         path = os.path.join(root, name)
         if match is None or not os.path.isdir(path):
             continue
-        if all(os.path.exists(os.path.join(path, f)) for f in ("LATEST", "config.yaml")) and not os.path.exists(
-            os.path.join(path, FINISHED)
+        if (
+            os.path.exists(os.path.join(path, "config.yaml"))
+            and checkpoint_to_resume(path)[0] is not None
+            and not os.path.exists(os.path.join(path, FINISHED))
         ):
             found.append((match.group(1), path))
     return [path for _, path in sorted(found, reverse=True)]
+
+
+def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
+    """The checkpoint ``resume=<run_dir>`` continues from, and a note when it is not ``LATEST``:
+    ``<run_dir>/LATEST`` when it leads to a folder; when ``LATEST`` points at a missing folder,
+    the newest ``step-N`` that holds its policy.pt and trainer_state.pt (and the note saying so);
+    (None, None) when there is no checkpoint."""
+    import re
+
+    latest = os.path.join(run_dir, "LATEST")
+    if os.path.isdir(latest):
+        return latest, None
+    steps = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        match = re.fullmatch(r"step-(\d+)", name)
+        folder = os.path.join(run_dir, name)
+        if match and all(os.path.isfile(os.path.join(folder, f)) for f in ("policy.pt", "trainer_state.pt")):
+            steps.append((int(match.group(1)), folder))
+    if not steps:
+        return None, None
+    folder = max(steps)[1]
+    target = os.readlink(latest) if os.path.islink(latest) else None
+    why = f"LATEST points at {target}, which is missing" if target else "LATEST is missing"
+    return folder, f"{why}; continuing from {os.path.basename(folder)}, the newest checkpoint with its files."
 
 
 RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")

@@ -400,3 +400,26 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_there_is_nothi
         utils.ConfigError, match=r"has no checkpoint yet .*nothing to resume; start it again with the same command"
     ):
         train.effective_config(compose_config([*TINY, f"resume={run}"]))
+
+
+def test_latest_pointing_at_a_missing_folder_resumes_from_the_newest_intact_step(tmp_path, capsys):
+    # Regression (issue 24): LATEST -> a deleted step-48 made resume= say "is not a run folder"
+    # and resume=auto start fresh, although step-16 and step-32 were intact.
+    import shutil
+
+    run = run_train(["n_examples=48", "eval_every=16", "keep_checkpoints=0", "save_hf_export=false"], tmp_path)
+    assert os.readlink(run / "LATEST") == "step-48"
+    shutil.rmtree(run / "step-48")
+    (run / utils.FINISHED).unlink()
+    assert utils.checkpoint_to_resume(str(run)) == (
+        str(run / "step-32"),
+        "LATEST points at step-48, which is missing; continuing from step-32, the newest checkpoint with its files.",
+    )
+    assert utils.resumable_runs(str(tmp_path), "dpo_run") == [str(run)]  # resume=auto finds it
+    capsys.readouterr()
+    run_dir, stop = train.main(compose_config([*TINY, f"output_root={tmp_path}", f"resume={run}"]))
+    assert stop is None and Path(run_dir) == run
+    assert "Note: LATEST points at step-48, which is missing; continuing from step-32" in capsys.readouterr().out
+    assert (run / utils.FINISHED).read_text() == "48\n" and os.readlink(run / "LATEST") == "step-48"
+    evals = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    assert evals == [0, 16, 32, 48]  # the rewound metrics: step 48 once
