@@ -102,7 +102,13 @@ def effective_config(config: DictConfig) -> DictConfig:
     resume_dir = config.resume
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
-        if not os.path.exists(os.path.join(resume_dir, "LATEST")) or not os.path.exists(saved):
+        checkpoint, _ = utils.checkpoint_to_resume(resume_dir)
+        if os.path.exists(saved) and checkpoint is None:
+            raise utils.ConfigError(
+                f"resume={resume_dir} has no checkpoint yet (the run stopped before its first): there is nothing to "
+                "resume; start it again with the same command (its config is in config.yaml there)."
+            )
+        if checkpoint is None or not os.path.exists(saved):
             parent = os.path.dirname(os.path.normpath(resume_dir))
             hint = ""
             if os.path.exists(os.path.join(parent, "LATEST")) and os.path.exists(os.path.join(parent, "config.yaml")):
@@ -290,7 +296,9 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     resume_dir = config.resume
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     if checkpoint_dir is None and resume_dir is not None:
-        checkpoint_dir = os.path.join(resume_dir, "LATEST")
+        checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
+        if note is not None and says_once():
+            print(f"Note: {note}")
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)

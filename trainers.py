@@ -807,11 +807,7 @@ class BasicTrainer(OnlineSampling):
         with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
-        with open(os.path.join(self.run_dir, "samples.md"), "a") as f:
-            cols = ["prompt", *completions]
-            f.write(f"\n## after {self.example_counter} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
-            for row in rows:
-                f.write("| " + " | ".join(_md_cell(row[c]) for c in cols) + " |\n")
+        write_samples_md(self.run_dir)
         for name in completions:
             self.logger.log_table(
                 f"{name}_samples",
@@ -1257,6 +1253,7 @@ class BasicTrainer(OnlineSampling):
             dropped = self.logger.rewind(self.example_counter)
             for name in ("samples.jsonl", "completions.jsonl"):
                 utils.rewind_jsonl(os.path.join(self.run_dir, name), self.example_counter)
+            write_samples_md(self.run_dir)  # its view of samples.jsonl, rewound with it
             if dropped:
                 print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
 
@@ -1401,6 +1398,30 @@ def count_tokens(batch: dict) -> int:
     batch of prompts)."""
     keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
     return sum(int(batch[k].sum()) for k in keys)
+
+
+def write_samples_md(run_dir: str) -> None:
+    """Rewrite ``samples.md`` from ``samples.jsonl`` (atomically): a table per eval, its prompts
+    and each model's sample; nothing when there are no samples."""
+    path = os.path.join(run_dir, "samples.jsonl")
+    if not os.path.exists(path):
+        return
+    sections: dict[int, list[dict]] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash
+                continue
+            sections.setdefault(row["step"], []).append(row)
+    tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        for step, rows in sections.items():
+            cols = ["prompt", *(k for k in rows[0] if k not in ("step", "prompt"))]
+            f.write(f"\n## after {step} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
+            for row in rows:
+                f.write("| " + " | ".join(_md_cell(row.get(c, "")) for c in cols) + " |\n")
+    os.replace(tmp, os.path.join(run_dir, "samples.md"))
 
 
 def _md_cell(text: str) -> str:

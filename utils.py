@@ -161,10 +161,18 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     if config.model.archive is not None and not os.path.exists(config.model.archive):
         raise ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
     if config.model.archive is not None and os.path.isdir(config.model.archive):
-        raise ConfigError(
-            f"model.archive={config.model.archive} is a folder; give a checkpoint's policy.pt, "
-            f"e.g. {os.path.join(config.model.archive, 'LATEST', 'policy.pt')}."
+        folder = config.model.archive
+        there = [
+            os.path.join(folder, *p)
+            for p in (("policy.pt",), ("LATEST", "policy.pt"))
+            if os.path.exists(os.path.join(folder, *p))
+        ]
+        hint = (
+            f"model.archive={there[0]}"
+            if there
+            else "the policy.pt of a checkpoint (<run>/LATEST/policy.pt); this folder holds none"
         )
+        raise ConfigError(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}.")
 
 
 def model_contradiction(config: DictConfig) -> str | None:
@@ -246,6 +254,19 @@ def data_parallel_size(config: DictConfig, world_size: int) -> int:
     if config.trainer == "FSDPTrainer":
         return world_size // (config.get("tensor_parallel_size") or 1)
     return world_size
+
+
+def hf_folder_error(path: str, key: str) -> str | None:
+    """One sentence when the local folder ``path`` (given as ``key``) is a run folder or a checkpoint
+    of train.py rather than a Hugging Face model folder, naming the export inside it; else None."""
+    folder = os.path.expanduser(str(path))
+    if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "config.json")):
+        return None
+    for inner in (("hf",), ("LATEST", "hf")):
+        export = os.path.join(folder, *inner)
+        if os.path.exists(os.path.join(export, "config.json")):
+            return f"{key}={path} is a run folder or checkpoint of train.py, not a model folder; give its export, {key}={export}."
+    return f"{key}={path} holds no config.json, so it is not a Hugging Face model folder; give one (e.g. a loss=reward run's LATEST/hf)."
 
 
 def looks_local(path: str) -> bool:
@@ -432,6 +453,10 @@ def validate_online(config: DictConfig) -> None:
         raise ConfigError(
             f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
         )
+    if online.scorer in ("reward_model", "reward_model_judge"):
+        problem = hf_folder_error(config.reward_model.name_or_path, "reward_model.name_or_path")
+        if problem is not None:
+            raise ConfigError(problem)
     if online.scorer == "http_judge" and (config.judge.base_url is None or config.judge.model is None):
         raise ConfigError("online.scorer=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
     if online.ties not in ("skip", "random"):
@@ -1027,11 +1052,37 @@ def resumable_runs(root: str, exp_name: str) -> list[str]:
         path = os.path.join(root, name)
         if match is None or not os.path.isdir(path):
             continue
-        if all(os.path.exists(os.path.join(path, f)) for f in ("LATEST", "config.yaml")) and not os.path.exists(
-            os.path.join(path, FINISHED)
+        if (
+            os.path.exists(os.path.join(path, "config.yaml"))
+            and checkpoint_to_resume(path)[0] is not None
+            and not os.path.exists(os.path.join(path, FINISHED))
         ):
             found.append((match.group(1), path))
     return [path for _, path in sorted(found, reverse=True)]
+
+
+def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
+    """The checkpoint ``resume=<run_dir>`` continues from, and a note when it is not ``LATEST``:
+    ``<run_dir>/LATEST`` when it leads to a folder; when ``LATEST`` points at a missing folder,
+    the newest ``step-N`` that holds its policy.pt and trainer_state.pt (and the note saying so);
+    (None, None) when there is no checkpoint."""
+    import re
+
+    latest = os.path.join(run_dir, "LATEST")
+    if os.path.isdir(latest):
+        return latest, None
+    steps = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        match = re.fullmatch(r"step-(\d+)", name)
+        folder = os.path.join(run_dir, name)
+        if match and all(os.path.isfile(os.path.join(folder, f)) for f in ("policy.pt", "trainer_state.pt")):
+            steps.append((int(match.group(1)), folder))
+    if not steps:
+        return None, None
+    folder = max(steps)[1]
+    target = os.readlink(latest) if os.path.islink(latest) else None
+    why = f"LATEST points at {target}, which is missing" if target else "LATEST is missing"
+    return folder, f"{why}; continuing from {os.path.basename(folder)}, the newest checkpoint with its files."
 
 
 RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")

@@ -688,3 +688,27 @@ def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp
     assert len(steps) == 6
     failures = sum(judge["failures"] for judge in judges_a)
     assert 0 < failures == round(sum(8 * r["online/failed_judgements"] for r in steps)) < 48
+
+
+@pytest.mark.parametrize("inner", ["", "LATEST", "nothing"])
+def test_a_reward_model_run_folder_is_one_sentence_naming_its_export(tmp_path, inner):
+    # Regression (issue 24): reward_model.name_or_path=<a loss=reward run folder> was a Hydra
+    # traceback ("Unrecognized model ... model_type") after the data had loaded.
+    run = tmp_path / "rm_run"
+    (run / "step-8" / "hf").mkdir(parents=True)
+    (run / "step-8" / "hf" / "config.json").write_text("{}")
+    (run / "LATEST").symlink_to("step-8")
+    given = {"": run, "LATEST": run / "LATEST", "nothing": tmp_path}[inner]
+    config = compose_config([*TINY, *ONLINE, "online.scorer=reward_model", f"reward_model.name_or_path={given}"])
+    with pytest.raises(utils.ConfigError) as error:
+        utils.validate_config(config)
+    if inner == "nothing":
+        assert str(error.value).endswith(
+            "holds no config.json, so it is not a Hugging Face model folder; give one (e.g. a loss=reward run's LATEST/hf)."
+        )
+    else:
+        export = run / "LATEST" / "hf"
+        assert str(error.value) == (
+            f"reward_model.name_or_path={given} is a run folder or checkpoint of train.py, not a model folder; give its export, "
+            f"reward_model.name_or_path={export}."
+        )

@@ -364,3 +364,62 @@ def test_the_readme_config_table_gives_the_tiny_presets_values():
         if "; tiny: " in cell and key in base and key not in tiny_keys:  # a key tiny leaves: the same on both sides
             ours, theirs = (part.split(", ") for part in cell.split("; tiny: "))
             assert ours[i] == theirs[i], (key, cell)
+
+
+@pytest.mark.parametrize("given", ["run", "LATEST", "step", "empty"])
+def test_model_archive_given_a_folder_names_the_policy_file_that_is_there(tmp_path, given):
+    # Regression (issue 24): <run>/LATEST and <run>/step-512 suggested .../LATEST/LATEST/policy.pt
+    # and .../step-512/LATEST/policy.pt, neither of which exists.
+    run = tmp_path / "run"
+    (run / "step-512").mkdir(parents=True)
+    (run / "step-512" / "policy.pt").write_bytes(b"")
+    (run / "LATEST").symlink_to("step-512")
+    (tmp_path / "empty").mkdir()
+    folder = {"run": run, "LATEST": run / "LATEST", "step": run / "step-512", "empty": tmp_path / "empty"}[given]
+    expected = {
+        "run": run / "LATEST" / "policy.pt",
+        "LATEST": run / "LATEST" / "policy.pt",
+        "step": run / "step-512" / "policy.pt",
+    }.get(given)
+    with pytest.raises(utils.ConfigError) as error:
+        utils.validate_config(compose_config([f"model.archive={folder}"]))
+    message = str(error.value)
+    assert message.startswith(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: ")
+    if expected is None:
+        assert "this folder holds none" in message
+    else:
+        assert message.endswith(f"model.archive={expected}.")
+
+
+def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_there_is_nothing_to_resume(tmp_path):
+    # Regression (issue 24): it said "is not a run folder" of a folder train.py had made.
+    run = tmp_path / "dpo_run_2026-12-02_10-00-00_000000"
+    run.mkdir()
+    OmegaConf.save(compose_config(TINY), run / "config.yaml")
+    with pytest.raises(
+        utils.ConfigError, match=r"has no checkpoint yet .*nothing to resume; start it again with the same command"
+    ):
+        train.effective_config(compose_config([*TINY, f"resume={run}"]))
+
+
+def test_latest_pointing_at_a_missing_folder_resumes_from_the_newest_intact_step(tmp_path, capsys):
+    # Regression (issue 24): LATEST -> a deleted step-48 made resume= say "is not a run folder"
+    # and resume=auto start fresh, although step-16 and step-32 were intact.
+    import shutil
+
+    run = run_train(["n_examples=48", "eval_every=16", "keep_checkpoints=0", "save_hf_export=false"], tmp_path)
+    assert os.readlink(run / "LATEST") == "step-48"
+    shutil.rmtree(run / "step-48")
+    (run / utils.FINISHED).unlink()
+    assert utils.checkpoint_to_resume(str(run)) == (
+        str(run / "step-32"),
+        "LATEST points at step-48, which is missing; continuing from step-32, the newest checkpoint with its files.",
+    )
+    assert utils.resumable_runs(str(tmp_path), "dpo_run") == [str(run)]  # resume=auto finds it
+    capsys.readouterr()
+    run_dir, stop = train.main(compose_config([*TINY, f"output_root={tmp_path}", f"resume={run}"]))
+    assert stop is None and Path(run_dir) == run
+    assert "Note: LATEST points at step-48, which is missing; continuing from step-32" in capsys.readouterr().out
+    assert (run / utils.FINISHED).read_text() == "48\n" and os.readlink(run / "LATEST") == "step-48"
+    evals = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
+    assert evals == [0, 16, 32, 48]  # the rewound metrics: step 48 once

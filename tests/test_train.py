@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -598,3 +599,16 @@ def test_a_non_number_or_out_of_range_number_is_one_sentence_before_any_model_lo
         with pytest.raises(utils.ConfigError) as e:
             utils.validate_config(compose_config([override]))
         assert str(e.value).startswith(message), str(e.value)
+
+
+def test_samples_md_is_rewound_with_samples_jsonl(tmp_path):
+    # Regression (issue 24): after a resume from step 24, samples.md kept the sections logged after
+    # it, and the resumed run wrote them again (samples.jsonl was rewound, samples.md was not).
+    rows = [{"step": s, "prompt": f"Q{i}|", "policy": f"p{s}\n", "reference": "r"} for s in (0, 24, 48) for i in range(2)]
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    utils.rewind_jsonl(str(tmp_path / "samples.jsonl"), 24)
+    trainers.write_samples_md(str(tmp_path))
+    text = (tmp_path / "samples.md").read_text()
+    assert text.count("## after 0 examples") == 1 and text.count("## after 24 examples") == 1
+    assert "## after 48" not in text
+    assert "| prompt | policy | reference |" in text and "| Q1\\| | p24<br> | r |" in text
