@@ -286,6 +286,7 @@ def main(
             folder a live run holds, or ranks that differ in config, code or ``output_root``
             (before any model loads).
     """
+    utils.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     with contextlib.ExitStack() as held:
         return _main(config, run_dir, checkpoint_dir, attach, held)
 

@@ -232,7 +232,7 @@ class BasicTrainer(OnlineSampling):
                 self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}  # LoRA: the adapters
         self.prepare_models()
-        self.setup_peak_rss_mib = _peak_rss_mib()  # loading and sharding, before any step
+        self.setup_peak_rss_mib = utils.peak_rss_mib()  # loading and sharding, before any step
 
         self.optimizer = self.build_optimizer()
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
@@ -1041,7 +1041,7 @@ class BasicTrainer(OnlineSampling):
         Returns:
             {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
         """
-        mine = {"rss": [_peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
+        mine = {"rss": [utils.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
         gathered = self.gather_per_rank(mine)
@@ -1383,14 +1383,8 @@ def format_peak_memory(memory: dict[str, list[float]]) -> str:
         if "cuda" in memory:
             text += f", {memory['cuda'][rank]:.0f} MiB CUDA"
         parts.append(f"rank {rank} {text}" if n > 1 else text)
-    return "Peak memory: " + "; ".join(parts) + "."
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory so far, MiB (Linux reports KiB)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    whose = " (this process's, over the earlier jobs of this multirun too: its peak cannot be reset here)"
+    return "Peak memory" + (whose if utils.peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."
 
 
 def count_tokens(batch: dict) -> int:

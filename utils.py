@@ -13,6 +13,7 @@ import random
 import re
 import shutil
 import socket
+import sys
 import tempfile
 
 import numpy as np
@@ -615,6 +616,43 @@ def cpu_allocator() -> str:
     if mib is None:
         return f"glibc {version} malloc, its default mmap threshold (128 KiB, growing to 32 MiB)"
     return f"glibc {version} malloc, mmap threshold {mib:g} MiB (malloc_mmap_threshold_mib)"
+
+
+_PEAK = {"reset": False, "jobs": 0}
+"""Whether :func:`reset_peak_memory` could reset this process's resident peak, and how many jobs it started."""
+
+
+def reset_peak_memory() -> None:
+    """Start this job's peak-memory counters afresh: the kernel's resident high-water mark
+    (``/proc/self/clear_refs``, Linux 4.0+) and CUDA's, so that each job of a Hydra multirun (all in
+    one process) reports its own peak, not the process's peak over the jobs before it."""
+    _PEAK["jobs"] += 1
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # 5: reset the peak resident set size (Documentation/filesystems/proc.rst)
+        _PEAK["reset"] = True
+    except OSError:  # not Linux, or not allowed: the peak stays the process's
+        _PEAK["reset"] = False
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_rss_mib() -> float:
+    """This job's peak resident memory, MiB: ``VmHWM`` since :func:`reset_peak_memory` on Linux,
+    else the process's peak so far (``ru_maxrss``)."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes / KiB
+
+
+def peak_is_the_processes() -> bool:
+    """Whether :func:`peak_rss_mib` includes earlier jobs of this process (it could not be reset)."""
+    return _PEAK["jobs"] > 1 and not _PEAK["reset"]
 
 
 def set_seed(seed: int) -> None:
