@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -255,6 +256,58 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     return policy, reference
 
 
+class StoppedDuringSetup(Exception):
+    """SIGINT, SIGTERM or SIGUSR1 arrived during a job's setup (data, models, run folder, reference
+    log-probs), before the training loop could save a checkpoint on it (:class:`SetupStops`)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"Stopped by {signal.Signals(signum).name} during setup, before the first training step")
+        self.signum = signum
+
+
+class SetupStops:
+    """While a job sets up, a stop signal raises :class:`StoppedDuringSetup` (once: schedulers send
+    SIGTERM more than once); :meth:`hand_over` passes the signals to the trainer's handler (which
+    saves a checkpoint after the step under way), and leaving restores the handlers there were.
+    Without it a stop during setup killed the process without a word and left a run folder
+    holding only config.yaml and ``.lock``. Does nothing outside the main thread (Ray Train)."""
+
+    def __init__(self):
+        self.previous: dict = {}
+        self.raised = False
+
+    def _stop(self, signum, frame):
+        if not self.raised:
+            self.raised = True
+            raise StoppedDuringSetup(signum)
+
+    def hand_over(self, handler) -> None:
+        """From now on the signals go to ``handler`` (the trainer's ``_request_stop``)."""
+        for s in self.previous:
+            signal.signal(s, handler)
+
+    def __enter__(self) -> SetupStops:
+        if threading.current_thread() is threading.main_thread():
+            self.previous = {s: signal.signal(s, self._stop) for s in trainers.STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir: str | None) -> str:
+    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it
+    holds no checkpoint (nothing was trained: no empty folder is left for ``resume=auto`` to meet)."""
+    if resume_dir is not None:
+        return f"{error}: nothing was trained since its checkpoint; continue with: python train.py resume={resume_dir}"
+    removed = ""
+    if made is not None and utils.checkpoint_to_resume(made)[0] is None:
+        shutil.rmtree(made, ignore_errors=True)
+        removed = f" and its run folder {made} was removed"
+    return f"{error}: nothing was trained{removed}; run the same command again to start."
+
+
 def main(
     config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None
 ) -> tuple[str, int | None]:
@@ -287,12 +340,18 @@ def main(
             (before any model loads).
     """
     utils.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
-    with contextlib.ExitStack() as held:
-        return _main(config, run_dir, checkpoint_dir, attach, held)
+    made: list[str] = []  # the run folder this job makes
+    with SetupStops() as stops, contextlib.ExitStack() as held:
+        try:
+            return _main(config, run_dir, checkpoint_dir, attach, held, stops, made)
+        except StoppedDuringSetup as e:
+            e.args = (stopped_during_setup(e, made[0] if made else None, config.resume),)
+            raise
 
 
-def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, attach, held: contextlib.ExitStack):
-    """main()'s work; ``held`` keeps the run folder's lock until main() returns."""
+def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str]):
+    """main()'s work; ``held`` keeps the run folder's lock until main() returns; ``stops`` turns stop
+    signals into :class:`StoppedDuringSetup` until training starts; ``made`` gets the run folder made here."""
     config = effective_config(config)
     resume_dir = config.resume
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
@@ -389,6 +448,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
         run_dir = utils.make_run_dir(config.output_root, config.exp_name)
+        made.append(run_dir)
         held.enter_context(utils.lock_run_dir(run_dir))  # before config.yaml: resume= cannot take it
         OmegaConf.save(recorded, os.path.join(run_dir, "config.yaml"))
     if distributed:
@@ -430,6 +490,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         trainer.load(checkpoint_dir)
         if rank == 0:
             print(f"Resuming after {trainer.example_counter} examples.")
+    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     if distributed:
         import torch.distributed as dist
@@ -920,6 +981,10 @@ def hydra_main(config: DictConfig) -> None:
     except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError) as e:  # finished work is kept
         say_once_per_node(e, rank)
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
+    except StoppedDuringSetup as e:  # a stop during setup: nothing trained, nothing half-made left
+        if rank == 0:
+            print(f"\n{e}", file=sys.stderr, flush=True)
+        sys.exit(128 + e.signum)
     except KeyboardInterrupt:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)

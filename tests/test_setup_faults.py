@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import TINY, compose_config, metric_records
+import pytest
+from conftest import REPO, TINY, compose_config, metric_records, one_run
 
 
 def _rss_mib() -> float:
@@ -46,3 +51,76 @@ def test_a_peak_that_cannot_be_reset_says_it_is_the_processes(monkeypatch):
     assert trainers.format_peak_memory({"rss": [812.0], "setup_rss": [600.0]}) == (
         "Peak memory: 812 MiB resident (600 MiB by the end of model loading)."
     )
+
+
+STOP_IN_SETUP = """
+import os, runpy, signal, sys
+import trainers
+init = trainers.BasicTrainer.__init__
+stop = getattr(signal, sys.argv[1])
+def stopped_here(self, *args, **kwargs):  # the run folder is made; the training loop not yet started
+    os.kill(os.getpid(), stop)
+    init(self, *args, **kwargs)
+trainers.BasicTrainer.__init__ = stopped_here
+sys.argv = ["train.py", *sys.argv[2:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_during_setup_is_one_sentence_and_leaves_no_run_folder(tmp_path, name):
+    """SIGTERM or SIGUSR1 (SLURM's warning) after the run folder is made but before the loop's
+    handlers: before, the process died without a word (exit -15 / -10) leaving config.yaml and
+    .lock; now one sentence, the exit code 128 + the signal, and no folder."""
+    args = one_run([*TINY, f"output_root={tmp_path}"])
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_IN_SETUP, name, *args], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    signum = getattr(signal, name)
+    assert result.returncode == 128 + signum, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("Stopped by")]
+    assert len(lines) == 1 and lines[0].startswith(f"Stopped by {name} during setup, before the first training step")
+    assert "nothing was trained and its run folder" in lines[0] and lines[0].endswith("run the same command again to start.")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stop_while_resuming_keeps_the_folder_and_names_the_resume_command(tmp_path):
+    """A resumed run stopped during setup keeps its folder (its checkpoints) and says how to continue."""
+    import train
+
+    run_dir = tmp_path / "run"
+    (run_dir / "step-8").mkdir(parents=True)
+    (run_dir / "LATEST").symlink_to("step-8")
+    error = train.StoppedDuringSetup(signal.SIGTERM)
+    message = train.stopped_during_setup(error, None, str(run_dir))
+    assert message == (
+        "Stopped by SIGTERM during setup, before the first training step: nothing was trained since its "
+        f"checkpoint; continue with: python train.py resume={run_dir}"
+    )
+    assert (run_dir / "step-8").is_dir()
+    made = tmp_path / "made"
+    (made / "step-8").mkdir(parents=True)
+    (made / "step-8" / "policy.pt").write_bytes(b"x")
+    (made / "step-8" / "trainer_state.pt").write_bytes(b"x")
+    assert "was removed" not in train.stopped_during_setup(error, str(made), None)  # a checkpoint: kept
+    assert made.is_dir()
+
+
+def test_a_stop_after_setup_is_the_trainers(tmp_path, monkeypatch):
+    """Once setup is done the trainer's handler takes the signal (a checkpoint after the step under
+    way), with no moment between without a handler: a SIGTERM just before the loop saves a checkpoint."""
+    import train
+    import trainers
+
+    train_loop = trainers.BasicTrainer.train
+
+    def stopped_before_the_loop(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return train_loop(self)
+
+    monkeypatch.setattr(trainers.BasicTrainer, "train", stopped_before_the_loop)
+    run_dir, stop = train.main(compose_config([*TINY, f"output_root={tmp_path}"]))
+    assert stop == signal.SIGTERM
+    assert (Path(run_dir) / "LATEST" / "policy.pt").is_file()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
