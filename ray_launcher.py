@@ -5,8 +5,9 @@ Ray actors of their own.
 (what each torchrun rank runs) on N Ray Train workers (``TorchTrainer``). Ray Train sets up the
 process group (gloo on CPU, NCCL on GPUs) and ``train.main`` joins it. Each checkpoint the
 trainer saves is reported with ``ray.train.report``; after a worker failure Ray restarts the
-workers (``ray.max_failures`` times) and they continue from the last one
-(``ray.train.get_checkpoint``), as does a resubmitted run (``resume=<run folder>``).
+workers (``ray.max_failures`` times) and they continue from the last one Ray registered
+(``ray.train.get_checkpoint``; from scratch when there is none), as does a resubmitted run
+(``resume=<run folder>``), with what was logged after it dropped as ``resume=`` drops it.
 
 With ``ray.reference_workers=K`` the frozen reference lives on K actors (:class:`ReferenceActor`)
 instead of in every policy worker, and the trainer's ``reference_logps`` seam asks them
@@ -36,6 +37,12 @@ EXIT_ONCE_ENV = "DPO_RAY_TEST_EXIT_ONCE"
 """Test hook: a marker file's path. When set in the launching process, rank 1 exits (status 1)
 right after the first checkpoint it reports, unless the marker exists; it creates the marker
 first, so it happens once, and the restarted worker trains on."""
+
+EXIT_BEFORE_SAVE_ENV = "DPO_RAY_TEST_EXIT_BEFORE_SAVE"
+"""Test hook: a marker file's path. When set in the launching process, rank 0 exits (status 1) as
+it is about to write its first checkpoint, having logged what came before, unless the marker
+exists (it creates it first, so it happens once); with no checkpoint reported, Ray restarts the
+workers from scratch."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -207,6 +214,7 @@ def launch(config: DictConfig, main) -> int:
             "reference": reference,
             "scorer": scorer,
             "exit_once": os.environ.get(EXIT_ONCE_ENV),
+            "exit_before_save": os.environ.get(EXIT_BEFORE_SAVE_ENV),
             "main": main,
         }
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
@@ -259,8 +267,9 @@ def train_worker(payload: dict) -> None:
         payload: from :func:`launch`: ``config`` (a plain dict), ``run_dir``, ``cwd`` (the
             driver's, for relative paths in the config), ``reference`` (a
             :class:`RemoteReference` or None), ``scorer`` (a :class:`RemoteScorer` /
-            :class:`RemoteJudge` or None), ``exit_once`` (see :data:`EXIT_ONCE_ENV`) and
-            ``main``, the function each rank runs.
+            :class:`RemoteJudge` or None), ``exit_once`` and ``exit_before_save`` (test hooks:
+            :data:`EXIT_ONCE_ENV`, :data:`EXIT_BEFORE_SAVE_ENV`) and ``main``, the function each
+            rank runs.
     """
     import ray.train
     import ray.train.torch
@@ -273,18 +282,26 @@ def train_worker(payload: dict) -> None:
         os.environ["LOCAL_RANK"] = str(ray.train.torch.get_device().index)
     config = OmegaConf.create(payload["config"])
     checkpoint = ray.train.get_checkpoint()
+    from_scratch = checkpoint is None and config.resume is None
+    attach = functools.partial(_attach, payload, from_scratch)
     with checkpoint.as_directory() if checkpoint is not None else contextlib.nullcontext() as checkpoint_dir:
-        payload["main"](
-            config, run_dir=payload["run_dir"], checkpoint_dir=checkpoint_dir, attach=functools.partial(_attach, payload)
-        )
+        payload["main"](config, run_dir=payload["run_dir"], checkpoint_dir=checkpoint_dir, attach=attach)
 
 
-def _attach(payload: dict, trainer) -> None:
+def _attach(payload: dict, from_scratch: bool, trainer) -> None:
     """Put the remote reference and scorer behind the trainer's seams, and report each checkpoint
     it saves to Ray (rank 0 reports the folder, which holds every rank's shard; the others
-    report with no checkpoint, since ``ray.train.report`` is a barrier over all workers)."""
+    report with no checkpoint, since ``ray.train.report`` is a barrier over all workers).
+
+    A run that starts ``from_scratch`` (no checkpoint from Ray or ``resume=``) drops whatever an
+    earlier attempt logged in the run folder (``trainer.rewind_logs``): Ray restarts the workers
+    from scratch when they fail before a checkpoint is registered. One that continues from a
+    checkpoint is rewound to it when the trainer loads it, as with ``resume=``."""
     import ray.train
 
+    dropped = trainer.rewind_logs(-1) if from_scratch else 0
+    if dropped:
+        print(f"metrics.jsonl: removed {dropped} records of a Ray attempt that ended before its first checkpoint.")
     if payload["reference"] is not None:
         trainer.remote_reference = payload["reference"]
     if payload["scorer"] is not None:
@@ -292,6 +309,11 @@ def _attach(payload: dict, trainer) -> None:
     save = trainer.save
 
     def save_and_report() -> str:
+        marker = payload["exit_before_save"]
+        if marker and trainer.rank == 0 and not os.path.exists(marker):
+            open(marker, "w").close()
+            print(f"[test hook] rank 0 exits before its checkpoint of {trainer.example_counter} examples.", flush=True)
+            os._exit(1)
         path = save()
         checkpoint = ray.train.Checkpoint.from_directory(path) if trainer.is_main else None
         ray.train.report({"examples": trainer.example_counter, "updates": trainer.batch_counter}, checkpoint=checkpoint)

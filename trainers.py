@@ -1249,13 +1249,21 @@ class BasicTrainer(OnlineSampling):
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.restore_online_state(state.get("online"))
-        if self.is_main:  # what was logged after this checkpoint is logged again as training repeats it
-            dropped = self.logger.rewind(self.example_counter)
-            for name in ("samples.jsonl", "completions.jsonl"):
-                utils.rewind_jsonl(os.path.join(self.run_dir, name), self.example_counter)
-            write_samples_md(self.run_dir)  # its view of samples.jsonl, rewound with it
-            if dropped:
-                print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
+        dropped = self.rewind_logs(self.example_counter)
+        if dropped:
+            print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
+
+    def rewind_logs(self, step: int) -> int:
+        """On rank 0, drop what was logged after ``step`` examples (metrics.jsonl and the resumed
+        W&B run, samples.jsonl and samples.md, completions.jsonl), since training logs those
+        steps again; ``step=-1`` drops all. Returns how many metrics.jsonl records were dropped."""
+        if not self.is_main:
+            return 0
+        dropped = self.logger.rewind(step)
+        for name in ("samples.jsonl", "completions.jsonl"):
+            utils.rewind_jsonl(os.path.join(self.run_dir, name), step)
+        write_samples_md(self.run_dir)  # its view of samples.jsonl, rewound with it
+        return dropped
 
 
 def numpy_rng_state() -> dict:

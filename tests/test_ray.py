@@ -160,6 +160,33 @@ def wait_for_output(capfd, text: str, seconds: float = 20) -> bool:
     return False
 
 
+def kinds(run_dir: Path) -> list[tuple[int, str]]:
+    """(step, what) of each metrics.jsonl record: an eval, a train log or the peak memory."""
+    return [(r["step"], "eval" if "loss/eval" in r else "train" if "loss/train" in r else "memory") for r in records(run_dir)]
+
+
+@pytest.mark.timeout(300)
+def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged(cluster, tmp_path, monkeypatch):
+    # Rank 0 exits once as it is about to write its first checkpoint, having logged the evals (and
+    # 2 samples each) at 0 and 8 examples and the train record between them; no checkpoint was
+    # reported, so Ray restarts the worker from scratch in the same run folder.
+    marker = tmp_path / "exited"
+    monkeypatch.setenv(ray_launcher.EXIT_BEFORE_SAVE_ENV, str(marker))
+    run = ["n_examples=16", "eval_every=8", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "n_eval_model_samples=2"]
+    run += ["progress_bar=false", "minimum_log_interval_secs=0", "data.arithmetic.n_train=16", "data.arithmetic.n_test=8"]
+    run += ["launcher=ray", "ray.num_workers=1", "ray.max_failures=1", "ray.cpus_per_worker=1"]
+    assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), train.main) == 0
+    assert marker.exists()
+    run_dir = run_folder(tmp_path / "out")
+    # What an uninterrupted run logs, each once: the eval at 0 examples, then for each batch of 8
+    # its train record and the eval after it, then the peak memory.
+    assert kinds(run_dir) == [(0, "eval"), (8, "train"), (8, "eval"), (16, "train"), (16, "eval"), (16, "memory")]
+    samples = [json.loads(line)["step"] for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples == [0, 0, 8, 8, 16, 16]  # 2 prompts' samples at each eval
+    sections = [line for line in (run_dir / "samples.md").read_text().splitlines() if line.startswith("## ")]
+    assert sections == ["## after 0 examples", "## after 8 examples", "## after 16 examples"]
+
+
 @pytest.mark.timeout(300)
 def test_online_dpo_with_reference_and_reward_model_on_actors_matches_the_local_run(cluster, tmp_path):
     from test_online import ONLINE, save_tiny_reward_model
@@ -167,6 +194,7 @@ def test_online_dpo_with_reference_and_reward_model_on_actors_matches_the_local_
     rm = save_tiny_reward_model(tmp_path / "rm")
     args = [*ONLINE, f"reward_model.name_or_path={rm}", "n_examples=16", "eval_every=8", "n_eval_examples=8"]
     args += ["batch_size=8", "eval_batch_size=8", "data.arithmetic.n_train=32", "data.arithmetic.n_test=8", "progress_bar=false"]
+    args += ["minimum_log_interval_secs=0"]  # a train record per step: which steps are logged is not a matter of speed
     local_dir, _ = train.main(compose_config([*args, f"output_root={tmp_path / 'local'}"]))
     on_actors = ["launcher=ray", "ray.reference_workers=1", "ray.reward_workers=1", "ray.cpus_per_worker=1"]
     on_actors += ["ray.reference_resources={CPU: 0.5, GPU: 0}", "ray.reward_resources={CPU: 0.5, GPU: 0}"]
