@@ -1,18 +1,13 @@
-"""A kill -9 pass: each case's run, killed with SIGKILL after its first checkpoint, resumes to the same weights.
+"""A kill -9 pass (issue 24): a run SIGKILLed after its first checkpoint leaves no process and resumes bit-exact.
 
-    python scripts/kill_pass.py [--cases basic,fsdp-torchrun] [--out DIR]
+    python scripts/kill_pass.py [--cases basic,fsdp-torchrun] [--out DIR]     # all CASES: ~10 min on 2 CPU cores
 
-For each case (see CASES; all by default) on the tiny settings of tests/conftest.py (72 examples,
-checkpoints at 24, 48 and 72): (a) an uninterrupted run; (b) the same run, SIGKILLed once its
-first checkpoint exists, in the process the case names (train.py, FSDP's launcher, torchrun or
-rank 1), mid-step or, for the ``-save`` cases, while the next checkpoint's temporary folder
-exists; (c) after 3 s, any process whose command line holds the case's output_root is reported
-(and killed); (d) ``resume=<run folder>`` with the same launcher; (e) the final ``policy.pt``
-(LoRA: the adapters) equal to the uninterrupted run's, tensor by tensor (``torch.equal``);
-(f) no ``*.tmp``, ``*.tmp-*``, ``.*.old-*`` or empty folder left under output_root. One table
-line per case; exit status 1 if any case fails. Linux only (/proc). About 10 minutes on 2 CPU
-cores. Logs are in ``<out>/<case>/*.log``; without ``--out``, a temporary folder, removed when
-every case passes. No process of a run outlives this script.
+Per case, on the tiny settings of tests/conftest.py (checkpoints at 24, 48, 72 examples): an
+uninterrupted run; the same run with its train.py, launcher, torchrun or rank 1 SIGKILLed mid-step
+(``-save`` cases: while the next checkpoint's temporary folder exists); no process naming its
+output_root 3 s later (any left is killed); ``resume=`` to a final ``policy.pt`` equal tensor by
+tensor to the uninterrupted run's; no ``*.tmp``, ``*.tmp-*``, ``.*.old-*`` or empty folder left.
+One table line per case, exit status 1 if any fails (Linux: /proc). Logs: ``<out>/<case>/*.log``.
 """
 
 from __future__ import annotations
