@@ -440,15 +440,28 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
 LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
 """Set by :func:`launch` in each process it starts: the launcher's pid (see :func:`die_with_launcher`)."""
 
+RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"
+"""Set by :func:`launch` in rank 0: a pipe's write end, into which :func:`main` writes the run folder
+once it is known, so that the launcher can name it when a rank dies."""
 
-def die_with_launcher(poll_s: float = 0.5) -> bool:
-    """In a process :func:`launch` started: be killed when the launcher dies, however it dies.
-    Returns whether this is such a process.
+PEER_LOST_EXIT = 3
+"""A rank's exit code when another rank of its run stopped answering (:func:`lost_peer`)."""
 
-    On Linux the kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before
-    that was set, so the parent pid is checked after it. Elsewhere (or if prctl fails) a daemon
-    thread checks every ``poll_s`` seconds whether the parent is still the launcher. Does
-    nothing in a process :func:`launch` did not start.
+RUN_FOLDER: str | None = None
+"""This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
+
+
+def die_with_launcher(poll_s: float = 0.5) -> str | None:
+    """In a rank that :func:`launch` or torchrun started: be killed when that launcher dies, however
+    it dies. Returns ``"train.py"`` or ``"torchrun"`` (which started this process), else None.
+
+    :func:`launch` names itself (``DPO_LAUNCHER_PID``); torchrun's agent starts its ranks itself
+    and gives them ``TORCHELASTIC_RUN_ID``, so there the parent is the launcher. On Linux the
+    kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before that was set,
+    so the parent pid is checked after it (torchrun names no pid, so a rank it started and that
+    lost it before getting here is not caught: it then fails at the rendezvous). Elsewhere (or if
+    prctl fails) a daemon thread checks every ``poll_s`` seconds whether the parent is still the
+    launcher. Does nothing in a process no launcher started.
 
     The signal is SIGKILL, not SIGTERM (which makes a rank save a checkpoint and stop): with the
     launcher gone nobody forwards signals any more, nor kills a rank left waiting in a collective
@@ -459,9 +472,12 @@ def die_with_launcher(poll_s: float = 0.5) -> bool:
     and the run folder's lock is free again the moment the last rank is gone.
     """
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if launcher is None:
-        return False
-    launcher = int(launcher)
+    if launcher is not None:
+        started_by, launcher = "train.py", int(launcher)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        started_by, launcher = "torchrun", os.getppid()
+    else:
+        return None
     kill = getattr(signal, "SIGKILL", None)
     armed = False
     if sys.platform.startswith("linux") and kill is not None:
@@ -486,7 +502,7 @@ def die_with_launcher(poll_s: float = 0.5) -> bool:
             gone()
 
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-    return True
+    return started_by
 
 
 def launch(config: DictConfig) -> int | None:
@@ -928,7 +944,7 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if not die_with_launcher():  # a process launch() started: its launcher checked the same command line
+    if die_with_launcher() != "train.py":  # a process launch() started: its launcher checked the same command line
         problem = command_line_error(sys.argv[1:])
         if problem is not None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun
