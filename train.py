@@ -988,7 +988,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig

@@ -138,6 +138,15 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
         kill_all([launcher], ranks)
 
 
+def lock_is_free(folder: Path) -> bool:
+    """Whether ``folder``'s lock can be taken (it is released again at once)."""
+    try:
+        utils.lock_run_dir(str(folder)).release()
+    except utils.ConfigError:
+        return False
+    return True
+
+
 def long_fsdp_args(out: Path) -> list[str]:
     """A 2-rank FSDP run of the tiny model that trains for minutes (killed by the test), a checkpoint every 32 examples."""
     args = ["trainer=FSDPTrainer", "n_examples=100000", "data.arithmetic.n_train=400", "eval_every=32", "batch_size=8"]
@@ -168,7 +177,9 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
         wait_until(lambda: all(is_dead(pid) for pid in ranks), 5, "both ranks to die with torchrun")
-        utils.lock_run_dir(str(run_dir)).release()  # resume= is not refused as "in use"
+        # resume= is not refused as "in use" (a process shows as a zombie before its last thread has
+        # exited and closed its files, so the lock may stay a moment longer)
+        wait_until(lambda: lock_is_free(run_dir), 5, "the run folder's lock to be free")
     finally:
         kill_all([launcher], ranks)
 
