@@ -1039,7 +1039,7 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    if die_with_launcher() != "train.py":  # a process launch() started: its launcher checked the same command line
+    if die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
         problem = command_line_error(sys.argv[1:])
         if problem is not None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun
