@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -352,8 +353,10 @@ def main(
 def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str]):
     """main()'s work; ``held`` keeps the run folder's lock until main() returns; ``stops`` turns stop
     signals into :class:`StoppedDuringSetup` until training starts; ``made`` gets the run folder made here."""
+    global RUN_FOLDER
     config = effective_config(config)
     resume_dir = config.resume
+    RUN_FOLDER = run_dir or resume_dir
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     if checkpoint_dir is None and resume_dir is not None:
         checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
@@ -453,8 +456,10 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         OmegaConf.save(recorded, os.path.join(run_dir, "config.yaml"))
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
+    RUN_FOLDER = run_dir
     if rank == 0:
         print(f"Run folder: {run_dir}")
+        tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = utils.n_eval_used(config, len(eval_examples))
     if rank == 0:
@@ -502,15 +507,28 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
 LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
 """Set by :func:`launch` in each process it starts: the launcher's pid (see :func:`die_with_launcher`)."""
 
+RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"
+"""Set by :func:`launch` in rank 0: a pipe's write end, into which :func:`main` writes the run folder
+once it is known, so that the launcher can name it when a rank dies."""
 
-def die_with_launcher(poll_s: float = 0.5) -> bool:
-    """In a process :func:`launch` started: be killed when the launcher dies, however it dies.
-    Returns whether this is such a process.
+PEER_LOST_EXIT = 3
+"""A rank's exit code when another rank of its run stopped answering (:func:`lost_peer`)."""
 
-    On Linux the kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before
-    that was set, so the parent pid is checked after it. Elsewhere (or if prctl fails) a daemon
-    thread checks every ``poll_s`` seconds whether the parent is still the launcher. Does
-    nothing in a process :func:`launch` did not start.
+RUN_FOLDER: str | None = None
+"""This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
+
+
+def die_with_launcher(poll_s: float = 0.5) -> str | None:
+    """In a rank that :func:`launch` or torchrun started: be killed when that launcher dies, however
+    it dies. Returns ``"train.py"`` or ``"torchrun"`` (which started this process), else None.
+
+    :func:`launch` names itself (``DPO_LAUNCHER_PID``); torchrun's agent starts its ranks itself
+    and gives them ``TORCHELASTIC_RUN_ID``, so there the parent is the launcher. On Linux the
+    kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before that was set,
+    so the parent pid is checked after it (torchrun names no pid, so a rank it started and that
+    lost it before getting here is not caught: it then fails at the rendezvous). Elsewhere (or if
+    prctl fails) a daemon thread checks every ``poll_s`` seconds whether the parent is still the
+    launcher. Does nothing in a process no launcher started.
 
     The signal is SIGKILL, not SIGTERM (which makes a rank save a checkpoint and stop): with the
     launcher gone nobody forwards signals any more, nor kills a rank left waiting in a collective
@@ -521,9 +539,12 @@ def die_with_launcher(poll_s: float = 0.5) -> bool:
     and the run folder's lock is free again the moment the last rank is gone.
     """
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if launcher is None:
-        return False
-    launcher = int(launcher)
+    if launcher is not None:
+        started_by, launcher = "train.py", int(launcher)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        started_by, launcher = "torchrun", os.getppid()
+    else:
+        return None
     kill = getattr(signal, "SIGKILL", None)
     armed = False
     if sys.platform.startswith("linux") and kill is not None:
@@ -548,7 +569,49 @@ def die_with_launcher(poll_s: float = 0.5) -> bool:
             gone()
 
         threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-    return True
+    return started_by
+
+
+PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
+"""What gloo's error says when another rank's end of the connection closed (the rank died)."""
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """Why a collective failed when ``error`` (or an exception it was raised from) says another rank
+    is gone: gloo's ``RuntimeError`` when a peer's socket closed (its :data:`PEER_GONE` phrase,
+    e.g. "Connection reset by peer"), or a ``torch.distributed.DistError`` (its first line). None
+    otherwise."""
+    import torch.distributed as dist
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found = PEER_GONE.search(str(error)) if isinstance(error, RuntimeError) else None
+        if found is not None:
+            return found.group(0)
+        if isinstance(error, dist.DistError):
+            return utils.failure_reason(error)
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def how_to_continue(run_dir: str | None, command: str) -> str:
+    """The end of a sentence saying how to go on after a run stopped: ``<command> resume=<run_dir>``
+    when the run folder has a checkpoint, else that there is none yet to continue from."""
+    if run_dir is not None and os.path.lexists(os.path.join(run_dir, "LATEST")):
+        return f"continue the run with {command} resume={run_dir}"
+    if run_dir is not None:
+        return f"the run saved no checkpoint in {run_dir} yet, so start it again"
+    return "the run had made no run folder yet, so start it again"
+
+
+def tell_launcher(run_dir: str) -> None:
+    """Write ``run_dir`` into the pipe :func:`launch` gave this rank (``DPO_RUN_FOLDER_FD``), if any."""
+    fd = os.environ.pop(RUN_FOLDER_FD_ENV, None)
+    if fd is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.write(int(fd), run_dir.encode())
+            os.close(int(fd))
 
 
 def launch(config: DictConfig) -> int | None:
@@ -585,20 +648,24 @@ def launch(config: DictConfig) -> int | None:
 
 def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
     """launch()'s work: start the ``n`` processes (passing ``lock`` down when it holds one),
-    forward signals to them and wait; returns the exit code."""
+    forward signals to them and wait; returns the exit code (:func:`rank_failure`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     print(f"Starting {n} {config.trainer} processes (gloo on CPU, NCCL on GPUs).")
     procs = []
     shared = {utils.RUN_LOCK_FD_ENV: str(lock.fd)} if lock.fd is not None else {}
+    folder_pipe = os.pipe()  # rank 0 writes the run folder into it once it has made it (tell_launcher)
     for rank in range(n):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), **shared}
         env |= {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         env |= {LAUNCHER_PID_ENV: str(os.getpid())}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         fds = (lock.fd,) if lock.fd is not None else ()
+        if rank == 0:
+            env[RUN_FOLDER_FD_ENV], fds = str(folder_pipe[1]), (*fds, folder_pipe[1])
         procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env, start_new_session=True, pass_fds=fds))
+    os.close(folder_pipe[1])
 
     received: list[int] = []
 
@@ -610,22 +677,57 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
 
     previous = {s: signal.signal(s, forward) for s in trainers.STOP_SIGNALS}
     stopped = {128 + s for s in trainers.STOP_SIGNALS}  # the exit codes of a rank that saved and stopped
+    codes: dict[int, int] = {}  # in the order the ranks were seen to end
+    killed: set[int] = set()  # ranks stopped here because another one failed
+    run_dir = None
     try:
-        codes: dict[int, int] = {}
+        deadline = None  # when to kill the ranks still running
         while len(codes) < n:
             for rank, p in enumerate(procs):
                 if rank not in codes and p.poll() is not None:
                     codes[rank] = p.returncode
-                    if p.returncode != 0 and p.returncode not in stopped:
-                        for other in procs:  # the others would wait for it forever
-                            if other.poll() is None:
-                                other.kill()
+                    if p.returncode == PEER_LOST_EXIT:  # the rank that died is about to be seen: let it
+                        deadline = deadline or time.time() + 5
+                    elif p.returncode != 0 and p.returncode not in stopped:
+                        deadline = time.time()
+            if deadline is not None and time.time() >= deadline:
+                for rank, p in enumerate(procs):  # the others would wait for the failed one forever
+                    if p.poll() is None:
+                        p.kill()
+                        killed.add(rank)
             time.sleep(0.1)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        os.set_blocking(folder_pipe[0], False)
+        with contextlib.suppress(OSError):
+            run_dir = os.read(folder_pipe[0], 1 << 16).decode() or None
+        os.close(folder_pipe[0])
+    return rank_failure(codes, killed, stopped, config.resume or run_dir)
+
+
+def rank_failure(codes: dict[int, int], killed: set[int], stopped: set[int], run_dir: str | None) -> int:
+    """The launcher's exit code from its ranks' (``codes``: rank to ``Popen.returncode``, in the order
+    they ended; ``killed``: ranks it killed after another failed): 0 when all finished; else the
+    first rank that failed by itself gives it, as a shell reports it (128 + N for signal N, e.g.
+    137 for SIGKILL), and when it died without a word (a signal, or a code other than 1 and 2,
+    which follow a sentence or traceback of its own) one ``Error:`` line names it and how to go on
+    (:func:`how_to_continue`); else a stop signal's 128 + N (the ranks saved and stopped), else
+    ``PEER_LOST_EXIT``."""
+    first = next(((r, c) for r, c in codes.items() if r not in killed and c not in (0, PEER_LOST_EXIT, *stopped)), None)
+    if first is not None:
+        rank, code = first
+        if code < 0 or code not in (1, 2):
+            name = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")
+            how = f"was killed by {name}" if code < 0 else f"exited with code {code}"
+            print(
+                f"Error: rank {rank} {how}, so the run stopped; {how_to_continue(run_dir, 'python train.py')}.",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 128 - code if code < 0 else code
     failed = [c for c in codes.values() if c != 0]
-    return max(failed, key=lambda c: c != -9 and c not in stopped) if failed else 0
+    return next((c for c in failed if c in stopped), PEER_LOST_EXIT if failed else 0)
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
@@ -948,7 +1050,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -989,12 +1091,21 @@ def hydra_main(config: DictConfig) -> None:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
         sys.exit(130)
+    except Exception as e:  # a rank whose collective failed because another rank died: one line, not gloo's traceback
+        reason = lost_peer(e) if "RANK" in os.environ else None
+        if reason is None:
+            raise
+        line = f"rank {rank}: another rank stopped answering ({reason}); stopping"
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # train.py's launcher names the rank and the folder itself
+            line += f"; {how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
+        print(f"{line}.", file=sys.stderr, flush=True)
+        sys.exit(PEER_LOST_EXIT)
     if stop_signal is not None:
         sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1, as a shell reports them
 
 
 if __name__ == "__main__":
-    if not die_with_launcher():  # a process launch() started: its launcher checked the same command line
+    if die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
         problem = command_line_error(sys.argv[1:])
         if problem is not None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun

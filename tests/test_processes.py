@@ -20,6 +20,7 @@ from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 
 import train
+import trainers
 import utils
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -135,6 +136,178 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
         utils.lock_run_dir(str(run_dir)).release()  # and the folder is free for resume=
     finally:
         kill_all([launcher], ranks)
+
+
+def lock_is_free(folder: Path) -> bool:
+    """Whether ``folder``'s lock can be taken (it is released again at once)."""
+    try:
+        utils.lock_run_dir(str(folder)).release()
+    except utils.ConfigError:
+        return False
+    return True
+
+
+def long_fsdp_args(out: Path) -> list[str]:
+    """A 2-rank FSDP run of the tiny model that trains for minutes (killed by the test), a checkpoint every 32 examples."""
+    args = ["trainer=FSDPTrainer", "n_examples=100000", "data.arithmetic.n_train=400", "eval_every=32", "batch_size=8"]
+    args += ["eval_batch_size=8", "n_eval_examples=16", "data.arithmetic.n_test=16", "progress_bar=false", "warmup_steps=2"]
+    return [*args, "sample_during_eval=false", "save_hf_export=false", "sft_first.n_examples=null", f"output_root={out}"]
+
+
+def torchrun(args: list[str], log: Path) -> subprocess.Popen:
+    """``torchrun --nproc_per_node 2 train.py <args>`` in its own session, its output into ``log``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py", *args]
+    return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kill -9 and /proc: Linux")
+def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
+    # The issue: `kill -9` of torchrun left both ranks training with parent 1; they kept the run
+    # folder's lock and finished the run. Now each rank dies with torchrun (die_with_launcher).
+    launcher = torchrun(long_fsdp_args(tmp_path / "out"), tmp_path / "log")
+    ranks: list[int] = []
+    try:
+        wait_until(lambda: list((tmp_path / "out").glob("*/LATEST")), 240, "the first checkpoint")
+        run_dir = next((tmp_path / "out").glob("*/LATEST")).parent
+        ranks = children(launcher.pid)
+        assert len(ranks) == 2
+        with pytest.raises(utils.ConfigError, match="is in use by a live run"):
+            utils.lock_run_dir(str(run_dir))
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        wait_until(lambda: all(is_dead(pid) for pid in ranks), 5, "both ranks to die with torchrun")
+        # resume= is not refused as "in use" (a process shows as a zombie before its last thread has
+        # exited and closed its files, so the lock may stay a moment longer)
+        wait_until(lambda: lock_is_free(run_dir), 5, "the run folder's lock to be free")
+    finally:
+        kill_all([launcher], ranks)
+
+
+def test_a_torchrun_rank_arms_its_death_signal_and_says_so():
+    # die_with_launcher under torchrun (TORCHELASTIC_RUN_ID, no launcher pid) reports torchrun; in a
+    # process no launcher started it does nothing.
+    code = "import train; print(train.die_with_launcher(), flush=True)"
+    env = {k: v for k, v in ENV.items() if k not in (train.LAUNCHER_PID_ENV, "TORCHELASTIC_RUN_ID")}
+    for extra, said in (({"TORCHELASTIC_RUN_ID": "none"}, "torchrun"), ({}, "None")):
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+        assert (done.returncode, done.stdout.strip()) == (0, said), done.stderr
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kill -9 and /proc: Linux")
+def test_a_killed_fsdp_rank_is_named_with_its_signal_and_the_resume_command_which_continues(tmp_path):
+    # The issue: rank 1 killed printed rank 0's gloo traceback ("Connection reset by peer ... GLHF",
+    # exit 1); rank 0 killed printed Hydra's "Error executing job" (exit 247). Now the launcher names
+    # the rank and its signal and gives the resume command (rank 0's: the folder came from it).
+    out = tmp_path / "out"
+    args = [*long_fsdp_args(out), "n_examples=1200", "world_size=2"]
+    log = tmp_path / "log"
+    launcher = subprocess.Popen(
+        [sys.executable, "train.py", *args],
+        cwd=REPO,
+        env=ENV,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        wait_until(lambda: list(out.glob("*/LATEST")), 240, "the first checkpoint")
+        run_dir = next(out.glob("*/LATEST")).parent
+        ranks = children(launcher.pid)
+        assert len(ranks) == 2
+        os.kill(ranks[0], signal.SIGKILL)  # rank 0: the launcher starts the ranks in order
+        assert launcher.wait(timeout=60) == 128 + signal.SIGKILL
+    finally:
+        kill_all([launcher], ranks)
+    text = log.read_text()
+    errors = [line for line in text.splitlines() if line.startswith("Error:")]
+    assert errors == [
+        f"Error: rank 0 was killed by SIGKILL, so the run stopped; continue the run with python train.py resume={run_dir}."
+    ]
+    for gone in ("Traceback", "GLHF", "Error executing job"):
+        assert gone not in text, text[-3000:]
+    assert "rank 1: another rank stopped answering (" in text  # the survivor's one line instead of its traceback
+    assert not (run_dir / "FINISHED").exists()
+
+    done = subprocess.run(
+        [sys.executable, "train.py", f"resume={run_dir}"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Resuming after " in done.stdout and (run_dir / "FINISHED").exists()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kill -9 and /proc: Linux")
+def test_under_torchrun_the_rank_left_when_another_is_killed_says_one_line_with_the_resume_command(tmp_path):
+    launcher = torchrun(long_fsdp_args(tmp_path / "out"), tmp_path / "log")
+    ranks: list[int] = []
+    try:
+        wait_until(lambda: list((tmp_path / "out").glob("*/LATEST")), 240, "the first checkpoint")
+        run_dir = next((tmp_path / "out").glob("*/LATEST")).parent
+        ranks = children(launcher.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        assert launcher.wait(timeout=120) != 0
+    finally:
+        kill_all([launcher], ranks)
+    text = (tmp_path / "log").read_text()
+    said = [line for line in text.splitlines() if line.startswith("rank 0: ")]
+    assert len(said) == 1 and said[0].startswith("rank 0: another rank stopped answering ("), text[-3000:]
+    assert said[0].endswith(f"; stopping; continue the run with torchrun <the same options> train.py resume={run_dir}.")
+    assert "GLHF" not in text and "Connection reset by peer. " not in text  # gloo's message, not its traceback
+    assert "exitcode  : 3 " in text  # torchrun's summary: rank 0 left with PEER_LOST_EXIT, not a traceback's 1
+
+
+def test_a_lost_peer_is_recognised_through_the_exceptions_it_caused():
+    import torch.distributed as dist
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35518: "
+        "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!"
+    )
+    assert train.lost_peer(gloo) == "Connection reset by peer"
+    try:
+        try:
+            raise gloo
+        except RuntimeError as e:
+            raise ValueError("while saving") from e
+    except ValueError as wrapped:
+        assert train.lost_peer(wrapped) == "Connection reset by peer"
+    assert train.lost_peer(dist.DistNetworkError("connect() timed out.\nmore")) == "DistNetworkError: connect() timed out"
+    assert train.lost_peer(RuntimeError("CUDA out of memory")) is None
+    assert train.lost_peer(OSError("Connection reset by peer")) is None  # not a collective's error
+
+
+@pytest.mark.parametrize(
+    "codes, killed, code, said",
+    [
+        ({0: 0, 1: 0}, set(), 0, None),
+        ({0: train.PEER_LOST_EXIT, 1: -9}, set(), 137, "rank 1 was killed by SIGKILL"),  # the survivor ended first
+        ({1: -11, 0: -9}, {0}, 139, "rank 1 was killed by SIGSEGV"),  # rank 0 killed by the launcher afterwards
+        ({1: 7, 0: -9}, {0}, 7, "rank 1 exited with code 7"),
+        ({0: 1, 1: -9}, {1}, 1, None),  # a traceback or an error sentence of its own: nothing to add
+        ({0: 2, 1: 2}, set(), 2, None),  # a config mistake, said once
+        ({0: 143, 1: 143}, set(), 143, None),  # SIGTERM: saved and stopped
+        ({0: train.PEER_LOST_EXIT, 1: -9}, {1}, train.PEER_LOST_EXIT, None),  # nobody seen to die by itself
+    ],
+)
+def test_the_launcher_names_the_rank_that_failed_first_and_exits_with_its_code(tmp_path, capsys, codes, killed, code, said):
+    (tmp_path / "LATEST").symlink_to("step-8")
+    stopped = {128 + s for s in trainers.STOP_SIGNALS}
+    assert train.rank_failure(codes, killed, stopped, str(tmp_path)) == code
+    err = capsys.readouterr().err
+    expected = f"Error: {said}, so the run stopped; continue the run with python train.py resume={tmp_path}.\n"
+    assert err == (expected if said else "")
+
+
+def test_how_to_continue_names_the_resume_command_only_when_there_is_a_checkpoint(tmp_path):
+    assert train.how_to_continue(None, "python train.py") == "the run had made no run folder yet, so start it again"
+    assert train.how_to_continue(str(tmp_path), "x") == f"the run saved no checkpoint in {tmp_path} yet, so start it again"
+    (tmp_path / "LATEST").symlink_to("step-8")
+    assert train.how_to_continue(str(tmp_path), "python train.py") == f"continue the run with python train.py resume={tmp_path}"
 
 
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
