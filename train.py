@@ -299,6 +299,7 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
         checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
         if note is not None and says_once():
             print(f"Note: {note}")
+        utils.check_checkpoint(checkpoint_dir)  # a missing or cut file: one sentence before data and models load
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
