@@ -1374,9 +1374,10 @@ def cut_torch_archive(path: str) -> bool:
 
 def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
     """What is wrong with the file ``name`` of the checkpoint ``folder`` (``is missing``, ``is
-    empty``, ``is cut short ...``), or None. A ``torch.save`` file is judged by its zip directory
-    rather than its size (``size``: the bytes the manifest recorded), so that one rewritten whole is
-    left to the loader, which reads tensors and plain values alone; any other file (DCP's) must have ``size``."""
+    empty``, ``is cut short ...``), or None. A file read by a restricted unpickler (``torch.save``'s
+    ``.pt``, judged by its zip directory; DCP's ``.metadata``) is not held to its size (``size``: the
+    bytes the manifest recorded), so that one rewritten whole is left to that loader, which reads
+    tensors and plain values alone; DCP's shards must have ``size``."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return "is missing"
@@ -1384,7 +1385,7 @@ def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> 
     written = "" if size is None else f" of the {size} written"
     if have == 0 and size != 0:
         return f"is empty (0 bytes{written})"
-    if name.endswith(".pt"):
+    if name.endswith((".pt", ".metadata")):
         return f"is cut short ({have} bytes{written}; its zip directory is gone)" if cut_torch_archive(path) else None
     if size is None or have == size:
         return None
