@@ -362,6 +362,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
         if note is not None and says_once():
             print(f"Note: {note}")
+        utils.check_checkpoint(checkpoint_dir)  # a missing or cut file: one sentence before data and models load
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)

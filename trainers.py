@@ -1289,9 +1289,14 @@ def read_checkpoint_file(checkpoint_dir: str, name: str):
     just the globals that rebuild such an array (no code of the file's choosing can run).
 
     Raises:
-        utils.ConfigError: one sentence naming the file when it cannot be read or holds anything else.
+        utils.ConfigError: one sentence naming the file when it is missing or cut short (and the
+            intact checkpoint to resume from: :func:`utils.damaged_checkpoint_message`), cannot be
+            read or holds anything else.
     """
     path = os.path.join(checkpoint_dir, name)
+    problem = utils.checkpoint_file_problem(checkpoint_dir, name)
+    if problem is not None:  # also where no manifest was checked first (a checkpoint of an earlier version, Ray's copy)
+        raise utils.ConfigError(utils.damaged_checkpoint_message(checkpoint_dir, [(name, problem)]))
     reconstruct = np.empty(0).__reduce__()[0]  # numpy(._)core.multiarray._reconstruct: an empty ndarray of a given class
     old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
     return utils.load_weights_file(
@@ -1320,7 +1325,9 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
     alone and the entries through ``weights_only=True``.
 
     Raises:
-        utils.ConfigError: one sentence naming ``folder`` when it holds anything else.
+        utils.ConfigError: one sentence naming ``folder`` when it holds anything else, or naming the
+            file that is missing or cut short (checked against the metadata before DCP reads) and
+            the intact checkpoint to resume from (:func:`utils.damaged_checkpoint_message`).
     """
     import pickle
     import sys
@@ -1367,17 +1374,32 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
+    def damaged(name: str, problem: str) -> utils.ConfigError:
+        return utils.ConfigError(utils.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
+
     metadata = os.path.join(folder, ".metadata")
     if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
         with open(metadata, "rb") as f:
-            MetadataUnpickler(f).load()
+            try:
+                storage = getattr(MetadataUnpickler(f).load(), "storage_data", None) or {}
+            except (EOFError, pickle.UnpicklingError) as e:  # cut short
+                raise damaged(".metadata", f"could not be read ({utils.failure_reason(e)})") from None
+        ends = {}  # each shard file's length, from where its last entry ends
+        for info in storage.values():
+            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+        for name, end in sorted(ends.items()):
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path) or os.path.getsize(path) < end:
+                problem = f"is cut short ({os.path.getsize(path)} of its {end} bytes)" if os.path.isfile(path) else "is missing"
+                raise damaged(name, problem)
     try:
         dcp.load(state, storage_reader=Reader(folder), planner=Planner())
     except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
-        refusal = next((exc for exc, _ in e.failures.values() if isinstance(exc, utils.ConfigError)), None)
-        if refusal is None:
-            raise
-        raise refusal from None
+        failures = [exc for exc, _ in e.failures.values()]
+        refusal = next((exc for exc in failures if isinstance(exc, utils.ConfigError)), None)
+        if refusal is not None:
+            raise refusal from None
+        raise damaged("", f"could not be read ({utils.failure_reason(failures[0])})") from None
 
 
 def format_peak_memory(memory: dict[str, list[float]]) -> str:
@@ -1466,8 +1488,12 @@ def reference_cache_path(reference, examples: list[dict], tokenizer, config, cac
 
 
 def read_reference_cache(path: str) -> dict | None:
-    """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such file."""
+    """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such
+    file or it was cut short (saying so: the log-probs are computed again and the file rewritten)."""
     if not os.path.exists(path):
+        return None
+    if os.path.getsize(path) == 0 or utils.cut_torch_archive(path):
+        print(f"Note: the reference log-prob cache {path} is cut short ({os.path.getsize(path)} bytes); computing them again.")
         return None
     cache = utils.load_weights_file(
         path,

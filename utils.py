@@ -1102,25 +1102,18 @@ def resumable_runs(root: str, exp_name: str) -> list[str]:
 def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
     """The checkpoint ``resume=<run_dir>`` continues from, and a note when it is not ``LATEST``:
     ``<run_dir>/LATEST`` when it leads to a folder; when ``LATEST`` points at a missing folder,
-    the newest ``step-N`` that holds its policy.pt and trainer_state.pt (and the note saying so);
-    (None, None) when there is no checkpoint."""
-    import re
-
+    the newest intact ``step-N`` (:func:`intact_checkpoint`, and the note saying so); (None, None)
+    when there is none."""
     latest = os.path.join(run_dir, "LATEST")
     if os.path.isdir(latest):
         return latest, None
-    steps = []
-    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
-        match = re.fullmatch(r"step-(\d+)", name)
-        folder = os.path.join(run_dir, name)
-        if match and all(os.path.isfile(os.path.join(folder, f)) for f in ("policy.pt", "trainer_state.pt")):
-            steps.append((int(match.group(1)), folder))
-    if not steps:
+    name = intact_checkpoint(run_dir)
+    if name is None:
         return None, None
-    folder = max(steps)[1]
+    folder = os.path.join(run_dir, name)
     target = os.readlink(latest) if os.path.islink(latest) else None
     why = f"LATEST points at {target}, which is missing" if target else "LATEST is missing"
-    return folder, f"{why}; continuing from {os.path.basename(folder)}, the newest checkpoint with its files."
+    return folder, f"{why}; continuing from {name}, the newest checkpoint with its files."
 
 
 RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")
@@ -1370,6 +1363,7 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     When ``<name>`` exists already (a checkpoint saved again at the same step, e.g. after a
     resume), ``LATEST`` points at ``tmp``, then at the old folder moved aside, while the folders
     are renamed, so that at every moment it names a complete checkpoint."""
+    write_checkpoint_manifest(tmp)  # last into the folder: what resume checks (checkpoint_damage)
     final = os.path.join(run_dir, name)
     if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
         point_latest(run_dir, os.path.basename(tmp))
@@ -1383,6 +1377,116 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
         os.replace(tmp, final)
         point_latest(run_dir, name)
     return final
+
+
+CHECKPOINT_MANIFEST = "manifest.json"
+"""In each checkpoint folder, written last before it is published: ``{relative path: bytes}`` of
+every other file, which :func:`checkpoint_damage` compares with the folder before a resume loads anything."""
+
+
+def write_checkpoint_manifest(folder: str) -> None:
+    """Write :data:`CHECKPOINT_MANIFEST` into the checkpoint ``folder``: each file's path and size."""
+    sizes = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    with open(os.path.join(folder, CHECKPOINT_MANIFEST), "w") as f:
+        json.dump(dict(sorted(sizes.items())), f, indent=1)
+
+
+def cut_torch_archive(path: str) -> bool:
+    """Whether the ``torch.save`` file ``path`` (a zip archive) was cut short (an interrupted copy,
+    a full disk): it begins as a zip archive but has lost the central directory at its end."""
+    import zipfile
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return False  # not a zip archive at all: the loader says what it is
+    try:
+        with zipfile.ZipFile(path):
+            return False
+    except zipfile.BadZipFile:
+        return True
+
+
+def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
+    """What is wrong with the file ``name`` of the checkpoint ``folder`` (``is missing``, ``is
+    empty``, ``is cut short ...``), or None. A file read by a restricted unpickler (``torch.save``'s
+    ``.pt``, judged by its zip directory; DCP's ``.metadata``) is not held to its size (``size``: the
+    bytes the manifest recorded), so that one rewritten whole is left to that loader, which reads
+    tensors and plain values alone; DCP's shards must have ``size``."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return "is missing"
+    have = os.path.getsize(path)
+    written = "" if size is None else f" of the {size} written"
+    if have == 0 and size != 0:
+        return f"is empty (0 bytes{written})"
+    if name.endswith((".pt", ".metadata")):
+        return f"is cut short ({have} bytes{written}; its zip directory is gone)" if cut_torch_archive(path) else None
+    if size is None or have == size:
+        return None
+    return f"is cut short ({have} of its {size} bytes)" if have < size else f"has {have} bytes, not the {size} written"
+
+
+def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
+    """The damaged files of the checkpoint ``folder``, as (path inside it, what is wrong), in the
+    manifest's order: every file :data:`CHECKPOINT_MANIFEST` lists but ``hf/`` (which resume does
+    not read); for a checkpoint written before manifests, the files every resume reads."""
+    manifest = os.path.join(folder, CHECKPOINT_MANIFEST)
+    if os.path.exists(manifest):
+        try:
+            with open(manifest) as f:
+                sizes = json.load(f)
+        except (OSError, ValueError) as e:
+            return [(CHECKPOINT_MANIFEST, f"could not be read ({failure_reason(e)})")]
+    else:  # FSDP/TP keep the optimizer in sharded/
+        sharded = os.path.isdir(os.path.join(folder, "sharded"))
+        sizes = dict.fromkeys(
+            ["policy.pt", "optimizer.pt" if not sharded else "sharded/.metadata", "scheduler.pt", "trainer_state.pt"]
+        )
+    found = ((name, checkpoint_file_problem(folder, name, size)) for name, size in sizes.items() if not name.startswith("hf/"))
+    return [(name, problem) for name, problem in found if problem is not None]
+
+
+def intact_checkpoint(run_dir: str, but: str | None = None) -> str | None:
+    """The newest ``step-N`` folder of ``run_dir`` (other than ``but``) whose files are whole
+    (:func:`checkpoint_damage`), or None."""
+    steps = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        match = re.fullmatch(r"step-(\d+)", name)
+        if match and name != but and os.path.isdir(os.path.join(run_dir, name)):
+            steps.append((int(match.group(1)), name))
+    return next((name for _, name in sorted(steps, reverse=True) if not checkpoint_damage(os.path.join(run_dir, name))), None)
+
+
+def damaged_checkpoint_message(folder: str, damage: list[tuple[str, str]]) -> str:
+    """The sentence for the checkpoint ``folder`` whose files ``damage`` (:func:`checkpoint_damage`)
+    are not whole: the first, and how to resume from the newest intact ``step-N`` of its run."""
+    path = os.path.realpath(folder)
+    run_dir, step = os.path.split(path)
+    name, problem = damage[0]
+    more = f" (and {len(damage) - 1} more file{'s' if len(damage) > 2 else ''})" if len(damage) > 1 else ""
+    other = intact_checkpoint(run_dir, but=step) if re.fullmatch(r"step-\d+", step) else None
+    if other is not None:  # LATEST pointed back at it; resume= takes a run folder
+        fix = f"resume from {other}, which is intact: ln -sfn {other} {run_dir}/LATEST && python train.py resume={run_dir}"
+    elif os.path.exists(os.path.join(run_dir, "config.yaml")):
+        fix = f"no other checkpoint of {run_dir} is intact: restore that file, or start the run again with its config ({run_dir}/config.yaml)"
+    else:
+        fix = "restore that file"
+    return f"The checkpoint {path} is damaged: {name} {problem}{more}; {fix}."
+
+
+def check_checkpoint(folder: str) -> None:
+    """Check, before anything is loaded from it, that the checkpoint ``folder``'s files are whole.
+
+    Raises:
+        ConfigError: :func:`damaged_checkpoint_message` when one is missing or cut short.
+    """
+    damage = checkpoint_damage(folder)
+    if damage:
+        raise ConfigError(damaged_checkpoint_message(folder, damage))
 
 
 def point_latest(run_dir: str, name: str) -> None:

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -495,3 +496,175 @@ def test_saving_again_at_the_same_step_keeps_latest_on_a_complete_checkpoint_thr
     assert seen and set(seen) <= {"first", "second"}
     assert os.readlink(tmp_path / "LATEST") == "step-8" and (tmp_path / "step-8" / "policy.pt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-8"]
+
+
+# ----------------------------------------------------------------------------- 7. damaged checkpoints on resume (issue 24)
+
+DAMAGE_ARGS = [*CLI_TINY, "save_hf_export=false", "keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    """A finished tiny DPO run (the command line ``cli`` gives) with checkpoints at 24 and 48 examples."""
+    from conftest import run_train
+
+    return run_train(DAMAGE_ARGS, tmp_path_factory.mktemp("two_checkpoints"))
+
+
+def unfinished_copy(run: Path, parent: Path) -> Path:
+    """A copy of ``run`` in ``parent`` without FINISHED: what a killed run leaves, to resume."""
+    copy = parent / run.name
+    shutil.copytree(run, copy, symlinks=True)
+    (copy / "FINISHED").unlink()
+    return copy
+
+
+def cut(path: Path, size: int) -> int:
+    """Cut ``path`` to ``size`` bytes (an interrupted copy, a full disk); returns its size before."""
+    before = path.stat().st_size
+    os.truncate(path, size)
+    return before
+
+
+def damaged_sentence(run: Path, what: str) -> str:
+    return (
+        f"Error: The checkpoint {run}/step-48 is damaged: {what}; resume from step-24, which is intact: "
+        f"ln -sfn step-24 {run}/LATEST && python train.py resume={run}."
+    )
+
+
+@pytest.mark.parametrize("damage", ["policy.pt half", "policy.pt empty", "trainer_state.pt cut", "optimizer.pt deleted"])
+def test_resume_from_a_damaged_checkpoint_is_one_sentence_naming_the_intact_step_before_loading(
+    two_checkpoints, tmp_path, damage
+):
+    # Seen: a traceback (or a sentence saying to use checkpoints of this train.py) after data and
+    # models loaded, and no word of the intact step-24.
+    run = unfinished_copy(two_checkpoints, tmp_path)
+    name, how = damage.split()
+    path = run / "step-48" / name
+    if how == "deleted":
+        path.unlink()
+        what = f"{name} is missing"
+    elif how == "empty":
+        size = cut(path, 0)
+        what = f"{name} is empty (0 bytes of the {size} written)"
+    else:
+        size = cut(path, path.stat().st_size // 2)
+        what = f"{name} is cut short ({size // 2} bytes of the {size} written; its zip directory is gone)"
+    result = cli([f"resume={run}"], tmp_path)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert one_error_line(result) == damaged_sentence(run, what)
+    assert "Training length:" not in result.stdout and "Policy:" not in result.stdout  # before data and models
+
+
+def test_the_damaged_checkpoint_sentences_command_resumes_from_the_intact_step(two_checkpoints, tmp_path):
+    run = unfinished_copy(two_checkpoints, tmp_path)
+    (run / "step-48" / "optimizer.pt").unlink()
+    with pytest.raises(utils.ConfigError) as err:
+        train.main(compose_config([f"resume={run}"]))
+    command = str(err.value).split("which is intact: ")[1].rstrip(".")
+    assert command == f"ln -sfn step-24 {run}/LATEST && python train.py resume={run}"
+    subprocess.run(command.split(" && ")[0].split(), check=True)
+    run_dir, stop = train.main(compose_config([f"resume={run}"]))
+    assert stop is None and (run / "LATEST").resolve().name == "step-48"
+    a = torch.load(two_checkpoints / "step-48" / "policy.pt", weights_only=True)["state"]
+    b = torch.load(run / "step-48" / "policy.pt", weights_only=True)["state"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resumed exactly, as an uninterrupted run
+
+
+def test_resume_auto_of_a_run_whose_latest_is_damaged_is_the_same_sentence(two_checkpoints, tmp_path):
+    (tmp_path / "out").mkdir()
+    run = unfinished_copy(two_checkpoints, tmp_path / "out")
+    size = cut(run / "step-48" / "trainer_state.pt", 1000)
+    result = cli([*DAMAGE_ARGS, "resume=auto"], tmp_path)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    what = f"trainer_state.pt is cut short (1000 bytes of the {size} written; its zip directory is gone)"
+    assert one_error_line(result) == damaged_sentence(run, what)
+    assert f"resume=auto: continuing {run}" in result.stdout and "Policy:" not in result.stdout
+
+
+def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints, tmp_path):
+    # Checkpoints of earlier versions have no manifest.json: the files every resume reads must be
+    # there and whole torch.save archives; one that slips through is the same sentence when read.
+    run = unfinished_copy(two_checkpoints, tmp_path)
+    for step in ("step-24", "step-48"):
+        (run / step / utils.CHECKPOINT_MANIFEST).unlink()
+    assert utils.checkpoint_damage(str(run / "step-48")) == []
+    size = cut(run / "step-48" / "policy.pt", 1000)
+    assert utils.checkpoint_damage(str(run / "step-48")) == [
+        ("policy.pt", "is cut short (1000 bytes; its zip directory is gone)")
+    ]
+    with pytest.raises(utils.ConfigError) as err:
+        trainers.read_checkpoint_file(str(run / "LATEST"), "policy.pt")
+    assert "Error: " + str(err.value) == damaged_sentence(run, "policy.pt is cut short (1000 bytes; its zip directory is gone)")
+    assert size > 1000
+    (run / "step-48" / "scheduler.pt").unlink()
+    assert [name for name, _ in utils.checkpoint_damage(str(run / "step-48"))] == ["policy.pt", "scheduler.pt"]
+    (run / "step-24" / "optimizer.pt").unlink()  # no intact checkpoint left
+    with pytest.raises(utils.ConfigError) as err:
+        utils.check_checkpoint(str(run / "LATEST"))
+    assert str(err.value) == (
+        f"The checkpoint {run}/step-48 is damaged: policy.pt is cut short (1000 bytes; its zip directory is gone) "
+        f"(and 1 more file); no other checkpoint of {run} is intact: restore that file, or start the run again with "
+        f"its config ({run}/config.yaml)."
+    )
+
+
+def test_each_checkpoint_holds_a_manifest_of_its_files_and_their_sizes(two_checkpoints):
+    folder = two_checkpoints / "step-24"
+    manifest = json.loads((folder / utils.CHECKPOINT_MANIFEST).read_text())
+    names = sorted(p.name for p in folder.iterdir() if p.name != utils.CHECKPOINT_MANIFEST)
+    assert names == ["optimizer.pt", "policy.pt", "scheduler.pt", "trainer_state.pt"]
+    assert manifest == {name: (folder / name).stat().st_size for name in names}
+
+
+def test_a_cut_sharded_checkpoint_of_an_earlier_version_names_the_cut_shard(tmp_path):
+    # Without a manifest, DCP's .metadata says where each shard file's last entry ends.
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "step-16" / "sharded"
+    dcp.save({"w": torch.arange(1000.0), "v": torch.ones(10)}, checkpoint_id=str(folder))
+    (shard,) = folder.glob("*.distcp")
+    size = cut(shard, 100)
+    with pytest.raises(utils.ConfigError) as err:
+        trainers.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
+    assert str(err.value) == (
+        f"The checkpoint {tmp_path}/step-16 is damaged: sharded/{shard.name} is cut short (100 of its {size} bytes); "
+        "restore that file."
+    )
+    cut(folder / ".metadata", 50)
+    with pytest.raises(utils.ConfigError, match=r"damaged: sharded/\.metadata could not be read \((EOFError|UnpicklingError)"):
+        trainers.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
+
+
+def test_fsdp_resume_from_a_cut_shard_is_one_sentence_naming_the_intact_step(tmp_path):
+    # Seen: six CheckpointException tracebacks (EOFError on each rank) after the models loaded.
+    first = cli([*FSDP, "save_hf_export=false"], tmp_path / "first")
+    assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
+    run = next((tmp_path / "first" / "out").iterdir())
+    (run / "FINISHED").unlink()
+    shard = run / "step-16" / "sharded" / "__1_0.distcp"
+    size = cut(shard, 1000)
+    result = cli([f"resume={run}"], tmp_path)
+    assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
+    assert one_error_line(result) == (
+        f"Error: The checkpoint {run}/step-16 is damaged: sharded/__1_0.distcp is cut short (1000 of its {size} bytes); "
+        f"resume from step-8, which is intact: ln -sfn step-8 {run}/LATEST && python train.py resume={run}."
+    )
+    assert "Policy:" not in result.stdout
+
+
+def test_a_cut_reference_cache_is_computed_again_with_a_note(tmp_path, capsys):
+    # Seen: a sentence to delete the file by hand, after the models loaded; it is a cache.
+    cache_dir = tmp_path / "cache"
+    args = [*TINY, *QUICK, "save_hf_export=false", "precompute_ref_log_probs=true", f"cache_dir={cache_dir}", "n_examples=8"]
+    train.main(compose_config([*args, f"output_root={tmp_path / 'first'}"]))
+    (path,) = cache_dir.glob("reference_logps-*.pt")
+    whole = torch.load(path, weights_only=True)
+    size = cut(path, path.stat().st_size // 2)
+    capsys.readouterr()
+    train.main(compose_config([*args, f"output_root={tmp_path / 'second'}"]))
+    out = capsys.readouterr().out
+    assert f"Note: the reference log-prob cache {path} is cut short ({size // 2} bytes); computing them again." in out
+    assert f"Reference log-probs: {len(whole)} pairs cached in {path}" in out
+    assert torch.load(path, weights_only=True) == whole  # rewritten whole
