@@ -387,9 +387,8 @@ def _main(config: DictConfig, run_dir: str | None, checkpoint_dir: str | None, a
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
-        run_dir = utils.make_run_dir(config.output_root, config.exp_name)
-        held.enter_context(utils.lock_run_dir(run_dir))  # before config.yaml: resume= cannot take it
-        OmegaConf.save(recorded, os.path.join(run_dir, "config.yaml"))
+        run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded)  # locked before config.yaml
+        held.enter_context(lock)
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
     if rank == 0:
@@ -886,7 +885,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 1 for a failed step, checkpoint or full disk, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1)."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -916,9 +915,15 @@ def hydra_main(config: DictConfig) -> None:
     except (utils.ConfigError, DataError) as e:
         say_once_per_node(e, rank)
         sys.exit(2)
-    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError) as e:  # finished work is kept
-        say_once_per_node(e, rank)
+    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError, utils.DiskFullError) as e:
+        say_once_per_node(e, rank)  # finished work is kept
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
+    except Exception as e:  # a full disk met by a writer that does not name it itself
+        path = getattr(e, "filename", None) or config.output_root
+        if not utils.disk_full(e, path):
+            raise
+        say_once_per_node(f"Could not write {path}: {utils.no_space(path)}; free space on that disk and try again.", rank)
+        sys.exit(1)
     except KeyboardInterrupt:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
