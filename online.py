@@ -388,11 +388,13 @@ def label_pairs(
 
 def write_completions(run_dir: str, rows: list[dict]) -> None:
     """Append rows of (step, prompt, completion, score) to ``completions.jsonl`` in the run folder
-    and rewrite ``completions.html``, a table of all of them that a browser opens."""
+    and rewrite ``completions.html``, a table of all of them that a browser opens (a full disk:
+    utils.DiskFullError)."""
     import html
 
     path = os.path.join(run_dir, "completions.jsonl")
-    with open(path, "a") as f:
+    then = utils.resume_hint(run_dir)
+    with utils.saying_disk_full(path, "append to", then), open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     with open(path) as f:
@@ -405,7 +407,5 @@ def write_completions(run_dir: str, rows: list[dict]) -> None:
         "<style>td{vertical-align:top;white-space:pre-wrap;border:1px solid #ccc;padding:4px}</style>"
         f"<table><tr>{''.join(f'<th>{c}</th>' for c in cols)}</tr>\n{body}</table>\n"
     )
-    tmp = os.path.join(run_dir, "completions.html.tmp")
-    with open(tmp, "w") as f:
+    with utils.replacing(os.path.join(run_dir, "completions.html"), then) as tmp, open(tmp, "w") as f:
         f.write(page)
-    os.replace(tmp, os.path.join(run_dir, "completions.html"))

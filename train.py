@@ -451,10 +451,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
-        run_dir = utils.make_run_dir(config.output_root, config.exp_name)
+        run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded)  # locked before config.yaml
         made.append(run_dir)
-        held.enter_context(utils.lock_run_dir(run_dir))  # before config.yaml: resume= cannot take it
-        OmegaConf.save(recorded, os.path.join(run_dir, "config.yaml"))
+        held.enter_context(lock)
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
     RUN_FOLDER = run_dir
@@ -1051,7 +1050,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 1 for a failed step, checkpoint or full disk, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -1081,8 +1080,8 @@ def hydra_main(config: DictConfig) -> None:
     except (utils.ConfigError, DataError) as e:
         say_once_per_node(e, rank)
         sys.exit(2)
-    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError) as e:  # finished work is kept
-        say_once_per_node(e, rank)
+    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError, utils.DiskFullError) as e:
+        say_once_per_node(e, rank)  # finished work is kept
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
     except StoppedDuringSetup as e:  # a stop during setup: nothing trained, nothing half-made left
         if rank == 0:
@@ -1092,15 +1091,19 @@ def hydra_main(config: DictConfig) -> None:
         if rank == 0:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
         sys.exit(130)
-    except Exception as e:  # a rank whose collective failed because another rank died: one line, not gloo's traceback
+    except Exception as e:  # a rank that lost another rank, or a full disk a writer did not name: one line
         reason = lost_peer(e) if "RANK" in os.environ else None
-        if reason is None:
+        if reason is not None:  # its collective failed because another rank died: not gloo's traceback
+            line = f"rank {rank}: another rank stopped answering ({reason}); stopping"
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # train.py's launcher names the rank and the folder itself
+                line += f"; {how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
+            print(f"{line}.", file=sys.stderr, flush=True)
+            sys.exit(PEER_LOST_EXIT)
+        path = getattr(e, "filename", None) or config.output_root
+        if not utils.disk_full(e, path):
             raise
-        line = f"rank {rank}: another rank stopped answering ({reason}); stopping"
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # train.py's launcher names the rank and the folder itself
-            line += f"; {how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
-        print(f"{line}.", file=sys.stderr, flush=True)
-        sys.exit(PEER_LOST_EXIT)
+        say_once_per_node(f"Could not write {path}: {utils.no_space(path)}; free space on that disk and try again.", rank)
+        sys.exit(1)
     if stop_signal is not None:
         sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1, as a shell reports them
 

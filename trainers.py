@@ -804,7 +804,8 @@ class BasicTrainer(OnlineSampling):
         rows = self.gather_metrics({"rows": rows})["rows"]
         if not self.is_main:
             return rows
-        with open(os.path.join(self.run_dir, "samples.jsonl"), "a") as f:
+        path = os.path.join(self.run_dir, "samples.jsonl")
+        with utils.saying_disk_full(path, "append to", utils.resume_hint(self.run_dir)), open(path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         write_samples_md(self.run_dir)
@@ -1425,8 +1426,8 @@ def count_tokens(batch: dict) -> int:
 
 
 def write_samples_md(run_dir: str) -> None:
-    """Rewrite ``samples.md`` from ``samples.jsonl`` (atomically): a table per eval, its prompts
-    and each model's sample; nothing when there are no samples."""
+    """Rewrite ``samples.md`` from ``samples.jsonl`` (atomically; a full disk: utils.DiskFullError):
+    a table per eval, its prompts and each model's sample; nothing when there are no samples."""
     path = os.path.join(run_dir, "samples.jsonl")
     if not os.path.exists(path):
         return
@@ -1439,13 +1440,13 @@ def write_samples_md(run_dir: str) -> None:
                 continue
             sections.setdefault(row["step"], []).append(row)
     tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    then = utils.resume_hint(run_dir)
+    with utils.replacing(os.path.join(run_dir, "samples.md"), then, tmp), open(tmp, "w") as f:
         for step, rows in sections.items():
             cols = ["prompt", *(k for k in rows[0] if k not in ("step", "prompt"))]
             f.write(f"\n## after {step} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
             for row in rows:
                 f.write("| " + " | ".join(_md_cell(row.get(c, "")) for c in cols) + " |\n")
-    os.replace(tmp, os.path.join(run_dir, "samples.md"))
 
 
 def _md_cell(text: str) -> str:
@@ -1748,7 +1749,7 @@ class _DistributedTrainer(BasicTrainer):
                     shutil.rmtree(tmp, ignore_errors=True)
                     os.makedirs(tmp)
                 except OSError as e:
-                    failure = utils.failure_reason(e)
+                    failure = utils.write_failure(e, self.run_dir)
             failure = utils.broadcast_object(failure)  # the folder exists before any rank writes into it
             if failure is None:
                 try:
@@ -1758,7 +1759,7 @@ class _DistributedTrainer(BasicTrainer):
                         state["reference"] = get_model_state_dict(self.reference_model)
                     dcp.save(state, checkpoint_id=os.path.join(tmp, "sharded"))
                 except Exception as e:  # DCP raises on every rank when any rank's write fails
-                    failure = utils.failure_reason(e)
+                    failure = utils.write_failure(e, self.run_dir)
                 if self.any_rank(failure is not None):
                     failure = failure or "another rank could not write its shard"
                 else:
@@ -1771,7 +1772,7 @@ class _DistributedTrainer(BasicTrainer):
                             self.write_rank0_files(tmp, step, full)
                             utils.publish_checkpoint(self.run_dir, name, tmp)
                         except Exception as e:
-                            failure = utils.failure_reason(e)
+                            failure = utils.write_failure(e, self.run_dir)
         except BaseException:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)

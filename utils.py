@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import difflib
+import errno
 import json
 import math
 import os
@@ -1058,13 +1059,121 @@ of examples trained on); absent while a run is unfinished (stopped by a signal o
 
 def write_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` so that readers see the old file or the whole new one: a
-    temporary file beside it, flushed to disk, then ``os.replace``."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    temporary file beside it, flushed to disk, then ``os.replace`` (:func:`replacing`).
+
+    Raises:
+        DiskFullError: one sentence when the disk is full (the old file is left as it was).
+    """
+    with replacing(path) as tmp, open(tmp, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def replacing(path: str, then: str = "try again", tmp: str | None = None):
+    """Replace ``path`` atomically with what the body writes into the yielded temporary file
+    (``<path>.tmp-<pid>`` unless ``tmp`` is given); when the body or the rename fails the
+    temporary file is removed, and a full disk is :class:`DiskFullError` (``then``: what to do
+    once space is free)."""
+    tmp = tmp or f"{path}.tmp-{os.getpid()}"
+    try:
+        with saying_disk_full(path, "write", then):
+            yield tmp
+            os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+class DiskFullError(OSError):
+    """A file could not be written because its disk is full; the message is one sentence naming
+    the file, the space left and what to do."""
+
+
+NO_SPACE = "no space left on the device"
+"""How a full disk is named in every sentence (:func:`no_space`)."""
+
+LOW_FREE_MIB = 16
+"""Below this many MiB free, torch.save's short-write RuntimeError (which carries no errno) is
+taken for a full disk (:func:`disk_full`)."""
+
+
+def free_mib(path: str) -> float | None:
+    """MiB free to this user on the disk holding ``path`` (or its nearest existing parent); None if unknown."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).free / 2**20
+    except OSError:
+        return None
+
+
+def no_space(path: str) -> str:
+    """``no space left on the device (N MiB free)`` for the disk holding ``path``."""
+    free = free_mib(path)
+    return NO_SPACE if free is None else f"{NO_SPACE} ({free:.0f} MiB free)"
+
+
+def disk_full(error: BaseException, path: str) -> bool:
+    """Whether ``error``, or one it was raised from or while handling, is a full disk: errno ENOSPC,
+    its text (DCP and safetensors wrap it in theirs), or torch.save's zip-writer short write
+    (``unexpected pos``, ``file write failed``: no errno) while ``path``'s disk has under
+    :data:`LOW_FREE_MIB` MiB free."""
+    short_write, seen = False, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if getattr(error, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(error):
+            return True
+        short_write |= isinstance(error, RuntimeError) and any(t in str(error) for t in ("unexpected pos", "file write failed"))
+        error = error.__cause__ or error.__context__
+    return short_write and (free_mib(path) or 0) < LOW_FREE_MIB
+
+
+@contextlib.contextmanager
+def saying_disk_full(path: str, doing: str = "write", then: str = "try again"):
+    """Turn a full disk while the body writes ``path`` into :class:`DiskFullError`: ``Could not
+    <doing> <path>: no space left on the device (N MiB free); free space on that disk and <then>.``"""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:
+        if not disk_full(e, path):
+            raise
+        raise DiskFullError(f"Could not {doing} {path}: {no_space(path)}; free space on that disk and {then}.") from e
+
+
+def resume_hint(run_dir: str) -> str:
+    """What to do after a fault in run folder ``run_dir``: continue from its checkpoint, or start again."""
+    checkpoint = checkpoint_to_resume(run_dir)[0]
+    if checkpoint is None:
+        return "start the run again"
+    return f"continue with resume={run_dir} (from {os.path.basename(os.path.realpath(checkpoint))})"
+
+
+def new_run_dir(root: str, exp_name: str, config: DictConfig) -> tuple[str, RunLock]:
+    """A new run folder (:func:`make_run_dir`), held (:func:`lock_run_dir`), with ``config``
+    saved as its config.yaml; when any of that fails the folder is removed again, so that no
+    folder is left holding only ``.lock``. Returns the folder and its lock."""
+    run_dir, lock = make_run_dir(root, exp_name), None
+    try:
+        lock = lock_run_dir(run_dir)
+        path = os.path.join(run_dir, "config.yaml")
+        with saying_disk_full(path, "write", "start the run again"):
+            OmegaConf.save(config, path)
+        return run_dir, lock
+    except BaseException:
+        for name in (RUN_LOCK, "config.yaml"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(run_dir, name))
+        if lock is not None:
+            lock.release()
+        with contextlib.suppress(OSError):  # anything else in it (not ours) keeps it
+            os.rmdir(run_dir)
+        raise
 
 
 def mark_finished(run_dir: str, examples: int) -> None:
@@ -1248,7 +1357,8 @@ def lock_run_dir(run_dir: str) -> RunLock:
                 del os.environ[RUN_LOCK_FD_ENV]  # taken over once
                 os.set_inheritable(fd, False)
                 return RunLock(fd, path)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    with saying_disk_full(path, "write the lock file"):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -1258,9 +1368,64 @@ def lock_run_dir(run_dir: str) -> RunLock:
         raise ConfigError(
             f"The run folder {run_dir} is in use by a live run ({holder}); wait for that run to end or stop it, then try again."
         ) from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    try:
+        with saying_disk_full(path, "write the lock file"):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    remove_leftovers(run_dir)  # no writer of this folder is alive now: what they left is garbage
     return RunLock(fd, path)
+
+
+LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
+"""Temporary folders of writers in a run folder: ``.step-N.tmp-XXXXXXXX`` (:func:`save_checkpoint_dir`),
+``.step-N.tmp`` (FSDPTrainer's save), ``.step-N.old-XXXXXXXX`` (:func:`publish_checkpoint`)."""
+
+LEFTOVER_FILE = re.compile(r".+\.tmp(-(?P<pid>\d+))?")
+"""Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`),
+``.LATEST.tmp`` (:func:`point_latest`), ``completions.html.tmp``."""
+
+
+def remove_leftovers(run_dir: str) -> None:
+    """Remove the temporary files and folders (:data:`LEFTOVER_FOLDER`, :data:`LEFTOVER_FILE`) that
+    writers killed mid-write left in ``run_dir``, saying in one line how many and how big; call
+    it while holding the folder's lock (no other writer of it lives). Kept: files of a live pid
+    (this process's included) and a folder ``LATEST`` leads into (a kill inside
+    :func:`publish_checkpoint`)."""
+    latest = os.path.realpath(os.path.join(run_dir, "LATEST")) + os.sep
+    removed, size = [], 0
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            if not LEFTOVER_FOLDER.fullmatch(name) or latest.startswith(path + os.sep):
+                continue
+            size += sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            match = LEFTOVER_FILE.fullmatch(name)
+            if match is None or (match.group("pid") and pid_alive(int(match.group("pid")))):
+                continue
+            size += os.lstat(path).st_size
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        removed.append(name)
+    if removed:
+        names = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+        amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 1024:.1f} KiB"
+        print(f"Removed {len(removed)} temporary files and folders ({amount}) that killed writers left in {run_dir}: {names}.")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (this process included)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
 
 
 class CheckpointError(OSError):
@@ -1301,18 +1466,26 @@ def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ())
 
 def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
     """The sentence for checkpoint ``name`` of ``run_dir`` that could not be written: why
-    (``reason``), the disk's free space, where ``LATEST`` still points, and how to continue."""
+    (``reason``; :data:`NO_SPACE` for a full disk, :func:`write_failure`), the disk's free space,
+    where ``LATEST`` still points, and how to continue."""
     latest = os.path.join(run_dir, "LATEST")
-    try:
-        free = f"; {shutil.disk_usage(run_dir).free / 2**20:.0f} MiB are free on its disk"
-    except OSError:
-        free = ""
-    if os.path.exists(latest):
-        where = f"LATEST still points at the complete {os.path.basename(os.path.realpath(latest))}"
-        then = f"fix the cause and continue with resume={run_dir}"
+    full = reason == NO_SPACE
+    if full:
+        why, fix = f": {no_space(run_dir)}", "free space on that disk"
     else:
-        where, then = "no earlier checkpoint exists", "fix the cause and start the run again"
-    return f"Could not write checkpoint {name} in {run_dir} ({reason}{free}); the partial folder was removed and {where}: {then}."
+        mib = free_mib(run_dir)
+        why = f" ({reason}" + ("" if mib is None else f"; {mib:.0f} MiB are free on its disk") + ")"
+        fix = "fix the cause"
+    if os.path.exists(latest):
+        last = os.path.realpath(latest)
+        where = f"LATEST still points at the complete {os.path.basename(last)}"
+        if full:  # how much the next one needs, about
+            size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(last) for f in files)
+            fix += f" ({os.path.basename(last)} takes {size / 2**20:.1f} MiB)"
+        then = f"{fix} and continue with resume={run_dir}"
+    else:
+        where, then = "no earlier checkpoint exists", f"{fix} and start the run again"
+    return f"Could not write checkpoint {name} in {run_dir}{why}; the partial folder was removed and {where}: {then}."
 
 
 def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
@@ -1326,8 +1499,8 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
 
     Raises:
         CheckpointError: when writing or publishing raised an ``Exception`` (a full disk shows
-            as OSError from safetensors or RuntimeError from ``torch.save``); ``LATEST`` is
-            untouched. Other exceptions (KeyboardInterrupt) propagate as they are.
+            as OSError from safetensors or RuntimeError from ``torch.save``, and is named so:
+            :func:`write_failure`); ``LATEST`` is untouched. Other exceptions (KeyboardInterrupt) propagate as they are.
     """
     tmp = None
     try:
@@ -1335,11 +1508,18 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
         write(tmp)
         return publish_checkpoint(run_dir, name, tmp)
     except BaseException as e:
+        reason = write_failure(e, run_dir) if isinstance(e, Exception) else None  # before the partial folder frees space
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
-            raise CheckpointError(checkpoint_error_message(run_dir, name, failure_reason(e))) from e
+        if reason is not None and not isinstance(e, CheckpointError):
+            raise CheckpointError(checkpoint_error_message(run_dir, name, reason)) from e
         raise
+
+
+def write_failure(error: Exception, path: str) -> str:
+    """Why writing under ``path`` failed, for a sentence: :data:`NO_SPACE` when its disk is full
+    (:func:`disk_full`; call it before removing what was written), else :func:`failure_reason`."""
+    return NO_SPACE if disk_full(error, path) else failure_reason(error)
 
 
 def make_folder(parent: str, prefix: str) -> str:
@@ -1521,6 +1701,9 @@ def rewind_jsonl(path: str, step: int) -> int:
 
     Returns:
         How many lines were dropped.
+
+    Raises:
+        DiskFullError: one sentence when the disk is full (the file is left as it was).
     """
     if not os.path.exists(path):
         return 0
@@ -1539,10 +1722,8 @@ def rewind_jsonl(path: str, step: int) -> int:
             else:
                 kept.append(line if line.endswith("\n") else line + "\n")
     if dropped:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
+        with replacing(path, f"resume again ({os.path.basename(path)} is unchanged)") as tmp, open(tmp, "w") as f:
             f.writelines(kept)
-        os.replace(tmp, path)
     return dropped
 
 
@@ -1609,11 +1790,11 @@ class MetricsLogger:
         return dropped
 
     def log(self, metrics: dict, step: int) -> None:
-        """Write one record; ``step`` is the example counter."""
+        """Write one record; ``step`` is the example counter (a full disk: :class:`DiskFullError`)."""
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
+        with saying_disk_full(self.path, "append to", resume_hint(os.path.dirname(self.path))), open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         if self._wandb_init is not None:
             self._open_wandb()
