@@ -1441,6 +1441,7 @@ def hydra_main(config: DictConfig) -> None:
 if __name__ == "__main__":
     import train
 
+    train.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9
     overrides = sys.argv[1:]
     problem = None if any(a.startswith("-") for a in overrides) else train.override_error(overrides, config_name="evaluate")
     if problem is not None:

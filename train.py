@@ -303,7 +303,7 @@ def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir
     if resume_dir is not None:
         return f"{error}: nothing was trained since its checkpoint; continue with: python train.py resume={resume_dir}"
     removed = ""
-    if made is not None and utils.checkpoint_to_resume(made)[0] is None:
+    if made is not None and not any(n == "LATEST" or re.fullmatch(r"step-\d+", n) for n in os.listdir(made)):
         shutil.rmtree(made, ignore_errors=True)
         removed = f" and its run folder {made} was removed"
     return f"{error}: nothing was trained{removed}; run the same command again to start."

@@ -1383,9 +1383,10 @@ LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
 """Temporary folders of writers in a run folder: ``.step-N.tmp-XXXXXXXX`` (:func:`save_checkpoint_dir`),
 ``.step-N.tmp`` (FSDPTrainer's save), ``.step-N.old-XXXXXXXX`` (:func:`publish_checkpoint`)."""
 
-LEFTOVER_FILE = re.compile(r".+\.tmp(-(?P<pid>\d+))?")
+LEFTOVER_FILE = re.compile(r".+\.tmp-(?P<pid>\d+)|\..+\.tmp|completions\.html\.tmp")
 """Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`),
-``.LATEST.tmp`` (:func:`point_latest`), ``completions.html.tmp``."""
+``.LATEST.tmp`` (:func:`point_latest`), an earlier version's ``completions.html.tmp``; a user's
+own ``notes.tmp`` is not one."""
 
 
 def remove_leftovers(run_dir: str) -> None:

@@ -287,12 +287,12 @@ def test_opening_a_run_folder_removes_what_dead_writers_left_and_says_so(tmp_pat
     made = plant_leftovers(tmp_path)
     mine = tmp_path / f"metrics.jsonl.tmp-{os.getpid()}"  # this process's: not a dead writer's
     mine.write_text("live")
-    kept = ["config.yaml", "metrics.jsonl", "notes.txt"]
+    kept = ["config.yaml", "metrics.jsonl", "notes.txt", "notes.tmp"]  # a user's notes.tmp is not a writer's
     for name in kept:
         (tmp_path / name).write_text("keep")
     with utils.lock_run_dir(str(tmp_path)):
         pass
-    assert leftovers(tmp_path) == [mine.name]
+    assert leftovers(tmp_path) == sorted([mine.name, "notes.tmp"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, ".lock", mine.name])
     lines = [line for line in capsys.readouterr().out.splitlines() if line]
     assert len(lines) == 1, lines

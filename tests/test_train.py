@@ -119,7 +119,8 @@ def test_reference_presets_keep_reference_learning_rate():
         (["model.archive=/no/such/policy.pt"], "model.archive=/no/such/policy.pt does not exist"),
         (
             [f"model.archive={REPO / 'config'}"],
-            f"model.archive={REPO / 'config'} is a folder; .* e.g. {REPO / 'config' / 'LATEST' / 'policy.pt'}",
+            f"model.archive={REPO / 'config'} is a folder; give a checkpoint's policy.pt: the policy.pt of a checkpoint "
+            r"\(<run>/LATEST/policy.pt\); this folder holds none.",
         ),
         (["wandb.mode=sometimes"], "wandb.mode"),
         (["datasets=[hhh]"], "Unknown dataset 'hhh' in datasets; did you mean 'hh'\\?"),
