@@ -1432,13 +1432,8 @@ def write_samples_md(run_dir: str) -> None:
     if not os.path.exists(path):
         return
     sections: dict[int, list[dict]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            sections.setdefault(row["step"], []).append(row)
+    for row in utils.jsonl_records(path):
+        sections.setdefault(row["step"], []).append(row)
     tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
     then = utils.resume_hint(run_dir)
     with utils.replacing(os.path.join(run_dir, "samples.md"), then, tmp), open(tmp, "w") as f:

@@ -1728,6 +1728,16 @@ def rewind_jsonl(path: str, step: int) -> int:
     return dropped
 
 
+def jsonl_records(path: str) -> list[dict]:
+    """The records of the JSON-lines file ``path``, less a line cut short by a crash."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            with contextlib.suppress(json.JSONDecodeError):
+                records.append(json.loads(line))
+    return records
+
+
 class MetricsLogger:
     """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases.
 
@@ -1917,15 +1927,10 @@ def plot_curves(run_dir: str) -> list[str]:
     if not os.path.exists(path):
         return []
     series: dict[str, list[tuple[int, float]]] = {}
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash
-                continue
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    series.setdefault(k, []).append((rec["step"], v))
+    for rec in jsonl_records(path):
+        for k, v in rec.items():
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                series.setdefault(k, []).append((rec["step"], v))
     loss, average = None, False
     saved = os.path.join(run_dir, "config.yaml")
     if os.path.exists(saved):

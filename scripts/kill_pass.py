@@ -87,11 +87,24 @@ def finish(proc: subprocess.Popen, timeout: float = TIMEOUT_S) -> int | None:
         return None
 
 
+def ancestors() -> set[int]:
+    """This process and its ancestors' pids."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: the parent's pid
+        except OSError:
+            break
+    return pids
+
+
 def processes(root: Path) -> dict[int, str]:
     """The live processes (not zombies) whose command line holds ``root``, each as 'pid name'."""
-    found = {}
+    found, mine = {}, ancestors()
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit() or int(entry) in mine:  # this script and what started it (timeout, a shell)
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
