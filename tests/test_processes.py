@@ -325,6 +325,20 @@ def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     assert done.returncode == -signal.SIGKILL and "still alive" not in done.stdout, done.stdout + done.stderr
 
 
+def test_an_evaluate_py_rank_dies_with_its_launcher_too():
+    # evaluate.py's ranks under torchrun outlived a killed torchrun: its entry arms the same death
+    # signal. A "launcher" that is not its parent is already gone: killed before anything runs.
+    done = subprocess.run(
+        [sys.executable, "evaluate.py", "policy=/no/such/run"],
+        cwd=REPO,
+        env={**ENV, train.LAUNCHER_PID_ENV: "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stdout + done.stderr
+
+
 @pytest.mark.timeout(180)
 def test_without_prctl_a_watch_thread_kills_the_rank_when_its_launcher_dies():
     # What other OSes get (no PR_SET_DEATHSIG): a thread that notices the parent is gone.
