@@ -850,6 +850,9 @@ class Judge:
             raise ConfigError(f"judge={self.kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
         if utils.looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
             raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
+        problem = utils.hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
+        if problem is not None:
+            raise ConfigError(problem)
         allow = bool(self.config.reward_model.get("allow_untrained_head", False))
         rewards.check_reward_model_config(path, allow)  # a causal LM is refused before any sampling
 

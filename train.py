@@ -358,11 +358,11 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     resume_dir = config.resume
     RUN_FOLDER = run_dir or resume_dir
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
-    if checkpoint_dir is None and resume_dir is not None:
+    resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
+    if resuming:
         checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
         if note is not None and says_once():
             print(f"Note: {note}")
-        utils.check_checkpoint(checkpoint_dir)  # a missing or cut file: one sentence before data and models load
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
@@ -396,6 +396,8 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
             refusal = utils.broadcast_object(refusal)
         if refusal is not None:
             raise utils.ConfigError(refusal)
+    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
+        utils.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
@@ -939,7 +941,7 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
         return True
     if any(k == "sft_first" or k.startswith("sft_first.") for k in given):
         raise utils.ConfigError(f"sft_first.n_examples={stage.n_examples} cannot apply: {reason}; set sft_first.n_examples=null.")
-    if says_once():
+    if says_once() and config.resume in (None, "auto"):  # a resume= is one run whatever the preset says: no note
         print(f"Note: no SFT stage (sft_first.n_examples={stage.n_examples} from the preset): {reason}.")
     return False
 
@@ -1097,7 +1099,7 @@ def hydra_main(config: DictConfig) -> None:
             line = f"rank {rank}: another rank stopped answering ({reason}); stopping"
             if "TORCHELASTIC_RUN_ID" in os.environ:  # train.py's launcher names the rank and the folder itself
                 line += f"; {how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
-            print(f"{line}.", file=sys.stderr, flush=True)
+            print(f"\n{line}.", file=sys.stderr, flush=True)  # below the progress bar, not glued to it
             sys.exit(PEER_LOST_EXIT)
         path = getattr(e, "filename", None) or config.output_root
         if not utils.disk_full(e, path):

@@ -1415,7 +1415,8 @@ def remove_leftovers(run_dir: str) -> None:
     if removed:
         names = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
         amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 1024:.1f} KiB"
-        print(f"Removed {len(removed)} temporary files and folders ({amount}) that killed writers left in {run_dir}: {names}.")
+        what = "temporary files and folders" if len(removed) > 1 else "temporary file or folder"
+        print(f"Removed {len(removed)} {what} ({amount}) that killed writers left in {run_dir}: {names}.")
 
 
 def pid_alive(pid: int) -> bool:
@@ -1680,14 +1681,19 @@ def point_latest(run_dir: str, name: str) -> None:
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` step-N folders (never the one LATEST points to)."""
+    """Delete all but the newest ``keep`` step-N folders up to LATEST's (never the one LATEST points to;
+    a folder past it, left by a run resumed from an earlier step, is replaced when that step is saved again)."""
     if keep is None or keep <= 0:
         return
     latest = os.path.realpath(os.path.join(run_dir, "LATEST"))
+    name = os.path.basename(latest)
+    newest = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
     steps = sorted(
         (d for d in os.listdir(run_dir) if d.startswith("step-") and d[5:].isdigit()),
         key=lambda d: int(d[5:]),
     )
+    if newest is not None:  # folders past LATEST (a damaged one a resume went back from) are replaced, not counted
+        steps = [d for d in steps if int(d[5:]) <= newest]
     for d in steps[:-keep]:
         if os.path.realpath(os.path.join(run_dir, d)) != latest:
             shutil.rmtree(os.path.join(run_dir, d))

@@ -399,3 +399,28 @@ def test_a_real_full_disk_gives_the_sentences_and_leaves_nothing(real_full_disk)
         utils.save_checkpoint_dir(str(run), "step-8", write)
     assert "no space left on the device (0 MiB free)" in str(err.value) and "unexpected pos" not in str(err.value)
     assert sorted(os.listdir(disk)) == ["filler", "metrics.jsonl", "run", "runs"] and os.listdir(run) == []
+
+
+def test_pruning_counts_no_checkpoint_past_latest(tmp_path):
+    # Regression (issue 24's fresh-user pass): after a resume from step-152 past a damaged step-680,
+    # keep_checkpoints=3 counted step-680 and deleted the intact step-152 and step-288.
+    for step in (152, 288, 424, 680):
+        (tmp_path / f"step-{step}").mkdir()
+    (tmp_path / "LATEST").symlink_to("step-424")
+    utils.prune_checkpoints(str(tmp_path), 3)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-152",
+        "step-288",
+        "step-424",
+        "step-680",
+    ]
+    (tmp_path / "step-560").mkdir()
+    os.remove(tmp_path / "LATEST")
+    (tmp_path / "LATEST").symlink_to("step-560")
+    utils.prune_checkpoints(str(tmp_path), 3)  # the newest 3 up to LATEST; step-680 waits to be saved again
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
+        "step-288",
+        "step-424",
+        "step-560",
+        "step-680",
+    ]

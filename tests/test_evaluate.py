@@ -663,3 +663,18 @@ def test_a_causal_lm_as_the_judges_reward_model_is_refused_before_sampling(tmp_p
     judge = evaluate.Judge(eval_config([*FAST, "policy=unused", f"reward_model.name_or_path={lm}"]))
     with pytest.raises(ConfigError, match="has no trained score head .score.weight not in the checkpoint."):
         judge._build()
+
+
+def test_a_reward_model_run_folder_as_the_judge_is_one_sentence_naming_its_export(tmp_path):
+    # Regression (issue 24's fresh-user pass): evaluate.py judge=reward_model given a train.py run
+    # folder sampled first, then ended in transformers' "Unrecognized model" traceback (exit 1).
+    run = tmp_path / "rm_run"
+    (run / "step-8" / "hf").mkdir(parents=True)
+    (run / "step-8" / "hf" / "config.json").write_text("{}")
+    (run / "LATEST").symlink_to("step-8")
+    with pytest.raises(ConfigError) as error:
+        evaluate.Judge(eval_config([*FAST, "policy=unused", "judge=reward_model", f"reward_model.name_or_path={run}"]))
+    assert str(error.value) == (
+        f"reward_model.name_or_path={run} is a run folder or checkpoint of train.py, not a model folder; give its export, "
+        f"reward_model.name_or_path={run / 'LATEST' / 'hf'}."
+    )
