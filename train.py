@@ -1034,7 +1034,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
     n = int(n) if isinstance(n, (int, float)) else "the"
     lines = []
     if first and second:
-        for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended"))):
+        for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended", "/n"))):
             values = [first[0].get(key), first[-1].get(key), second[-1].get(key)]
             if all(isinstance(v, (int, float)) for v in values):
                 lines.append(
