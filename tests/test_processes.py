@@ -160,6 +160,13 @@ def torchrun(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def after_first_checkpoint(out: Path, launcher: subprocess.Popen) -> tuple[Path, list[int]]:
+    """Wait for the first checkpoint of the run torchrun ``launcher`` writes into ``out``; its run
+    folder and the pids of its ranks."""
+    wait_until(lambda: list(out.glob("*/LATEST")), 240, "the first checkpoint")
+    return next(out.glob("*/LATEST")).parent, children(launcher.pid)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="kill -9 and /proc: Linux")
 def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
@@ -168,9 +175,7 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
     launcher = torchrun(long_fsdp_args(tmp_path / "out"), tmp_path / "log")
     ranks: list[int] = []
     try:
-        wait_until(lambda: list((tmp_path / "out").glob("*/LATEST")), 240, "the first checkpoint")
-        run_dir = next((tmp_path / "out").glob("*/LATEST")).parent
-        ranks = children(launcher.pid)
+        run_dir, ranks = after_first_checkpoint(tmp_path / "out", launcher)
         assert len(ranks) == 2
         with pytest.raises(utils.ConfigError, match="is in use by a live run"):
             utils.lock_run_dir(str(run_dir))
@@ -246,9 +251,7 @@ def test_under_torchrun_the_rank_left_when_another_is_killed_says_one_line_with_
     launcher = torchrun(long_fsdp_args(tmp_path / "out"), tmp_path / "log")
     ranks: list[int] = []
     try:
-        wait_until(lambda: list((tmp_path / "out").glob("*/LATEST")), 240, "the first checkpoint")
-        run_dir = next((tmp_path / "out").glob("*/LATEST")).parent
-        ranks = children(launcher.pid)
+        run_dir, ranks = after_first_checkpoint(tmp_path / "out", launcher)
         os.kill(ranks[1], signal.SIGKILL)
         assert launcher.wait(timeout=120) != 0
     finally:
