@@ -966,7 +966,12 @@ def get_json(
 
 HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores")
 """The columns the ``hf`` formats read; ``data.hf.columns`` maps them to other names."""
+HF_CONTEXT_COLUMNS = ("input", "history", "system")
+"""Columns read only when ``data.hf.columns`` maps them (LLaMA-Factory's alpaca layout): text
+joined to a prompt string, earlier [user, assistant] turns, and a system message."""
 HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked")
+HF_RANKED_ORDERS = ("best_first", "worst_first")
+"""``data.hf.ranked_order`` values: the order of a ranked row's responses when it gives no scores."""
 HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
 """File suffix -> the ``datasets`` builder that reads it (.gz, .bz2, .xz, .zst compressed too)."""
 
@@ -1152,6 +1157,48 @@ def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, colum
     return prompts[0], chosen[cuts[0] :], rejected[cuts[1] :]
 
 
+def _hf_context_prompt(row: dict, columns: dict[str, str], where: str):
+    """The prompt column of ``row`` with the mapped :data:`HF_CONTEXT_COLUMNS` applied, as
+    LLaMA-Factory's alpaca converter does: a non-empty ``input`` joined to the prompt string with
+    "\\n"; a mapped ``system`` or ``history`` makes it messages (every row conversational, so one
+    dataset renders one way): the system message, the history's turns ([[user, assistant], ...])
+    in order, and the prompt as the user's turn. Empty or null context columns add nothing; with
+    none mapped the prompt is returned as it is.
+
+    Raises:
+        DataError: naming the row when the prompt is not a string, or a context column is not a
+            string (input, system) or a list of [user, assistant] string pairs (history).
+    """
+    mapped = {k: columns[k] for k in HF_CONTEXT_COLUMNS if k in columns}
+    prompt = row.get(columns["prompt"])
+    if not mapped:
+        return prompt
+    if not isinstance(prompt, str):
+        raise DataError(
+            f"{where}: column {columns['prompt']!r} is not a string, but data.hf.columns maps {', '.join(mapped)}, which "
+            "add to a prompt string (LLaMA-Factory's alpaca layout); map prompt to the instruction column."
+        )
+    for k in ("input", "system"):
+        if k in mapped and row.get(mapped[k]) is not None and not isinstance(row[mapped[k]], str):
+            raise DataError(f"{where}: column {mapped[k]!r} (data.hf.columns {k}) is not a string; give text or null.")
+    if row.get(mapped.get("input")):
+        prompt = "\n".join([prompt, row[mapped["input"]]]) if prompt else row[mapped["input"]]  # LLaMA-Factory's rule
+    history = row.get(mapped["history"]) if "history" in mapped else None
+    if history is not None and not (
+        isinstance(history, list)
+        and all(isinstance(t, (list, tuple)) and len(t) == 2 and all(isinstance(x, str) for x in t) for t in history)
+    ):
+        raise DataError(
+            f"{where}: column {mapped['history']!r} (data.hf.columns history) is not a list of [user, assistant] string "
+            f"pairs ({json.dumps(history, ensure_ascii=False, default=str)[:80]}); give earlier turns as [[question, answer], ...] or []."
+        )
+    system = row.get(mapped["system"]) if "system" in mapped else None
+    if "history" not in mapped and "system" not in mapped:
+        return prompt
+    turns = [{"role": role, "content": text} for pair in history or [] for role, text in zip(("user", "assistant"), pair)]
+    return [{"role": "system", "content": system}] * bool(system) + turns + [{"role": "user", "content": prompt}]
+
+
 def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: dict[str, str]):
     """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists (prompt
     messages, response messages) for a conversational row (:func:`_conversational_pair`).
@@ -1168,7 +1215,14 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: di
                 raise DataError(
                     f"{where}: column {column!r} is missing or not a string; standard rows need prompt, chosen and rejected strings."
                 )
-        return row[p], row[c], row[r]
+        prompt = _hf_context_prompt(row, columns, where)
+        if isinstance(prompt, list):  # history or system mapped: the row is conversational
+            return (
+                check_messages(prompt, where, p, roles),
+                [{"role": "assistant", "content": row[c]}],
+                [{"role": "assistant", "content": row[r]}],
+            )
+        return prompt, row[c], row[r]
     chosen, rejected = check_messages(row.get(c), where, c, roles), check_messages(row.get(r), where, r, roles)
     check_ends_with_assistant(chosen, where, c)
     check_ends_with_assistant(rejected, where, r)
@@ -1184,33 +1238,51 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: di
 
 
 def _hf_ranked(
-    row: dict, columns: dict[str, str], where: str, roles: dict[str, str]
+    row: dict, columns: dict[str, str], where: str, roles: dict[str, str], order: str | None = None
 ) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
     """(prompt, [(response, score), ...]) of a ranked row: ``responses`` a list with a parallel
     ``scores`` list, or a list of {text or response, score} objects; a response is a string or
-    a list of messages (then the row is conversational).
+    a list of messages (then the row is conversational). With ``order`` (``data.hf.ranked_order``)
+    the row gives no scores: the k-th of n responses (1-based) scores n - k + 1 (best_first) or
+    k (worst_first). The prompt is :func:`_hf_context_prompt`'s.
 
     Raises:
-        DataError: naming the row when the responses or scores are missing or malformed.
+        DataError: naming the row when the responses or scores are missing or malformed, or
+            scores are given while ``order`` is set.
     """
     rc, sc, pc = columns["responses"], columns["scores"], columns["prompt"]
     responses, scores = row.get(rc), row.get(sc)
     if not isinstance(responses, list) or not responses:
         raise DataError(f"{where}: column {rc!r} is not a list of responses; ranked rows need prompt, responses (and scores).")
-    if scores is None:
+    if order is not None:
+        if scores is not None or any(isinstance(a, dict) and a.get("score") is not None for a in responses):
+            raise DataError(
+                f"{where}: gives scores (column {sc!r} or a 'score' in a response object) while data.hf.ranked_order={order} "
+                "ranks the responses by their order; drop data.hf.ranked_order to use the scores."
+            )
+        n = len(responses)
+        items = [
+            (a.get("text", a.get("response")) if isinstance(a, dict) else a, n - k if order == "best_first" else k + 1)
+            for k, a in enumerate(responses)
+        ]
+    elif scores is None:
         items = [(a.get("text", a.get("response")), a.get("score")) if isinstance(a, dict) else (a, None) for a in responses]
     elif not isinstance(scores, list) or len(scores) != len(responses):
         raise DataError(f"{where}: column {sc!r} is not a list of {len(responses)} scores, one per response in {rc!r}.")
     else:
         items = list(zip(responses, scores))
-    conversation = isinstance(row.get(pc), list) or any(isinstance(t, list) for t, _ in items)
-    prompt = _hf_prompt(row.get(pc), where, pc, conversation, roles)
+    raw_prompt = _hf_context_prompt(row, columns, where)
+    conversation = isinstance(raw_prompt, list) or any(isinstance(t, list) for t, _ in items)
+    prompt = _hf_prompt(raw_prompt, where, pc, conversation, roles)
     if not isinstance(prompt, (str, list)):
         raise DataError(f"{where}: column {pc!r} is missing or not a string or a list of messages.")
     ranked = []
     for k, (text, score) in enumerate(items, 1):
         if not isinstance(score, (int, float)) or isinstance(score, bool):
-            raise DataError(f"{where}: response {k} has no numeric score; give {sc!r} or a 'score' in each response object.")
+            raise DataError(
+                f"{where}: response {k} has no numeric score; give {sc!r} or a 'score' in each response object, or set "
+                "data.hf.ranked_order=best_first when the responses are listed best first."
+            )
         if conversation:
             text = [{"role": "assistant", "content": text}] if isinstance(text, str) else check_messages(text, where, rc, roles)
             check_ends_with_assistant(text, where, rc)
@@ -1228,14 +1300,18 @@ def hf_rows_to_data(
     columns: dict | None = None,
     max_pairs_per_prompt: int | None = None,
     roles: dict | None = None,
+    ranked_order: str | None = None,
 ) -> DatasetDict:
     """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict:
     text pairs by :func:`add_pair`, conversational ones by :func:`add_conversation_pair` (an
     implicit prompt by :func:`split_conversations`). A ranked row gives every pair of responses
     with different scores (higher chosen; ties skipped and counted) and its best-scored response
     as sft_target. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those with
-    the largest score gaps, else the first ones. ``roles`` (``data.hf.roles``) renames the
-    messages' roles (:func:`check_messages`).
+    the largest score gaps, else the first ones; a ranked row of one response is skipped and
+    counted. ``ranked_order`` (``data.hf.ranked_order``) ranks responses given without scores by
+    their order (:func:`_hf_ranked`). ``roles`` (``data.hf.roles``) renames the messages' roles
+    (:func:`check_messages`). Mapped ``input`` / ``history`` / ``system`` columns add to standard
+    and ranked rows' prompts (:func:`_hf_context_prompt`).
 
     Raises:
         DataError: for an unknown format or mapping key, columns that match no format, or a bad
@@ -1248,10 +1324,15 @@ def hf_rows_to_data(
             f"data.hf.columns must be a mapping such as {{prompt: question, chosen: good, rejected: bad}}, got {columns!r}; "
             "quote the whole override in the shell: 'data.hf.columns={prompt: question, chosen: good, rejected: bad}'."
         )
-    unknown = sorted(set(columns or {}) - set(HF_COLUMNS))
+    unknown = sorted(set(columns or {}) - set(HF_COLUMNS) - set(HF_CONTEXT_COLUMNS))
     if unknown:
         raise DataError(
-            f"data.hf.columns has unknown key(s) {unknown}; its keys are {', '.join(HF_COLUMNS)} (each set to your column)."
+            f"data.hf.columns has unknown key(s) {unknown}; its keys are {', '.join(HF_COLUMNS + HF_CONTEXT_COLUMNS)} "
+            "(each set to your column)."
+        )
+    if ranked_order is not None and ranked_order not in HF_RANKED_ORDERS:
+        raise DataError(
+            f"data.hf.ranked_order={ranked_order} is unknown; use best_first or worst_first (or null: the rows give scores)."
         )
     found = list(rows[0]) if rows else []
     missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
@@ -1261,12 +1342,27 @@ def hf_rows_to_data(
     columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
     roles = check_roles_mapping(roles)
     fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
+    if ranked_order is not None and rows and fmt != "ranked":
+        raise DataError(
+            f"data.hf.ranked_order={ranked_order} orders ranked rows' responses, but {source} is read as {fmt}; map the "
+            "list of responses with data.hf.columns={responses: <column>} (and data.hf.format=ranked)."
+        )
+    context = [k for k in HF_CONTEXT_COLUMNS if k in columns]
+    if context and rows and fmt not in ("standard", "ranked"):
+        raise DataError(
+            f"data.hf.columns maps {', '.join(context)}, which add to a prompt string of standard or ranked rows, but "
+            f"{source} is read as {fmt}; map prompt, chosen and rejected (or responses) to string columns."
+        )
     data: DatasetDict = {}
     gaps: dict[str, list[float]] = {}
     for i, row in enumerate(rows, 1):
         where = f"{source}, row {i}"
         if fmt == "ranked":
-            prompt, ranked = _hf_ranked(row, columns, where, roles)
+            prompt, ranked = _hf_ranked(row, columns, where, roles, ranked_order)
+            if len(ranked) < 2:
+                note_row(
+                    report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt)
+                )
             candidates = []
             for a in range(len(ranked)):
                 for b in range(a + 1, len(ranked)):
@@ -1355,6 +1451,7 @@ def get_hf(
     holdout_fraction: float = 0.1,
     cache_dir: str | None = None,
     roles: dict | None = None,
+    ranked_order: str | None = None,
 ) -> DatasetDict:
     """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them.
 
@@ -1368,8 +1465,10 @@ def get_hf(
         format: auto (detected from the columns, :func:`detect_hf_format`), standard,
             conversational, implicit or ranked (see :func:`hf_rows_to_data`).
         columns: a mapping from prompt / chosen / rejected / responses / scores to your columns,
-            e.g. {prompt: question, chosen: response_j, rejected: response_k}.
+            e.g. {prompt: question, chosen: response_j, rejected: response_k}; input / history /
+            system too (read only when mapped; :func:`_hf_context_prompt`).
         max_pairs_per_prompt: cap on the pairs of one prompt (ranked rows; None: all).
+        ranked_order: ranked rows without scores: best_first or worst_first (None: rows give scores).
         holdout_fraction: when the source has no ``test_split`` (one file, or test_split null),
             this deterministic slice of the prompts is the eval split (:func:`apply_holdout`).
         cache_dir: where ``datasets`` caches what it prepares (None: its default).
@@ -1383,7 +1482,7 @@ def get_hf(
         DataError: one sentence naming the file / split and the row, before any model loads.
     """
     rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
-    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles)
+    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order)
     return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 
@@ -1401,6 +1500,7 @@ def get_hf_prompts(
     holdout_fraction: float = 0.1,
     cache_dir: str | None = None,
     roles: dict | None = None,
+    ranked_order: str | None = None,
 ) -> DatasetDict:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options: rows with
     chosen / rejected or ranked responses give the prompts of their pairs (an implicit prompt
@@ -1416,13 +1516,13 @@ def get_hf_prompts(
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
-        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles)
+        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order)
     else:
         roles = check_roles_mapping(roles)
         data = {}
         column = mapped["prompt"]
         for i, row in enumerate(rows, 1):
-            value = row.get(column)
+            value = _hf_context_prompt(row, mapped, f"{source}, row {i}")
             if not isinstance(value, (str, list)):
                 raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
             prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list), roles)
@@ -1433,7 +1533,7 @@ def get_hf_prompts(
                 note_row(report, "skipped: repeated prompt", key)
             else:
                 data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
-                add_fields(data[key], row, (column,))
+                add_fields(data[key], row, [column] + [mapped[k] for k in HF_CONTEXT_COLUMNS if k in mapped])
     return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 
