@@ -346,7 +346,7 @@ def _role_and_content(m, roles: dict[str, str]) -> tuple:
 
 
 LIKELY_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant"}
-LIKELY_ROLES |= {"function": "tool", "observation": "tool", "ipython": "tool"}
+LIKELY_ROLES |= {"function": "tool", "observation": "tool", "ipython": "tool", "function_call": "assistant"}
 """Role names other formats use (lower-cased) and the standard role each usually means, for the hint of :func:`role_hint`."""
 
 
@@ -683,19 +683,34 @@ def hh_rows_to_data(
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or not isinstance(row.get("chosen"), str) or not isinstance(row.get("rejected"), str):
             raise DataError(f"{source}, row {i}: needs string fields 'chosen' and 'rejected'.")
-        split = split_prompt_and_responses(row["chosen"], row["rejected"])
-        if split is None:
-            note_row(report, "skipped: no common Assistant turn", row["chosen"])
-            continue
-        prompt, chosen, rejected = split
-        if conversation:
-            added = _add_hh_conversation(data, prompt, chosen, rejected, report, f"{source}, row {i}")
-            key = conversation_key(hh_messages(prompt[: -len(ASSISTANT_TAG)])[0])
-        else:
-            added, key = add_pair(data, prompt, chosen, rejected, report), prompt
-        if added and ASSISTANT_TAG in chosen:
-            note_row(report, "repaired: dialogues diverge before the last Assistant turn", key)
+        add_hh_pair(data, row["chosen"], row["rejected"], report, f"{source}, row {i}" if conversation else None, conversation)
     return data
+
+
+def add_hh_pair(
+    data: DatasetDict, chosen: str, rejected: str, report: collections.Counter, row: str | None, conversation: bool = False
+) -> tuple[str, bool]:
+    """Split two whole HH dialogues (:func:`split_prompt_and_responses`) and add the pair to
+    ``data`` (as messages with ``conversation``, :func:`_add_hh_conversation`), counting in
+    ``report`` a pair that diverges before the last Assistant turn (repaired) and one with no
+    common Assistant turn (skipped). ``row`` names the row in the entry's ``"rows"`` (None: none).
+
+    Returns:
+        (the prompt's key in ``data``, or ``chosen`` when skipped for no common turn; whether added).
+    """
+    split = split_prompt_and_responses(chosen, rejected)
+    if split is None:
+        note_row(report, "skipped: no common Assistant turn", chosen)
+        return chosen, False
+    prompt, chosen, rejected = split
+    if conversation:
+        added = _add_hh_conversation(data, prompt, chosen, rejected, report, row)
+        key = conversation_key(hh_messages(prompt[: -len(ASSISTANT_TAG)])[0])
+    else:
+        added, key = add_pair(data, prompt, chosen, rejected, report, row), prompt
+    if added and ASSISTANT_TAG in chosen:
+        note_row(report, "repaired: dialogues diverge before the last Assistant turn", key)
+    return key, added
 
 
 @register_dataset("hh", truncation_mode="keep_end")
@@ -941,10 +956,21 @@ def get_json(
                 add_fields(data[row["prompt"]], row, ("prompt", "completion", "label"))
             continue
         for field in ("prompt", "chosen", "rejected"):
-            if isinstance(row, dict) and isinstance(row.get(field), list):  # conversations: the hf loader reads them
+            if isinstance(row, dict) and isinstance(row.get(field), (list, dict)):  # conversations: the hf loader reads them
+                what = "a list of messages" if isinstance(row[field], list) else "a message"
                 raise DataError(
-                    f"{file}, row {i}: field {field!r} is a list of messages, which datasets=[json] does not read; read "
+                    f"{file}, row {i}: field {field!r} is {what}, which datasets=[json] does not read; read "
                     f"conversations with datasets=[hf] data.hf.path={file}."
+                )
+            if isinstance(row, dict) and field == "prompt" and field not in row and SHAREGPT_PROMPT in row:
+                raise DataError(
+                    f"{file}, row {i} is a ShareGPT row (conversations, no prompt), which datasets=[json] does not read; "
+                    f"read it with datasets=[hf] data.hf.path={file} 'data.hf.roles={{human: user, gpt: assistant}}'."
+                )
+            if isinstance(row, dict) and field == "prompt" and field not in row and ASSISTANT_TAG in str(row.get("chosen")):
+                raise DataError(
+                    f"{file}, row {i} is an HH row (whole dialogues, no prompt), which datasets=[json] does not read; read "
+                    f"it with datasets=[hf] data.hf.path={file}."
                 )
             if not isinstance(row, dict) or not isinstance(row.get(field), str):
                 raise DataError(
@@ -964,14 +990,16 @@ def get_json(
 
 # ----------------------------------------------------------------------------- hf: any preference data, via `datasets`
 
-HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores")
+HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores", "system")
 """The columns the ``hf`` formats read; ``data.hf.columns`` maps them to other names."""
 HF_CONTEXT_COLUMNS = ("input", "history", "system")
-"""Columns read only when ``data.hf.columns`` maps them (LLaMA-Factory's alpaca layout): text
-joined to a prompt string, earlier [user, assistant] turns, and a system message."""
-HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked")
+"""Columns read into a text prompt only when ``data.hf.columns`` maps them (LLaMA-Factory's alpaca
+layout): text joined to a prompt string, earlier [user, assistant] turns, and a system message."""
+HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked", "hh")
 HF_RANKED_ORDERS = ("best_first", "worst_first")
 """``data.hf.ranked_order`` values: the order of a ranked row's responses when it gives no scores."""
+SHAREGPT_PROMPT = "conversations"
+"""ShareGPT's (LLaMA-Factory's) column of the prompt's messages, read as the prompt when there is no ``prompt`` column."""
 HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
 """File suffix -> the ``datasets`` builder that reads it (.gz, .bz2, .xz, .zst compressed too)."""
 
@@ -1009,22 +1037,56 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
             datasets.enable_progress_bars()
 
 
-def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[str], Callable[[str], tuple[list[dict], str]]]:
+def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[object, dict[str, str]]:
+    """``dataset`` (a ``datasets.Dataset``) with those of ``text_columns`` that ``datasets`` read
+    as numbers or booleans turned into strings: ``reread(features)`` reads the file again with
+    them as strings (a CSV file: each cell's text as written), else Arrow casts each value
+    (42 -> "42", True -> "true", 1.50 -> "1.5").
+
+    Returns:
+        (the dataset, {column: the report's note on it}).
+    """
+    import datasets
+
+    features = getattr(dataset, "features", None) or {}
+    kinds = {}
+    for column in dict.fromkeys(text_columns):
+        dtype = getattr(features.get(column), "dtype", None)
+        if isinstance(features.get(column), datasets.Value) and (dtype == "bool" or dtype.startswith(("int", "uint", "float"))):
+            kinds[column] = "booleans" if dtype == "bool" else "floats" if dtype.startswith("float") else "numbers"
+    if not kinds:
+        return dataset, {}
+    features = features.copy()
+    for column in kinds:
+        features[column] = datasets.Value("string")
+    dataset = reread(features) if reread is not None else dataset.cast(features)
+    notes = {}
+    examples = {"floats": ": 1.50 becomes 1.5", "booleans": ": true, false", "numbers": ""}  # a float's text is lost once read
+    for column, kind in kinds.items():
+        how = "kept as written in the file" if reread is not None else f"written by Arrow{examples[kind]}"
+        notes[column] = f"cast to text: column {column!r} was read as {kind.replace('floats', 'numbers')} by datasets; {how}"
+    return dataset, notes
+
+
+def open_hf_source(
+    path, name: str | None, cache_dir: str | None, text_columns=()
+) -> tuple[list[str], Callable[[str], tuple[list[dict], str, dict[str, str]]]]:
     """The splits of ``data.hf.path`` and a reader of one split, through the ``datasets`` library:
     a file (.json, .jsonl, .parquet, .csv, .arrow; one split, named "train"); a mapping
     {split: file}; a folder saved by ``save_to_disk`` (``datasets.load_from_disk``); any other
     folder (``datasets.load_dataset(folder)``: split names from the file names, e.g. a hub
     snapshot's ``data/train_prefs-00000-of-00001.parquet``); else a hub id, with config ``name``.
+    The ``text_columns`` that ``datasets`` reads as numbers or booleans become strings (:func:`_as_text`).
 
     Returns:
-        (split names, ``read(split) -> (rows, source named in messages)``).
+        (split names, ``read(split) -> (rows, source named in messages, {column cast to text: note})``).
 
     Raises:
         DataError: if a local path does not exist, a reader fails, or the hub cannot be reached.
     """
     import datasets
 
-    def one_file(file: str) -> list[dict]:
+    def one_file(file: str) -> tuple[list[dict], str, dict[str, str]]:
         if not os.path.isfile(file):
             raise DataError(f"Data file {file} does not exist; check data.hf.path.")
         reader = _hf_reader(file)
@@ -1033,14 +1095,24 @@ def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[
                 f"{file} is not a .json, .jsonl, .parquet, .csv or .arrow file; data.hf.path reads those (or a folder)."
             )
         _note_file(file)
-        load = datasets.load_dataset
-        return _rows(_read_with_datasets(file, load, reader, data_files=file, split="train", cache_dir=cache_dir))
+
+        def load(**kwargs):
+            return _read_with_datasets(
+                file, datasets.load_dataset, reader, data_files=file, split="train", cache_dir=cache_dir, **kwargs
+            )
+
+        got, cast = _as_text(load(), text_columns, (lambda features: load(features=features)) if reader == "csv" else None)
+        return _rows(got), file, cast
+
+    def rows_of(dataset, source: str) -> tuple[list[dict], str, dict[str, str]]:
+        got, cast = _as_text(dataset, text_columns)
+        return _rows(got), source, cast
 
     if isinstance(path, dict):
-        return list(path), lambda s: (one_file(path[s]), path[s])
+        return list(path), lambda s: one_file(path[s])
     path = str(path)
     if os.path.isfile(path):
-        return ["train"], lambda s: (one_file(path), path)
+        return ["train"], lambda s: one_file(path)
     if os.path.isdir(path):
         _note_file(path)
         if os.path.exists(os.path.join(path, "dataset_dict.json")) or os.path.exists(os.path.join(path, "state.json")):
@@ -1048,8 +1120,8 @@ def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[
         else:
             got = _read_with_datasets(path, datasets.load_dataset, path, name=name, cache_dir=cache_dir)
         if isinstance(got, datasets.Dataset):
-            return ["train"], lambda s: (_rows(got), path)
-        return list(got), lambda s: (_rows(got[s]), f"{path} ({s} split)")
+            return ["train"], lambda s: rows_of(got, path)
+        return list(got), lambda s: rows_of(got[s], f"{path} ({s} split)")
     if path.startswith((".", "/", "~")) or path.count("/") > 1 or _hf_reader(path):
         raise DataError(f"data.hf.path={path} does not exist; give a data file, a folder or a hub id (org/name).")
     try:
@@ -1059,9 +1131,8 @@ def open_hf_source(path, name: str | None, cache_dir: str | None) -> tuple[list[
             f"Could not load {path} from the Hugging Face hub ({type(e).__name__}); offline? set data.hf.path to a local copy."
         ) from None
     kwargs = {"name": name} if name else {}
-    return list(names), lambda s: (
-        _rows(load_from_hub(path, "data.hf.path", split=s, cache_dir=cache_dir, **kwargs)),
-        f"{path} ({s} split)",
+    return list(names), lambda s: rows_of(
+        load_from_hub(path, "data.hf.path", split=s, cache_dir=cache_dir, **kwargs), f"{path} ({s} split)"
     )
 
 
@@ -1070,8 +1141,9 @@ def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], sou
     of :data:`HF_COLUMNS` to the column that holds it; ``roles`` is ``data.hf.roles``): ``ranked`` (a
     responses column), ``conversational`` (a prompt of messages beside chosen / rejected messages,
     or a prompt string beside chosen / rejected that start with the assistant's turn), ``implicit``
-    (chosen / rejected whole conversations, a prompt string beside them ignored) or ``standard``
-    (prompt / chosen / rejected strings).
+    (chosen / rejected whole conversations, a prompt string beside them ignored), ``standard``
+    (prompt / chosen / rejected strings) or ``hh`` (no prompt; chosen / rejected whole HH dialogues,
+    strings holding ``"\n\nAssistant:"``).
 
     Raises:
         DataError: if the columns match no format, naming the columns found and the mapping to set.
@@ -1089,6 +1161,8 @@ def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], sou
             )
         if has["prompt"]:
             return "standard"
+        if isinstance(chosen, str) and isinstance(first.get(columns["rejected"]), str) and ASSISTANT_TAG in chosen:
+            return "hh"
     raise DataError(
         f"{source} has columns {found}, which match no preference format (prompt / chosen / rejected, chosen / rejected "
         "conversations, or prompt / responses / scores); name yours with data.hf.columns={prompt: <column>, chosen: <column>, "
@@ -1292,6 +1366,84 @@ def _hf_ranked(
     return prompt, ranked
 
 
+def _hf_columns(columns: dict | None, found: list[str]) -> dict[str, str]:
+    """Each of :data:`HF_COLUMNS` -> the column that holds it: ``columns`` (``data.hf.columns``),
+    else its own name, the prompt being ShareGPT's ``conversations`` when ``found`` has no ``prompt``."""
+    mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
+    if "prompt" not in (columns or {}) and "prompt" not in found and SHAREGPT_PROMPT in found:
+        mapped["prompt"] = SHAREGPT_PROMPT
+    return mapped
+
+
+def _context_columns(columns: dict[str, str], given: dict) -> dict[str, str]:
+    """``columns`` without ``system`` unless ``given`` (``data.hf.columns``) maps it: an unmapped
+    ``system`` column is prepended to conversational prompts only, and kept as a field beside text ones."""
+    return columns if "system" in given else {k: v for k, v in columns.items() if k != "system"}
+
+
+def note_cast(report: collections.Counter, cast: dict[str, str] | None, row: dict, key: str) -> None:
+    """Count ``row`` (its prompt's key ``key``) under the note of each of its columns in ``cast`` that holds a value."""
+    for column, note in (cast or {}).items():
+        if row.get(column) is not None:
+            note_row(report, note, key)
+
+
+def _hh_dialogues(row: dict, columns: dict[str, str], where: str) -> tuple[str, str]:
+    """(chosen, rejected) whole dialogues of an ``hh`` row.
+
+    Raises:
+        DataError: naming the row when either is not a string.
+    """
+    c, r = columns["chosen"], columns["rejected"]
+    for column in (c, r):
+        if not isinstance(row.get(column), str):
+            raise DataError(
+                f"{where}: column {column!r} is missing or not a string; hh rows need chosen and rejected dialogues "
+                "('\\n\\nHuman: ...\\n\\nAssistant: ...')."
+            )
+    return row[c], row[r]
+
+
+def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: dict[str, str]) -> None:
+    """Check, before any message, that ``roles`` maps every role of a ShareGPT row (its prompt,
+    chosen and rejected messages) that is not one of :data:`STANDARD_ROLES`.
+
+    Raises:
+        DataError: one sentence naming all of the row's unmapped roles and the ``data.hf.roles`` that maps them.
+    """
+    unknown = []
+    for column in (columns["prompt"], columns["chosen"], columns["rejected"]):
+        value = row.get(column)
+        for m in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
+            role = _role_and_content(m, roles)[0]
+            if isinstance(role, str) and role not in STANDARD_ROLES and role not in unknown:
+                unknown.append(role)
+    if unknown:
+        mapping = roles | {role: LIKELY_ROLES.get(role.lower(), "<user, assistant, system or tool>") for role in unknown}
+        raise DataError(
+            f"{where}: the ShareGPT messages have role(s) {', '.join(map(repr, unknown))}, not one of "
+            f"{', '.join(STANDARD_ROLES)}; map them with 'data.hf.roles={{{', '.join(f'{k}: {v}' for k, v in mapping.items())}}}'."
+        )
+
+
+def _with_system(prompt: str | Messages, system, where: str, column: str) -> str | Messages:
+    """``prompt`` with ``system`` (the row's ``system`` column: a string, or None) as its first
+    message when it is a conversation that does not begin with a system message; a text prompt as it is.
+
+    Raises:
+        DataError: naming the row when ``system`` is neither a string nor None.
+    """
+    if system is None or isinstance(prompt, str):
+        return prompt
+    if not isinstance(system, str):
+        raise DataError(
+            f"{where}: column {column!r} is a JSON {_json_kind(system)}, not a string; give the system prompt as text."
+        )
+    if not system.strip() or prompt[0]["role"] == "system":  # a system message in the conversation wins (LLaMA-Factory)
+        return prompt
+    return [{"role": "system", "content": system}, *prompt]
+
+
 def hf_rows_to_data(
     rows: list[dict],
     report: collections.Counter,
@@ -1301,17 +1453,24 @@ def hf_rows_to_data(
     max_pairs_per_prompt: int | None = None,
     roles: dict | None = None,
     ranked_order: str | None = None,
+    cast: dict[str, str] | None = None,
 ) -> DatasetDict:
     """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict:
     text pairs by :func:`add_pair`, conversational ones by :func:`add_conversation_pair` (an
     implicit prompt by :func:`split_conversations`). A ranked row gives every pair of responses
     with different scores (higher chosen; ties skipped and counted) and its best-scored response
-    as sft_target. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those with
-    the largest score gaps, else the first ones; a ranked row of one response is skipped and
+    as sft_target. An ``hh`` row's chosen / rejected dialogues are split as the ``hh`` loader splits
+    them (:func:`add_hh_pair`). Without a prompt column, ShareGPT's ``conversations`` column is the
+    prompt. A ``system`` string is prepended to a conversational prompt as its system message
+    unless the prompt begins with one (LLaMA-Factory's rule); beside a text prompt it is kept as a
+    field unless mapped. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those
+    with the largest score gaps, else the first ones; a ranked row of one response is skipped and
     counted. ``ranked_order`` (``data.hf.ranked_order``) ranks responses given without scores by
     their order (:func:`_hf_ranked`). ``roles`` (``data.hf.roles``) renames the messages' roles
     (:func:`check_messages`). Mapped ``input`` / ``history`` / ``system`` columns add to standard
-    and ranked rows' prompts (:func:`_hf_context_prompt`).
+    and ranked rows' prompts (:func:`_hf_context_prompt`). ``cast`` ({column: note}, from
+    :func:`open_hf_source`) counts, under each note, the rows whose column ``datasets`` read as
+    numbers and was cast to text.
 
     Raises:
         DataError: for an unknown format or mapping key, columns that match no format, or a bad
@@ -1339,7 +1498,9 @@ def hf_rows_to_data(
     if missing:
         key, col = missing[0]
         raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
-    columns = {key: key for key in HF_COLUMNS} | dict(columns or {})
+    given = dict(columns or {})
+    columns = _hf_columns(columns, found)
+    pair_columns = _context_columns(columns, given)
     roles = check_roles_mapping(roles)
     fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
     if ranked_order is not None and rows and fmt != "ranked":
@@ -1347,7 +1508,7 @@ def hf_rows_to_data(
             f"data.hf.ranked_order={ranked_order} orders ranked rows' responses, but {source} is read as {fmt}; map the "
             "list of responses with data.hf.columns={responses: <column>} (and data.hf.format=ranked)."
         )
-    context = [k for k in HF_CONTEXT_COLUMNS if k in columns]
+    context = [k for k in ("input", "history") if k in given]  # a mapped system also heads conversational prompts
     if context and rows and fmt not in ("standard", "ranked"):
         raise DataError(
             f"data.hf.columns maps {', '.join(context)}, which add to a prompt string of standard or ranked rows, but "
@@ -1357,8 +1518,15 @@ def hf_rows_to_data(
     gaps: dict[str, list[float]] = {}
     for i, row in enumerate(rows, 1):
         where = f"{source}, row {i}"
+        if fmt == "hh":
+            key, added = add_hh_pair(data, *_hh_dialogues(row, columns, where), report, where)
+            note_cast(report, cast, row, key)
+            if added:
+                gaps.setdefault(key, []).append(0.0)
+                add_fields(data[key], row, columns.values())
+            continue
         if fmt == "ranked":
-            prompt, ranked = _hf_ranked(row, columns, where, roles, ranked_order)
+            prompt, ranked = _hf_ranked(row, pair_columns, where, roles, ranked_order)
             if len(ranked) < 2:
                 note_row(
                     report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt)
@@ -1372,9 +1540,14 @@ def hf_rows_to_data(
                     else:
                         candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
         else:
-            prompt, chosen, rejected = _hf_pair(row, fmt, columns, where, roles)
+            if columns["prompt"] == SHAREGPT_PROMPT:
+                check_sharegpt_roles(row, columns, where, roles)
+            prompt, chosen, rejected = _hf_pair(row, fmt, pair_columns, where, roles)
             candidates = [((chosen, rejected), 0.0)]
+        prompt = _with_system(prompt, row.get(columns["system"]), where, columns["system"])
         key = prompt if isinstance(prompt, str) else conversation_key(prompt)
+        note_cast(report, cast, row, key)
+        consumed = [c for k, c in columns.items() if k != "system" or not isinstance(prompt, str)]
         for (chosen, rejected), gap in candidates:
             if isinstance(prompt, str):
                 added = add_pair(data, prompt, chosen, rejected, report, where)
@@ -1382,7 +1555,7 @@ def hf_rows_to_data(
                 added = add_conversation_pair(data, prompt, chosen, rejected, report, where)
             if added:
                 gaps.setdefault(key, []).append(gap)
-                add_fields(data[key], row, columns.values())
+                add_fields(data[key], row, consumed)
         if fmt == "ranked" and key in data:
             data[key]["sft_target"] = max(ranked, key=lambda t: t[1])[0]
     if max_pairs_per_prompt is not None:
@@ -1398,16 +1571,24 @@ def hf_rows_to_data(
 
 
 def hf_split_rows(
-    split: str, path, name: str | None, train_split: str, test_split: str | None, holdout_fraction: float, cache_dir: str | None
-) -> tuple[list[dict], str, bool]:
+    split: str,
+    path,
+    name: str | None,
+    train_split: str,
+    test_split: str | None,
+    holdout_fraction: float,
+    cache_dir: str | None,
+    columns=None,
+) -> tuple[list[dict], str, bool, dict[str, str]]:
     """The rows ``hf`` reads for ``split`` ("train" or "test"): the source's ``train_split`` or
     ``test_split`` (a single file is one split), or, when the source has one split only (or
     ``test_split`` is None) and ``holdout_fraction`` > 0, ``train_split`` for both (to be cut by
     :func:`apply_holdout`). A ``test_split`` missing from a source of several splits is an error,
     not a held-out slice: a mistyped name must not make the eval split a part of the training data.
+    The text columns of ``columns`` (``data.hf.columns``) read as numbers become strings (:func:`_as_text`).
 
     Returns:
-        (rows, source named in messages, whether to carve the held-out slice).
+        (rows, source named in messages, whether to carve the held-out slice, {column cast to text: note}).
 
     Raises:
         DataError: as :func:`open_hf_source`; if no path is set, ``train_split`` is missing, or
@@ -1415,7 +1596,8 @@ def hf_split_rows(
     """
     if path is None:
         raise DataError("datasets=[hf] needs data.hf.path=<hub id, data file or folder>.")
-    names, read = open_hf_source(path, name, cache_dir)
+    mapped = {key: key for key in HF_COLUMNS} | (dict(columns) if isinstance(columns, dict) else {})
+    names, read = open_hf_source(path, name, cache_dir, [mapped[k] for k in ("prompt", "chosen", "rejected", "system")])
     if train_split not in names:
         if len(names) != 1:
             raise DataError(
@@ -1433,8 +1615,8 @@ def hf_split_rows(
             f"{path} has no split {test_split!r} (its splits: {', '.join(names)}); set data.hf.test_split to one of them, "
             f"or data.hf.holdout_fraction (e.g. 0.1) to hold out a slice of {train_split!r}."
         )
-    rows, source = read(train_split if carve or split == "train" else test_split)
-    return rows, source, carve
+    rows, source, cast = read(train_split if carve or split == "train" else test_split)
+    return rows, source, carve, cast
 
 
 @register_dataset("hf", truncation_mode="keep_end")
@@ -1463,10 +1645,11 @@ def get_hf(
         name: the hub dataset's config (None: its default).
         train_split, test_split: the source's splits read for train and eval.
         format: auto (detected from the columns, :func:`detect_hf_format`), standard,
-            conversational, implicit or ranked (see :func:`hf_rows_to_data`).
-        columns: a mapping from prompt / chosen / rejected / responses / scores to your columns,
-            e.g. {prompt: question, chosen: response_j, rejected: response_k}; input / history /
-            system too (read only when mapped; :func:`_hf_context_prompt`).
+            conversational, implicit, ranked or hh (see :func:`hf_rows_to_data`).
+        columns: a mapping from prompt / chosen / rejected / responses / scores / system to your
+            columns, e.g. {prompt: question, chosen: response_j, rejected: response_k}; input /
+            history too (read only when mapped; :func:`_hf_context_prompt`); without a prompt
+            column, ShareGPT's ``conversations`` is the prompt.
         max_pairs_per_prompt: cap on the pairs of one prompt (ranked rows; None: all).
         ranked_order: ranked rows without scores: best_first or worst_first (None: rows give scores).
         holdout_fraction: when the source has no ``test_split`` (one file, or test_split null),
@@ -1477,12 +1660,13 @@ def get_hf(
             any other role is refused (:func:`check_messages`).
 
     The columns no format reads are kept as the prompts' fields, for reward functions (:func:`add_fields`).
+    A prompt, chosen, rejected or system column read as numbers is cast to text and counted (:func:`_as_text`).
 
     Raises:
         DataError: one sentence naming the file / split and the row, before any model loads.
     """
-    rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
-    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order)
+    rows, source, carve, cast = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns)
+    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
     return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 
@@ -1512,17 +1696,18 @@ def get_hf_prompts(
     Raises:
         DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
     """
-    rows, source, carve = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir)
+    rows, source, carve, cast = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns)
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
-        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order)
+        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
     else:
         roles = check_roles_mapping(roles)
         data = {}
         column = mapped["prompt"]
+        context = _context_columns(mapped, dict(columns or {}))
         for i, row in enumerate(rows, 1):
-            value = _hf_context_prompt(row, mapped, f"{source}, row {i}")
+            value = _hf_context_prompt(row, context, f"{source}, row {i}")
             if not isinstance(value, (str, list)):
                 raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
             prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list), roles)
@@ -1532,8 +1717,9 @@ def get_hf_prompts(
             elif key in data:
                 note_row(report, "skipped: repeated prompt", key)
             else:
+                note_cast(report, cast, row, key)
                 data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
-                add_fields(data[key], row, [column] + [mapped[k] for k in HF_CONTEXT_COLUMNS if k in mapped])
+                add_fields(data[key], row, [column] + [context[k] for k in HF_CONTEXT_COLUMNS if k in context])
     return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
 

@@ -216,11 +216,12 @@ def test_malformed_history_is_one_sentence_naming_the_row(history):
 
 
 def test_context_columns_on_a_conversational_file_are_one_sentence(tmp_path):
-    f = write_jsonl(tmp_path, [{"prompt": [user("q")], "chosen": [bot("a")], "rejected": [bot("b")], "sys": "s"}])
+    """input / history join a prompt string; a mapped system heads a conversational prompt instead (ShareGPT's rule)."""
+    f = write_jsonl(tmp_path, [{"prompt": [user("q")], "chosen": [bot("a")], "rejected": [bot("b")], "inp": "s"}])
     with pytest.raises(DataError) as e:
-        load(tmp_path, f, columns={"system": "sys"})
+        load(tmp_path, f, columns={"input": "inp"})
     assert str(e.value) == (
-        f"data.hf.columns maps system, which add to a prompt string of standard or ranked rows, but {f} is read as "
+        f"data.hf.columns maps input, which add to a prompt string of standard or ranked rows, but {f} is read as "
         "conversational; map prompt, chosen and rejected (or responses) to string columns."
     )
 
