@@ -117,7 +117,7 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
     name = model.get("name_or_path")
     hub_id = name if is_hub_id(name) else None
     if name is None:
-        what = "a randomly initialised model (`model.config`)"
+        what = "A randomly initialised model (`model.config`)"
     else:
         what = f"`{name}`"
     if model.get("archive") is not None:
@@ -182,7 +182,8 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
             f"This folder holds the base with the LoRA adapters (r={lora.r}) merged in; `AutoModelForCausalLM` loads it."
         )
     else:
-        lines.append("`AutoModelForCausalLM.from_pretrained(<this folder>)` loads it, with its tokenizer.")
+        auto = "AutoModelForSequenceClassification" if objective.score_head else "AutoModelForCausalLM"
+        lines.append(f"`{auto}.from_pretrained(<this folder>)` loads it, with its tokenizer.")
     lines += ["", "## Base model", "", base_text + ".", "", "## Data", ""]
     for name in config.datasets:
         options = OmegaConf.to_container(config.data.get(name) or OmegaConf.create({}), resolve=True)
@@ -204,7 +205,10 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         "",
     ]
     if metrics:
-        lines += [f"The eval after {eval_step} examples ({config.get('n_eval_examples')} held-out examples at most):", ""]
+        lines += [
+            f"The eval after {eval_step} examples (`n_eval_examples={config.get('n_eval_examples')}` held-out examples at most):",
+            "",
+        ]
         lines += ["| metric | value |", "|---|---|"]
         lines += [f"| {key} | {_number(value)} |" for key, value in metrics.items()]
     else:

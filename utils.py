@@ -1198,10 +1198,13 @@ def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | Non
     try:
         lock = lock_run_dir(run_dir)
         path = os.path.join(run_dir, "config.yaml")
-        with saying_disk_full(path, "write", "start the run again"), open(path, "w") as f:
+        with saying_disk_full(path, "write", "start the run again"):
+            OmegaConf.save(config, path)
             if command is not None:
-                f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n")
-            f.write(OmegaConf.to_yaml(config))
+                with open(path, "r+") as f:
+                    text = f.read()
+                    f.seek(0)
+                    f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
         return run_dir, lock
     except BaseException:
         for name in (RUN_LOCK, "config.yaml"):
