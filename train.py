@@ -507,7 +507,8 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    if stop_signal is None and rank == 0 and (config.get("hub") or {}).get("push"):  # the run is FINISHED before the push
+    push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
+    if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
         url = modelcard.push(os.path.join(run_dir, "LATEST"), config)
         print(f"Pushed {modelcard.export_to_push(os.path.join(run_dir, 'LATEST'), config).rstrip(os.sep)} to {url}")
     return run_dir, stop_signal
