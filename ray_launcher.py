@@ -24,11 +24,13 @@ import functools
 import importlib
 import math
 import os
+import sys
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import modelcard
 import rewards
 import trainers
 import utils
@@ -243,6 +245,13 @@ def launch(config: DictConfig, main) -> int:
             return 1
         where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
         print(f"Ray run {ray_cfg.name} done: run folder {run_dir}{where}.")
+        if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
+            try:
+                url = modelcard.push(os.path.join(run_dir, "LATEST"), config)
+            except modelcard.PushError as e:
+                print(f"Error: {e}", file=sys.stderr, flush=True)
+                return 1
+            print(f"Pushed {modelcard.export_to_push(os.path.join(run_dir, 'LATEST'), config).rstrip(os.sep)} to {url}")
         return 0
     finally:
         for actor in actors:

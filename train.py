@@ -25,6 +25,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import modelcard
 import preference_datasets
 import reward_functions
 import rewards
@@ -339,6 +340,8 @@ def main(
         utils.ConfigError, DataError: a bad config value or data file, ``resume=`` of a run
             folder a live run holds, or ranks that differ in config, code or ``output_root``
             (before any model loads).
+        modelcard.PushError: ``hub.push=true`` and the final export could not be pushed (the
+            run is finished and kept; the message says how to push it later).
     """
     utils.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     made: list[str] = []  # the run folder this job makes
@@ -453,7 +456,8 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
-        run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded)  # locked before config.yaml
+        command = None if COMMAND is None else modelcard.command_text(COMMAND)
+        run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded, command)  # locked before config.yaml
         made.append(run_dir)
         held.enter_context(lock)
     if distributed:
@@ -503,6 +507,10 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         import torch.distributed as dist
 
         dist.destroy_process_group()
+    push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
+    if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
+        url = modelcard.push(os.path.join(run_dir, "LATEST"), config)
+        print(f"Pushed {modelcard.export_to_push(os.path.join(run_dir, 'LATEST'), config).rstrip(os.sep)} to {url}")
     return run_dir, stop_signal
 
 
@@ -518,6 +526,10 @@ PEER_LOST_EXIT = 3
 
 RUN_FOLDER: str | None = None
 """This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
+
+COMMAND: list[str] | None = None
+"""The command line's overrides when train.py was started from it (set by :func:`hydra_main`); a new
+run folder's config.yaml begins with the command (``utils.RUN_COMMAND_LINE``), which model cards quote."""
 
 
 def die_with_launcher(poll_s: float = 0.5) -> str | None:
@@ -903,8 +915,9 @@ def say_once_per_node(error: Exception, rank: int) -> None:
         time.sleep(1)
 
 
-STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr")
-"""Keys (and their sub-keys) of a command line that its SFT stage sets itself (:func:`stage_commands`)."""
+STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "hub")
+"""Keys (and their sub-keys) of a command line that its SFT stage sets itself (:func:`stage_commands`);
+``hub``: only the second stage's export is pushed."""
 
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
@@ -1058,6 +1071,8 @@ def hydra_main(config: DictConfig) -> None:
         from hydra.core.hydra_config import HydraConfig
 
         overrides = list(HydraConfig.get().overrides.task)
+        global COMMAND
+        COMMAND = overrides
         given = utils.given_keys(overrides)
         utils.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
         if sft_stage_wanted(config, given):
@@ -1082,7 +1097,13 @@ def hydra_main(config: DictConfig) -> None:
     except (utils.ConfigError, DataError) as e:
         say_once_per_node(e, rank)
         sys.exit(2)
-    except (trainers.NonFiniteLossError, trainers.JudgeFailureError, utils.CheckpointError, utils.DiskFullError) as e:
+    except (
+        trainers.NonFiniteLossError,
+        trainers.JudgeFailureError,
+        utils.CheckpointError,
+        utils.DiskFullError,
+        modelcard.PushError,
+    ) as e:
         say_once_per_node(e, rank)  # finished work is kept
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
     except StoppedDuringSetup as e:  # a stop during setup: nothing trained, nothing half-made left

@@ -25,6 +25,7 @@ import torch
 import tqdm
 
 import losses
+import modelcard
 import reward_functions
 import rewards
 import utils
@@ -1155,7 +1156,8 @@ class BasicTrainer(OnlineSampling):
         folder)`` loads onto the base (its ``base_model_name_or_path``: ``utils.lora_base_path``),
         and with ``model.lora.export_merged`` also ``folder/merged``, the base with the adapters
         merged in (peft's ``merge_and_unload`` on a copy that shares the weights; the policy is
-        untouched), which ``AutoModelForCausalLM.from_pretrained`` loads. The tokenizer goes
+        untouched), which ``AutoModelForCausalLM.from_pretrained`` loads. The tokenizer and a
+        model card (README.md with the training curves so far, :func:`modelcard.write_cards`) go
         into both.
 
         Args:
@@ -1179,9 +1181,12 @@ class BasicTrainer(OnlineSampling):
                     merged.generation_config = self.policy.generation_config
                     merged.save_pretrained(os.path.join(folder, "merged"))
                     self.tokenizer.save_pretrained(os.path.join(folder, "merged"))
-                return None
-            self.policy.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
-            self.tokenizer.save_pretrained(folder)
+            else:
+                self.policy.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
+                self.tokenizer.save_pretrained(folder)
+            modelcard.write_cards(
+                folder, self.config, self.run_dir, self.example_counter, self.batch_counter, adapter=self.peft_model is not None
+            )
         except Exception as e:
             shutil.rmtree(folder, ignore_errors=True)
             return utils.failure_reason(e)

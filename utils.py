@@ -72,6 +72,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
     validate_reference_update(config, objective)
     validate_online(config)
     validate_lora(config, objective)
+    validate_hub(config)
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
@@ -417,6 +418,36 @@ def validate_lora(config: DictConfig, objective) -> None:
         import peft  # noqa: F401
     except ImportError:
         raise ConfigError("model.lora.r is set but the peft library is not installed; pip install -r requirements.txt.") from None
+
+
+def validate_hub(config: DictConfig) -> None:
+    """Check ``hub.*`` (absent in a config saved before it existed: no push).
+
+    Raises:
+        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true``
+            without a valid ``hub.model_id`` or without ``save_hf_export``.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    hub = config.get("hub") or {}
+    for key in ("push", "private"):
+        if not isinstance(hub.get(key, False), bool):
+            raise ConfigError(f"hub.{key} must be true or false, got {hub.get(key)!r}.")
+    if not hub.get("push"):
+        return
+    model_id = hub.get("model_id")
+    if model_id is None:
+        raise ConfigError("hub.push=true needs the repository to push to: add hub.model_id=<org or user>/<name>.")
+    try:
+        validate_repo_id(str(model_id))
+    except HFValidationError:
+        raise ConfigError(
+            f"hub.model_id={model_id} is not a Hugging Face repository id; give <org or user>/<name>, e.g. hub.model_id=my-org/my-dpo-model."
+        ) from None
+    if not config.save_hf_export:
+        raise ConfigError(
+            "hub.push=true pushes the run's Hugging Face export, which save_hf_export=false leaves out; set save_hf_export=true."
+        )
 
 
 def online_capable(objective) -> bool:
@@ -1154,9 +1185,14 @@ def resume_hint(run_dir: str) -> str:
     return f"continue with resume={run_dir} (from {os.path.basename(os.path.realpath(checkpoint))})"
 
 
-def new_run_dir(root: str, exp_name: str, config: DictConfig) -> tuple[str, RunLock]:
+RUN_COMMAND_LINE = "# Made by: "
+"""How a run folder's config.yaml begins when the command line that made the run is known (:func:`new_run_dir`)."""
+
+
+def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
     """A new run folder (:func:`make_run_dir`), held (:func:`lock_run_dir`), with ``config``
-    saved as its config.yaml; when any of that fails the folder is removed again, so that no
+    saved as its config.yaml, which begins with the comment ``# Made by: <command>`` when the
+    command line is known; when any of that fails the folder is removed again, so that no
     folder is left holding only ``.lock``. Returns the folder and its lock."""
     run_dir, lock = make_run_dir(root, exp_name), None
     try:
@@ -1164,6 +1200,11 @@ def new_run_dir(root: str, exp_name: str, config: DictConfig) -> tuple[str, RunL
         path = os.path.join(run_dir, "config.yaml")
         with saying_disk_full(path, "write", "start the run again"):
             OmegaConf.save(config, path)
+            if command is not None:
+                with open(path, "r+") as f:
+                    text = f.read()
+                    f.seek(0)
+                    f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
         return run_dir, lock
     except BaseException:
         for name in (RUN_LOCK, "config.yaml"):
@@ -1920,10 +1961,11 @@ def curve_panels(series: dict[str, list], loss: str | None = None, average_log_p
     return plan
 
 
-def plot_curves(run_dir: str) -> list[str]:
-    """Write one PNG per panel of :func:`curve_panels` from ``metrics.jsonl`` into
-    ``<run_dir>/curves/`` (x axis: examples seen; the loss's unit read from the run's
-    config.yaml), removing PNGs of panels no longer drawn. Returns the files written."""
+def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...] | None = None) -> list[str]:
+    """Write one PNG per panel of :func:`curve_panels` from ``metrics.jsonl`` into ``out_dir``
+    (default ``<run_dir>/curves/``; x axis: examples seen; the loss's unit read from the run's
+    config.yaml), removing PNGs of panels no longer drawn; ``panels``: only these (by name).
+    Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1942,8 +1984,8 @@ def plot_curves(run_dir: str) -> list[str]:
     if os.path.exists(saved):
         loss_config = OmegaConf.load(saved).get("loss") or {}
         loss, average = loss_config.get("name"), bool(loss_config.get("average_log_prob", False))
-    plan = curve_panels(series, loss, average)
-    out_dir = os.path.join(run_dir, "curves")
+    plan = [p for p in curve_panels(series, loss, average) if panels is None or p["name"] in panels]
+    out_dir = out_dir or os.path.join(run_dir, "curves")
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for panel in plan:

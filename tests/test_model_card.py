@@ -1,0 +1,194 @@
+"""Model cards of the hf/ exports (modelcard.py) and hub.push of the final export."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, compose_config, metric_records, needs_shared, run_train
+from huggingface_hub import ModelCard
+
+import modelcard
+import utils
+
+BATCH = int(next(a for a in TINY if a.startswith("batch_size=")).split("=")[1])
+N_EXAMPLES = int(next(a for a in TINY if a.startswith("n_examples=")).split("=")[1])
+EVAL_EVERY = int(next(a for a in TINY if a.startswith("eval_every=")).split("=")[1])
+PUSH = ["hub.push=true", "hub.model_id=me/tiny-dpo"]
+
+
+def eval_record(run_dir: Path, step: int) -> dict:
+    """The eval record of metrics.jsonl logged after ``step`` examples (the one with loss/eval)."""
+    return next(r for r in metric_records(run_dir) if r["step"] == step and "loss/eval" in r)
+
+
+def card_values(card) -> dict:
+    """{metric key: value} of a card's model-index (front matter)."""
+    return {r.metric_type: r.metric_value for r in card.data.eval_results or []}
+
+
+@pytest.fixture(scope="module")
+def pushed_run(tmp_path_factory):
+    """One tiny DPO run with hub.push=true, huggingface_hub's HfApi stubbed: (run folder, the calls)."""
+    from huggingface_hub import HfApi
+
+    calls = []
+
+    def create_repo(self, repo_id, **kwargs):
+        calls.append(("create_repo", repo_id, kwargs))
+        return f"https://huggingface.co/{repo_id}"
+
+    def upload_folder(self, **kwargs):
+        folder = kwargs["folder_path"]
+        files = sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+        calls.append(("upload_folder", kwargs, files))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HfApi, "create_repo", create_repo)
+        mp.setattr(HfApi, "upload_folder", upload_folder)
+        run_dir = run_train(["num_threads=1", *PUSH], tmp_path_factory.mktemp("pushed"))
+    return run_dir, calls
+
+
+def test_the_final_card_names_the_objective_the_steps_and_the_last_eval(pushed_run):
+    run_dir, _ = pushed_run
+    final = run_dir / f"step-{N_EXAMPLES}"
+    assert (run_dir / "LATEST").resolve() == final.resolve()
+    card = ModelCard.load(final / "hf" / "README.md")
+    assert card.data.library_name == "transformers"
+    assert card.data.tags == ["dpo"]  # [dpo, <objective>] with the objective dpo
+    assert card.data.base_model is None  # model=tiny: a random model derives from nothing
+    assert "`loss.beta` = `0.1`" in card.text  # config/loss/dpo.yaml's beta
+    assert f"- examples trained on: {N_EXAMPLES}" in card.text
+    assert f"- optimizer steps: {N_EXAMPLES // BATCH} (batch_size={BATCH} pairs a step)" in card.text
+    record = eval_record(run_dir, N_EXAMPLES)
+    assert card_values(card) == {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
+    assert f"The eval after {N_EXAMPLES} examples" in card.text
+    assert "![loss](curves/loss.png)" in card.text and (final / "hf" / "curves" / "loss.png").stat().st_size > 0
+    assert '- `arithmetic`: `data.arithmetic` = `{"n_train": 64, "n_test": 16}`' in card.text
+
+
+def test_an_earlier_checkpoint_card_states_the_metrics_at_its_own_step(pushed_run):
+    run_dir, _ = pushed_run
+    card = ModelCard.load(run_dir / f"step-{EVAL_EVERY}" / "hf" / "README.md")
+    assert f"- examples trained on: {EVAL_EVERY}" in card.text
+    assert f"- optimizer steps: {EVAL_EVERY // BATCH} " in card.text
+    record = eval_record(run_dir, EVAL_EVERY)
+    assert card_values(card) == {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
+    assert card_values(card)["loss/eval"] != eval_record(run_dir, N_EXAMPLES)["loss/eval"]
+
+
+def test_the_card_is_inside_the_checkpoint_manifest(pushed_run):
+    run_dir, _ = pushed_run
+    final = run_dir / f"step-{N_EXAMPLES}"
+    manifest = json.loads((final / utils.CHECKPOINT_MANIFEST).read_text())
+    assert manifest["hf/README.md"] == (final / "hf" / "README.md").stat().st_size
+    assert manifest["hf/curves/loss.png"] == (final / "hf" / "curves" / "loss.png").stat().st_size
+    utils.check_checkpoint(str(final))  # raises if anything listed is missing or cut
+
+
+def test_push_uploads_the_final_export_once_with_the_repo_id_and_private_flag(pushed_run):
+    run_dir, calls = pushed_run
+    assert [c[0] for c in calls] == ["create_repo", "upload_folder"]
+    assert calls[0][1] == "me/tiny-dpo"
+    assert calls[0][2]["private"] is True and calls[0][2]["exist_ok"] is True
+    upload, files = calls[1][1], calls[1][2]
+    assert upload["repo_id"] == "me/tiny-dpo"
+    assert Path(upload["folder_path"]) == (run_dir / f"step-{N_EXAMPLES}" / "hf").resolve()
+    assert {"README.md", "config.json", "model.safetensors", "curves/loss.png"} <= set(files)
+    assert upload["commit_message"] == f"train.py: {run_dir.name} step-{N_EXAMPLES}"
+    assert (run_dir / utils.FINISHED).read_text() == f"{N_EXAMPLES}\n"
+
+
+def test_lora_cards_say_peft_for_the_adapters_and_transformers_for_the_merged_model(tmp_path):
+    stories = needs_shared("models", "stories260K")
+    overrides = ["model=blank_model", f"model.name_or_path={stories}", "model.lora.r=8", "model.lora.export_merged=true"]
+    run_dir = run_train([*overrides, "num_threads=1", "sample_during_eval=false", "n_examples=16", "eval_every=16"], tmp_path)
+    hf = run_dir / "LATEST" / "hf"
+    adapter, merged = ModelCard.load(hf / "README.md"), ModelCard.load(hf / "merged" / "README.md")
+    assert adapter.data.library_name == "peft" and merged.data.library_name == "transformers"
+    assert adapter.data.base_model is None  # a local folder is no hub id: the Hub refuses it as base_model
+    for card in (adapter, merged):
+        assert f"`{stories}`" in card.text  # the base, named in the body
+        assert "- optimizer steps: 2 " in card.text  # 16 examples / batch_size 8
+    assert "LoRA adapters (r=8, alpha=32)" in adapter.text and (hf / "merged" / "curves" / "loss.png").exists()
+    assert (hf / "adapter_config.json").exists() and (hf / "merged" / "model.safetensors").exists()
+    assert modelcard.export_to_push(str(run_dir / "LATEST"), compose_config(overrides)).rstrip(os.sep) == str(
+        hf.resolve() / "merged"
+    )
+
+
+def card_for(overrides: list[str], tmp_path: Path, kind: str = "model"):
+    """The card build_card makes for a hand-written run folder (config.yaml and one eval record at step 8)."""
+    config = compose_config(overrides)
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "config.yaml").write_text(utils.RUN_COMMAND_LINE + "python train.py x=1\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 8, "loss/eval": 0.5, "rewards_eval/accuracies": 0.75})
+        + "\n"
+        + json.dumps({"step": 12, "loss/train": 0.4})
+        + "\n"
+        + json.dumps({"step": 16, "loss/eval": 0.25})
+        + "\n"
+    )
+    return modelcard.build_card(config, str(tmp_path), 12, 3, kind)
+
+
+def test_hub_ids_go_into_the_front_matter_and_local_paths_do_not(tmp_path):
+    card = card_for(
+        ["model=blank_model", "model.name_or_path=org/base", "model.lora.r=8", "datasets=[hh,shp]", "loss=ipo"],
+        tmp_path,
+        "adapter",
+    )
+    assert card.data.base_model == "org/base" and card.data.library_name == "peft"
+    assert card.data.datasets == ["Anthropic/hh-rlhf", "stanfordnlp/SHP"]
+    assert card.data.tags == ["dpo", "ipo"]
+    assert card_values(card) == {"loss/eval": 0.5, "rewards_eval/accuracies": 0.75}  # the eval at step 8, not 16
+    assert "python train.py x=1" in card.text
+    local = card_for(["datasets=[hh,hf]", "data.hh.local_dir=/data/hh", "data.hf.path=org/prefs"], tmp_path / "x")
+    assert local.data.datasets == ["org/prefs"] and local.data.base_model is None
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["hub.push=true"], r"hub.push=true needs the repository to push to: add hub.model_id=<org or user>/<name>\."),
+        (["hub.push=true", "hub.model_id=a/b/c"], "hub.model_id=a/b/c is not a Hugging Face repository id"),
+        ([*PUSH, "save_hf_export=false"], "which save_hf_export=false leaves out; set save_hf_export=true"),
+        (["hub.push=yes"], "hub.push must be true or false"),
+    ],
+)
+def test_hub_settings_are_checked_before_training(overrides, message):
+    with pytest.raises(utils.ConfigError, match=message):
+        utils.validate_config(compose_config(overrides))
+
+
+def test_the_sft_stage_is_not_pushed():
+    import train
+
+    sft, dpo = train.stage_commands(compose_config([]), ["lr=1e-3", *PUSH])
+    assert not any(a.startswith("hub.") for a in sft) and all(a in dpo for a in PUSH)
+
+
+def test_a_failed_push_keeps_the_finished_run_and_says_how_to_push_it_later(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "HF_TOKEN": ""}
+    args = [*TINY, "num_threads=1", f"output_root={tmp_path}", *PUSH]
+    proc = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run_dir,) = tmp_path.iterdir()
+    hf = (run_dir / f"step-{N_EXAMPLES}" / "hf").resolve()
+    line = next(x for x in proc.stderr.splitlines() if "Could not push" in x)
+    assert re.fullmatch(
+        rf"Error: Could not push {re.escape(str(hf))} to the Hub as me/tiny-dpo \(.+\); the run is finished and kept: "
+        rf"push it later with: hf upload me/tiny-dpo {re.escape(str(hf))} \. --private",
+        line,
+    ), line
+    assert (run_dir / utils.FINISHED).exists()
+    card = ModelCard.load(hf / "README.md")
+    assert f"python train.py {' '.join(args)}" in card.text  # the command that made it
