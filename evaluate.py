@@ -43,7 +43,7 @@ import sys
 
 import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 import preference_datasets
 import rewards
@@ -967,12 +967,13 @@ def temperature_key(t: float) -> str:
     return f"{float(t):g}"
 
 
-def plot_win_rates(series: list[dict], path: str, baseline: str, judge: str) -> None:
+def plot_win_rates(series: list[dict], path: str, baseline: str, title: str) -> str:
     """The paper's figure: win rate against sampling temperature, one line per policy, its 95%
-    interval as a band; 0.5 dashed.
+    interval as a band; 0.5 dashed. Returns the title as the figure holds it.
 
     Args:
         series: ``{"label": str, "temperatures": {key: results of that temperature}}`` each.
+        title: :func:`win_rates_title`.
     """
     import matplotlib
 
@@ -994,12 +995,14 @@ def plot_win_rates(series: list[dict], path: str, baseline: str, judge: str) -> 
     ax.set_xlabel("sampling temperature (0 = greedy)")
     others = any(s["label"].endswith(")") and " (vs " in s["label"] for s in series)  # plot_with lines of another baseline
     ax.set_ylabel(f"win rate vs {baseline}" + (" (or as named)" if others else ""))
-    ax.set_title(f"judge: {judge} (bands: 95% Wilson interval)", fontsize=9)
+    ax.set_title(title, fontsize=9)
+    shown = ax.get_title()
     if any(line.get_label() and not line.get_label().startswith("_") for line in ax.get_lines()):
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return shown
 
 
 def _bar(r: dict, name: str, end: str) -> float:
@@ -1089,7 +1092,8 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
 
 
 def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
-    """results.json's content: the settings, :data:`INTERVAL`, and per temperature
+    """results.json's content: the settings (the judge's reward model and the policy's weights,
+    ``policy_path``, as :func:`local_path` resolves them), :data:`INTERVAL`, and per temperature
     :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
     and their mean length in tokens (``a_tokens``), A's mean reward (``reward_mean``,
     ``reward_ci_low``, ``reward_ci_high`` over the ``reward_n`` scored samples; null for a
@@ -1112,9 +1116,12 @@ def summarize(rows: list[dict], config, policy: Source, baseline_label: str, ref
         temperatures[temperature_key(t)] = stats
     return {
         "policy": policy.label,
+        "policy_path": source_path(policy),
         "baseline": baseline_label,
         "judge": config.judge.name,
-        "reward_model": config.reward_model.name_or_path if config.judge.name in ("reward_model", "reward_model_judge") else None,
+        "reward_model": local_path(config.reward_model.name_or_path)
+        if config.judge.name in ("reward_model", "reward_model_judge")
+        else None,
         "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
         "reward_weights": list(config.reward_weights)
         if config.judge.name == "reward_function" and config.get("reward_weights")
@@ -1191,7 +1198,7 @@ class Interrupted(KeyboardInterrupt):
 def check_config(config: DictConfig) -> None:
     """Raise ConfigError (one sentence) for a missing policy, an empty or negative temperature
     list, ``n_prompts`` / ``max_new_tokens`` / ``generate_batch_size`` < 1, ``max_failure_rate``
-    outside [0, 1], ``datasets`` that is not a list, or an unknown ``judge``."""
+    outside [0, 1], ``datasets`` that is not a list (or null), or an unknown ``judge``."""
     if OmegaConf.is_missing(config, "policy") or config.policy is None:
         raise ConfigError("Give the policy to evaluate: policy=<run folder | checkpoint | hf folder | hub id>.")
     temps = config.temperatures
@@ -1206,7 +1213,7 @@ def check_config(config: DictConfig) -> None:
             raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
     if not 0 <= config.max_failure_rate <= 1:
         raise ConfigError(f"max_failure_rate must be in [0, 1], got {config.max_failure_rate}.")
-    if not OmegaConf.is_list(config.datasets) or not len(config.datasets):
+    if config.datasets is not None and (not OmegaConf.is_list(config.datasets) or not len(config.datasets)):
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
     if config.judge.get("name") not in rewards.SCORERS:
         raise ConfigError(f"Unknown judge={config.judge.get('name')}; choose one of {', '.join(rewards.SCORERS)}.")
@@ -1232,6 +1239,72 @@ def effective_config(config: DictConfig) -> DictConfig:
     config = OmegaConf.load(saved)
     config.resume, config.output_dir = folder, folder
     return config
+
+
+DEFAULT_DATASETS = ["hh"]
+"""The prompts' datasets with ``datasets=null`` for a policy that has no run folder to name its own."""
+
+
+def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
+    """With ``datasets=null``, set ``datasets`` to the policy run's own ``datasets`` and their
+    ``data.*`` settings (its config.yaml: the held-out split is the one that run held out), or to
+    :data:`DEFAULT_DATASETS` with a one-line note for a policy with no run folder; ``say``: print the line."""
+    if config.datasets is not None:
+        return
+    run = policy.run_config
+    if run is None and policy.run_dir is not None:  # an hf/ export inside a run folder
+        run = OmegaConf.load(os.path.join(policy.run_dir, "config.yaml"))
+    if run is None or not run.get("datasets"):
+        config.datasets = list(DEFAULT_DATASETS)
+        if say:
+            print(
+                f"Note: policy={config.policy} has no run folder naming its datasets, so the prompts are the held-out split of "
+                f"datasets={list(config.datasets)}; give datasets=[...] to choose.",
+                flush=True,
+            )
+        return
+    config.datasets = list(run.datasets)
+    with open_dict(config.data):
+        for name in run.datasets:
+            if name in run.get("data", {}):
+                config.data[name] = run.data[name]
+    if say:
+        print(f"Prompts: the held-out split of {policy.label}'s datasets={list(config.datasets)}, read with its data.* settings.")
+
+
+def local_path(path) -> str:
+    """``path`` with its links resolved (``os.path.realpath``: a run's ``LATEST`` becomes the
+    ``step-N`` it named) when it exists here; a hub id as it is."""
+    expanded = os.path.expanduser(str(path))
+    return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
+
+
+def source_path(source: Source) -> str:
+    """Where ``source``'s weights are: its checkpoint, hf or adapter folder (links resolved), or its hub id."""
+    if source.weights is not None:
+        return os.path.dirname(local_path(source.weights))
+    return local_path(source.adapter or source.model_config.name_or_path)
+
+
+def judge_text(config: DictConfig) -> str:
+    """The judge as the plot names it: ``reward_model <its folder>``, ``http_judge <model>``,
+    ``reward_function <names>`` (a folder inside a run named from the run folder, e.g.
+    ``rm_run/step-48/hf``)."""
+    kind = config.judge.name
+    if kind in ("reward_model", "reward_model_judge"):
+        path = local_path(config.reward_model.name_or_path)
+        if os.path.isdir(path):
+            run_dir = _enclosing_run(path)
+            path = f"{os.path.basename(run_dir)}/{os.path.relpath(path, run_dir)}" if run_dir else os.path.basename(path)
+        return f"{kind} {path}"
+    if kind == "http_judge":
+        return f"{kind} {config.judge.model}"
+    return f"{kind} {'+'.join(str(f) for f in config.reward_functions)}"
+
+
+def win_rates_title(n_prompts: int, judge: str) -> str:
+    """win_rates.png's title: how many prompts and which judge (:func:`judge_text`)."""
+    return f"{n_prompts} prompts, judge: {judge}\n(bands: 95% Wilson interval)"
 
 
 def default_output_dir(config: DictConfig, policy: Source, baseline_label: str) -> str:
@@ -1271,6 +1344,7 @@ def main(config: DictConfig) -> str:
         baseline = resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
     baseline_label = config.get("baseline_label") or baseline_label
+    settle_datasets(config, policy, say=rank == 0)  # datasets=null: the policy run's own
     reference, no_reference = kl_reference(config, policy)
     if reference is not None:
         check_same_vocabulary(policy, reference)
@@ -1385,7 +1459,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
             plot_series(results, list(config.get("plot_with") or [])),
             os.path.join(out, "win_rates.png"),
             baseline_label,
-            config.judge.name,
+            win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
         )
         plot_reward_kl(
             plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name

@@ -66,8 +66,17 @@ def says_once() -> bool:
     return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
-def effective_config(config: DictConfig) -> DictConfig:
-    """The config to run: with ``resume=<run folder>``, that run's saved config.
+BUDGET_KEYS = ("n_examples", "n_epochs")
+"""The keys a command with ``resume=<run folder>`` may change: the run is extended to the new
+training length (:func:`budget_given`, :func:`extension`)."""
+
+EXTENSIONS_LOG = "extensions.log"
+"""The file in a run folder with one line per extension of its training length (:func:`apply_extension`)."""
+
+
+def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
+    """The config to run: with ``resume=<run folder>``, that run's saved config, with ``budget``'s
+    values of :data:`BUDGET_KEYS` set on it (:func:`budget_given`: the run is extended).
 
     ``resume=auto`` is first resolved (the same way on every rank, from the folders and the
     config alone): the newest of :func:`utils.resumable_runs` of ``output_root`` and
@@ -118,6 +127,7 @@ def effective_config(config: DictConfig) -> DictConfig:
                 hint = f"; it looks like a checkpoint inside one: give the run folder, resume={parent}"
             raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml{hint}.")
         config = OmegaConf.load(saved)
+        config.update(budget or {})
         config.resume = resume_dir
     OmegaConf.resolve(config)
     return config
@@ -145,10 +155,10 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
 def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     """With ``resume=<run folder>``: one sentence when the command line's other keys ``given``
     (:func:`utils.given_keys`) set values that differ from the run's saved config (which the
-    resumed run uses), else None (also when the folder has no config.yaml: :func:`effective_config`
+    resumed run uses), :data:`BUDGET_KEYS` left out (:func:`budget_given`), else None (also when the folder has no config.yaml: :func:`effective_config`
     says so)."""
     saved = os.path.join(str(config.resume), "config.yaml")
-    keys = [k for k in given if k != "resume"]
+    keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
         return None
     differences = utils.config_differences(OmegaConf.load(saved), config, keys)
@@ -160,6 +170,108 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
         f"{utils.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
         f"from its checkpoint with model.archive={archive} and them."
     )
+
+
+def budget_given(config: DictConfig, given: set[str]) -> dict | None:
+    """With ``resume=<run folder>``: the training length the command line's ``n_examples`` /
+    ``n_epochs`` set (as :func:`utils.settle_given` reads them: ``n_epochs`` alone makes
+    ``n_examples`` null), else None."""
+    if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
+        return None
+    budget = {k: config.get(k) for k in BUDGET_KEYS if k in given}
+    if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
+        budget["n_examples"] = None
+    return budget
+
+
+def length_text(config) -> str:
+    """``n_examples=96`` or ``n_epochs=2``: the key that sets ``config``'s training length."""
+    return f"n_examples={config.n_examples}" if config.get("n_examples") else f"n_epochs={config.n_epochs}"
+
+
+def total_examples(config, n_train: int) -> int:
+    """How many examples a run of ``config`` trains on, with ``n_train`` examples per epoch."""
+    return config.n_examples or config.n_epochs * n_train
+
+
+def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -> dict | None:
+    """When ``config`` (``resume=<resume_dir>``'s) asks for another training length than the run's
+    saved config.yaml: ``{"old": saved config, "old_total", "new_total", "trained"}`` (examples),
+    else None.
+
+    Raises:
+        utils.ConfigError: when the new length is not beyond the ``trained`` examples of the checkpoint.
+    """
+    saved = OmegaConf.load(os.path.join(resume_dir, "config.yaml"))
+    if all(saved.get(k) == config.get(k) for k in BUDGET_KEYS):
+        return None
+    new_total = total_examples(config, n_train)
+    if new_total <= trained:
+        raise utils.ConfigError(
+            f"resume={resume_dir} has trained {trained} examples already, at or after {length_text(config)} ({new_total} "
+            f"examples); give a length of more than {trained} examples to extend it."
+        )
+    return {"old": saved, "old_total": total_examples(saved, n_train), "new_total": new_total, "trained": trained}
+
+
+def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int) -> str:
+    """The one line saying what an extension from ``old_steps`` to ``new_steps`` optimizer steps,
+    after ``steps_done``, does to the learning-rate schedule (``trainers.lr_multiplier``)."""
+    schedule, warmup = config.lr_scheduler, config.warmup_steps
+    before = config.lr * trainers.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
+    after = config.lr * trainers.lr_multiplier(steps_done, warmup, new_steps, schedule)
+    if schedule == "constant":
+        return (
+            f"lr_scheduler=constant: the schedule does not depend on the run's length, so it goes on unchanged "
+            f"(step {steps_done} trains at lr {after:.3g}, as in a fresh run of {new_steps} steps)."
+        )
+    return (
+        f"lr_scheduler={schedule}: the schedule is stretched over the new total of {new_steps} steps (it was {old_steps}), "
+        f"as a fresh run of that length has it, from step {steps_done} (the lr jumps from {before:.3g} to {after:.3g})."
+    )
+
+
+def scheduled_lr(trainer) -> None:
+    """Set the learning rate of the next step of ``trainer``, which has just loaded a checkpoint, from
+    its own scheduler: the loaded optimizer holds the lr the run's saved length gave that step, which
+    an extension changes (the same value otherwise)."""
+    scheduler = trainer.scheduler
+    lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
+    for group, lr in zip(trainer.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() logs for that step
+
+
+def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: str, rank: int) -> None:
+    """Continue the run ``trainer`` has just loaded to ``config``'s new length (``found``:
+    :func:`extension`; :func:`scheduled_lr` set the next step's lr): an eval the run's last
+    checkpoint already holds is not repeated, and rank 0 says so in two lines,
+    writes the new length into config.yaml, appends a line to :data:`EXTENSIONS_LOG` and removes
+    ``FINISHED`` (written again at the new end)."""
+    run_dir, steps_done = trainer.run_dir, trainer.scheduler.last_epoch  # optimizer steps taken
+    while trainer.next_eval_at <= trainer.example_counter:  # a run's end (saved before this was advanced there) evaluated here
+        trainer.next_eval_at += config.eval_every
+    if rank != 0:
+        return
+    old, new = length_text(found["old"]), length_text(config)
+    line = (
+        f"Extending {run_dir} from {old} ({found['old_total']} examples) to {new} ({found['new_total']} examples), "
+        f"continuing from {os.path.basename(os.path.realpath(checkpoint_dir))} after {found['trained']} examples."
+    )
+    steps = [-(-n // config.batch_size) for n in (found["old_total"], found["new_total"])]
+    schedule = lr_line(config, steps_done, *steps)
+    print(line)
+    print(schedule)
+    saved = found["old"]
+    saved.update({k: config.get(k) for k in BUDGET_KEYS})
+    path = os.path.join(run_dir, "config.yaml")
+    with utils.replacing(path) as tmp:
+        OmegaConf.save(saved, tmp)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
+        f.write(f"{stamp} {line} {schedule}\n")
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(run_dir, utils.FINISHED))
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
@@ -311,7 +423,7 @@ def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir
 
 
 def main(
-    config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None
+    config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None, budget: dict | None = None
 ) -> tuple[str, int | None]:
     """Run one training job (one rank of it under FSDP/TP, torchrun or Ray).
 
@@ -322,6 +434,8 @@ def main(
             ``<resume>/LATEST`` with ``resume=``, else none.
         attach: called with the trainer before it loads that checkpoint and trains (Ray: the
             remote reference and scorer, checkpoint reports).
+        budget: with ``resume=``, a new training length (:func:`budget_given`): the run is
+            extended to it (:func:`apply_extension`).
 
     Returns:
         (run folder, None) when training finished (rank 0 has written ``<run folder>/FINISHED``),
@@ -347,17 +461,17 @@ def main(
     made: list[str] = []  # the run folder this job makes
     with SetupStops() as stops, contextlib.ExitStack() as held:
         try:
-            return _main(config, run_dir, checkpoint_dir, attach, held, stops, made)
+            return _main(config, run_dir, checkpoint_dir, attach, held, stops, made, budget)
         except StoppedDuringSetup as e:
             e.args = (stopped_during_setup(e, made[0] if made else None, config.resume),)
             raise
 
 
-def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str]):
+def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str], budget=None):
     """main()'s work; ``held`` keeps the run folder's lock until main() returns; ``stops`` turns stop
     signals into :class:`StoppedDuringSetup` until training starts; ``made`` gets the run folder made here."""
     global RUN_FOLDER
-    config = effective_config(config)
+    config = effective_config(config, budget)
     resume_dir = config.resume
     RUN_FOLDER = run_dir or resume_dir
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
@@ -441,6 +555,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
             raise DataError(problem)
         if resume_state.get("data") is None and rank == 0:
             print(f"Note: {checkpoint_dir} predates data fingerprints, so resume cannot check that the data is unchanged.")
+    extended = None
+    if resume_dir is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
+        extended = extension(config, resume_dir, resume_state["example_counter"], len(train_examples))
     if rank == 0:
         print(utils.training_length(config, len(train_examples)))
 
@@ -501,6 +618,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         trainer.load(checkpoint_dir)
         if rank == 0:
             print(f"Resuming after {trainer.example_counter} examples.")
+        scheduled_lr(trainer)
+        if extended is not None:
+            apply_extension(trainer, config, extended, checkpoint_dir, rank)
     stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     if distributed:
@@ -1080,20 +1200,21 @@ def hydra_main(config: DictConfig) -> None:
             declared = preference_datasets.declared_reward_functions(config.datasets)
             reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
             sys.exit(run_stages(config, overrides))
+        budget = budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
         if config.resume not in (None, "auto"):
             problem = resume_override_error(config, given)
             if problem is not None:
                 raise utils.ConfigError(problem)
-        config = effective_config(config)  # resume=auto resolved (a fresh run keeps the overrides)
+        config = effective_config(config, budget)  # resume=auto resolved (a fresh run keeps the overrides)
         if config.get("launcher") == "ray":
             import ray_launcher
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send
 
-            sys.exit(ray_launcher.launch(config, rank_main))
+            sys.exit(ray_launcher.launch(config, functools.partial(rank_main, budget=budget)))
         code = launch(config)
         if code is not None:
             sys.exit(code)
-        _, stop_signal = main(config)
+        _, stop_signal = main(config, budget=budget)
     except (utils.ConfigError, DataError) as e:
         say_once_per_node(e, rank)
         sys.exit(2)

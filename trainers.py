@@ -1003,6 +1003,8 @@ class BasicTrainer(OnlineSampling):
                 self.wait_for_all()
                 return self.stop_signal or signal.SIGTERM
             self.evaluate()
+            while self.next_eval_at <= self.example_counter:  # a run extended from here does not evaluate again
+                self.next_eval_at += config.eval_every
             stop = self.judge_report()
             path = self.save()
             if stop:

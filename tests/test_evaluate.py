@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -678,3 +679,62 @@ def test_a_reward_model_run_folder_as_the_judge_is_one_sentence_naming_its_expor
         f"reward_model.name_or_path={run} is a run folder or checkpoint of train.py, not a model folder; give its export, "
         f"reward_model.name_or_path={run / 'LATEST' / 'hf'}."
     )
+
+
+# ----------------------------------------------------------------------------- the policy run's own prompts, the plot's title, resolved paths
+
+
+def test_the_embedded_default_run_is_evaluated_on_its_own_held_out_arithmetic_prompts(runs, tmp_path, monkeypatch, capsys):
+    judge_run = tmp_path / "judge_run"
+    judge_run.mkdir()
+    (judge_run / "LATEST").symlink_to(runs["rm"])  # a judge named through a LATEST link
+    titles = []
+    plot = evaluate.plot_win_rates
+    monkeypatch.setattr(evaluate, "plot_win_rates", lambda *a: titles.append(plot(*a)))
+    no_datasets = [a for a in FAST if not a.startswith(("datasets=", "data."))]  # nothing says which prompts
+    out = Path(
+        evaluate.main(eval_config([*no_datasets, f"policy={runs['dpo']}", f"reward_model.name_or_path={judge_run}/LATEST"]))
+    )
+    # arithmetic's definition: the 100 x 100 problems shuffled by random.Random(1234), train the first
+    # n_train, test the next n_test; the run had TINY's n_train=64, so its held-out prompts start at 64
+    rng = random.Random(1234)
+    problems = [(a, b) for a in range(100) for b in range(100)]
+    rng.shuffle(problems)
+    expected = [f"Q: {a}+{b}=\nA:" for a, b in problems[64:70]]  # n_prompts=6
+    assert [r["judge_prompt"] for r in verdicts(out) if r["temperature"] == 0.0] == expected
+    got = results(out)
+    assert got["datasets"] == ["arithmetic"]
+    assert f"Prompts: the held-out split of {runs['dpo'].name}'s datasets=['arithmetic'], read with its data.* settings." in (
+        capsys.readouterr().out
+    )
+    # results.json names what was judged with, links resolved: the run's LATEST is its step-48
+    assert got["reward_model"] == os.path.realpath(runs["rm"])
+    assert got["policy_path"] == os.path.realpath(runs["dpo"] / "step-48")
+    assert not any("LATEST" in Path(p).parts for p in (got["reward_model"], got["policy_path"]))
+    assert titles == ["6 prompts, judge: reward_model rm\n(bands: 95% Wilson interval)"]
+    assert (out / "win_rates.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_given_datasets_win_and_a_policy_without_a_run_falls_back_to_hh_with_a_note(runs, capsys):
+    config = eval_config([f"policy={runs['dpo']}", "datasets=[shp]"])
+    evaluate.settle_datasets(config, evaluate.resolve_source(config.policy, config), say=True)
+    assert list(config.datasets) == ["shp"] and capsys.readouterr().out == ""
+    config = eval_config(["policy=org/some-model"])
+    evaluate.settle_datasets(config, evaluate.resolve_source(config.policy, config), say=True)
+    assert list(config.datasets) == ["hh"]
+    assert capsys.readouterr().out == (
+        "Note: policy=org/some-model has no run folder naming its datasets, so the prompts are the held-out split of "
+        "datasets=['hh']; give datasets=[...] to choose.\n"
+    )
+
+
+def test_the_win_rate_title_names_the_number_of_prompts_and_the_judge(tmp_path):
+    config = eval_config(["policy=x", "judge=http_judge", "judge.model=gpt-4"])
+    assert evaluate.judge_text(config) == "http_judge gpt-4"
+    config = eval_config(["policy=x", "judge=reward_function", "reward_functions=[arithmetic,length]"])
+    assert evaluate.judge_text(config) == "reward_function arithmetic+length"
+    title = evaluate.win_rates_title(64, "http_judge gpt-4")
+    assert title == "64 prompts, judge: http_judge gpt-4\n(bands: 95% Wilson interval)"
+    series = [{"label": "A", "temperatures": {"0": {"win_rate": 0.5, "ci_low": 0.3, "ci_high": 0.7}}}]
+    assert evaluate.plot_win_rates(series, str(tmp_path / "w.png"), "chosen", title) == title
+    assert (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
