@@ -5,7 +5,7 @@ with a baseline B (the dataset's chosen responses, the policy's reference / SFT 
 another policy) by a judge (a reward model's scores, or a pairwise judge: the reward model
 pairwise, or an LLM over an OpenAI-compatible endpoint with the paper's prompts, appendix C.2),
 and reported per temperature as the win rate of A over B with a 95% interval over prompts
-(Rafailov et al. 2023, Figures 2 and 3). See README, "Win rates (evaluate.py)".
+(Rafailov et al. 2023, Figures 2 and 3). See docs/win-rates.md.
 
 - A pairwise judge sees each pair in both orders (A first, then B first). A verdict that is the
   same in both orders is a win or a loss; two verdicts that disagree (position bias), or a tie in

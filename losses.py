@@ -307,7 +307,7 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 # One objective is one registered declaration: what it needs from the trainer, its config keys
 # (defaults and valid ranges), and one pure function from those inputs to per-example losses
 # and the rewards its metrics report. The trainer computes what the declaration asks for and
-# names no objective; train.py, ray_launcher.py, the config checks and the README's table read
+# names no objective; train.py, ray_launcher.py, the config checks and docs/objectives.md's table read
 # the declarations. Adding one: a function below with ``@objective(...)``, a
 # ``config/loss/<name>.yaml`` whose keys are the declared ones, and its tests.
 
@@ -346,7 +346,7 @@ class Objective:
             dict of extra per-example metric tensors. Rewards are detached.
         keys: the ``loss.*`` keys besides ``name``.
         source: paper and equation.
-        summary: one line for the README's table.
+        summary: one line for docs/objectives.md's table.
         reference: uses the frozen reference's log-probs (False: reference-free). A key name
             (e.g. ``"reference_free"``) means: uses it unless that boolean key is true.
         average_log_prob: the log-probs it is given are length-normalised (mean per response
@@ -1430,8 +1430,8 @@ def kto_objective(
 
 
 def objectives_table() -> str:
-    """The README's table of objectives, written from the declarations (a test checks that the
-    README carries exactly this): per ``loss=<name>``, what it is, its source, whether it loads a
+    """docs/objectives.md's table of objectives, written from the declarations (a test checks that the
+    page carries exactly this): per ``loss=<name>``, what it is, its source, whether it loads a
     reference, summed or per-token log-probs, and its ``loss.*`` keys with their defaults."""
     rows = [
         "| `loss=` | objective | source | reference | log-probs | keys (defaults) |",

@@ -6,7 +6,7 @@ Every loader returns the reference repository's dict::
 
 (an entry may also keep ``"fields"``, the other columns of its rows, which reward functions
 receive: :func:`add_fields`) and is registered by name with :func:`register_dataset`, so
-``datasets=[name]`` finds it. Adding a dataset is adding one decorated function (see the README).
+``datasets=[name]`` finds it. Adding a dataset is adding one decorated function (see docs/data.md).
 
 Real records are messy; every loader counts what it skipped or repaired in a
 ``collections.Counter`` (``report``, a :class:`DataReport`) that :func:`load_dataset_dict`

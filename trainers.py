@@ -1032,7 +1032,7 @@ class BasicTrainer(OnlineSampling):
     def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
         """Print :func:`format_peak_memory`'s line and, without a GPU, the allocator that served
         this process's memory (utils.cpu_allocator: a preloaded tcmalloc/jemalloc, or glibc and its
-        mmap threshold), which decides much of the peak on CPU (README, "Memory on CPU")."""
+        mmap threshold), which decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
         print(format_peak_memory(memory))
         if "cuda" not in memory:
             print(f"CPU memory allocator: {utils.cpu_allocator()}.")

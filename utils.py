@@ -599,7 +599,7 @@ def set_malloc_mmap_threshold(mib: float | None) -> bool:
         mib: the threshold in MiB, in (0, 32]; None does nothing.
 
     A better allocator does more, at full speed (bench/README.md): tcmalloc or jemalloc loaded with
-    ``LD_PRELOAD`` (README, "Memory on CPU"); with one preloaded this does nothing.
+    ``LD_PRELOAD`` (docs/models.md, "Memory on CPU"); with one preloaded this does nothing.
 
     Returns:
         True when the threshold was set; False when ``mib`` is None, another allocator is

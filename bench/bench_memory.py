@@ -823,7 +823,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--ours-preload",
         metavar="LIBRARY",
-        help="another row per configuration: ours with LD_PRELOAD=LIBRARY (e.g. tcmalloc or jemalloc: README, "
+        help="another row per configuration: ours with LD_PRELOAD=LIBRARY (e.g. tcmalloc or jemalloc: docs/models.md, "
         "'Memory on CPU'), against the same TRL run",
     )
     parser.add_argument(

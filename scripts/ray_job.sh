@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A Ray job: launcher=ray on a running Ray cluster (README, "Ray"), submitted from any machine.
+# A Ray job: launcher=ray on a running Ray cluster (docs/ray.md), submitted from any machine.
 #
 # usage: RAY_ADDRESS=http://<head>:8265 scripts/ray_job.sh output_root=/abs/runs <train.py overrides...>
 #   e.g. RAY_ADDRESS=http://node0:8265 scripts/ray_job.sh output_root=/shared/runs ray.num_workers=16 \

@@ -658,13 +658,13 @@ def test_hub_unreachable_is_one_sentence_naming_the_local_option(monkeypatch):
         get_se("train", counter())
 
 
-def test_readme_add_a_dataset_example_works_as_written(tmp_path):
+def test_docs_add_a_dataset_example_works_as_written(tmp_path):
     import re
 
     import preference_datasets
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = re.search(r"```python\n(@register_dataset\(\"mine\".*?)```", readme, re.S).group(1)
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    code = re.search(r"```python\n(@register_dataset\(\"mine\".*?)```", doc, re.S).group(1)
     rows = [{"question": f"q{i}", "good": "yes", "bad": "no"} for i in range(30)]
     path = write_jsonl(tmp_path / "all.jsonl", rows)
     namespace = vars(preference_datasets).copy()

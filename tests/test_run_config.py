@@ -95,9 +95,10 @@ def test_other_model_contradictions_are_one_sentence():
 
 
 def readme_overrides() -> list[list[str]]:
-    """The model.*, trainer, n_epochs and n_examples overrides of every README line (a command, a
-    shell variable or a sentence) that sets model.name_or_path (``$VAR`` words left out)."""
-    text = (REPO / "README.md").read_text().replace("\\\n", " ")
+    """The model.*, trainer, n_epochs and n_examples overrides of every line of README.md and docs/*.md
+    (a command, a shell variable or a sentence) that sets model.name_or_path (``$VAR`` words left out)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n".join(page.read_text() for page in pages).replace("\\\n", " ")
     found = []
     for line in text.splitlines():
         if "is not loaded when model.config is set" in line:  # the README quoting the error itself
@@ -322,7 +323,7 @@ def test_resume_auto_continues_only_a_run_of_the_same_config(tmp_path, capsys):
     assert auto(tmp_path, "lr=0.7", "loss.beta=0.2").resume == str(newer)
 
 
-def test_the_readme_config_table_gives_the_tiny_presets_values():
+def test_the_configuration_reference_gives_the_tiny_presets_values():
     # Regression: the table listed config.yaml's lr 5e-7, batch_size 4, n_examples null... while
     # `python train.py` (model=tiny) ran lr 3e-3, batch_size 32, n_examples 40000.
     import yaml
@@ -349,7 +350,8 @@ def test_the_readme_config_table_gives_the_tiny_presets_values():
     tiny = flat({k: v for k, v in yaml.safe_load((REPO / "config" / "model" / "tiny.yaml").read_text()).items() if k != "model"})
     tiny_keys = {k for k in tiny if k != "defaults"}
     rows = {}
-    for line in (REPO / "README.md").read_text().split("## Configuration", 1)[1].split("### Models", 1)[0].splitlines():
+    table = (REPO / "docs" / "configuration.md").read_text().split("<!-- configuration reference", 1)[1]
+    for line in table.split("<!-- end of the configuration reference -->", 1)[0].splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) == 3 and cells[0].startswith("`"):
             for i, key in enumerate(re.findall(r"`([\w.]+)`", cells[0])):
