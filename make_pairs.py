@@ -107,8 +107,12 @@ def train_command(policy: evaluate.Source, output: str, conversational: bool = F
     """The command that trains on ``output`` (``datasets=[hf]`` for conversations), starting from
     ``policy`` (a run's checkpoint as its ``model.archive`` over the run's ``model.name_or_path``;
     an hf folder or hub id as the model)."""
-    name = policy.model_config.get("name_or_path")
-    start = [f"model.name_or_path={name}"] if name else []  # null: the run's model=tiny, train.py's default
+    model = policy.model_config
+    name = model.get("name_or_path")
+    start = []  # no name: the run's model=tiny, train.py's default
+    if name:  # model=tiny (the default) builds a random model and refuses a name_or_path: the base preset takes one
+        start = ["model=blank_model", f"model.name_or_path={name}"]
+        start += [f"model.{k}={model[k]}" for k in ("tokenizer_name_or_path", "tokenizer_class", "block_name") if model.get(k)]
     if policy.weights:
         start.append(f"model.archive={policy.weights}")
     data = f"datasets=[hf] data.hf.path={output}" if conversational else f"datasets=[json] data.json.path={output}"

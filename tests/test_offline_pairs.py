@@ -200,3 +200,21 @@ def test_text_prompts_and_conversations_mixed_are_refused_before_any_model_loads
     config = pairs_config([f"policy={run}", f"output={tmp_path}/p.jsonl", "reward_functions=[length]"])
     with pytest.raises(ConfigError, match="mix text prompts and conversations"):
         make_pairs.main(config)
+
+
+def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_path):
+    """A policy given by name (an hf folder) needs model=blank_model: model=tiny, the default, refuses a name_or_path."""
+    from conftest import compose_config, needs_shared
+
+    import evaluate
+    import utils
+
+    folder = str(needs_shared("models", "stories260K"))
+    model_config = compose_config(["model=blank_model", f"model.name_or_path={folder}"]).model
+    source = evaluate.Source(folder, "hf", model_config, None, 0)
+    command = make_pairs.train_command(source, str(tmp_path / "pairs.jsonl"))
+    args = command.split()[2:]
+    assert args[:2] == ["datasets=[json]", f"data.json.path={tmp_path / 'pairs.jsonl'}"]
+    config = compose_config(args)
+    utils.validate_config(config)
+    assert config.model.name_or_path == folder and config.model.config is None
