@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 import json
 import os
 import re
@@ -265,8 +266,14 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     saved = found["old"]
     saved.update({k: config.get(k) for k in BUDGET_KEYS})
     path = os.path.join(run_dir, "config.yaml")
+    with open(path) as f:
+        head = "".join(itertools.takewhile(lambda line: line.startswith("#"), f))  # the "# Made by:" command line
     with utils.replacing(path) as tmp:
         OmegaConf.save(saved, tmp)
+        with open(tmp) as f:
+            text = f.read()
+        with open(tmp, "w") as f:
+            f.write(head + text)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
         f.write(f"{stamp} {line} {schedule}\n")

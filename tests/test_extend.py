@@ -59,10 +59,13 @@ def test_extending_equals_a_fresh_run_of_the_longer_length_bit_for_bit(finished,
     run = copy_run(finished["constant"], tmp_path)
     # the last checkpoint of the run (evals at 0, 24 and its end, 48) holds the next eval, at 72
     assert torch.load(run / "step-48" / "trainer_state.pt", weights_only=False)["next_eval_at"] == 72
+    made_by = f"{utils.RUN_COMMAND_LINE}python train.py n_examples=48\n"
+    (run / "config.yaml").write_text(made_by + (run / "config.yaml").read_text())
     capsys.readouterr()
     _, stop = extend(run, ["n_examples=96"])
     out = capsys.readouterr().out
     assert stop is None
+    assert (run / "config.yaml").read_text().startswith(made_by)  # the command that made the run is kept
     # 48 -> 96 crosses the epoch boundary at 64: the second epoch's order is epoch_order(64, seed, 1) in both
     fresh, extended = weights(finished["fresh96"]), weights(run)
     assert fresh.keys() == extended.keys() and all(torch.equal(fresh[k], extended[k]) for k in fresh)
