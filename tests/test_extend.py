@@ -100,8 +100,15 @@ def test_n_epochs_extends_and_a_cosine_schedule_is_stretched_over_the_new_total(
         return original(self)
 
     monkeypatch.setattr(trainers.BasicTrainer, "train", train_watched)
+    stepped = []  # the lr each optimizer step of the extension actually used
+    hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: stepped.append(optimizer.param_groups[0]["lr"])
+    )
     capsys.readouterr()
-    extend(run, ["n_epochs=2"])
+    try:
+        extend(run, ["n_epochs=2"])
+    finally:
+        hook.remove()
     out = capsys.readouterr().out
     assert seen["finished"] is False
     assert (seen["config"].n_examples, seen["config"].n_epochs) == (None, 2)
@@ -115,6 +122,7 @@ def test_n_epochs_extends_and_a_cosine_schedule_is_stretched_over_the_new_total(
     )
     first = next(r for r in metric_records(run) if r["step"] == 56 and "lr" in r)  # step 6 trained examples 48..56
     assert first["lr"] == pytest.approx(new, rel=1e-9)
+    assert stepped[0] == pytest.approx(new, rel=1e-9)  # not the old schedule's lr for step 6 (0: its decay had ended)
     assert (run / "FINISHED").read_text() == "128\n"
 
 
