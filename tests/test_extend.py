@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import train
 import trainers
@@ -101,9 +102,7 @@ def test_n_epochs_extends_and_a_cosine_schedule_is_stretched_over_the_new_total(
 
     monkeypatch.setattr(trainers.BasicTrainer, "train", train_watched)
     stepped = []  # the lr each optimizer step of the extension actually used
-    hook = torch.optim.optimizer.register_optimizer_step_pre_hook(
-        lambda optimizer, args, kwargs: stepped.append(optimizer.param_groups[0]["lr"])
-    )
+    hook = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: stepped.append(optimizer.param_groups[0]["lr"]))
     capsys.readouterr()
     try:
         extend(run, ["n_epochs=2"])
