@@ -1081,14 +1081,15 @@ def this_command() -> list[str]:
 
 def job_failure(code: int) -> str:
     """The sentence for a submitit job that ended with exit code ``code``: the last line it wrote to
-    stderr (train.py's one-sentence error) and where its whole output is."""
+    stderr (train.py's one-sentence error), or to stdout when a signal stopped it (the resume
+    command), and where its whole output is."""
     import submitit
 
     sys.stdout.flush()
     sys.stderr.flush()
     env = submitit.JobEnvironment()
     paths = env.paths
-    log = paths.stderr if paths.stderr.exists() else paths.stdout  # stderr_to_stdout=true: one file
+    log = paths.stderr if code <= 128 and paths.stderr.exists() else paths.stdout  # stderr_to_stdout=true: one file
     lines = [line.split("\r")[-1].strip() for line in log.read_text(errors="replace").splitlines()] if log.exists() else []
     said = next((line for line in reversed(lines) if line), "").removeprefix("Error: ")
     return f"Job {env.job_id} ended with exit code {code}{': ' + said if said else ''} (its output: {paths.stdout})"
