@@ -1065,6 +1065,8 @@ def submitit_job() -> bool:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    if not HydraConfig.initialized():  # train.main() or launch() called from Python
+        return False
     hydra_config = HydraConfig.get()
     return hydra_config.mode == RunMode.MULTIRUN and "submitit" in str(hydra_config.launcher.get("_target_", ""))
 

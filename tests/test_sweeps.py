@@ -179,3 +179,30 @@ def test_sft_first_in_a_submitit_job_runs_train_py_from_its_own_sft_stage(tmp_pa
     assert train.run_stages(config, overrides) == 0
     assert [Path(c[1]).resolve() for c in FakeStage.commands] == [REPO / "train.py"] * 2
     assert FakeStage.commands[1][-1] == f"model.archive={tmp_path / 'stage1_run' / 'LATEST' / 'policy.pt'}"
+
+
+def test_fsdp_ranks_of_a_submitit_job_run_train_py_with_the_jobs_overrides(monkeypatch):
+    # launch() started its ranks with sys.argv, which in a submitit job is submitit's _submit.py and its folder
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    import train
+
+    class Started(Exception):
+        """The first rank's command (nothing is started)."""
+
+    def popen(command, **kwargs):
+        raise Started(command)
+
+    job = ["loss=ipo", "trainer=FSDPTrainer", "world_size=2"]
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        hydra_config = compose(config_name="config", overrides=["hydra/launcher=submitit_local", *job], return_hydra_config=True)
+        config = compose(config_name="config", overrides=job)
+    monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/sweep/.submitit/123"])
+    monkeypatch.setattr(train.subprocess, "Popen", popen)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored afterwards
+    for mode, expected in ((RunMode.MULTIRUN, [str(REPO / "train.py"), *job]), (RunMode.RUN, sys.argv)):  # RUN: a rank, or no -m
+        HydraConfig.instance().set_config(OmegaConf.merge(hydra_config, {"hydra": {"mode": mode}}))
+        with pytest.raises(Started) as started:
+            train.launch(config)
+        assert started.value.args[0] == [sys.executable, *expected]
