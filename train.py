@@ -805,7 +805,7 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
         fds = (lock.fd,) if lock.fd is not None else ()
         if rank == 0:
             env[RUN_FOLDER_FD_ENV], fds = str(folder_pipe[1]), (*fds, folder_pipe[1])
-        procs.append(subprocess.Popen([sys.executable, *sys.argv], env=env, start_new_session=True, pass_fds=fds))
+        procs.append(subprocess.Popen([sys.executable, *this_command()], env=env, start_new_session=True, pass_fds=fds))
     os.close(folder_pipe[1])
 
     received: list[int] = []
@@ -844,6 +844,8 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
         with contextlib.suppress(OSError):
             run_dir = os.read(folder_pipe[0], 1 << 16).decode() or None
         os.close(folder_pipe[0])
+    if run_dir is not None:
+        tell_launcher(run_dir)  # sft_first's run_stages started this launcher: it names the stage's folder
     return rank_failure(codes, killed, stopped, config.resume or run_dir)
 
 
@@ -871,7 +873,10 @@ def rank_failure(codes: dict[int, int], killed: set[int], stopped: set[int], run
     return next((c for c in failed if c in stopped), PEER_LOST_EXIT if failed else 0)
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+SCRIPT = os.path.abspath(__file__)
+"""This file (a submitit job's ``sys.argv[0]`` is submitit's, not train.py)."""
+
+CONFIG_DIR = os.path.join(os.path.dirname(SCRIPT), "config")
 
 
 def _keys(node: DictConfig, top: bool) -> str:
@@ -1109,11 +1114,10 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py``
     in its own session (the reference repository's two commands, printed as they run); a Ctrl-C or
     SIGTERM is forwarded once to the stage running. Returns the exit code."""
-    script = os.path.relpath(sys.argv[0]) if sys.argv and sys.argv[0].endswith(".py") else "train.py"
+    script = os.path.relpath(SCRIPT)
     sft, dpo = stage_commands(config, overrides)
-    root = config.output_root
-    before = set(os.listdir(root)) if os.path.isdir(root) else set()
     child: list[subprocess.Popen] = []
+    folders: list[str | None] = []  # each stage's run folder, as the stage says it (tell_launcher)
 
     def forward(signum, frame):
         if child and child[0].poll() is None:
@@ -1123,24 +1127,30 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     try:
         for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
             if number == 2:
-                finished = [
-                    d for d in sorted(set(os.listdir(root)) - before) if os.path.exists(os.path.join(root, d, utils.FINISHED))
-                ]
-                if not finished:
+                if folders[0] is None or not os.path.exists(os.path.join(folders[0], utils.FINISHED)):
                     print("Error: the SFT stage finished without a finished run folder in output_root.", file=sys.stderr)
                     return 1
-                archive = os.path.join(root, finished[-1], "LATEST", "policy.pt")
-                args = [*args, f"model.archive={archive}"]
+                args = [*args, f"model.archive={os.path.join(folders[0], 'LATEST', 'policy.pt')}"]
                 what = f"{config.loss.name} from the SFT policy"
             print(f"\n=== Stage {number} of 2: {what}\n    python {script} {' '.join(args)}\n", flush=True)
-            child[:] = [subprocess.Popen([sys.executable, script, *args], start_new_session=True)]
+            folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
+            env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1])}
+            try:
+                command = [sys.executable, script, *args]
+                child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
+            finally:
+                os.close(folder_pipe[1])
             code = child[0].wait()
+            os.set_blocking(folder_pipe[0], False)  # a process the stage left behind may hold the write end
+            said = b""
+            with contextlib.suppress(OSError):  # nothing written: the stage made no run folder
+                said = os.read(folder_pipe[0], 1 << 16)
+            os.close(folder_pipe[0])
+            folders.append(said.decode() or None)
             if code != 0:
                 if code != 2:  # 2: the stage said its one-sentence error already
-                    made = sorted(d for d in set(os.listdir(root)) - before if os.path.exists(os.path.join(root, d, "LATEST")))
-                    hint = ""
-                    if made and number == 1:
-                        folder = os.path.join(root, made[-1])
+                    folder, hint = folders[-1], ""
+                    if number == 1 and folder is not None and os.path.exists(os.path.join(folder, "LATEST")):
                         hint = (
                             f" Continue it with python {script} resume={folder}, then stage 2: python {script} "
                             f"{' '.join(dpo)} model.archive={os.path.join(folder, 'LATEST', 'policy.pt')}"
@@ -1150,10 +1160,9 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    sft_dir = os.path.join(root, finished[-1])
-    runs = [d for d in sorted(set(os.listdir(root)) - before) if d != finished[-1] and os.path.isdir(os.path.join(root, d))]
-    print(f"\nBoth stages finished: the SFT run {sft_dir}, then the {config.loss.name} run {os.path.join(root, runs[-1])}.")
-    for line in stage_summary(sft_dir, os.path.join(root, runs[-1])):
+    sft_dir, run_dir = folders
+    print(f"\nBoth stages finished: the SFT run {sft_dir}, then the {config.loss.name} run {run_dir}.")
+    for line in stage_summary(sft_dir, run_dir):
         print(line)
     return 0
 
@@ -1190,8 +1199,61 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
     return lines
 
 
+def submitit_job() -> bool:
+    """Whether this process is a job of Hydra's submitit launcher (``-m hydra/launcher=slurm``,
+    ``submitit_slurm`` or ``submitit_local``): one job of the sweep, pickled into a process of its own."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():  # train.main() or launch() called from Python
+        return False
+    hydra_config = HydraConfig.get()
+    return hydra_config.mode == RunMode.MULTIRUN and "submitit" in str(hydra_config.launcher.get("_target_", ""))
+
+
+def this_command() -> list[str]:
+    """The script and arguments that run this command again (for FSDP/TP ranks): ``sys.argv``, or in
+    a submitit job (whose ``sys.argv`` is submitit's) train.py with the job's overrides."""
+    if not submitit_job():
+        return sys.argv
+    from hydra.core.hydra_config import HydraConfig
+
+    return [SCRIPT, *HydraConfig.get().overrides.task]
+
+
+def job_failure(code: int) -> str:
+    """The sentence for a submitit job that ended with exit code ``code``: the last line it wrote to
+    stderr (train.py's one-sentence error), or to stdout when a signal stopped it (the resume
+    command), and where its whole output is."""
+    import submitit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    env = submitit.JobEnvironment()
+    paths = env.paths
+    log = paths.stderr if code <= 128 and paths.stderr.exists() else paths.stdout  # stderr_to_stdout=true: one file
+    lines = [line.split("\r")[-1].strip() for line in log.read_text(errors="replace").splitlines()] if log.exists() else []
+    said = next((line for line in reversed(lines) if line), "").removeprefix("Error: ")
+    return f"Job {env.job_id} ended with exit code {code}{': ' + said if said else ''} (its output: {paths.stdout})"
+
+
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> None:
+    """The command line (:func:`run_command`); in a job of Hydra's submitit launcher, an exit code other
+    than 0 becomes a :class:`utils.SweepJobError` (the sweep reports it in one line) and 0 a return
+    (submitit records no result for a job that calls sys.exit)."""
+    if not submitit_job():
+        return run_command(config)
+    # submitit's signal before the time limit (signal_delay_s): save a checkpoint and stop, as SIGTERM does
+    signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    try:
+        run_command(config)
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise utils.SweepJobError(job_failure(e.code if isinstance(e.code, int) else 1)) from None
+
+
+def run_command(config: DictConfig) -> None:
     """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 1 for a failed step, checkpoint or full disk, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
     rank = int(os.environ.get("RANK", 0))
     try:
@@ -1260,6 +1322,8 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # a job of Hydra's submitit launcher imports this folder's modules (utils, ...) to unpickle hydra_main
+    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(SCRIPT), *filter(None, [os.environ.get("PYTHONPATH")])])
     if die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
         problem = command_line_error(sys.argv[1:])
         if problem is not None:

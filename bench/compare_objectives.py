@@ -1,7 +1,12 @@
 """One table comparing training objectives, from the run folders a sweep left behind.
 
-    python train.py -m loss=dpo,ipo,simpo,... <same budget> output_root=outputs/compare
+    python train.py -m hydra/launcher=submitit_local hydra.sweeper.max_batch_size=1 \
+        loss=dpo,ipo,simpo,... <same budget> output_root=outputs/compare
     python bench/compare_objectives.py outputs/compare        # or run folders, or a glob
+
+``hydra/launcher=submitit_local`` runs each job in a process of its own (Hydra's submitit
+launcher), so each run's memory is its own; ``hydra.sweeper.max_batch_size=1`` runs them one at
+a time, so that their times do not share the CPUs (``hydra/launcher=slurm``: each a SLURM job).
 
 Reads each run folder's config.yaml and metrics.jsonl (one JSON record a line, ``step`` the
 example counter; see utils.MetricsLogger) and writes, per objective (one row per run):

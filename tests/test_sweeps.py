@@ -1,0 +1,208 @@
+"""Hydra sweeps through the submitit launcher: each job of ``python train.py -m`` in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+SMALL, BIG = 256, 8192  # model.config.intermediate_size of the sweep's two jobs (model=tiny's is 256)
+
+
+def sweep(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python train.py -m hydra/launcher=submitit_local <TINY> num_threads=1 <args>`` run from
+    ``tmp_path`` (not the repository: the jobs must find its modules themselves)."""
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=submitit_local", *TINY, "num_threads=1"]
+    cmd += [f"output_root={tmp_path / 'out'}", *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def lock_pid(run_dir: Path) -> int:
+    """The pid of the process that ran ``run_dir`` (its ``.lock`` says "pid N on HOST")."""
+    return int(re.match(r"pid (\d+)", (run_dir / ".lock").read_text()).group(1))
+
+
+@pytest.mark.timeout(300)
+def test_submitit_local_runs_each_job_in_its_own_process_with_its_own_peak(tmp_path):
+    result = sweep(
+        tmp_path, "loss=dpo", "save_hf_export=false", "sample_during_eval=false", f"model.config.intermediate_size={SMALL},{BIG}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    runs = {saved_config(r).model.config.intermediate_size: r for r in out.glob("dpo_run_*")}
+    assert sorted(runs) == [SMALL, BIG]
+    for run in runs.values():
+        assert (run / "FINISHED").is_file() and (run / "LATEST" / "policy.pt").is_file()
+    # two processes, neither the command's: each run folder's lock names the process that held it
+    pids = {size: lock_pid(run) for size, run in runs.items()}
+    assert len(set(pids.values())) == 2 and not set(pids.values()) & {os.getpid()}
+    # submitit kept one folder per job (job id = its local controller's pid), each log naming its own run
+    (sweep_dir,) = out.glob("multirun_*")
+    logs = sorted(sweep_dir.glob(".submitit/[0-9]*/*_0_log.out"))
+    assert len(logs) == 2 and len({log.parent.name for log in logs}) == 2
+    named = sorted(re.search(r"Run folder: (\S+)", log.read_text()).group(1) for log in logs)
+    assert named == sorted(str(run) for run in runs.values())
+    # each job's peak is its own: the big job's extra weights, by hand: 2 layers x (gate, up, down) x
+    # hidden 64 x (8192 - 256) float32 numbers, for the policy and the reference, are in its setup peak
+    # and not in the small job's
+    extra_mib = 2 * 3 * 64 * (BIG - SMALL) * 4 * 2 / 2**20  # 23.25 MiB
+    setup = {size: last_record(run)["memory/rank0_peak_setup_rss_mib"] for size, run in runs.items()}
+    assert setup[BIG] - setup[SMALL] >= 0.9 * extra_mib, setup
+    peak = {size: last_record(run)["memory/rank0_peak_rss_mib"] for size, run in runs.items()}
+    assert peak[BIG] - peak[SMALL] >= 0.9 * extra_mib, peak
+
+
+def saved_config(run_dir: Path):
+    """The run's saved config."""
+    return OmegaConf.load(run_dir / "config.yaml")
+
+
+def last_record(run_dir: Path) -> dict:
+    """The last record of the run's metrics.jsonl (the peak-memory record)."""
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_job_is_one_sentence_naming_its_log(tmp_path):
+    missing = tmp_path / "missing.jsonl"
+    result = sweep(tmp_path, "loss=dpo", "datasets=[json]", f"data.json.path={missing}")
+    assert result.returncode == 1
+    (log,) = (tmp_path / "out").glob("multirun_*/.submitit/[0-9]*/*_0_log.out")
+    job = log.parent.name
+    assert f"Job {job} ended with exit code 2: Data file {missing} does not exist" in result.stderr
+    assert f"(its output: {log})" in result.stderr
+    assert "Traceback" not in result.stderr and "FailedJobError" not in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_submitits_time_limit_signal_saves_a_checkpoint_and_stops(tmp_path):
+    # submitit sends SIGUSR2 signal_delay_s before a job's time limit: the job saves and stops, as on SIGTERM
+    command = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=submitit_local", *TINY, "num_threads=1"]
+    command += ["loss=dpo", "n_examples=100000", "save_hf_export=false", f"output_root={tmp_path / 'out'}"]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 150
+        while not list((tmp_path / "out").glob("dpo_run_*/LATEST")) and time.time() < deadline:
+            time.sleep(0.5)
+        (run,) = [p.parent for p in (tmp_path / "out").glob("dpo_run_*/LATEST")]
+        os.kill(lock_pid(run), signal.SIGUSR2)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 1
+    assert re.search(rf"ended with exit code 143: Resume with: python train.py resume={re.escape(str(run))} ", stderr), stderr
+    assert (run / "LATEST" / "policy.pt").is_file() and not (run / "FINISHED").exists()
+    (log,) = (tmp_path / "out").glob("multirun_*/.submitit/[0-9]*/*_0_log.out")
+    assert "Received SIGTERM: saving a checkpoint after this step, then stopping." in log.read_text()
+
+
+def test_the_slurm_launcher_config_composes_into_an_sbatch_script(tmp_path, monkeypatch):
+    submitit = pytest.importorskip("submitit")
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", staticmethod(lambda: 1))  # srun is not here: nothing is submitted
+    overrides = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "hydra.launcher.mem_gb=32"]
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        config = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    launcher = config.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.partition, launcher.mem_gb, launcher.timeout_min, launcher.gpus_per_node) == ("gpu", 32, 240, 1)
+    # the keys as the plugin hands them to submitit (its own keys as they are, the others slurm_<key>), without submitting
+    params = OmegaConf.to_container(launcher, resolve=False)
+    shared = {"timeout_min", "cpus_per_task", "gpus_per_node", "tasks_per_node", "mem_gb", "nodes", "name", "stderr_to_stdout"}
+    params = {
+        k if k in shared else f"slurm_{k}": v
+        for k, v in params.items()
+        if k not in ("_target_", "submitit_folder", "max_num_timeout")
+    }
+    params["name"] = "train"
+    executor = submitit.AutoExecutor(folder=tmp_path, cluster="slurm")
+    executor.update_parameters(**params)
+    script = executor._executor._make_submission_file_text("python -u -m submitit.core._submit x", "uid")
+    for line in ("--partition=gpu", "--mem=32GB", "--time=240", "--gpus-per-node=1", "--cpus-per-task=8", "--signal=USR2@120"):
+        assert f"#SBATCH {line}\n" in script, script
+
+
+class FakeStage:
+    """Stands in for a stage's ``subprocess.Popen`` in :func:`train.run_stages`: makes a finished run
+    folder under ``root`` and names it, as train.py does, through the pipe its launcher gave it."""
+
+    commands: list[list[str]] = []
+
+    def __init__(self, command, env=None, **kwargs):
+        import train
+
+        FakeStage.commands.append(command)
+        root = Path(next(a for a in command if a.startswith("output_root=")).split("=", 1)[1])
+        run = root / f"stage{len(FakeStage.commands)}_run"
+        (run / "step-8").mkdir(parents=True)
+        (run / "LATEST").symlink_to("step-8")
+        (run / "FINISHED").write_text("ok\n")
+        (run / "config.yaml").write_text("loss: {name: dpo}\n")
+        if env is not None and train.RUN_FOLDER_FD_ENV in env:
+            os.write(int(env[train.RUN_FOLDER_FD_ENV]), str(run).encode())
+
+    def wait(self):
+        return 0
+
+    def poll(self):
+        return 0
+
+
+def test_sft_first_in_a_submitit_job_runs_train_py_from_its_own_sft_stage(tmp_path, monkeypatch):
+    # In a submitit job sys.argv[0] is submitit's _submit.py, and the sweep's other jobs make run
+    # folders in the same output_root at the same time: the stages must run train.py, and stage 2
+    # must start from the policy of its own stage 1, not from the newest finished folder there.
+    import train
+
+    overrides = [*TINY[:-1], "sft_first.n_examples=8", f"output_root={tmp_path}"]
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        config = compose(config_name="config", overrides=overrides)
+    other = tmp_path / "zz_another_jobs_sft_run"  # newer by name than the stage's own folder
+    (other / "LATEST").mkdir(parents=True)
+    (other / "FINISHED").write_text("ok\n")
+    monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/sweep/.submitit/123"])
+    monkeypatch.setattr(train.subprocess, "Popen", FakeStage)
+    FakeStage.commands = []
+    assert train.run_stages(config, overrides) == 0
+    assert [Path(c[1]).resolve() for c in FakeStage.commands] == [REPO / "train.py"] * 2
+    assert FakeStage.commands[1][-1] == f"model.archive={tmp_path / 'stage1_run' / 'LATEST' / 'policy.pt'}"
+
+
+def test_fsdp_ranks_of_a_submitit_job_run_train_py_with_the_jobs_overrides(monkeypatch):
+    # launch() started its ranks with sys.argv, which in a submitit job is submitit's _submit.py and its folder
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    import train
+
+    class Started(Exception):
+        """The first rank's command (nothing is started)."""
+
+    def popen(command, **kwargs):
+        raise Started(command)
+
+    job = ["loss=ipo", "trainer=FSDPTrainer", "world_size=2"]
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        hydra_config = compose(config_name="config", overrides=["hydra/launcher=submitit_local", *job], return_hydra_config=True)
+        config = compose(config_name="config", overrides=job)
+    monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/sweep/.submitit/123"])
+    monkeypatch.setattr(train.subprocess, "Popen", popen)
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored afterwards
+    for mode, expected in ((RunMode.MULTIRUN, [str(REPO / "train.py"), *job]), (RunMode.RUN, sys.argv)):  # RUN: a rank, or no -m
+        HydraConfig.instance().set_config(OmegaConf.merge(hydra_config, {"hydra": {"mode": mode}}))
+        with pytest.raises(Started) as started:
+            train.launch(config)
+        assert started.value.args[0] == [sys.executable, *expected]
