@@ -27,6 +27,8 @@ example counter; see utils.MetricsLogger) and writes, per objective (one row per
   train s     the training loop up to its last logged step, the evals and checkpoints in it
               included: the sum of the logged intervals, counters/examples step /
               examples_per_second (the records hold no timestamps)
+  peak MiB    the run's peak resident memory (``memory/rank0_peak_rss_mib``, rank 0); the
+              job's own with one process per job (submitit_local), else the sweep process's
   wall s      from the run folder's config.yaml (written once the models are loaded) to
               metrics.jsonl's last write (the peak-memory record after the final eval and
               checkpoint), from the files' modification times
@@ -66,9 +68,13 @@ COLUMNS = [  # (key in a row, markdown header)
     ("examples", "examples"),
     ("train_s", "train s"),
     ("wall_s", "wall s"),
+    ("peak_mib", "peak MiB"),
     ("run", "run folder"),
 ]
 MARKDOWN_COLUMNS = [c for c in COLUMNS if c[0] != "run"]  # the run folder is in the CSV and JSON
+PEAK_KEY = "memory/rank0_peak_rss_mib"
+"""The run's peak resident memory (MiB) as its trainer logs it at the end: the job's own only when the
+job had a process of its own (``hydra/launcher=submitit_local``), else the sweep process's so far."""
 SAME_BUDGET_IGNORED = ("loss", "exp_name", "output_root", "resume", "wandb")
 
 
@@ -185,6 +191,7 @@ def summarize_run(run_dir: Path) -> dict:
         "examples": int(max(counters)) if counters else max((r.get("step", 0) for r in records), default=0),
         "train_s": train_seconds(records),
         "wall_s": wall,
+        "peak_mib": max((r[PEAK_KEY] for r in records if PEAK_KEY in r), default=None),
         "run": run_dir.name,
         "eval_steps": [r.get("step") for r in evals],
         "config": config,
@@ -248,7 +255,7 @@ def _cell(value, key: str) -> str:
     """A markdown cell: '-' for a missing value, floats to 3 decimals (seconds to whole ones)."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    if key in ("train_s", "wall_s"):
+    if key in ("train_s", "wall_s", "peak_mib"):
         return f"{value:.0f}"
     if isinstance(value, float):
         return f"{value:.3g}" if key == "beta" else f"{value:.3f}"

@@ -70,13 +70,14 @@ def test_the_table_holds_the_numbers_worked_out_by_hand(two_runs):
     assert dpo["logp_unit"] == "seq" and dpo["eval_loss"] == 0.55 and dpo["examples"] == 64
     assert dpo["train_s"] == pytest.approx(6.0)  # 2 s + 4 s
     assert dpo["wall_s"] == pytest.approx(42.5)
+    assert dpo["peak_mib"] == 500.0 and sft["peak_mib"] is None  # the run's logged peak; none logged: '-'
     assert sft["objective"] == "sft" and sft["accuracy"] is None and sft["margin"] is None
     assert sft["chosen_logp_delta"] == pytest.approx(9.75)  # -90.25 - (-100)
     assert sft["train_s"] == pytest.approx(6.0) and sft["wall_s"] == pytest.approx(7.0)  # 4 + 1 + 1 s
     assert notes == ["No rewards_eval/* (no implicit reward): sft."]
     table = co.to_markdown(rows, notes).splitlines()
-    assert table[2] == "| dpo | 0.1 | 0.000 | 0.750 | 0.000 | 0.500 | -100.000 | -4.500 | seq | 0.550 | 64 | 6 | 42 |"
-    assert table[3] == "| sft | - | - | - | - | - | -100.000 | 9.750 | seq | 2.500 | 64 | 6 | 7 |"
+    assert table[2] == "| dpo | 0.1 | 0.000 | 0.750 | 0.000 | 0.500 | -100.000 | -4.500 | seq | 0.550 | 64 | 6 | 42 | 500 |"
+    assert table[3] == "| sft | - | - | - | - | - | -100.000 | 9.750 | seq | 2.500 | 64 | 6 | 7 | - |"
 
 
 def test_main_writes_markdown_csv_json_and_png(two_runs, tmp_path, capsys):
@@ -87,7 +88,7 @@ def test_main_writes_markdown_csv_json_and_png(two_runs, tmp_path, capsys):
     assert (out / "comparison.md").read_text() in printed
     csv_lines = (out / "comparison.csv").read_text().splitlines()
     assert csv_lines[0].startswith("objective,beta,accuracy_first,accuracy,margin_first,margin,")
-    assert csv_lines[2] == "sft,,,,,,-100.0,9.75,seq,2.5,64,6.0,7.0,sft_run_1"
+    assert csv_lines[2] == "sft,,,,,,-100.0,9.75,seq,2.5,64,6.0,7.0,,sft_run_1"
     data = json.loads((out / "comparison.json").read_text())
     assert [r["objective"] for r in data["rows"]] == ["dpo", "sft"] and data["rows"][0]["eval_steps"] == [0, 64]
     assert (out / "comparison.png").stat().st_size > 1000
