@@ -144,6 +144,21 @@ def test_fsdp_matches_basic_with_accumulation_and_resumes_exactly_from_shards(ba
     assert_resumes_exactly_from_step_32(run_dir, tmp_path)  # from the shards written after 32 examples
 
 
+def test_an_fsdp_run_extended_with_resume_and_n_examples_matches_the_longer_basic_run(tmp_path):
+    """resume=<run> n_examples=<more> under FSDP (each rank works the extension out itself): 32 examples, then 64,
+    ends as the 64-example single-process run does, with its evals at 0, 32 and 64 (constant lr: model=tiny's
+    cosine schedule is stretched by an extension, so a 32-example start differs from a 64-example run's)."""
+    basic = finished_run([*COMMON, "lr_scheduler=constant", "sample_during_eval=false"], tmp_path / "basic")
+    args = [*COMMON, "lr_scheduler=constant", "trainer=FSDPTrainer", "world_size=2", "sample_during_eval=false"]
+    run_dir = finished_run([*args, "n_examples=32"], tmp_path / "fsdp")
+    assert (run_dir / "FINISHED").read_text() == "32\n"
+    code, text = cli([f"resume={run_dir}", "n_examples=64"], tmp_path / "unused")
+    assert code == 0, text[-4000:]
+    assert text.count(f"Extending {run_dir} from n_examples=32 (32 examples) to n_examples=64 (64 examples)") == 1
+    assert_same_run(basic, run_dir)
+    assert (run_dir / "FINISHED").read_text() == "64\n"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_matches_basic(basic_runs, tmp_path, family):
     run_dir = finished_run(
