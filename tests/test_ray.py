@@ -401,3 +401,22 @@ def test_missing_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
     with pytest.raises(utils.ConfigError, match="pip install -r requirements-ray.txt"):
         ray_launcher.import_ray()
+
+
+@pytest.mark.timeout(300)
+def test_hub_push_under_ray_is_done_by_the_driver_once_with_the_final_export(cluster, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or "url")
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload_folder", kw["repo_id"], kw)))
+    run = ["n_examples=16", "eval_every=16", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "sample_during_eval=false"]
+    run += ["progress_bar=false", "data.arithmetic.n_train=16", "data.arithmetic.n_test=8", "sft_first.n_examples=null"]
+    run += ["launcher=ray", "ray.num_workers=1", "ray.cpus_per_worker=1", "hub.push=true", "hub.model_id=me/ray-dpo"]
+    assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), train.main) == 0
+    run_dir = run_folder(tmp_path / "out")
+    # the workers are other processes (the stub is the driver's): one create and one upload means the driver pushed
+    assert [(c[0], c[1]) for c in calls] == [("create_repo", "me/ray-dpo"), ("upload_folder", "me/ray-dpo")]
+    assert calls[0][2]["private"] is True
+    assert Path(calls[1][2]["folder_path"]).resolve() == (run_dir / "step-16" / "hf").resolve()
+    assert (Path(calls[1][2]["folder_path"]) / "README.md").is_file()
