@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1107,7 +1108,13 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
     given_name = next((o.value() for o in parsed if o.key_or_group == "exp_name"), None)
     if given_name is not None:
         sft.append(f"exp_name={given_name}_sft")
-    return sft, [*overrides, "sft_first.n_examples=null"]
+    second = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") != "sft_first"]
+    return sft, [*second, "sft_first.n_examples=null"]  # the stage's own sft_first.* said once
+
+
+def shell_line(script: str, args: list[str]) -> str:
+    """``python <script> <args>`` as a line a shell gives back as these arguments (each quoted where needed)."""
+    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in args)])
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:
@@ -1132,7 +1139,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                     return 1
                 args = [*args, f"model.archive={os.path.join(folders[0], 'LATEST', 'policy.pt')}"]
                 what = f"{config.loss.name} from the SFT policy"
-            print(f"\n=== Stage {number} of 2: {what}\n    python {script} {' '.join(args)}\n", flush=True)
+            print(f"\n=== Stage {number} of 2: {what}\n    {shell_line(script, args)}\n", flush=True)
             folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
             env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1])}
             try:
@@ -1152,8 +1159,8 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                     folder, hint = folders[-1], ""
                     if number == 1 and folder is not None and os.path.exists(os.path.join(folder, "LATEST")):
                         hint = (
-                            f" Continue it with python {script} resume={folder}, then stage 2: python {script} "
-                            f"{' '.join(dpo)} model.archive={os.path.join(folder, 'LATEST', 'policy.pt')}"
+                            f" Continue it with {shell_line(script, [f'resume={folder}'])}, then stage 2: "
+                            f"{shell_line(script, [*dpo, 'model.archive=' + os.path.join(folder, 'LATEST', 'policy.pt')])}"
                         )
                     print(f"Stage {number} of 2 ended with exit code {code}.{hint}", file=sys.stderr)
                 return code

@@ -129,6 +129,20 @@ def test_stage_commands_drop_what_the_sft_stage_sets_itself():
     assert second == [*overrides, "sft_first.n_examples=null"]
 
 
+def test_the_stage_banner_pastes_back_into_a_shell_and_names_sft_first_once():
+    """Found by a new user: an unquoted data.hf.columns={...} in the banner was a Hydra parse error when pasted."""
+    import shlex
+
+    overrides = ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=32"]
+    sft, second = train.stage_commands(compose_config(overrides), overrides)
+    assert second == ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=null"]
+    line = train.shell_line("train.py", second)
+    assert (
+        line == "python train.py 'datasets=[hf]' 'data.hf.columns={prompt: instruction, input: input}' sft_first.n_examples=null"
+    )
+    assert shlex.split(line)[2:] == second
+
+
 def wanted(overrides: list[str]) -> bool:
     config = compose_config(overrides)
     return train.sft_stage_wanted(config, utils.given_keys(overrides))
