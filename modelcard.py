@@ -26,6 +26,9 @@ HUB_DATASETS = {
 }
 """Registered datasets read from the hub: name -> (hub id, the ``data.<name>`` key that reads local files instead)."""
 
+COUNT_SUFFIX = "/n"
+"""A metric key that is a count (``answers_eval/n``: the prompts answered), not a result: in the card's table only."""
+
 EVAL_KEY = re.compile(r"_eval/|/eval$|^eval/")
 """A key of a held-out (eval) record in metrics.jsonl."""
 
@@ -121,7 +124,8 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
     else:
         what = f"`{name}`"
     if model.get("archive") is not None:
-        what += f", starting from the policy `{model.archive}` (`model.archive`, e.g. an SFT run's)"
+        archive = os.path.realpath(model.archive) if os.path.exists(model.archive) else model.archive  # not a LATEST link
+        what += f", starting from the policy `{archive}` (`model.archive`, e.g. an SFT run's)"
     return hub_id, what
 
 
@@ -154,7 +158,7 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
             metric_value=value,
         )
         for key, value in metrics.items()
-        if isinstance(value, (int, float)) and math.isfinite(value)
+        if isinstance(value, (int, float)) and math.isfinite(value) and not key.endswith(COUNT_SUFFIX)
     ]
     data = ModelCardData(
         library_name="peft" if kind == "adapter" else "transformers",

@@ -28,6 +28,12 @@ def eval_record(run_dir: Path, step: int) -> dict:
     return next(r for r in metric_records(run_dir) if r["step"] == step and "loss/eval" in r)
 
 
+def results_of(record: dict) -> dict:
+    """The results a card's front matter lists for an eval record: its finite metrics but the count answers_eval/n."""
+    assert "answers_eval/n" in record  # the prompts answered: in the card's table, not a result
+    return {k: v for k, v in record.items() if k not in ("step", "answers_eval/n") and math.isfinite(v)}
+
+
 def card_values(card) -> dict:
     """{metric key: value} of a card's model-index (front matter)."""
     return {r.metric_type: r.metric_value for r in card.data.eval_results or []}
@@ -68,7 +74,7 @@ def test_the_final_card_names_the_objective_the_steps_and_the_last_eval(pushed_r
     assert f"- examples trained on: {N_EXAMPLES}" in card.text
     assert f"- optimizer steps: {N_EXAMPLES // BATCH} (batch_size={BATCH} pairs a step)" in card.text
     record = eval_record(run_dir, N_EXAMPLES)
-    assert card_values(card) == {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
+    assert card_values(card) == results_of(record)
     assert f"The eval after {N_EXAMPLES} examples" in card.text
     assert "![loss](curves/loss.png)" in card.text and (final / "hf" / "curves" / "loss.png").stat().st_size > 0
     assert '- `arithmetic`: `data.arithmetic` = `{"n_train": 64, "n_test": 16}`' in card.text
@@ -80,7 +86,7 @@ def test_an_earlier_checkpoint_card_states_the_metrics_at_its_own_step(pushed_ru
     assert f"- examples trained on: {EVAL_EVERY}" in card.text
     assert f"- optimizer steps: {EVAL_EVERY // BATCH} " in card.text
     record = eval_record(run_dir, EVAL_EVERY)
-    assert card_values(card) == {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
+    assert card_values(card) == results_of(record)
     assert card_values(card)["loss/eval"] != eval_record(run_dir, N_EXAMPLES)["loss/eval"]
 
 
@@ -192,3 +198,13 @@ def test_a_failed_push_keeps_the_finished_run_and_says_how_to_push_it_later(tmp_
     assert (run_dir / utils.FINISHED).exists()
     card = ModelCard.load(hf / "README.md")
     assert f"python train.py {' '.join(args)}" in card.text  # the command that made it
+
+
+def test_the_card_names_the_checkpoint_a_latest_archive_pointed_to(tmp_path):
+    """Found by a new user: model.archive=<sft run>/LATEST/policy.pt was named as the LATEST link, which moves."""
+    sft = tmp_path / "sft_run"
+    (sft / "step-40").mkdir(parents=True)
+    (sft / "step-40" / "policy.pt").write_bytes(b"")
+    (sft / "LATEST").symlink_to("step-40")
+    card = card_for([f"model.archive={sft / 'LATEST' / 'policy.pt'}"], tmp_path / "run")
+    assert f"starting from the policy `{sft / 'step-40' / 'policy.pt'}`" in card.text
