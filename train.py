@@ -1275,6 +1275,9 @@ def run_command(config: DictConfig) -> None:
             utils.validate_config(config)  # a bad value is said once, before either stage starts
             declared = preference_datasets.declared_reward_functions(config.datasets)
             reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
+            options = OmegaConf.to_container(config.data, resolve=True)
+            for split in ("train", "test"):  # a bad data file is said before the first stage's banner, not inside it
+                load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
             sys.exit(run_stages(config, overrides))
         budget = budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
         if config.resume not in (None, "auto"):

@@ -196,6 +196,18 @@ def test_two_stages_in_one_command(tmp_path):
     )
 
 
+def test_a_bad_data_file_is_said_before_the_first_stage_starts(tmp_path):
+    """Found by a new user: the data was first read inside stage 1, so its error came after the stage's banner."""
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text('{"prompt": "Q", "chosen": "A"}\n')
+    args = [*stage_args(tmp_path / "out"), "datasets=[json]", f"data.json.path={bad}"]
+    out = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert "Stage 1" not in out.stdout + out.stderr
+    assert out.stderr.count("Error: ") == 1 and "'rejected'" in out.stderr and str(bad) in out.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
 def test_sigterm_in_the_sft_stage_stops_both_and_keeps_its_checkpoint(tmp_path):
     args = [*stage_args(tmp_path), "sft_first.n_examples=100000", "eval_every=100000", "do_first_eval=false"]
     proc = subprocess.Popen(
