@@ -498,7 +498,6 @@ def test_config_composes_with_a_column_mapping_override():
 def test_tiny_dpo_run_on_a_conversational_parquet_file_with_a_chat_template(tmp_path):
     """datasets=[hf] on a parquet file of TRL's implicit conversational layout, a random tiny
     model paired with SmolLM2's tokenizer (its chat template): the run trains and evaluates."""
-    from conftest import metric_records, run_train
 
     tokenizer = needs_shared("tokenizers", "smollm2-135m-instruct")
     rows = [
@@ -506,21 +505,19 @@ def test_tiny_dpo_run_on_a_conversational_parquet_file_with_a_chat_template(tmp_
         for i in range(40)
     ]
     f = write(tmp_path, rows, "chat.parquet")
-    run_dir = run_train(
-        [
-            "datasets=[hf]",
-            f"data.hf.path={f}",
-            "data.hf.holdout_fraction=0.2",
-            f"data.hf.cache_dir={tmp_path / 'c'}",
-            "model.tokenizer_class=null",
-            f"model.tokenizer_name_or_path={tokenizer}",
-            "n_examples=16",
-            "eval_every=8",
-            "n_eval_examples=8",
-            "sample_during_eval=false",
-        ],
-        tmp_path,
-    )
+    short_chat_run(tmp_path, f, tokenizer, "data.hf.holdout_fraction=0.2")
+
+
+def short_chat_run(tmp_path, path, tokenizer, *options: str):
+    """A 16-example DPO run of a random tiny model with ``tokenizer``'s chat template on ``datasets=[hf]
+    data.hf.path=path`` (``options``: more data.hf.* keys); checks its evals at 0, 8 and 16 examples."""
+    from conftest import metric_records, run_train
+
+    args = ["datasets=[hf]", f"data.hf.path={path}", *options, f"data.hf.cache_dir={tmp_path / 'c'}"]
+    args += ["model.tokenizer_class=null", f"model.tokenizer_name_or_path={tokenizer}"]
+    args += ["n_examples=16", "eval_every=8", "n_eval_examples=8", "sample_during_eval=false"]
+    run_dir = run_train(args, tmp_path)
     evals = [r for r in metric_records(run_dir) if "loss/eval" in r]
     assert len(evals) == 3  # at 0, 8 and 16 examples (do_first_eval, eval_every=8)
     assert evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at the start
+    return run_dir

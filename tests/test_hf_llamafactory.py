@@ -10,12 +10,11 @@ instruction, "\\n", then a non-empty input (LLaMA-Factory's AlpacaDatasetConvert
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
-from conftest import compose_config, metric_records, needs_shared, run_train
-from test_hf_data import bot, key, user
+from conftest import compose_config, needs_shared
+from test_hf_data import bot, key, short_chat_run, user
 from transformers import AutoTokenizer
 
 import preference_datasets as pd
@@ -252,24 +251,12 @@ def test_tiny_dpo_run_on_a_llamafactory_ranking_file(tmp_path):
         for i in range(24)
     ]
     f = write_jsonl(tmp_path, rows, "ranking.jsonl")
-    run_dir = run_train(
-        [
-            "datasets=[hf]",
-            f"data.hf.path={f}",
-            LF_RANKING,
-            "data.hf.format=ranked",
-            "data.hf.ranked_order=best_first",
-            "data.hf.holdout_fraction=0.25",
-            f"data.hf.cache_dir={tmp_path / 'c'}",
-            "model.tokenizer_class=null",
-            f"model.tokenizer_name_or_path={tokenizer}",
-            "n_examples=16",
-            "eval_every=8",
-            "n_eval_examples=8",
-            "sample_during_eval=false",
-        ],
+    short_chat_run(
         tmp_path,
+        f,
+        tokenizer,
+        LF_RANKING,
+        "data.hf.format=ranked",
+        "data.hf.ranked_order=best_first",
+        "data.hf.holdout_fraction=0.25",
     )
-    evals = [r for r in metric_records(run_dir) if "loss/eval" in r]
-    assert len(evals) == 3  # at 0, 8 and 16 examples (do_first_eval, eval_every=8)
-    assert evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at the start
