@@ -655,6 +655,10 @@ PEER_LOST_EXIT = 3
 RUN_FOLDER: str | None = None
 """This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
 
+RUN_FOLDER_TOLD: str | None = None
+"""The run folder this command made or continued, once known (:func:`tell_launcher`): for sft_first
+its last stage's, for FSDP/TP rank 0's; a sweep's summary names it."""
+
 COMMAND: list[str] | None = None
 """The command line's overrides when train.py was started from it (set by :func:`hydra_main`); a new
 run folder's config.yaml begins with the command (``utils.RUN_COMMAND_LINE``), which model cards quote."""
@@ -748,7 +752,10 @@ def how_to_continue(run_dir: str | None, command: str) -> str:
 
 
 def tell_launcher(run_dir: str) -> None:
-    """Write ``run_dir`` into the pipe :func:`launch` gave this rank (``DPO_RUN_FOLDER_FD``), if any."""
+    """Write ``run_dir`` into the pipe :func:`launch` gave this rank (``DPO_RUN_FOLDER_FD``), if any,
+    and keep it as this command's run folder (:data:`RUN_FOLDER_TOLD`)."""
+    global RUN_FOLDER_TOLD
+    RUN_FOLDER_TOLD = run_dir
     fd = os.environ.pop(RUN_FOLDER_FD_ENV, None)
     if fd is not None:
         with contextlib.suppress(OSError, ValueError):
@@ -1154,6 +1161,8 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                 said = os.read(folder_pipe[0], 1 << 16)
             os.close(folder_pipe[0])
             folders.append(said.decode() or None)
+            if folders[-1] is not None:
+                tell_launcher(folders[-1])  # this command's run folder is its last stage's
             if code != 0:
                 if code != 2:  # 2: the stage said its one-sentence error already
                     folder, hint = folders[-1], ""
@@ -1245,19 +1254,31 @@ def job_failure(code: int) -> str:
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
-def hydra_main(config: DictConfig) -> None:
-    """The command line (:func:`run_command`); in a job of Hydra's submitit launcher, an exit code other
-    than 0 becomes a :class:`utils.SweepJobError` (the sweep reports it in one line) and 0 a return
-    (submitit records no result for a job that calls sys.exit)."""
-    if not submitit_job():
+def hydra_main(config: DictConfig) -> dict | None:
+    """The command line (:func:`run_command`). A job of a sweep (``-m``) returns its
+    :func:`sweeps.job_result` for the sweep's summary; in a job of Hydra's submitit launcher an exit
+    code other than 0 is returned too (the summary, then its sentence, ends the sweep), with the
+    basic launcher it ends the sweep there (a Ctrl-C stops the whole sweep)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return run_command(config)
-    # submitit's signal before the time limit (signal_delay_s): save a checkpoint and stop, as SIGTERM does
-    signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    import sweeps
+
+    global RUN_FOLDER, RUN_FOLDER_TOLD
+    RUN_FOLDER = RUN_FOLDER_TOLD = None  # the basic launcher runs every job in this process
+    submitit = submitit_job()
+    if submitit:  # submitit's signal before the time limit (signal_delay_s): save a checkpoint and stop, as SIGTERM does
+        signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     try:
         run_command(config)
-    except SystemExit as e:
-        if e.code not in (0, None):
-            raise utils.SweepJobError(job_failure(e.code if isinstance(e.code, int) else 1)) from None
+        code = 0
+    except SystemExit as e:  # sft_first, FSDP/TP and Ray runs end with sys.exit, 0 included
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        if code != 0 and not submitit:
+            raise
+    return sweeps.job_result(RUN_FOLDER_TOLD or RUN_FOLDER, code, job_failure(code) if code else None)
 
 
 def run_command(config: DictConfig) -> None:

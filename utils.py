@@ -19,7 +19,6 @@ import tempfile
 
 import numpy as np
 import torch
-from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 import losses
@@ -27,10 +26,6 @@ import losses
 
 class ConfigError(ValueError):
     """A config value is wrong; the message is one sentence naming the key and the fix."""
-
-
-class SweepJobError(CompactHydraException):
-    """A job of Hydra's submitit launcher failed; the message is one sentence (Hydra prints it alone)."""
 
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")

@@ -22,10 +22,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
 SMALL, BIG = 256, 8192  # model.config.intermediate_size of the sweep's two jobs (model=tiny's is 256)
 
 
-def sweep(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python train.py -m hydra/launcher=submitit_local <TINY> num_threads=1 <args>`` run from
+def sweep(tmp_path: Path, *args: str, timeout: float = 240, launcher: str = "submitit_local") -> subprocess.CompletedProcess:
+    """``python train.py -m hydra/launcher=<launcher> <TINY> num_threads=1 <args>`` run from
     ``tmp_path`` (not the repository: the jobs must find its modules themselves)."""
-    cmd = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=submitit_local", *TINY, "num_threads=1"]
+    cmd = [sys.executable, str(REPO / "train.py"), "-m", f"hydra/launcher={launcher}", *TINY, "num_threads=1"]
     cmd += [f"output_root={tmp_path / 'out'}", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
 
@@ -55,6 +55,13 @@ def test_submitit_local_runs_each_job_in_its_own_process_with_its_own_peak(tmp_p
     assert len(logs) == 2 and len({log.parent.name for log in logs}) == 2
     named = sorted(re.search(r"Run folder: (\S+)", log.read_text()).group(1) for log in logs)
     assert named == sorted(str(run) for run in runs.values())
+    # the launching process names every job's run folder in the sweep's order (and leaves no unexpanded .submitit/%j)
+    assert result.stdout == (
+        f"\nSweep done: 2 jobs ({sweep_dir}; each job's output under .submitit/).\n"
+        f"  model.config.intermediate_size={SMALL}   finished  {runs[SMALL]}\n"
+        f"  model.config.intermediate_size={BIG}  finished  {runs[BIG]}\n"
+    )
+    assert sorted(p.name for p in (sweep_dir / ".submitit").iterdir()) == sorted(log.parent.name for log in logs)
     # each job's peak is its own: the big job's extra weights, by hand: 2 layers x (gate, up, down) x
     # hidden 64 x (8192 - 256) float32 numbers, for the policy and the reference, are in its setup peak
     # and not in the small job's
@@ -85,6 +92,13 @@ def test_a_failed_job_is_one_sentence_naming_its_log(tmp_path):
     assert f"Job {job} ended with exit code 2: Data file {missing} does not exist" in result.stderr
     assert f"(its output: {log})" in result.stderr
     assert "Traceback" not in result.stderr and "FailedJobError" not in result.stderr
+    # the summary first (no swept key: the job's number), then the job's sentence as the last line
+    sweep_dir = log.parent.parent.parent
+    assert (
+        result.stdout
+        == f"\nSweep done: 1 job ({sweep_dir}; each job's output under .submitit/).\n  #0  failed (exit code 2)  (no run folder)\n"
+    )
+    assert result.stderr.endswith(f"(its output: {log})\n")
 
 
 @pytest.mark.timeout(180)
@@ -99,15 +113,44 @@ def test_submitits_time_limit_signal_saves_a_checkpoint_and_stops(tmp_path):
             time.sleep(0.5)
         (run,) = [p.parent for p in (tmp_path / "out").glob("dpo_run_*/LATEST")]
         os.kill(lock_pid(run), signal.SIGUSR2)
-        _, stderr = launcher.communicate(timeout=60)
+        stdout, stderr = launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 1
     assert re.search(rf"ended with exit code 143: Resume with: python train.py resume={re.escape(str(run))} ", stderr), stderr
+    assert stdout.endswith(f"\n  #0  stopped (exit code 143)  {run}\n"), stdout
     assert (run / "LATEST" / "policy.pt").is_file() and not (run / "FINISHED").exists()
     (log,) = (tmp_path / "out").glob("multirun_*/.submitit/[0-9]*/*_0_log.out")
     assert "Received SIGTERM: saving a checkpoint after this step, then stopping." in log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_basic_launcher_sweep_ends_with_the_same_summary(tmp_path):
+    result = sweep(tmp_path, "save_hf_export=false", "sample_during_eval=false", "loss=dpo,ipo", launcher="basic")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "out"
+    (sweep_dir,) = out.glob("multirun_*")
+    (dpo,), (ipo,) = out.glob("dpo_run_*"), out.glob("ipo_run_*")
+    summary = f"\nSweep done: 2 jobs ({sweep_dir}).\n  loss=dpo  finished  {dpo}\n  loss=ipo  finished  {ipo}\n"
+    assert result.stdout.endswith(summary), result.stdout[-2000:]
+
+
+def test_a_basic_launcher_sweep_goes_on_after_a_job_that_ends_with_sys_exit_0(tmp_path, monkeypatch, capsys):
+    # sft_first, FSDP/TP and Ray jobs end with sys.exit(0): that ended the whole sweep after its first job
+    import train
+
+    def run_command(config):
+        train.tell_launcher(str(tmp_path / f"{config.loss.name}_run"))
+        sys.exit(0)
+
+    monkeypatch.setattr(train, "run_command", run_command)
+    monkeypatch.setattr(train.hydra_main.__wrapped__, "__module__", "__main__")  # Hydra finds config/ beside train.py
+    monkeypatch.setattr(sys, "argv", ["train.py", "-m", "loss=dpo,ipo", f"output_root={tmp_path}"])
+    train.hydra_main()
+    (sweep_dir,) = tmp_path.glob("multirun_*")
+    summary = f"\nSweep done: 2 jobs ({sweep_dir}).\n  loss=dpo  finished  {tmp_path / 'dpo_run'}\n  loss=ipo  finished  {tmp_path / 'ipo_run'}\n"
+    assert capsys.readouterr().out == summary
 
 
 def test_the_slurm_launcher_config_composes_into_an_sbatch_script(tmp_path, monkeypatch):
