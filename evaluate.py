@@ -45,6 +45,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import modelcard
 import preference_datasets
 import rewards
 import utils
@@ -1474,6 +1475,8 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                     + (f" (e.g. {errors[0]})." if errors else ".")
                 )
         print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
+        if not all(r["verdict"] == "failed" for r in rows):
+            update_card(policy, out)
     if world > 1:
         import torch.distributed as dist
 
@@ -1486,6 +1489,23 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
             f"python evaluate.py resume={out} asks again without resampling."
         )
     return out
+
+
+def update_card(policy: Source, out: str) -> None:
+    """Add this evaluation (``out``) to the model cards of the checkpoint ``policy`` is
+    (:func:`modelcard.add_evaluation`) and print which; nothing for an hf folder, a hub id or a
+    checkpoint without ``hf/``."""
+    if policy.weights is None or policy.run_dir is None:
+        return
+    checkpoint = os.path.dirname(policy.weights)  # the step-N folder resolved when the policy was named
+    try:
+        cards = modelcard.add_evaluation(checkpoint, policy.run_dir, out)
+    # a read-only run folder, a checkpoint pruned meanwhile: the results are written all the same
+    except (OSError, ValueError) as e:
+        print(f"Warning: the model card of {checkpoint} could not be updated with this evaluation ({utils.failure_reason(e)}).")
+        return
+    if cards:
+        print(f"Model card updated with this evaluation: {', '.join(cards)}")
 
 
 def _stop(signum, frame):

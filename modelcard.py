@@ -109,6 +109,30 @@ def evaluations(run_dir: str) -> list[tuple[str, dict]]:
     return found
 
 
+EVALUATIONS_HEADING = "## Evaluations (evaluate.py)"
+"""The card's section of evaluate.py's win rates (:func:`evaluations_lines`)."""
+
+MADE_HEADING = "## How it was made"
+"""The card's section after the evaluations: the command and config.yaml."""
+
+
+def evaluations_lines(found: list[tuple[str, dict]]) -> list[str]:
+    """The card's lines of evaluate.py's results ``found`` (:func:`evaluations`): none when there are none."""
+    if not found:
+        return []
+    lines = ["", EVALUATIONS_HEADING, ""]
+    for name, result in found:
+        lines += [f"`eval/{name}`: {result.get('policy')} vs {result.get('baseline')}, judge {result.get('judge')}:", ""]
+        lines += ["| temperature | win rate | 95% interval | n |", "|---|---|---|---|"]
+        for t, r in (result.get("temperatures") or {}).items():
+            if r.get("win_rate") is None:
+                lines.append(f"| {t} | - | - | 0 |")
+            else:
+                lines.append(f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['n']} |")
+        lines.append("")
+    return lines
+
+
 def _number(value) -> str:
     """A metric value for the card's tables (4 significant digits)."""
     return f"{value:.4g}" if isinstance(value, float) else str(value)
@@ -224,20 +248,9 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         lines.append("Every panel is in the run folder's `curves/` (x axis: examples seen).")
     else:
         lines.append("Not enough points for a curve yet; the run folder's `curves/` has them once training ends.")
-    found = evaluations(run_dir)
-    if found:
-        lines += ["", "## Evaluations (evaluate.py)", ""]
-        for name, result in found:
-            lines += [f"`eval/{name}`: {result.get('policy')} vs {result.get('baseline')}, judge {result.get('judge')}:", ""]
-            lines += ["| temperature | win rate | 95% interval | n |", "|---|---|---|---|"]
-            for t, r in (result.get("temperatures") or {}).items():
-                if r.get("win_rate") is None:
-                    lines.append(f"| {t} | - | - | 0 |")
-                else:
-                    lines.append(f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['n']} |")
-            lines.append("")
+    lines += evaluations_lines(evaluations(run_dir))
     command = read_command(run_dir)
-    lines += ["", "## How it was made", ""]
+    lines += ["", MADE_HEADING, ""]
     if command is not None:
         lines += ["```bash", command, "```", ""]
     lines += ["The run's whole configuration (its `config.yaml`):", "", "<details>", "", "```yaml"]
@@ -262,6 +275,48 @@ def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, update
         build_card(run_config, run_dir, step, updates, kind, curves).save(os.path.join(target, "README.md"))
         if curves and target != folder:
             shutil.copytree(curves_dir, os.path.join(target, "curves"))
+
+
+def with_evaluations(text: str, found: list[tuple[str, dict]]) -> str:
+    """The card ``text`` (made by :func:`build_card`) with its evaluations section replaced by one of ``found``, all else as it was."""
+    made = text.find(f"\n\n{MADE_HEADING}\n")
+    if made < 0:  # not a card of build_card's: the section goes at its end
+        made = len(text.rstrip("\n"))
+    start = text.find(f"\n\n{EVALUATIONS_HEADING}\n")
+    if 0 <= start < made:
+        text, made = text[:start] + text[made:], start
+    return text[:made] + "\n".join(["", *evaluations_lines(found)]) + text[made:]
+
+
+def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
+    """Rewrite the cards of checkpoint folder ``checkpoint`` of ``run_dir`` (``hf/README.md``,
+    ``hf/merged/README.md``) with evaluate.py's results in ``run_dir/eval`` and ``output_dir``
+    (this evaluation's folder), each atomically, then the sizes of ``manifest.json``
+    (``utils.CHECKPOINT_MANIFEST``), so the checkpoint stays whole; returns the cards rewritten
+    (none without ``hf/``)."""
+    found = evaluations(run_dir)
+    folder = os.path.realpath(output_dir)
+    if not any(os.path.realpath(os.path.join(run_dir, "eval", name)) == folder for name, _ in found):
+        with open(os.path.join(folder, "results.json")) as f:  # output_dir= outside the run's eval/
+            found.append((os.path.basename(folder), json.load(f)))
+    written = []
+    for name in ("hf/README.md", "hf/merged/README.md"):
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            continue
+        with open(path, newline="", encoding="utf-8") as f:  # the newlines as ModelCard.save wrote them
+            text = f.read()
+        new = with_evaluations(text, found)
+        with utils.replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            f.write(new)
+        written.append(name)
+    manifest = os.path.join(checkpoint, utils.CHECKPOINT_MANIFEST)
+    if written and os.path.isfile(manifest):
+        with open(manifest) as f:
+            sizes = json.load(f)
+        sizes.update({name: os.path.getsize(os.path.join(checkpoint, name)) for name in written if name in sizes})
+        utils.write_atomic(manifest, json.dumps(dict(sorted(sizes.items())), indent=1))
+    return [os.path.join(checkpoint, name) for name in written]
 
 
 def export_to_push(checkpoint: str, config: DictConfig) -> str:

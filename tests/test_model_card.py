@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY, compose_config, metric_records, needs_shared, run_train
 from huggingface_hub import ModelCard
+from test_extend import extend
 
 import modelcard
 import utils
@@ -208,3 +209,83 @@ def test_the_card_names_the_checkpoint_a_latest_archive_pointed_to(tmp_path):
     (sft / "LATEST").symlink_to("step-40")
     card = card_for([f"model.archive={sft / 'LATEST' / 'policy.pt'}"], tmp_path / "run")
     assert f"starting from the policy `{sft / 'step-40' / 'policy.pt'}`" in card.text
+
+
+EVAL_FAST = ["datasets=[arithmetic]", "data.arithmetic.n_test=16", "n_prompts=6", "temperatures=[0,1.0]", "max_new_tokens=6"]
+EVAL_FAST += [
+    "generate_batch_size=2",
+    "num_threads=1",
+    "progress_bar=false",
+    "judge=reward_function",
+    "reward_functions=[arithmetic]",
+]
+EVALUATIONS = re.compile(r"\n\n## Evaluations \(evaluate\.py\)\n.*?(?=\n\n## How it was made\n)", re.S)
+"""A card's evaluations section, as build_card writes it (blank line, heading, tables; the next section after a blank line)."""
+
+
+def run_evaluate(overrides: list[str]) -> Path:
+    """evaluate.main on EVAL_FAST plus ``overrides``; returns the evaluation folder."""
+    from hydra import compose, initialize_config_dir
+
+    import evaluate
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        return Path(evaluate.main(compose(config_name="evaluate", overrides=[*EVAL_FAST, *overrides])))
+
+
+def test_an_evaluation_of_a_checkpoint_goes_into_its_card_and_the_checkpoint_stays_whole(tmp_path, capsys):
+    run_dir = run_train(["num_threads=1", "sample_during_eval=false"], tmp_path)
+    final = run_dir / f"step-{N_EXAMPLES}"
+    card, earlier = final / "hf" / "README.md", run_dir / f"step-{EVAL_EVERY}" / "hf" / "README.md"
+    before, earlier_before = card.read_text(), earlier.read_text()
+    assert "## Evaluations" not in before
+    capsys.readouterr()
+
+    run_evaluate([f"policy={run_dir}/LATEST/hf"])  # an hf folder: its card is left alone
+    assert card.read_text() == before and "Model card" not in capsys.readouterr().out
+
+    out = run_evaluate([f"policy={run_dir}"])
+    assert f"Model card updated with this evaluation: {final.resolve() / 'hf' / 'README.md'}\n" in capsys.readouterr().out
+    after = card.read_text()
+    assert EVALUATIONS.sub("", after) == before  # all but the new section as it was
+    results = json.loads((out / "results.json").read_text())
+    assert results["policy_path"] == str(final.resolve())
+    table = [f"`eval/{out.name}`: {run_dir.name} vs chosen, judge reward_function:", ""]
+    table += ["| temperature | win rate | 95% interval | n |", "|---|---|---|---|"]
+    for t, r in results["temperatures"].items():
+        assert r["win_rate"] == r["wins"] / r["n"]
+        table.append(f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['n']} |")
+    assert "\n".join(table) in EVALUATIONS.search(after).group(0)
+    assert earlier.read_text() == earlier_before  # another checkpoint's card: not this evaluation's
+
+    manifest = json.loads((final / utils.CHECKPOINT_MANIFEST).read_text())
+    assert manifest["hf/README.md"] == card.stat().st_size != len(before.encode())
+    assert not list(final.rglob("*.tmp-*"))
+    utils.check_checkpoint(str(run_dir / "LATEST"))
+    _, stop = extend(run_dir, ["num_threads=1", "sample_during_eval=false", f"n_examples={N_EXAMPLES + BATCH}"])
+    assert stop is None and (run_dir / "LATEST").resolve().name == f"step-{N_EXAMPLES + BATCH}"  # resumed, not refused
+
+
+def test_the_evaluations_section_is_spliced_in_as_build_card_writes_it(tmp_path):
+    plain = str(card_for([], tmp_path))
+    (tmp_path / "eval" / "vs_chosen_1").mkdir(parents=True)
+    result = {"policy": "run", "baseline": "chosen", "judge": "reward_function"}
+    result["temperatures"] = {"0": {"win_rate": 0.5, "ci_low": 0.25, "ci_high": 0.75, "n": 4}, "1": {"win_rate": None}}
+    (tmp_path / "eval" / "vs_chosen_1" / "results.json").write_text(json.dumps(result))
+    found = modelcard.evaluations(str(tmp_path))
+    full = str(card_for([], tmp_path))
+    assert modelcard.with_evaluations(plain, found) == full
+    assert modelcard.with_evaluations(full, found) == full  # an earlier section is replaced, not repeated
+    assert "| 0 | 0.500 | [0.250, 0.750] | 4 |\n| 1 | - | - | 0 |" in full
+
+
+def test_a_checkpoint_without_an_export_is_left_alone(tmp_path):
+    checkpoint = tmp_path / "run" / "step-8"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "policy.pt").write_bytes(b"x")
+    utils.write_checkpoint_manifest(str(checkpoint))
+    manifest = (checkpoint / utils.CHECKPOINT_MANIFEST).read_text()
+    (tmp_path / "run" / "eval" / "e").mkdir(parents=True)
+    (tmp_path / "run" / "eval" / "e" / "results.json").write_text(json.dumps({"temperatures": {}}))
+    assert modelcard.add_evaluation(str(checkpoint), str(tmp_path / "run"), str(tmp_path / "run" / "eval" / "e")) == []
+    assert (checkpoint / utils.CHECKPOINT_MANIFEST).read_text() == manifest
