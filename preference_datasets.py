@@ -77,10 +77,11 @@ def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncatio
 def register_dataset(name: str, truncation_mode: str = "keep_start", reward_functions: tuple[str, ...] = ()):
     """Decorator: register ``fn(split, report, **options) -> DatasetDict`` under ``name``.
 
-    ``split`` is "train" or "test"; ``report`` is a Counter to count skipped or repaired
-    records in; ``options`` are the keys of ``data.<name>`` in the config; ``reward_functions``:
-    registered reward functions that score an answer to its prompts exactly (a verifiable task),
-    which every eval then applies to the policy's greedy answers (``eval_reward_functions=auto``).
+    Args:
+        split: "train" or "test"; ``report``: a Counter of skipped or repaired records;
+            ``options``: the keys of ``data.<name>``.
+        reward_functions: reward functions that score an answer to its prompts exactly
+            (applied by every eval when ``eval_reward_functions=auto``).
 
     Raises:
         ValueError: if the name is taken or the truncation mode is unknown.
@@ -94,10 +95,7 @@ def declared_reward_functions(names) -> list[str]:
 
 
 def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
-    """Decorator: register ``fn(split, report, **options) -> list[str]`` (prompts, in a stable
-    order; or a DatasetDict, whose keys are the prompts and whose entries may keep fields) under
-    ``name`` for online DPO, which samples its own responses. Arguments as
-    :func:`register_dataset`; see :func:`load_prompts`.
+    """Decorator: register an online-DPO ``fn(split, report, **options) -> list[str] | DatasetDict`` of prompts under ``name``.
 
     Raises:
         ValueError: if the name is taken or the truncation mode is unknown.
@@ -109,9 +107,7 @@ def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
 
 
 class DataReport(collections.Counter):
-    """The ``report`` a loader gets: a Counter of skipped or repaired records (reason -> count)
-    that also remembers which prompt each count came from when it is counted with
-    :func:`note_row`, so that :func:`apply_holdout` keeps only the counts of the split's rows.
+    """A Counter of skipped or repaired records (reason -> count) that remembers each :func:`note_row` count's prompt.
 
     Attributes:
         keyed: reason -> Counter(prompt or row key -> count), for counts made by :func:`note_row`.
@@ -147,8 +143,7 @@ _KINDS = {str: "string", list: "list", dict: "object", (int, float): "number"}
 
 
 def require_fields(row, fields: dict[str, type | tuple[type, ...]], source: str, i: int, name: str) -> None:
-    """Check that ``row`` (row ``i``, 1-based, of ``source``) has each field of ``fields`` with a
-    value of its type (``(int, float)`` for a number; a boolean is not a number).
+    """Check that ``row`` (row ``i``, 1-based, of ``source``) has each of ``fields`` with a value of its type.
 
     Raises:
         DataError: naming the source, the row, the first bad field and every field a ``name`` row needs.
@@ -175,10 +170,10 @@ def _note_file(path: str) -> None:
 def add_pair(
     data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter, row: str | None = None
 ) -> bool:
-    """Add one (prompt, chosen, rejected) pair to ``data``, reusing responses already seen
-    for that prompt. Empty or identical responses are skipped and counted. ``row`` (e.g.
-    ``"data.parquet, row 3"``) is kept in the entry's ``"rows"``, one per pair, to name the row
-    in later messages. Returns True if added."""
+    """Add one (prompt, chosen, rejected) pair to ``data``, skipping and counting empty or identical responses.
+
+    ``row`` (e.g. ``"data.parquet, row 3"``) is kept in the entry's ``"rows"``, one per pair. Returns True if added.
+    """
     if not chosen.strip() or not rejected.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -206,9 +201,7 @@ FIELD_TYPES = (str, int, float, bool, type(None), list, dict)
 
 
 def add_fields(entry: dict, row: dict, consumed) -> None:
-    """Keep ``row``'s columns other than ``consumed`` (and ``messages``, a whole conversation) in
-    ``entry["fields"]`` ({column: value}), the fields reward functions receive; a prompt of several
-    rows keeps each column's first value that is not None."""
+    """Keep ``row``'s columns other than ``consumed`` and ``messages`` in ``entry["fields"]`` (first non-None value wins)."""
     for column, value in row.items():
         if column not in consumed and column != "messages" and isinstance(value, FIELD_TYPES):
             if entry.get("fields", {}).get(column) is None:
@@ -223,10 +216,10 @@ def fill_fields(data: DatasetDict) -> None:
 
 
 def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, report: collections.Counter, row: str) -> bool:
-    """Add one unpaired row (prompt, completion, label: desirable or not; TRL's unpaired
-    preference format) to ``data``: the entry keeps ``"pairs": []`` and ``"labels"``, a list of
-    (response index, label), with ``"rows"`` (``row``, e.g. ``"d.jsonl, row 3"``) one per label.
-    An empty completion is skipped and counted. Returns True if added."""
+    """Add one unpaired row (prompt, completion, desirable label; TRL's unpaired format) to ``data``; True if added.
+
+    The entry keeps ``"pairs": []``, ``"labels"`` ([(response index, label)]) and ``"rows"``, one per label.
+    """
     if not completion.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -239,15 +232,14 @@ def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, r
 
 
 def check_pairing(examples: list[dict], objective) -> None:
-    """Refuse, before any model loads, unpaired examples (``"label"`` set, see :func:`flatten`) for
-    an objective that learns from pairs, and unpaired examples mixed with paired ones.
+    """Refuse unpaired examples for an objective that learns from pairs, and unpaired mixed with paired ones.
 
     Args:
         examples: :func:`load_examples` rows of every split.
         objective: the ``losses.Objective`` of ``loss.name``.
 
     Raises:
-        DataError: one sentence naming the first unpaired row (its file and row) and the fix.
+        DataError: naming the first unpaired row and the fix.
     """
     unpaired = [ex for ex in examples if "label" in ex]
     if not unpaired:
@@ -286,12 +278,11 @@ def add_conversation_pair(
     report: collections.Counter,
     row: str | None = None,
 ) -> bool:
-    """Add one conversational pair to ``data`` under :func:`conversation_key` of ``prompt_messages``
-    (the conversation before the responses). ``chosen_messages`` and ``rejected_messages`` are
-    the response parts (lists of messages, each ending with the assistant's; the loader checks
-    that). The entry holds ``"prompt_messages"`` too, which marks it as conversational, and
-    ``"rows"`` as :func:`add_pair`. A response whose last message is empty, or chosen equal to
-    rejected, is skipped and counted. Returns True if added."""
+    """Add one conversational pair to ``data`` under :func:`conversation_key` of ``prompt_messages``; True if added.
+
+    The responses are message lists ending with the assistant's; the entry also holds ``"prompt_messages"``.
+    An empty last message or chosen equal to rejected is skipped and counted.
+    """
     key = conversation_key(prompt_messages)
     if not chosen_messages[-1]["content"].strip() or not rejected_messages[-1]["content"].strip():
         note_row(report, "skipped: empty response", key)
@@ -363,15 +354,13 @@ def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
 
 
 def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None) -> Messages:
-    """``value`` (column ``column`` of the row ``where``) as a conversation: a non-empty list of
-    messages (one message object is a list of one, as LLaMA-Factory's ShareGPT ``chosen``), each
-    with a string ``role`` and ``content``, or ShareGPT's ``from`` and ``value``; other keys (such
-    as Arrow's nulls for keys of other rows) are dropped. ``roles`` (``data.hf.roles``) renames
-    roles; every role must then be one of :data:`STANDARD_ROLES`.
+    """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}`` messages.
+
+    One message object is a list of one; ShareGPT's ``from`` / ``value`` are read; ``roles``
+    (``data.hf.roles``) renames roles; other keys are dropped.
 
     Raises:
-        DataError: if it is not a list of messages, a message lacks role or content, or a role is
-            not standard (naming the message and ``data.hf.roles``).
+        DataError: if it is not a list of messages, a message lacks role or content, or a role is not standard.
     """
     roles = roles or {}
     if isinstance(value, dict):
@@ -404,13 +393,10 @@ def check_ends_with_assistant(messages: Messages, where: str, column: str) -> No
 
 
 def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages, Messages, Messages] | None:
-    """Split two whole conversations into (prompt, chosen response, rejected response).
+    """Split two whole conversations into (prompt, chosen response, rejected response), or None if they share no prompt.
 
-    The prompt is their longest common run of messages that is followed, in both, by an
-    assistant message (so each response starts with the assistant's turn). When the two
-    diverge before the last assistant turn, the responses hold the rest of each conversation,
-    as :func:`split_prompt_and_responses` does for HH text. Returns None if there is no such
-    non-empty run (they share no prompt)."""
+    The prompt is their longest common run of messages followed, in both, by an assistant message.
+    """
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
@@ -426,19 +412,13 @@ def dataset_prompts(data: DatasetDict) -> list:
 
 
 def in_holdout(prompt: str, fraction: float) -> bool:
-    """True if ``prompt`` belongs to the held-out eval slice of size ``fraction``.
-
-    Decided by a stable hash of the prompt alone, so the slice is the same on every
-    machine, for every seed, and no prompt is in both train and eval."""
-    digest = hashlib.sha256(prompt.encode("utf-8")).digest()
+    """True if ``prompt`` belongs to the held-out eval slice of size ``fraction``."""
+    digest = hashlib.sha256(prompt.encode("utf-8")).digest()  # the prompt alone: same slice on every machine and seed
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
 
 
 def apply_holdout(data: DatasetDict, split: str, fraction: float, report: collections.Counter | None = None) -> DatasetDict:
-    """Keep the held-out slice (split "test") or the rest (split "train") of ``data``.
-
-    ``report`` (default: the report of the loader being run by :func:`load_dataset_dict`) is
-    narrowed the same way: the counts made by :func:`note_row` keep only the split's rows."""
+    """Keep the held-out slice (split "test") or the rest (split "train") of ``data``, narrowing ``report`` alike."""
     want_eval = split == "test"
 
     def keep(prompt: str) -> bool:
@@ -452,13 +432,9 @@ def apply_holdout(data: DatasetDict, split: str, fraction: float, report: collec
 
 
 def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, str] | None:
-    """Split two whole HH dialogues into (prompt, chosen_response, rejected_response).
+    """Split two whole HH dialogues into (prompt, chosen_response, rejected_response), or None if they share no assistant tag.
 
-    The prompt is their longest common prefix that ends with an ``"\\n\\nAssistant:"`` tag,
-    so when the dialogues diverge before the last assistant turn the responses hold
-    the rest of each dialogue (the reference repository split at the last tag of the
-    chosen text, which gave a wrong rejected response). Returns None if the dialogues
-    share no assistant tag.
+    The prompt is their longest common prefix that ends with an ``"\\n\\nAssistant:"`` tag.
     """
     n = 0
     limit = min(len(chosen), len(rejected))
@@ -489,12 +465,10 @@ def strip_html(text: str) -> str:
 
 
 def _read_text(path: str) -> str:
-    """The text of the file ``path`` (decompressed when it ends with .gz), a UTF-8 byte-order
-    mark at its start dropped.
+    """The text of the file ``path`` (decompressed when it ends with .gz), a UTF-8 byte-order mark dropped.
 
     Raises:
-        DataError: if the path is missing or a folder, or the file cannot be read, is a cut-short
-            or corrupt gzip file, or is not UTF-8 text (one sentence naming the file and the fix).
+        DataError: if the path is missing, a folder, unreadable, a corrupt gzip file, or not UTF-8 text.
     """
     if os.path.isdir(path):
         raise DataError(f"{path} is a folder, not a data file; give the path of a .jsonl, .json or .parquet file.")
@@ -553,14 +527,11 @@ def _first_line_is_json(lines: list[str]) -> bool:
 
 
 def read_json_records(path: str) -> list[dict]:
-    """Rows of a .jsonl file (one JSON object a line) or a .json file (a JSON list of objects;
-    JSON lines are read too), .gz allowed; a UTF-8 byte-order mark is ignored. A JSON list is
-    read whatever the suffix. Rows are returned as parsed (the loaders check their fields).
+    """Rows of a .jsonl or .json file (a JSON list, or JSON lines), .gz allowed, as parsed.
 
     Raises:
-        DataError: one sentence naming the file and the fix when the file is missing, a folder,
-            unreadable, cut short, not valid JSON (naming the line), a single JSON object rather
-            than rows, or has no rows.
+        DataError: naming the file when it is missing, unreadable, cut short, not valid JSON (naming the
+            line), a single JSON object rather than rows, or has no rows.
     """
     text = _read_text(path)
     is_json = (path[:-3] if path.endswith(".gz") else path).endswith(".json")
@@ -625,9 +596,7 @@ HH_ROLES = {HUMAN_TAG: "user", ASSISTANT_TAG: "assistant"}
 
 
 def hh_messages(text: str) -> tuple[Messages, bool]:
-    """The turns of HH dialogue text as messages: each ``"\\n\\nHuman:"`` / ``"\\n\\nAssistant:"``
-    part becomes a user / assistant message, its text stripped; text before the first tag is a
-    user turn; consecutive turns of one role are merged into one (joined by a blank line).
+    """The turns of HH dialogue text as user / assistant messages, consecutive turns of one role merged.
 
     Returns:
         (messages, whether turns were merged).
@@ -666,15 +635,9 @@ def _add_hh_conversation(data: DatasetDict, prompt: str, chosen: str, rejected: 
 def hh_rows_to_data(
     rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None, conversation: bool = False
 ) -> DatasetDict:
-    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to
-    ``data`` when given, so several files make one dict).
+    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to ``data`` when given).
 
-    A pair split before the last ``"\\n\\nAssistant:"`` of the chosen dialogue (where the
-    reference repository split) is counted as repaired; a row whose dialogues share no
-    Assistant turn is skipped and counted under its chosen text. With ``conversation``, each
-    pair is added as messages (:func:`hh_messages`, :func:`add_conversation_pair`): the prompt's
-    turns, then each response as one assistant message (several when the dialogues diverged
-    before the last turn).
+    With ``conversation``, each pair is added as messages (:func:`hh_messages`).
 
     Raises:
         DataError: if a row lacks string ``chosen`` and ``rejected`` (naming ``source`` and the row).
@@ -690,10 +653,7 @@ def hh_rows_to_data(
 def add_hh_pair(
     data: DatasetDict, chosen: str, rejected: str, report: collections.Counter, row: str | None, conversation: bool = False
 ) -> tuple[str, bool]:
-    """Split two whole HH dialogues (:func:`split_prompt_and_responses`) and add the pair to
-    ``data`` (as messages with ``conversation``, :func:`_add_hh_conversation`), counting in
-    ``report`` a pair that diverges before the last Assistant turn (repaired) and one with no
-    common Assistant turn (skipped). ``row`` names the row in the entry's ``"rows"`` (None: none).
+    """Split two whole HH dialogues (:func:`split_prompt_and_responses`) and add the pair to ``data``.
 
     Returns:
         (the prompt's key in ``data``, or ``chosen`` when skipped for no common turn; whether added).
@@ -726,15 +686,10 @@ def get_hh(
     """Anthropic Helpful-Harmless dialogues (Bai et al. 2022), hub id ``Anthropic/hh-rlhf``.
 
     Options (``data.hh.*``):
-        local_dir: a local copy in the anthropics/hh-rlhf repository layout,
-            ``<local_dir>/<subset>/<split>.jsonl.gz``; None loads from the hub.
+        local_dir: a local copy laid out as ``<local_dir>/<subset>/<split>.jsonl.gz``; None loads from the hub.
         subsets: e.g. [harmless-base, helpful-base]; None means all found.
-        holdout_fraction: if > 0, ignore the source's own splits: read every file of
-            the first split that exists (train, else test) and carve a deterministic
-            eval slice of this fraction of prompts (see :func:`in_holdout`).
-        conversation: true reads the dialogues as conversations (a chat model then sees its own
-            template): Human / Assistant turns become user / assistant messages, the prompt is
-            the turns before the final assistant response (see :func:`hh_rows_to_data`).
+        holdout_fraction: if > 0, carve the eval slice from the first split that exists (:func:`in_holdout`).
+        conversation: true reads the dialogues as user / assistant messages (:func:`hh_rows_to_data`).
 
     Raises:
         DataError: if the local copy has no file for the subsets and split asked for.
@@ -785,12 +740,8 @@ def shp_rows_to_data(
 ) -> DatasetDict:
     """Stanford Human Preferences rows to a DatasetDict.
 
-    Each row compares two answers (human_ref_A/B) to a post (history) with upvote
-    scores score_A/score_B and label 1 when A is preferred. As in the reference
-    repository, pairs whose score ratio is below ``min_score_ratio`` are dropped and
-    each prompt keeps at most ``max_pairs_per_prompt`` pairs, those with the largest
-    ratios; the sft_target is the best-scored response. Ties (equal scores) are skipped and counted; a zero score against a
-    positive one is an infinite ratio (counted), never a division by zero.
+    Pairs with a score ratio below ``min_score_ratio`` are dropped, each prompt keeps at most
+    ``max_pairs_per_prompt`` (largest ratios), and the sft_target is the best-scored response.
 
     Raises:
         DataError: if a row lacks one of :data:`SHP_FIELDS` (naming ``source``, the row and the field).
@@ -847,14 +798,10 @@ def get_shp(
 
 
 def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> DatasetDict:
-    """Stack Exchange preference rows ({question, answers: [{text, pm_score}]}) to a DatasetDict.
-
-    Every pair of answers with different scores is a pair (higher score chosen);
-    tied answers form no pair (counted); the sft_target is the best-scored answer.
+    """Stack Exchange rows ({question, answers: [{text, pm_score}]}) to a DatasetDict, the higher score chosen.
 
     Raises:
-        DataError: if a row lacks a string question or a list of answers with string text and
-            numeric pm_score (naming ``source``, the row and the field).
+        DataError: if a row lacks a string question or a list of answers with string text and numeric pm_score.
     """
     data: DatasetDict = {}
     for k, row in enumerate(rows, 1):
@@ -886,9 +833,7 @@ def get_se(
     holdout_fraction: float = 0.01,
     cache_dir: str | None = None,
 ) -> DatasetDict:
-    """Stack Exchange preferences (Lambert et al. 2023), hub id
-    ``HuggingFaceH4/stack-exchange-preferences``. The source has one split; the eval
-    split is a deterministic ``holdout_fraction`` of its questions."""
+    """Stack Exchange preferences (Lambert et al. 2023), hub id ``HuggingFaceH4/stack-exchange-preferences``."""
     if path is None:
         rows = load_from_hub("HuggingFaceH4/stack-exchange-preferences", "data.se.path", split="train", cache_dir=cache_dir)
     else:
@@ -905,21 +850,14 @@ def get_json(
     path: str | dict | None = None,
     holdout_fraction: float = 0.1,
 ) -> DatasetDict:
-    """Any local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected}, or of
-    unpaired rows {prompt, completion, label} (TRL's unpaired preference format: ``label`` true
-    for a desirable completion, false for an undesirable one; only objectives declared
-    ``unpaired``, e.g. loss=kto, train on them, see :func:`check_pairing`). A row with a
-    ``completion`` or ``label`` field is unpaired; a file holds one kind. A row's other fields are
-    kept as its prompt's fields, for reward functions (:func:`add_fields`).
+    """A local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected} or {prompt, completion, label}.
 
-    ``data.json.path`` is a mapping {train: file, test: file}, or one file, from which a
-    deterministic eval slice of ``holdout_fraction`` of the prompts is carved (so the eval
-    set is never the training set; 0 uses the whole file for both, with a warning).
+    ``data.json.path`` is a mapping {train: file, test: file}, or one file from which an eval slice
+    of ``holdout_fraction`` of the prompts is carved. A row's other fields become its prompt's fields.
 
     Raises:
-        DataError: if no path is set, a row lacks a string prompt, chosen or rejected (or prompt,
-            completion), a label is not true or false, or paired and unpaired rows mix (naming the
-            file, the row and the field).
+        DataError: if no path is set, a row lacks a needed string field, a label is not a boolean, or
+            paired and unpaired rows mix.
     """
     if path is None:
         raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
@@ -1019,7 +957,7 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a ``datasets`` reader of a local file or folder) with its progress bars off.
 
     Raises:
-        DataError: naming ``what`` when the reader fails (a file cut short, not in its format, ...).
+        DataError: naming ``what`` when the reader fails.
     """
     import datasets
 
@@ -1038,10 +976,7 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
 
 
 def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[object, dict[str, str]]:
-    """``dataset`` (a ``datasets.Dataset``) with those of ``text_columns`` that ``datasets`` read
-    as numbers or booleans turned into strings: ``reread(features)`` reads the file again with
-    them as strings (a CSV file: each cell's text as written), else Arrow casts each value
-    (42 -> "42", True -> "true", 1.50 -> "1.5").
+    """``dataset`` with those of ``text_columns`` that ``datasets`` read as numbers or booleans turned into strings.
 
     Returns:
         (the dataset, {column: the report's note on it}).
@@ -1071,12 +1006,7 @@ def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[obj
 def open_hf_source(
     path, name: str | None, cache_dir: str | None, text_columns=()
 ) -> tuple[list[str], Callable[[str], tuple[list[dict], str, dict[str, str]]]]:
-    """The splits of ``data.hf.path`` and a reader of one split, through the ``datasets`` library:
-    a file (.json, .jsonl, .parquet, .csv, .arrow; one split, named "train"); a mapping
-    {split: file}; a folder saved by ``save_to_disk`` (``datasets.load_from_disk``); any other
-    folder (``datasets.load_dataset(folder)``: split names from the file names, e.g. a hub
-    snapshot's ``data/train_prefs-00000-of-00001.parquet``); else a hub id, with config ``name``.
-    The ``text_columns`` that ``datasets`` reads as numbers or booleans become strings (:func:`_as_text`).
+    """The splits of ``data.hf.path`` (a file, a mapping {split: file}, a folder, or a hub id) and a reader of one split.
 
     Returns:
         (split names, ``read(split) -> (rows, source named in messages, {column cast to text: note})``).
@@ -1137,13 +1067,7 @@ def open_hf_source(
 
 
 def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], source: str, roles: dict | None = None) -> str:
-    """The format of rows with columns ``found`` (``first`` is the first row; ``columns`` maps each
-    of :data:`HF_COLUMNS` to the column that holds it; ``roles`` is ``data.hf.roles``): ``ranked`` (a
-    responses column), ``conversational`` (a prompt of messages beside chosen / rejected messages,
-    or a prompt string beside chosen / rejected that start with the assistant's turn), ``implicit``
-    (chosen / rejected whole conversations, a prompt string beside them ignored), ``standard``
-    (prompt / chosen / rejected strings) or ``hh`` (no prompt; chosen / rejected whole HH dialogues,
-    strings holding ``"\n\nAssistant:"``).
+    """The format of rows with columns ``found``: ``ranked``, ``conversational``, ``implicit``, ``standard`` or ``hh``.
 
     Raises:
         DataError: if the columns match no format, naming the columns found and the mapping to set.
@@ -1179,13 +1103,7 @@ def _hf_prompt(value, where: str, column: str, conversation: bool, roles: dict[s
 
 
 def _prompt_turns(prompt: Messages, text: str | None, messages: Messages) -> int | None:
-    """How many leading messages of ``messages`` (a chosen or rejected column) are the prompt's:
-    0 when it starts with the assistant's turn (it is the response alone); for a prompt of
-    messages, ``len(prompt)`` when it begins with them; for a prompt string ``text``, up to and
-    including its last user turn whose content is ``text`` (surrounding whitespace aside;
-    HuggingFaceH4/ultrafeedback_binarized: the prompt is the last user turn, chosen / rejected the
-    whole conversation). The messages after them must start with the assistant's turn. None when
-    no reading fits."""
+    """How many leading messages of ``messages`` (a chosen or rejected column) are the prompt's; None when no reading fits."""
     if messages[0]["role"] == "assistant":
         return 0
     if text is None:
@@ -1198,9 +1116,7 @@ def _prompt_turns(prompt: Messages, text: str | None, messages: Messages) -> int
 
 
 def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, columns: dict, where: str, roles: dict):
-    """(prompt messages, chosen response, rejected response) of a conversational row: the response
-    columns are the responses, or whole conversations whose prompt part (:func:`_prompt_turns`)
-    becomes the prompt.
+    """(prompt messages, chosen response, rejected response) of a conversational row.
 
     Raises:
         DataError: naming the row when a response column fits no reading, or chosen and rejected
@@ -1232,16 +1148,10 @@ def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, colum
 
 
 def _hf_context_prompt(row: dict, columns: dict[str, str], where: str):
-    """The prompt column of ``row`` with the mapped :data:`HF_CONTEXT_COLUMNS` applied, as
-    LLaMA-Factory's alpaca converter does: a non-empty ``input`` joined to the prompt string with
-    "\\n"; a mapped ``system`` or ``history`` makes it messages (every row conversational, so one
-    dataset renders one way): the system message, the history's turns ([[user, assistant], ...])
-    in order, and the prompt as the user's turn. Empty or null context columns add nothing; with
-    none mapped the prompt is returned as it is.
+    """The prompt column of ``row`` with the mapped :data:`HF_CONTEXT_COLUMNS` applied, as LLaMA-Factory's alpaca converter does.
 
     Raises:
-        DataError: naming the row when the prompt is not a string, or a context column is not a
-            string (input, system) or a list of [user, assistant] string pairs (history).
+        DataError: naming the row when the prompt or a context column has the wrong type.
     """
     mapped = {k: columns[k] for k in HF_CONTEXT_COLUMNS if k in columns}
     prompt = row.get(columns["prompt"])
@@ -1274,13 +1184,11 @@ def _hf_context_prompt(row: dict, columns: dict[str, str], where: str):
 
 
 def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: dict[str, str]):
-    """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists (prompt
-    messages, response messages) for a conversational row (:func:`_conversational_pair`).
+    """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists for a conversational row.
 
     Raises:
-        DataError: naming the row for a missing or mistyped column, a message without role or
-            content or with a role that is not standard, a response not ending with the
-            assistant's turn, or chosen and rejected conversations that share no prompt.
+        DataError: naming the row for a missing or mistyped column, a bad message, or chosen and rejected
+            conversations that share no prompt.
     """
     c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
     if fmt == "standard":
@@ -1314,11 +1222,10 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: di
 def _hf_ranked(
     row: dict, columns: dict[str, str], where: str, roles: dict[str, str], order: str | None = None
 ) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
-    """(prompt, [(response, score), ...]) of a ranked row: ``responses`` a list with a parallel
-    ``scores`` list, or a list of {text or response, score} objects; a response is a string or
-    a list of messages (then the row is conversational). With ``order`` (``data.hf.ranked_order``)
-    the row gives no scores: the k-th of n responses (1-based) scores n - k + 1 (best_first) or
-    k (worst_first). The prompt is :func:`_hf_context_prompt`'s.
+    """(prompt, [(response, score), ...]) of a ranked row.
+
+    With ``order`` (``data.hf.ranked_order``) the k-th of n responses (1-based) scores n - k + 1
+    (best_first) or k (worst_first).
 
     Raises:
         DataError: naming the row when the responses or scores are missing or malformed, or
@@ -1405,11 +1312,10 @@ def _hh_dialogues(row: dict, columns: dict[str, str], where: str) -> tuple[str, 
 
 
 def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: dict[str, str]) -> None:
-    """Check, before any message, that ``roles`` maps every role of a ShareGPT row (its prompt,
-    chosen and rejected messages) that is not one of :data:`STANDARD_ROLES`.
+    """Check that ``roles`` maps every non-standard role of a ShareGPT row.
 
     Raises:
-        DataError: one sentence naming all of the row's unmapped roles and the ``data.hf.roles`` that maps them.
+        DataError: naming all of the row's unmapped roles and the ``data.hf.roles`` that maps them.
     """
     unknown = []
     for column in (columns["prompt"], columns["chosen"], columns["rejected"]):
@@ -1427,8 +1333,7 @@ def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: 
 
 
 def _with_system(prompt: str | Messages, system, where: str, column: str) -> str | Messages:
-    """``prompt`` with ``system`` (the row's ``system`` column: a string, or None) as its first
-    message when it is a conversation that does not begin with a system message; a text prompt as it is.
+    """``prompt`` with ``system`` as its first message when it is a conversation not already starting with one.
 
     Raises:
         DataError: naming the row when ``system`` is neither a string nor None.
@@ -1455,26 +1360,14 @@ def hf_rows_to_data(
     ranked_order: str | None = None,
     cast: dict[str, str] | None = None,
 ) -> DatasetDict:
-    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict:
-    text pairs by :func:`add_pair`, conversational ones by :func:`add_conversation_pair` (an
-    implicit prompt by :func:`split_conversations`). A ranked row gives every pair of responses
-    with different scores (higher chosen; ties skipped and counted) and its best-scored response
-    as sft_target. An ``hh`` row's chosen / rejected dialogues are split as the ``hh`` loader splits
-    them (:func:`add_hh_pair`). Without a prompt column, ShareGPT's ``conversations`` column is the
-    prompt. A ``system`` string is prepended to a conversational prompt as its system message
-    unless the prompt begins with one (LLaMA-Factory's rule); beside a text prompt it is kept as a
-    field unless mapped. A prompt keeps at most ``max_pairs_per_prompt`` pairs (None: all): those
-    with the largest score gaps, else the first ones; a ranked row of one response is skipped and
-    counted. ``ranked_order`` (``data.hf.ranked_order``) ranks responses given without scores by
-    their order (:func:`_hf_ranked`). ``roles`` (``data.hf.roles``) renames the messages' roles
-    (:func:`check_messages`). Mapped ``input`` / ``history`` / ``system`` columns add to standard
-    and ranked rows' prompts (:func:`_hf_context_prompt`). ``cast`` ({column: note}, from
-    :func:`open_hf_source`) counts, under each note, the rows whose column ``datasets`` read as
-    numbers and was cast to text.
+    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict.
+
+    Args:
+        cast: {column: note} from :func:`open_hf_source`, counting rows whose column was cast to text.
 
     Raises:
         DataError: for an unknown format or mapping key, columns that match no format, or a bad
-            row (one sentence naming ``source`` and the 1-based row).
+            row (naming ``source`` and the 1-based row).
     """
     if format not in HF_FORMATS:
         raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
@@ -1580,12 +1473,7 @@ def hf_split_rows(
     cache_dir: str | None,
     columns=None,
 ) -> tuple[list[dict], str, bool, dict[str, str]]:
-    """The rows ``hf`` reads for ``split`` ("train" or "test"): the source's ``train_split`` or
-    ``test_split`` (a single file is one split), or, when the source has one split only (or
-    ``test_split`` is None) and ``holdout_fraction`` > 0, ``train_split`` for both (to be cut by
-    :func:`apply_holdout`). A ``test_split`` missing from a source of several splits is an error,
-    not a held-out slice: a mistyped name must not make the eval split a part of the training data.
-    The text columns of ``columns`` (``data.hf.columns``) read as numbers become strings (:func:`_as_text`).
+    """The rows ``hf`` reads for ``split`` ("train" or "test").
 
     Returns:
         (rows, source named in messages, whether to carve the held-out slice, {column cast to text: note}).
@@ -1638,32 +1526,19 @@ def get_hf(
     """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them.
 
     Options (``data.hf.*``):
-        path: a hub id (``load_dataset(path, name, split=...)``), a data file (.json, .jsonl,
-            .parquet, .csv, .arrow; compressed too), a folder of them (split names from the file
-            names, as the hub's ``data/train_prefs-00000-of-00001.parquet``), a folder written
-            by ``save_to_disk``, or a mapping {split: file}. See :func:`open_hf_source`.
+        path: a hub id, a data file, a folder, a ``save_to_disk`` folder, or {split: file} (:func:`open_hf_source`).
         name: the hub dataset's config (None: its default).
         train_split, test_split: the source's splits read for train and eval.
-        format: auto (detected from the columns, :func:`detect_hf_format`), standard,
-            conversational, implicit, ranked or hh (see :func:`hf_rows_to_data`).
-        columns: a mapping from prompt / chosen / rejected / responses / scores / system to your
-            columns, e.g. {prompt: question, chosen: response_j, rejected: response_k}; input /
-            history too (read only when mapped; :func:`_hf_context_prompt`); without a prompt
-            column, ShareGPT's ``conversations`` is the prompt.
+        format: auto, standard, conversational, implicit, ranked or hh (:func:`detect_hf_format`).
+        columns: a mapping from prompt / chosen / rejected / responses / scores / system / input / history to your columns.
         max_pairs_per_prompt: cap on the pairs of one prompt (ranked rows; None: all).
         ranked_order: ranked rows without scores: best_first or worst_first (None: rows give scores).
-        holdout_fraction: when the source has no ``test_split`` (one file, or test_split null),
-            this deterministic slice of the prompts is the eval split (:func:`apply_holdout`).
+        holdout_fraction: the eval slice of prompts when the source has no ``test_split``.
         cache_dir: where ``datasets`` caches what it prepares (None: its default).
-        roles: a mapping from your messages' roles to system / user / assistant / tool, e.g.
-            {human: user, gpt: assistant} (ShareGPT's ``from`` / ``value`` messages are read too);
-            any other role is refused (:func:`check_messages`).
-
-    The columns no format reads are kept as the prompts' fields, for reward functions (:func:`add_fields`).
-    A prompt, chosen, rejected or system column read as numbers is cast to text and counted (:func:`_as_text`).
+        roles: a mapping from your messages' roles to system / user / assistant / tool.
 
     Raises:
-        DataError: one sentence naming the file / split and the row, before any model loads.
+        DataError: naming the file / split and the row, before any model loads.
     """
     rows, source, carve, cast = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns)
     data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
@@ -1686,12 +1561,7 @@ def get_hf_prompts(
     roles: dict | None = None,
     ranked_order: str | None = None,
 ) -> DatasetDict:
-    """Prompts for online DPO from what :func:`get_hf` reads, with the same options: rows with
-    chosen / rejected or ranked responses give the prompts of their pairs (an implicit prompt
-    included); rows with only a prompt column (mapped by ``columns``; a string or a list of
-    messages) give it, with their other columns as fields (:func:`add_fields`). Empty and
-    repeated prompts are skipped and counted. Returns a DatasetDict (prompt-only entries hold no
-    pairs): its keys are the prompts.
+    """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict.
 
     Raises:
         DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
@@ -1727,13 +1597,8 @@ def get_hf_prompts(
 def get_arithmetic(
     split: str, report: collections.Counter, n_train: int = 4000, n_test: int = 256, max_operand: int = 99
 ) -> DatasetDict:
-    """The embedded default: addition problems generated here, no download.
-
-    Prompt ``"Q: 17+25=\\nA:"``; chosen is the right sum, rejected a typical mistake:
-    the digits concatenated (1725), the difference (8), off by one, or a forgotten carry (32). Train and test prompts are disjoint and the
-    same on every machine (a fixed generator seed, independent of ``config.seed``).
-    """
-    rng = random.Random(1234)
+    """The embedded default: generated addition problems, e.g. ``"Q: 17+25=\\nA:"``, rejected a typical mistake."""
+    rng = random.Random(1234)  # fixed, not config.seed: train/test prompts disjoint and the same everywhere
     problems = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     rng.shuffle(problems)
     chosen_problems = problems[n_train : n_train + n_test] if split == "test" else problems[:n_train]
@@ -1776,12 +1641,10 @@ def prompt_rows_to_list(rows, report: collections.Counter, source: str, name: st
 
 
 def read_records(path: str) -> list[dict]:
-    """Rows of a .parquet file (via pyarrow, which ``datasets`` is built on), else of a
-    .json/.jsonl file (see :func:`read_json_records`).
+    """Rows of a .parquet file (via pyarrow), else of a .json/.jsonl file (:func:`read_json_records`).
 
     Raises:
-        DataError: if the file is missing, a folder, unreadable (a cut-short or corrupt parquet
-            file) or has no rows, one sentence naming it; JSON files as :func:`read_json_records`.
+        DataError: if the file is missing, a folder, unreadable or has no rows.
     """
     if not path.endswith(".parquet"):
         return read_json_records(path)
@@ -1806,9 +1669,7 @@ RECORD_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".parquet")
 
 
 def split_files(folder: str, split_names: tuple[str, ...]) -> list[str]:
-    """The data files under ``folder`` (any depth) of the first of ``split_names`` that has any:
-    files named ``<split>.jsonl``, ``<split>-00000-of-00001.parquet`` (a hub snapshot's
-    ``data/`` folder), ``<split>_part2.json`` and so on, sorted."""
+    """The data files under ``folder`` (any depth) of the first of ``split_names`` that has any, sorted."""
     found = [os.path.join(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(RECORD_SUFFIXES)]
     for name in split_names:
         files = [f for f in found if os.path.basename(f).startswith((f"{name}.", f"{name}-", f"{name}_"))]
@@ -1818,38 +1679,26 @@ def split_files(folder: str, split_names: tuple[str, ...]) -> list[str]:
 
 
 TLDR_SPLITS = {"train": ("train",), "test": ("validation", "test")}
-"""Source splits read for each split of ``tldr``, first found wins."""
+"""Source splits read for each split of ``tldr``, first found wins (eval picks models, so the source's test stays untouched)."""
 
 
 @register_prompt_dataset("hh", truncation_mode="keep_end")
 def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[str]:
-    """The prompts of Anthropic HH: the unique prompts of :func:`get_hh`'s pairs (dialogues up
-    to the last shared ``"\n\nAssistant:"``), in first-seen order, with the same options
-    (``data.hh.local_dir``, ``subsets``, ``holdout_fraction``, ``cache_dir``) and errors."""
+    """The unique prompts of :func:`get_hh`'s pairs, in first-seen order, with the same options and errors."""
     return dataset_prompts(get_hh(split, report, **options))
 
 
-@register_prompt_dataset("tldr", truncation_mode="keep_end")
+@register_prompt_dataset("tldr", truncation_mode="keep_end")  # the end holds the TL;DR: cue
 def get_tldr(split: str, report: collections.Counter, path: str | dict | None = None, cache_dir: str | None = None) -> list[str]:
-    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr``
-    (columns ``prompt``, ``completion``; a prompt is "SUBREDDIT: r/... TITLE: ... POST: ...
-    TL;DR:"): the summarisation task of the online DPO paper and TRL's online DPO example.
+    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr``.
 
-    Split "test" reads the source's ``validation`` split (``test`` if there is none): the
-    eval during training picks models, so the source's test split stays untouched. Too-long
-    prompts keep their end (``keep_end``): it holds the ``TL;DR:`` cue. Empty and repeated
-    prompts are skipped and counted.
+    Split "test" reads the source's ``validation`` split (``test`` if there is none).
 
     Options (``data.tldr.*``):
-        path: None loads from the hub. A folder: the files of the split under it, any depth
-            (``train.jsonl``, or a hub snapshot's ``data/validation-00000-of-00001.parquet``;
-            see :func:`split_files`). A mapping {train: file, test: file}. One file
-            (.jsonl, .json, .parquet; .gz for JSON) serves both splits, with a warning.
-            Rows need a string ``prompt``; other fields are ignored.
+        path: None loads from the hub; a folder, a mapping {train: file, test: file}, or one file for both splits.
 
     Raises:
-        DataError: if the path holds no file for the split, or a row has no string prompt
-            (naming the file and the row).
+        DataError: if the path holds no file for the split, or a row has no string prompt.
     """
     if path is None:
         source = TLDR_SPLITS.get(split, (split,))[0]
@@ -1915,7 +1764,7 @@ def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataE
 
 
 def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, unit: str):
-    """Run ``spec``'s loader with a fresh :class:`DataReport` (the one :func:`apply_holdout` narrows).
+    """Run ``spec``'s loader with a fresh :class:`DataReport`.
 
     Returns:
         (what the loader returned, the report).
@@ -1940,14 +1789,10 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
 def load_dataset_dict(
     name: str, split: str, options: dict | None = None, silent: bool = False, copies_trained: bool = False
 ) -> DatasetDict:
-    """Load one registered dataset's split and print what was skipped or repaired in it
-    (only its own rows when a held-out slice is carved, see :func:`apply_holdout`) and how many
-    pairs repeat another exactly (:func:`count_duplicates`); with ``copies_trained`` (each pair is
-    an example: DPO, not SFT or prompts), a share above :data:`DUPLICATE_WARNING_SHARE` is warned.
+    """Load one registered dataset's split and print what was skipped, repaired or duplicated in it.
 
     Raises:
-        DataError: if ``name`` is not registered, the loader rejects its options/data, or the
-            split has no pair (saying why: every row skipped, the held-out slice, ...).
+        DataError: if ``name`` is not registered, the loader rejects its options or data, or the split has no pair.
     """
     if name not in DATASETS:
         raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
@@ -1990,15 +1835,11 @@ def count_duplicates(data: DatasetDict) -> int:
 
 
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
-    """One example per pair (DPO) or per prompt (SFT, on its sft_target), in a stable order:
-    ``{"prompt", "chosen", "rejected", "truncation_mode"}`` (SFT: no ``"rejected"``). A
-    conversational entry (see :func:`add_conversation_pair`) gives its prompt messages as
-    ``"prompt"``, message lists as responses, and ``"conversation": True``; an entry that keeps
-    the row of each pair adds ``"row"`` (the SFT example: its first pair's row). An unpaired
-    entry (see :func:`add_unpaired`) gives one example per labelled completion, in SFT mode too
-    (:func:`check_pairing` refuses them for objectives that need pairs):
-    ``{"prompt", "chosen": the completion, "label": bool, "truncation_mode", "row"}``. An entry's
-    ``"fields"`` (:func:`add_fields`) go into each of its examples."""
+    """One example per pair (DPO), per prompt (SFT) or per labelled completion (unpaired), in a stable order.
+
+    Each is ``{"prompt", "chosen", "rejected", "truncation_mode"}`` (SFT: no ``"rejected"``), plus
+    ``"conversation"``, ``"row"``, ``"label"`` and ``"fields"`` where the entry has them.
+    """
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
@@ -2042,10 +1883,7 @@ def _unknown_prompt_dataset(name: str) -> DataError:
 
 
 def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
-    """The prompts of dataset ``name`` for ``split``, each with its fields: ``(prompt, fields)``,
-    ``fields`` the other columns of the prompt's row ({column: value}, :func:`add_fields`; {} when
-    the dataset keeps none). A conversational prompt is its list of messages, a text prompt a
-    string. See :func:`load_prompts`.
+    """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or a list of messages, and {column: value}.
 
     Raises:
         DataError: as :func:`load_prompts`.
@@ -2067,25 +1905,15 @@ def load_prompt_entries(name: str, split: str, options: dict, silent: bool = Fal
 def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
     """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data).
 
-    A name registered with :func:`register_prompt_dataset` uses that loader; a preference
-    dataset that is not also a prompt dataset gives the unique prompts of its pairs, in
-    first-seen order (so ``datasets=[json]`` works); a conversational prompt is its list of
-    messages, a text prompt a string. ``options`` maps a name to its
-    ``data.<name>`` options. Each dataset's count (and what was skipped) is printed unless
-    ``silent``. :func:`prompt_truncation_mode` says how to cut each dataset's prompts.
-
     Raises:
-        DataError: if a name is in neither registry (listing both), its loader rejects
-            its options or data, or it gives no prompt for the split.
+        DataError: if a name is in neither registry, its loader rejects its options or data, or it
+            gives no prompt for the split.
     """
     return [prompt for name in names for prompt, _ in load_prompt_entries(name, split, options, silent)]
 
 
 def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
-    """:func:`load_prompts` as examples that :func:`get_batch_iterator` batches: one
-    ``{"prompt", "truncation_mode"}`` per prompt (and ``"conversation": True`` when the prompt is
-    a list of messages, ``"fields"`` when its row had other columns), in order, with no
-    responses: online DPO samples them; the batches' left-padded ``prompt_input_ids`` are its input.
+    """:func:`load_prompts` as ``{"prompt", "truncation_mode"}`` examples that :func:`get_batch_iterator` batches.
 
     Raises:
         DataError: as :func:`load_prompts`.
@@ -2100,8 +1928,7 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
 
 
 def prompt_truncation_mode(name: str) -> str:
-    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to
-    keep (its prompt-dataset registration, else its preference-dataset registration).
+    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep.
 
     Raises:
         DataError: if ``name`` is in neither registry.
@@ -2129,9 +1956,7 @@ def example_key(prompt: str, chosen: str, rejected: str | None) -> str:
 
 
 def truncate_prompt_ids(prompt_ids: list[int], max_prompt_length: int, truncation_mode: str, bos_id: int | None) -> list[int]:
-    """``prompt_ids`` cut to at most ``max_prompt_length`` tokens: its first tokens
-    (``keep_start``), or its last ones (``keep_end``) behind the BOS that starts it when the
-    tokenizer has one (``bos_id`` not None).
+    """``prompt_ids`` cut to at most ``max_prompt_length`` tokens, keeping its start or its end (behind ``bos_id``).
 
     Raises:
         ValueError: if ``truncation_mode`` is neither keep_start nor keep_end.
@@ -2172,13 +1997,7 @@ def truncate_pair_ids(
     end_id=None,
     bos_id=_USE_TOKENIZER,
 ) -> tuple[list[int], list[list[int]]]:
-    """The truncation of :func:`tokenize_element`: when prompt + longest response exceed
-    ``max_length`` tokens, the prompt (BOS included) is cut to ``max_prompt_length`` by
-    :func:`truncate_prompt_ids`; then each response (EOS included) longer than the room left is
-    cut to it, still ending with EOS (``end_id`` instead when given: a chat template's
-    end-of-turn token). ``bos_id``: the BOS a ``keep_end`` cut keeps in front (None: none;
-    default the tokenizer's). The cut depends on the lengths alone, so the same call cuts a
-    parallel list (e.g. a mask) alike.
+    """Cut the prompt, then each response (still ending with EOS or ``end_id``), to fit ``max_length`` tokens.
 
     Returns:
         (prompt ids, [response ids, ...]), new lists where something was cut.
@@ -2193,10 +2012,7 @@ def truncate_pair_ids(
 
 
 def _leading_bos(tokenizer, ids: list[int]) -> int | None:
-    """The BOS id when a rendered prompt starts with it once (the template wrote it to start the
-    sequence, as Llama 3's ``<|begin_of_text|>``), else None: a "BOS" the template writes at the
-    start of every turn (SmolLM2's BOS is ``<|im_start|>``) is no sequence start, and a
-    ``keep_end`` cut that kept it in front would begin with a turn marker and no role."""
+    """The BOS id when a rendered prompt starts with it exactly once (a sequence start), else None."""
     bos = tokenizer.bos_token_id
     return bos if bos is not None and ids[:1] == [bos] and ids.count(bos) == 1 else None
 
@@ -2214,11 +2030,6 @@ def _encode_pieces(encode, pieces) -> tuple[list[int], list[bool]]:
 
 def _example_ids(texts: dict, encode, tokenizer, end_id, pieces, truncation_mode, max_length, max_prompt_length):
     """The one tokenization of :func:`tokenize_element` and :func:`truncated_ids`.
-
-    ``texts``: prompt, chosen (and rejected); ``encode(text)``: its ids (plain text: EOS already
-    stripped by the caller's key; see below). Plain text (``end_id`` None): BOS in front, EOS after
-    each response, the prompt untrained. Rendered by a chat template (``end_id`` its end-of-turn
-    id): nothing added, ``pieces`` ({field: [[text, trained], ...]}) say which parts are trained.
 
     Returns:
         (prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt
@@ -2254,26 +2065,11 @@ def tokenize_element(
     end_token_id: int | None = None,
     pieces: dict | None = None,
 ) -> dict:
-    """Tokenize one example into policy inputs (the reference repository's batch element).
-
-    Prompt and responses are tokenized separately (so the prompt's ids are exactly a
-    prefix of each sequence, and identical in chosen and rejected), BOS is put in front
-    when the tokenizer has one, and EOS ends each response: a response that already
-    ends with the EOS string gets one, not two. When prompt + longest response exceed
-    ``max_length``, the prompt is cut to ``max_prompt_length`` (keeping its end or start per
-    ``truncation_mode``), then the responses are cut so that they still end with EOS.
-
-    Texts a chat template rendered (:func:`render_conversations`; ``end_token_id`` is the
-    template's end-of-turn id) are tokenized with the template's special tokens parsed and
-    nothing added (the template wrote its BOS, if any, and each response ends with its
-    end-of-turn token); a cut response ends with ``end_token_id``. ``pieces`` ({"prompt" |
-    "chosen" | "rejected": [[text, trained], ...]}, texts that join to the field) label only
-    the trained parts (assistant turns); without them the prompt is untrained, responses trained.
+    """Tokenize one example into policy inputs: BOS + prompt, each response + EOS, truncated to ``max_length``.
 
     Returns:
-        dict with ``prompt_input_ids`` and, for each of chosen (and rejected),
-        ``{side}_input_ids``, ``{side}_attention_mask``, ``{side}_labels`` (IGNORE_INDEX
-        where not trained: the prompt), plus the texts. All lists of ints.
+        dict with ``prompt_input_ids`` and, for chosen (and rejected), ``{side}_input_ids``,
+        ``{side}_attention_mask``, ``{side}_labels`` (IGNORE_INDEX where not trained), plus the texts.
 
     Raises:
         ValueError: if ``max_prompt_length >= max_length`` (no room for a response).
@@ -2303,12 +2099,10 @@ def tokenize_element(
 
 
 def collate(elements: list[dict], pad_token_id: int) -> dict:
-    """Pad a list of tokenized elements into a batch.
+    """Pad a list of tokenized elements into a batch of (B, T) long tensors.
 
-    Sequences (``*_input_ids``, ``*_attention_mask``, ``*_labels``) are right-padded to
-    the batch's longest, with ``pad_token_id``, 0 and IGNORE_INDEX; ``prompt_input_ids``
-    is left-padded (for generation), with ``prompt_attention_mask``. Tensors are (B, T) long;
-    unpaired elements' ``label`` (desirable or not) becomes a (B,) bool tensor.
+    Sequences are right-padded (``pad_token_id``, 0, IGNORE_INDEX); ``prompt_input_ids`` is left-padded;
+    an unpaired ``label`` becomes a (B,) bool tensor.
     """
     batch: dict = {}
     for key in elements[0]:
@@ -2329,9 +2123,7 @@ def collate(elements: list[dict], pad_token_id: int) -> dict:
 
 
 def left_pad(seqs: list[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad ``seqs`` to the longest: (ids, attention_mask), both (B, P) long, the mask 0
-    over the padding. Left padding puts every sequence's last token at position -1, where
-    generation continues."""
+    """Left-pad ``seqs`` to the longest: (ids, attention_mask), both (B, P) long, the mask 0 over the padding."""
     width = max(len(v) for v in seqs)
     ids = torch.tensor([[pad_token_id] * (width - len(v)) + list(v) for v in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(v)) + [1] * len(v) for v in seqs], dtype=torch.long)
@@ -2346,11 +2138,7 @@ def _prompt_only_ids(ids: list[int], tokenizer, rendered: bool, max_prompt_lengt
 
 
 def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_mode: str, rendered: bool = False) -> dict:
-    """Tokenize one prompt for sampling (online DPO), as :func:`tokenize_element` tokenizes its
-    prompt: BOS in front when the tokenizer has one, no EOS, text that spells a special token
-    kept as text (``rendered``, a prompt a chat template rendered: its special tokens parsed,
-    nothing added); a prompt longer than ``max_prompt_length`` tokens is cut by
-    :func:`truncate_prompt_ids` (``keep_end`` for dialogues such as hh, ``keep_start`` otherwise).
+    """Tokenize one prompt for sampling (online DPO) as :func:`tokenize_element` tokenizes its prompt, no EOS.
 
     Returns:
         ``{"prompt": prompt, "prompt_input_ids": list[int]}``, at most ``max_prompt_length`` ids.
@@ -2377,10 +2165,7 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def end_of_turn_token(tokenizer) -> str | None:
-    """The special token the tokenizer's chat template writes right after an assistant's content
-    (``<|im_end|>``, ``<|eot_id|>``), found by rendering a known one-turn conversation (with a
-    system message if the template wants one); None when there is no template or what follows
-    the content (after whitespace) is not a special token."""
+    """The special token the chat template writes right after an assistant's content (e.g. ``<|im_end|>``), or None."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     import jinja2
@@ -2427,11 +2212,10 @@ def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool =
 
 
 def _check_tool_turns(tokenizer, conversations: list[Messages], row: str) -> None:
-    """Check that the chat template renders every ``tool`` message of ``conversations`` (each a
-    whole conversation of the example ``row``): the rendering must succeed and hold its content.
+    """Check that the chat template renders every ``tool`` message of ``conversations`` with its content.
 
     Raises:
-        DataError: one sentence naming the row and the template when it raises or leaves a tool message out.
+        DataError: naming the row and the template when it raises or leaves a tool message out.
     """
     import jinja2
 
@@ -2455,9 +2239,7 @@ def _check_tool_turns(tokenizer, conversations: list[Messages], row: str) -> Non
 
 
 def drop_earliest_turn(messages: list[dict]) -> list[dict] | None:
-    """``messages`` without their earliest turn (a user message and what follows it up to the
-    next user message), keeping a leading system message, so that what is left still starts at a
-    user turn; None when only one user turn is left."""
+    """``messages`` without their earliest user turn (a leading system message kept); None when one user turn is left."""
     head = messages[:1] if messages and messages[0].get("role") == "system" else []
     rest = messages[len(head) :]
     later = [j for j, m in enumerate(rest) if j > 0 and m.get("role") == "user"]
@@ -2465,9 +2247,7 @@ def drop_earliest_turn(messages: list[dict]) -> list[dict] | None:
 
 
 def _assistant_spans(tokenizer, messages, indices, text, end_text, has_eot, row) -> list[tuple[int, int]] | None:
-    """Character spans of ``text`` (a rendering of ``messages``) holding the assistant turns
-    ``indices``: each from the end of the rendering of the messages before it with the generation
-    prompt to its end-of-turn token (included). None when the template breaks the prefix property."""
+    """Character spans of ``text`` holding the assistant turns ``indices``; None when the template breaks the prefix property."""
     spans = []
     for k in indices:
         head = _render(tokenizer, messages[:k], row, generation_prompt=True)
@@ -2570,33 +2350,14 @@ def render_conversations(
     split: str = "train",
     all_assistant_turns: bool = False,
 ) -> list[dict]:
-    """Turn every conversational example (``"conversation": True``; prompt, chosen, rejected as
-    lists of ``{role, content}`` messages) into texts rendered by the tokenizer's chat template
-    (``model.chat_template`` or the tokenizer's own), which :func:`tokenize_element`,
-    :func:`tokenize_prompt` and :func:`screen_splits` consume; plain-text examples pass unchanged.
+    """Render every conversational example into texts with the tokenizer's chat template; plain-text examples pass unchanged.
 
-    - The prompt is rendered with the generation prompt. Each response is the rendering of the
-      whole conversation minus the prompt's rendering, up to and including the template's
-      end-of-turn token (:func:`end_of_turn_token`; what follows it, e.g. a newline, is not
-      trained; a template without one gets EOS). Prompt and responses are tokenized apart, so the
-      prompt ids are exactly a prefix of each sequence; where the template breaks that on a row
-      (the whole does not start with the prompt's rendering), the response is taken from where
-      the template puts its content, and the rows are counted in one warning.
-    - A prompt too long for ``max_length`` / ``max_prompt_length`` loses its earliest whole
-      turns (:func:`drop_earliest_turn`) before tokens are cut; counted in one line per split.
-    - ``all_assistant_turns`` (SFT): the prompt's assistant turns are trained as well.
-    - A multi-message response trains only its assistant turns.
-    - Every role must be one of :data:`STANDARD_ROLES`; a ``tool`` message must come out of the
-      template with its content (:func:`_check_tool_turns`); conversations holding an empty
-      assistant message are kept and counted in one warning per split, naming the first.
-
-    Rendered examples carry ``end_token_id``, ``messages`` (the prompt's, after any turn was
-    dropped) and, where only parts are trained, ``pieces``. ``split`` names the split in messages.
+    Rendered examples carry ``end_token_id``, ``messages`` and, where only parts are trained, ``pieces``.
 
     Raises:
-        DataError: one sentence naming the row, when the tokenizer has no chat template, the
-            template rejects a conversation (its own message) or cannot render a tool message, a
-            role is not standard, or a response is not a message list ending with the assistant's message.
+        DataError: naming the row when the tokenizer has no chat template, the template rejects a
+            conversation or cannot render a tool message, a role is not standard, or a response is
+            not a message list ending with the assistant's message.
     """
     label = "eval" if split == "test" else split
     todo = [i for i, ex in enumerate(examples) if ex.get("conversation")]
@@ -2678,13 +2439,10 @@ class TruncatedIds(NamedTuple):
 def truncated_ids(
     examples: list[dict], tokenizer, max_length: int, max_prompt_length: int, chunk_size: int = 1024
 ) -> Iterator[TruncatedIds]:
-    """For each example of ``examples`` (:func:`load_examples` or :func:`load_prompt_examples`
-    rows), in order, its :class:`TruncatedIds`: exactly the ids :func:`get_batch_iterator` will
-    give it, computed with one batched tokenizer call per ``chunk_size`` examples (a fast
-    tokenizer encodes a batch in parallel) and each distinct text encoded once.
+    """The :class:`TruncatedIds` of each example, exactly as :func:`get_batch_iterator` will give them, in order.
 
     Raises:
-        ValueError: if ``max_prompt_length >= max_length`` (as :func:`tokenize_element`).
+        ValueError: if ``max_prompt_length >= max_length``.
     """
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
@@ -2731,17 +2489,13 @@ def _share(k: int, n: int) -> str:
 def screen_examples(
     examples: list[dict], split: str, tokenizer, max_length: int, max_prompt_length: int, silent: bool = False
 ) -> list[dict]:
-    """The examples of ``split`` worth training on, decided before any model loads: a pair whose
-    chosen and rejected are the same token ids once truncated (:func:`truncated_ids`, which
-    decides as :func:`tokenize_element`) teaches nothing (its DPO loss stays at ln 2), so it is
-    skipped, with a warning naming ``max_length`` / ``max_prompt_length``. Prints (unless
-    ``silent``) the share of prompts and of responses that truncation cuts.
+    """The examples of ``split`` worth training on: pairs identical once truncated are skipped with a warning.
 
     Returns:
-        The examples kept, in order (all of them for SFT examples and prompts alone).
+        The examples kept, in order.
 
     Raises:
-        DataError: if ``examples`` is empty, or no pair is left (one sentence saying why).
+        DataError: if ``examples`` is empty, or no pair is left.
     """
     label = "eval" if split == "test" else split
     if not examples:
@@ -2799,8 +2553,7 @@ def screen_splits(
     max_prompt_length: int,
     silent: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """:func:`screen_examples` of the train and the eval examples (train.main calls it after the
-    data loads, before any model loads or the run folder is made).
+    """:func:`screen_examples` of the train and the eval examples.
 
     Returns:
         (train examples kept, eval examples kept).
@@ -2818,9 +2571,8 @@ def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
     """Batch :func:`tokenize_prompt` elements for generation.
 
     Returns:
-        ``prompt_input_ids`` (B, P) long, left-padded with ``pad_token_id``;
-        ``prompt_attention_mask`` (B, P) long, 0 over the padding; ``prompt`` (list[str]);
-        any other key of the elements as a list.
+        ``prompt_input_ids`` and ``prompt_attention_mask`` (B, P) long, left-padded; ``prompt`` and
+        any other key as lists.
 
     Raises:
         ValueError: if ``elements`` is empty.
@@ -2835,13 +2587,7 @@ def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
 def epoch_order(
     n: int, seed: int, epoch: int, shuffle: bool, lengths: list[int] | None = None, group_size: int = 0
 ) -> np.ndarray:
-    """The order of ``n`` examples in ``epoch``: a permutation drawn from (seed, epoch).
-
-    With ``lengths`` and ``group_size`` (length-grouped batching), the permutation is cut into
-    groups of ``group_size``, each sorted by length (longest first), so that consecutive
-    examples, and hence batches, hold sequences of similar length and need less padding. The
-    order is still a function of (seed, epoch) alone.
-    """
+    """The order of ``n`` examples in ``epoch``: a permutation drawn from (seed, epoch), optionally length-grouped."""
     if not shuffle:
         return np.arange(n)
     order = np.random.default_rng([seed, epoch]).permutation(n)
@@ -2867,12 +2613,6 @@ def epoch_order(
 def mismatched_pairs(batch: dict, max_length: int) -> dict:
     """The mismatched sequences (x_i, y_{(i+1) mod B}) of a collated micro-batch of B examples.
 
-    Row i is example i's prompt ids (``prompt_attention_mask[i].sum()`` tokens at the start of
-    ``chosen_input_ids[i]``) followed by the response ids of example (i+1) mod B (the rest of its
-    ``chosen_input_ids`` up to its attention mask's length), with that response's labels and
-    IGNORE_INDEX on the prompt; cut to ``max_length`` tokens at the end as TRL cuts its KL
-    sequences (no EOS is re-added). Right-padded with id 0, attention 0, label IGNORE_INDEX.
-
     Returns:
         ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
     """
@@ -2885,7 +2625,7 @@ def mismatched_pairs(batch: dict, max_length: int) -> dict:
     for i in range(n):
         j = (i + 1) % n
         p_i, p_j = prompt_lengths[i], prompt_lengths[j]
-        seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]
+        seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]  # cut at the end as TRL cuts its KL sequences
         lab = torch.cat([torch.full((p_i,), IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
         seqs.append(seq)
         targets.append(lab[:max_length])
@@ -2903,9 +2643,7 @@ def mismatched_pairs(batch: dict, max_length: int) -> dict:
 
 
 def as_pair_batch(rows: dict) -> dict:
-    """A pair batch whose chosen and rejected sides are both ``rows`` (``input_ids``,
-    ``attention_mask``, ``labels``): what :meth:`concatenated_forward` and
-    :meth:`reference_logps` (live or Ray actors) take; use the chosen half of the result."""
+    """A pair batch whose chosen and rejected sides are both ``rows``; use the chosen half of the result."""
     return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
 
 
@@ -2922,19 +2660,7 @@ def get_batch_iterator(
     start_example: int = 0,
     length_grouped: bool = False,
 ) -> Iterator[dict]:
-    """Yield collated batches from ``examples``, tokenizing lazily (pairs or SFT targets by
-    :func:`tokenize_element`; prompt-only examples, which have no ``chosen``, by
-    :func:`tokenize_prompt`, giving batches of left-padded prompts).
-
-    ``length_grouped`` orders each epoch by :func:`epoch_order` with groups of 64 batches
-    sorted by text length, so a batch pads less (it changes the work: off by default).
-
-    The examples form one stream, epoch after epoch (each epoch's order from
-    :func:`epoch_order`), cut into batches of ``batch_size``; a batch may span an
-    epoch boundary and only the very last batch may be smaller (nothing is dropped).
-    The stream ends after ``n_examples`` examples, else after ``n_epochs`` epochs.
-    ``start_example`` skips that many examples of the stream (resume). When any example has
-    ``"fields"``, every batch has ``"fields"``: one dict per element ({} for an example without).
+    """Yield collated batches of ``batch_size`` from ``examples`` over epochs, tokenizing lazily.
 
     Raises:
         ValueError: if neither n_epochs nor n_examples is set, or examples is empty.
