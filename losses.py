@@ -29,24 +29,16 @@ IGNORE_INDEX = -100
 def get_batch_logps(
     logits: torch.Tensor, labels: torch.Tensor, average_log_prob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each sequence's labelled tokens under the given logits.
-
-    Position t of ``logits`` predicts token t + 1 of ``labels``; positions whose
-    label is ``IGNORE_INDEX`` (-100: the prompt and the padding) are excluded, so
-    the result does not depend on how much padding there is or on which side.
-    Computed in float32 for lower-precision logits (float64 stays float64), as
-    ``logit[label] - logsumexp(logits)``, so no full-vocabulary log-softmax copy is made.
+    """Log-probability of each sequence's labelled tokens (position t of ``logits`` predicts label t + 1).
 
     Args:
         logits: (B, T, V) unnormalised scores from a causal LM.
-        labels: (B, T) token ids, ``IGNORE_INDEX`` where no loss is wanted.
-        average_log_prob: if True return the mean log-prob per labelled token
-            (length-normalised, as IPO's authors use), else the sum.
+        labels: (B, T) token ids, ``IGNORE_INDEX`` (prompt, padding) where no loss is wanted.
+        average_log_prob: return the mean log-prob per labelled token instead of the sum.
 
     Returns:
-        (logps, n_tokens): logps of shape (B,) in nats (sum, or mean per token), float32
-        (float64 for float64 logits), and n_tokens of shape (B,), the number of labelled
-        tokens (float32).
+        (logps, n_tokens), each (B,): logps in nats, float32 (float64 for float64 logits);
+        n_tokens the labelled-token counts, float32.
 
     Raises:
         ValueError: if logits and labels disagree in batch size or length.
@@ -59,7 +51,7 @@ def get_batch_logps(
     safe_labels = torch.where(mask, labels, 0)
     dtype = _logp_dtype(logits)
     picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).to(dtype)
-    per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)
+    per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)  # no full-vocabulary log-softmax copy
     per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
     n_tokens = mask.sum(-1).float()
     total = per_token.sum(-1)
@@ -75,19 +67,12 @@ def _logp_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits[rows[k]])[targets[k]] for every k, in float32 (float64 for float64
-    logits), as in :func:`get_batch_logps`.
-
-    For logits that were computed only where a token is predicted (the packed forward of
-    ``packing.packed_sequence_logps``): one row of logits may predict several targets (a shared
-    prompt's last position predicts the first token of both responses). Computed as
-    ``logit[target] - logsumexp(logits)``, the logsumexp once per row of ``logits``, so no
-    full-vocabulary log-softmax copy is made.
+    """log softmax(logits[rows[k]])[targets[k]] for every k, for ``packing.packed_sequence_logps``.
 
     Args:
         logits: (M, V) unnormalised scores, any float dtype.
-        rows: (N,) long, which row of ``logits`` predicts each target (values in [0, M)).
-        targets: (N,) long token ids (no ``IGNORE_INDEX``: only real targets are passed).
+        rows: (N,) long, which row of ``logits`` predicts each target (a row may predict several).
+        targets: (N,) long token ids (no ``IGNORE_INDEX``).
 
     Returns:
         (N,) float32 (float64 for float64 logits) log-probabilities in nats.
@@ -101,23 +86,22 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
         )
     dtype = _logp_dtype(logits)
     picked = logits[rows, targets].to(dtype)
-    return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]
+    return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]  # logsumexp once per row, no log-softmax copy
 
 
 def sum_by_sequence(
     token_logps: torch.Tensor, sequence: torch.Tensor, n_sequences: int, average_log_prob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence totals of per-token log-probs, the same reduction as :func:`get_batch_logps`.
+    """Per-sequence sums (or means) of per-token log-probs, the reduction of :func:`get_batch_logps`.
 
     Args:
         token_logps: (N,) log-probs of the labelled tokens of all sequences.
         sequence: (N,) long, which sequence each token belongs to (values in [0, n_sequences)).
-        n_sequences: S, the number of sequences (one with no token gets 0 and a count of 0).
-        average_log_prob: if True the mean per labelled token (0 for none), else the sum.
+        n_sequences: S (a sequence with no token gets 0 and a count of 0).
+        average_log_prob: the mean per labelled token instead of the sum.
 
     Returns:
-        (logps, n_tokens): each (S,); logps in nats, float32 (float64 for float64 input);
-        n_tokens float32.
+        (logps, n_tokens), each (S,): logps in nats, float32 (float64 for float64 input); n_tokens float32.
     """
     total = torch.zeros(n_sequences, dtype=_logp_dtype(token_logps), device=token_logps.device)
     total = total.index_add(0, sequence, token_logps.to(total.dtype))
@@ -148,17 +132,13 @@ def dpo_loss(
     With ``reference_free`` the reference terms are taken as 0 (a uniform reference).
 
     Args:
-        policy_chosen_logps: (B,) log pi(y_w | x).
-        policy_rejected_logps: (B,) log pi(y_l | x).
-        reference_chosen_logps: (B,) log ref(y_w | x).
-        reference_rejected_logps: (B,) log ref(y_l | x).
-        beta: KL-penalty strength, > 0 (0.1 to 0.5 is typical).
+        policy_chosen_logps, policy_rejected_logps: (B,) log pi(y_w | x), log pi(y_l | x).
+        reference_chosen_logps, reference_rejected_logps: (B,) log ref(y_w | x), log ref(y_l | x).
+        beta: KL-penalty strength, > 0.
         label_smoothing: assumed probability that a label is wrong, in [0, 0.5).
-        reference_free: ignore the reference model.
 
     Returns:
-        (losses, chosen_rewards, rejected_rewards), each (B,). The rewards are the
-        implicit rewards beta * (log pi - log ref), detached.
+        (losses, chosen_rewards, rejected_rewards), each (B,); rewards beta * (log pi - log ref), detached.
     """
     pi_logratios = policy_chosen_logps - policy_rejected_logps
     ref_logratios = reference_chosen_logps - reference_rejected_logps
@@ -185,23 +165,13 @@ def ipo_loss(
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """IPO loss (Azar et al. 2023, "A General Theoretical Paradigm to Understand
-    Learning from Human Preferences", Eq. 17, empirical form of IPO):
+    Learning from Human Preferences", Eq. 17, empirical form):
 
         h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) - log ref(y_l|x))
         loss = (h - 1 / (2 * beta)) ** 2
 
-    Here ``beta`` is the paper's tau (the regularisation strength). IPO regresses
-    the log-ratio gap to a finite target instead of pushing it to infinity. The
-    authors use length-normalised log-probs, hence ``loss.average_log_prob: true``
-    in config/loss/ipo.yaml.
-
-    Args:
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps,
-        reference_rejected_logps: (B,) each, as in :func:`dpo_loss`.
-        beta: tau in the paper, > 0.
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards), each (B,); rewards as in DPO.
+    ``beta`` is the paper's tau, > 0. Inputs (B,) as in :func:`dpo_loss`; returns
+    (losses, chosen_rewards, rejected_rewards), each (B,), rewards as in DPO.
     """
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = (h - 1 / (2 * beta)) ** 2
@@ -223,10 +193,9 @@ def implicit_rewards(
     beta: float,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's implicit rewards r = beta * (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5
-    up to the partition function), detached. With ``reference_free`` the reference is 0.
+    """DPO's implicit rewards beta * (log pi(y|x) - log ref(y|x)), detached (Rafailov et al. 2023, Eq. 5, without the partition function).
 
-    Shapes: all inputs (B,); returns (chosen_rewards, rejected_rewards), each (B,).
+    Shapes: all inputs (B,); returns (chosen_rewards, rejected_rewards), each (B,). ``reference_free``: reference 0.
     """
     if reference_free:
         reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
@@ -237,53 +206,30 @@ def implicit_rewards(
 
 
 def sft_loss(policy_logps_sum: torch.Tensor, n_tokens_total: float | torch.Tensor) -> torch.Tensor:
-    """Supervised fine-tuning loss: negative log-likelihood per target token.
-
-    The sum of the target tokens' log-probs is divided by the number of target
-    tokens in the *whole* batch, so the loss does not depend on sequence length,
-    on how the batch is split into micro-batches, or on which sequences share a
-    batch (the reference repository sums per sequence instead).
+    """Supervised fine-tuning loss: scalar negative log-likelihood in nats per target token.
 
     Args:
         policy_logps_sum: (B,) summed log pi(y | x) of each sequence's target tokens.
         n_tokens_total: number of target tokens in the full batch (all micro-batches).
-
-    Returns:
-        Scalar loss in nats per token.
     """
+    # divided by the whole batch's tokens: independent of sequence length and of the micro-batch split
     return -policy_logps_sum.sum() / n_tokens_total
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
-    """Reward-model loss of the Bradley–Terry preference model, per pair.
+    """Bradley–Terry reward-model loss ``-log sigmoid(r_c - r_r)`` per pair (Bradley & Terry 1952; Ouyang et al. 2022, Eq. 1).
 
-    P(chosen > rejected) = sigmoid(r(x, y_c) - r(x, y_r)) (Bradley & Terry 1952; the reward
-    model loss of Ouyang et al. 2022, Eq. 1, with one comparison per prompt), so the loss is
-    ``-log sigmoid(r_c - r_r)``: ln 2 when the scores are equal.
-
-    Args:
-        chosen_scores, rejected_scores: (B,) scalar rewards of the chosen and rejected sequences.
-
-    Returns:
-        (B,) float32 losses, in nats.
+    Shapes: chosen_scores, rejected_scores (B,); returns (B,) float32 losses in nats.
     """
     return -F.logsigmoid(chosen_scores.float() - rejected_scores.float())
 
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Scalar score of each right-padded sequence at its last real token, from a Hugging Face
-    ``*ForSequenceClassification`` model with one label (its head is ``model.score``).
-
-    The head's output is read at index ``attention_mask.sum(1) - 1`` of each row, not where the
-    model's own pooling looks (the last token that is not ``pad_token_id``, which is wrong when
-    the pad token is EOS and a sequence ends with EOS). Gradients flow (reward-model training).
+    """(N,) float32 score of each right-padded sequence at its last real token, from a one-label
+    ``*ForSequenceClassification`` model's ``score`` head (gradients flow).
 
     Args:
-        model: e.g. ``LlamaForSequenceClassification`` with ``num_labels=1``.
         input_ids, attention_mask: (N, T) long, right-padded, each row with at least one real token.
-
-    Returns:
-        (N,) float32 scores.
 
     Raises:
         ValueError: if the model has no ``score`` head with one output.
@@ -298,6 +244,7 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     finally:
         handle.remove()
     per_position = captured[0][..., 0]  # (N, T)
+    # not the model's own pooling (last non-pad token), which is wrong when pad is EOS and a sequence ends with EOS
     last = (attention_mask.sum(1) - 1).clamp(min=0).to(per_position.device)
     return per_position.gather(1, last.unsqueeze(1)).squeeze(1).float()
 
@@ -340,10 +287,9 @@ class Objective:
 
     Attributes:
         name: ``loss=<name>`` (TRL's ``loss_type`` name where TRL has the objective).
-        fn: the pure loss function. Its tensor arguments are named after the fields of
-            :class:`ObjectiveInputs` it needs, its other arguments after its keys; it returns
-            ``(losses, chosen_rewards, rejected_rewards)``, each (B,), optionally followed by a
-            dict of extra per-example metric tensors. Rewards are detached.
+        fn: the pure loss function; arguments named after :class:`ObjectiveInputs` fields and keys;
+            returns ``(losses, chosen_rewards, rejected_rewards)``, each (B,), rewards detached,
+            optionally followed by a dict of extra per-example metric tensors.
         keys: the ``loss.*`` keys besides ``name``.
         source: paper and equation.
         summary: one line for docs/objectives.md's table.
@@ -391,8 +337,7 @@ class Objective:
         return bool(_get(loss_config, "average_log_prob", self.keys.get("average_log_prob", Key(False)).default))
 
     def keys_for(self, loss_config) -> dict:
-        """The ``loss.*`` keys (name -> :class:`Key`) that ``loss_config`` may set: :attr:`keys`
-        (a ``mix``'s depend on its components).
+        """The ``loss.*`` keys (name -> :class:`Key`) that ``loss_config`` may set (a ``mix``'s depend on its components).
 
         Raises:
             ObjectiveConfigError: if a value the keys depend on is wrong (a ``mix``'s ``losses``/``weights``).
@@ -409,20 +354,14 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """Call :attr:`fn` with the inputs and keys it names; add ``loss.nll_weight`` times the
-        chosen NLL per token (RPO, Pang et al. 2024, Eq. 1) when that key is > 0.
+        """Call :attr:`fn` with the inputs and keys it names, plus ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1).
 
         Args:
-            inputs: what the trainer computed for one micro-batch of B examples.
             loss_config: the ``loss`` section (a mapping; missing keys take their defaults).
             overrides: key values that win over ``loss_config`` (e.g. this epoch's ``beta``).
 
-        Returns:
-            an :class:`ObjectiveOutput`.
-
         Raises:
-            ValueError: if the function needs an input the trainer did not provide (an input
-                argument that defaults to None is optional).
+            ValueError: if the function needs an input the trainer did not provide.
         """
         kwargs = {}
         parameters = self._signature
@@ -497,10 +436,8 @@ class ObjectiveInputs:
 
 
 class ObjectiveOutput(NamedTuple):
-    """An objective's result for one micro-batch: ``losses`` (B,) per example (the trainer sums
-    them and divides by the batch's examples, or tokens for a per-token objective), the rewards
-    its metrics report (B,) each, detached (None: it reports none), and extra per-example
-    metric tensors by name."""
+    """An objective's result for one micro-batch: ``losses`` (B,), detached rewards (B,) each (or None),
+    and extra per-example metric tensors by name."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor | None
@@ -549,11 +486,7 @@ def get_objective(name: str) -> Objective:
 
 
 def validate_loss_config(loss_config) -> Objective:
-    """Check the ``loss`` section against its objective's declaration: the name is registered,
-    every key is one of its keys, every value is in its range.
-
-    Returns:
-        the objective.
+    """Check the ``loss`` section against its objective's declaration and return the objective.
 
     Raises:
         ObjectiveConfigError: naming the first bad key and how to fix it.
@@ -620,10 +553,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
     unit="nats per target token",
 )
 def sft_objective(policy_chosen_logps: torch.Tensor):
-    """SFT as an objective: per-example loss -log pi(y | x) summed over the target tokens; the
-    trainer divides the batch's sum by its target tokens (see :func:`sft_loss`). No rewards.
-
-    Shapes: (B,) in, (B,) out."""
+    """SFT as an objective: per-example -log pi(y | x) over the target tokens, no rewards; (B,) in and out."""
     return -policy_chosen_logps, None, None
 
 
@@ -639,8 +569,7 @@ def sft_objective(policy_chosen_logps: torch.Tensor):
     unit="nats, −log σ(score margin)",
 )
 def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):
-    """Reward-model training: :func:`bradley_terry_loss` per pair; the reported rewards are the
-    scores. Shapes: (B,) each."""
+    """Reward-model training: :func:`bradley_terry_loss` per pair, the scores as rewards; (B,) each."""
     return bradley_terry_loss(chosen_scores, rejected_scores), chosen_scores.detach(), rejected_scores.detach()
 
 
@@ -746,9 +675,8 @@ def _pairwise(name: str, *, source: str, summary: str, unit: str, **keys) -> Cal
     unit="margin units, relu(1 − β·log-ratio gap)",
 )
 def hinge_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """SLiC-HF's calibration loss (Zhao et al. 2023, "SLiC-HF: Sequence Likelihood Calibration with
-    Human Feedback", arXiv:2305.10425) on the reference-corrected gap, as TRL's ``hinge``:
-    ``max(0, 1 - beta * d)``; 1/beta is the paper's margin delta. Shapes: (B,) in and out."""
+    """SLiC-HF's calibration loss ``max(0, 1 - beta * d)`` on the reference-corrected gap (Zhao et al. 2023,
+    arXiv:2305.10425; TRL's ``hinge``), 1/beta the paper's margin delta; (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     return torch.relu(1 - beta * (h_w - h_l)), *_pair_rewards(beta, h_w, h_l)
 
@@ -769,9 +697,7 @@ def exo_pair_objective(
 
         loss = KL(q || p) = q_w (log q_w - log(1 - eps)) + q_l (log q_l - log eps).
 
-    eps must be in (0, 1): at eps = 0 the target puts no mass on y_l and the loss is infinite
-    (TRL refuses label_smoothing = 0 for exo_pair; the paper uses 1e-3, our default).
-    Shapes: (B,) in and out."""
+    eps in (0, 1) (at 0 the loss is infinite; the paper uses 1e-3). Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     log_q_w, log_q_l = F.logsigmoid(z), F.logsigmoid(-z)
@@ -791,8 +717,7 @@ def nca_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
 
         loss = -log sigmoid(r_w) - 1/2 log sigmoid(-r_w) - 1/2 log sigmoid(-r_l).
 
-    Unlike DPO it depends on each response's reward, not only on their difference, so it keeps
-    the chosen likelihood from falling. Shapes: (B,) in and out."""
+    Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     r_w, r_l = beta * h_w, beta * h_l
     losses = -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
@@ -815,9 +740,7 @@ def robust_objective(
 
         loss = ((1 - eps) (-log sigmoid(beta d)) - eps (-log sigmoid(-beta d))) / (1 - 2 eps).
 
-    For eps > 0 it is unbounded below (about -eps beta d / (1 - 2 eps) for a large gap d), unlike
-    conservative DPO (``loss=dpo`` with label_smoothing), which adds the flipped term. eps = 0 is
-    DPO. Shapes: (B,) in and out."""
+    Unbounded below for eps > 0; eps = 0 is DPO. Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     eps = label_smoothing
@@ -835,10 +758,9 @@ def bco_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
     """Binary classifier optimisation on pairs (Jung et al. 2024, "Binary Classifier Optimization
     for Large Language Model Alignment", arXiv:2404.04656), TRL's ``bco_pair``:
 
-        loss = -log sigmoid(beta h_w) - log sigmoid(-beta h_l).
+        loss = -log sigmoid(beta h_w) - log sigmoid(-beta h_l),
 
-    The paper shifts the rewards by delta, a running mean of the rewards; TRL's pairwise form
-    (and this one) uses delta = 0. Shapes: (B,) in and out."""
+    with the paper's reward shift delta = 0, as in TRL. Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -855,9 +777,9 @@ def sppo_hard_objective(policy_chosen_logps, policy_rejected_logps, reference_ch
     Language Model Alignment", arXiv:2405.00675), Eq. 4.7 with the winner's probability P set to 1
     and the loser's to 0 and eta = 1 / beta, TRL's ``sppo_hard``:
 
-        loss = (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2.
+        loss = (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2,
 
-    Summed (not length-normalised) log-ratios, as in TRL. Shapes: (B,) in and out."""
+    on summed log-ratios, as in TRL. Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -881,8 +803,7 @@ def aot_objective(
         loss_i = -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i),
         delta = sort(m_policy) - sort(m_reference).
 
-    Loss i belongs to a rank, not to example i, so it depends on the micro-batch (a batch of one
-    is DPO). Shapes: (B,) in and out; rewards per example as usual."""
+    Loss i belongs to a rank, not to example i. Shapes: (B,) in and out; rewards per example."""
     margins = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
     reference_margins = torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0).values
     losses = _smoothed_logistic(beta * (margins - reference_margins), label_smoothing)
@@ -960,10 +881,10 @@ def discopop_objective(
 
         loss = (1 - m) (-log sigmoid(z)) + m exp(-z).
 
-    m exp(-z) is computed as exp(-z + log sigmoid(z / tau)), finite for any z (TRL's product is
-    inf * 0 = nan once exp(-z) overflows). Shapes: (B,) in and out."""
+    Shapes: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
+    # m exp(-z) as exp(log sigmoid(z / tau) - z): finite for any z, where the product would be inf * 0 = nan
     losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
     return losses, *_pair_rewards(beta, h_w, h_l)
 
@@ -983,13 +904,11 @@ def sigmoid_norm_objective(
     rejected_n_tokens,
     beta,
 ):
-    """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios, TRL's ``sigmoid_norm``
-    (TRL cites no paper for it):
+    """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios, TRL's ``sigmoid_norm``:
 
         loss = -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)),
 
-    |y| the response-token counts (at least 1). It takes summed log-probs and divides itself, so
-    its rewards are TRL's beta * h on sums, and it mixes with the summed losses. Shapes: (B,) each."""
+    |y| the response-token counts (at least 1); takes summed log-probs, rewards beta * h on sums. Shapes: (B,) each."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     gap = h_w / chosen_n_tokens.clamp(min=1.0) - h_l / rejected_n_tokens.clamp(min=1.0)
     return -F.logsigmoid(beta * gap), *_pair_rewards(beta, h_w, h_l)
@@ -1083,10 +1002,8 @@ def _mix_keys(loss_config) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class MixObjective(Objective):
-    """``loss=mix``: a weighted sum of registered pairwise objectives and ``nll`` (see the notes
-    above). Its keys, reference, NLL use and log-prob view follow from its components; it takes
-    summed log-probs and gives an averaging component (e.g. ``ipo``) its per-token means.
-    :attr:`fn` is :func:`weighted_sum`; :meth:`compute` calls the components."""
+    """``loss=mix``: a weighted sum of registered pairwise objectives and ``nll``, on summed log-probs
+    (per-token means for an averaging component such as ``ipo``)."""
 
     def keys_for(self, loss_config) -> dict:
         """See :func:`_mix_keys` (raises :class:`ObjectiveConfigError` for bad ``losses``/``weights``)."""
@@ -1120,11 +1037,9 @@ class MixObjective(Objective):
         return MIX_NLL in values["losses"] or values["nll_weight"] > 0 or any(c.uses_nll(values) for c in self.components(values))
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """The weighted sum of the components' per-example losses, plus ``loss.nll_weight`` times
-        the chosen NLL; metrics ``loss_<component>`` (each unweighted). Rewards: TRL's
-        beta * (log pi - log ref) on the summed log-probs (None without a ``beta``).
+        """The weighted sum of the components' (B,) losses plus ``loss.nll_weight`` times the chosen NLL, as :meth:`Objective.compute`.
 
-        Args, Returns: as :meth:`Objective.compute` (``inputs`` hold summed log-probs).
+        Metrics ``loss_<component>`` are unweighted; rewards beta * (log pi - log ref) on sums (None without ``beta``).
 
         Raises:
             ValueError: if a component needs an input the trainer did not provide.
@@ -1234,13 +1149,8 @@ def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, lab
         r(y) = beta * mean_t log pi(y_t | x, y_<t)          (length-normalised, no reference)
         loss = -(1 - eps) log sigmoid(r(y_w) - r(y_l) - gamma) - eps log sigmoid(-(...))
 
-    Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) mean log-probs per response token.
-        beta: reward scale, > 0. gamma: target margin, >= 0 (TRL's ``simpo_gamma``).
-        label_smoothing: eps in [0, 0.5).
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards), each (B,); rewards r(y), detached.
+    Inputs (B,) mean log-probs per response token; gamma is TRL's ``simpo_gamma``. Returns
+    (losses, chosen_rewards, rejected_rewards), each (B,), rewards r(y) detached.
     """
     chosen_rewards = beta * policy_chosen_logps
     rejected_rewards = beta * policy_rejected_logps
@@ -1269,13 +1179,8 @@ def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll,
         loss = -(1 - eps) log sigmoid(beta * (log pi(y_w|x) - log pi(y_l|x))) - eps log sigmoid(-...)
                + cpo_alpha * NLL(y_w)
 
-    Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) summed log-probs (no reference).
-        policy_chosen_nll: (B,) -log pi(y_w | x) / |y_w|, nats per token.
-        beta: > 0. label_smoothing: eps in [0, 0.5). cpo_alpha: NLL weight, >= 0.
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards, {"nll"}), each (B,); rewards beta * log pi(y|x), detached.
+    Inputs (B,) summed log-probs and NLL per token. Returns (losses, chosen_rewards, rejected_rewards,
+    {"nll"}), each (B,), rewards beta * log pi(y|x) detached.
     """
     losses = _smoothed_sigmoid_loss(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
     losses = losses + cpo_alpha * policy_chosen_nll
@@ -1285,15 +1190,9 @@ def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll,
 
 
 def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
-    """log(p / (1 - p)) for p = exp(``avg_logps``), computed stably (log(1 - e^x) as Mächler 2012
-    recommends: log(-expm1(x)) for x > -ln 2, log1p(-exp(x)) below).
-
-    ``avg_logps`` is clamped to at most -eps of its dtype, so p = 1 (an empty or certain
-    response) gives a large finite value with a finite gradient instead of inf / NaN.
-
-    Shapes: (B,) in (nats, <= 0), (B,) out.
-    """
-    x = avg_logps.clamp(max=-torch.finfo(avg_logps.dtype).eps)
+    """log(p / (1 - p)) for p = exp(``avg_logps``), computed stably; (B,) in (nats, <= 0), (B,) out."""
+    x = avg_logps.clamp(max=-torch.finfo(avg_logps.dtype).eps)  # p = 1 gives a finite value and gradient, not inf / NaN
+    # log(1 - e^x) as Mächler 2012 recommends: log(-expm1(x)) for x > -ln 2, log1p(-exp(x)) below
     log_one_minus_p = torch.where(x > -0.6931471805599453, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
     return x - log_one_minus_p
 
@@ -1315,15 +1214,10 @@ def orpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll
         odds(y) = p / (1 - p),  p = exp(mean_t log pi(y_t | x, y_<t))        (see :func:`log_odds`)
         loss = NLL(y_w) - lambda * log sigmoid(log odds(y_w) - log odds(y_l))
 
-    Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) mean log-probs per response token.
-        policy_chosen_nll: (B,) -log pi(y_w | x) / |y_w|, nats per token.
-        beta: lambda, > 0 (TRL's ``ORPOConfig.beta``).
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards, metrics), each (B,): rewards beta * mean
-        log-prob (as TRL reports them), detached; metrics ``nll``, ``log_odds_ratio`` (log sigmoid
-        of the log odds ratio) and ``log_odds_chosen`` (the log odds ratio), TRL's names.
+    Inputs (B,) mean log-probs per response token and NLL per token; ``beta`` is lambda. Returns
+    (losses, chosen_rewards, rejected_rewards, metrics), each (B,): rewards beta * mean log-prob,
+    detached; metrics ``nll``, ``log_odds_ratio`` (log sigmoid of the log odds ratio) and
+    ``log_odds_chosen`` (the log odds ratio), TRL's names.
     """
     ratio = log_odds(policy_chosen_logps) - log_odds(policy_rejected_logps)
     log_sigmoid_ratio = F.logsigmoid(ratio)
@@ -1372,32 +1266,21 @@ def kto_objective(
         desirable:   lambda_D * (1 - sigmoid(beta * (r - z0)))
         undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))
 
-    z0 is the mean over every element of ``policy_kl_logps - reference_kl_logps``: the micro-batch's
-    estimate when the trainer passes this micro-batch's (B,) log-probs, TRL's (which averages over
-    processes) when it passes them gathered from all processes or an already-reduced difference
-    (with zeros for the reference).
-
-    Two forms, one function:
-        paired (``label`` None): chosen = desirable, rejected = undesirable; a pair's loss is the
-            mean of its two completions' losses (the paper's expectation over the 2B completions,
-            i.e. TRL's loss on the unpaired version of the same batch).
-        unpaired (``label`` given, no rejected inputs): row i is the completion in
-            ``policy_chosen_logps[i]``, desirable where ``label[i]``.
+    Paired (``label`` None): a pair's loss is the mean of its chosen (desirable) and rejected
+    (undesirable) completions' losses. Unpaired (``label`` given, no rejected inputs): row i is the
+    completion in ``policy_chosen_logps[i]``, desirable where ``label[i]``.
 
     Args:
         policy_chosen_logps, reference_chosen_logps: (B,) summed log-probs.
-        policy_kl_logps, reference_kl_logps: (N,) summed log-probs of the mismatched pairs (any N >= 1).
-        beta: > 0. desirable_weight, undesirable_weight: lambda_D, lambda_U, > 0.
+        policy_kl_logps, reference_kl_logps: (N,) summed log-probs of the mismatched pairs (any N >= 1;
+            pass them gathered from all processes for TRL's estimate of z0).
         policy_rejected_logps, reference_rejected_logps: (B,), paired form only.
         label: (B,) bool, unpaired form only.
 
     Returns:
-        (losses, chosen_rewards, rejected_rewards, metrics). Paired: rewards beta * r of the
-        chosen and rejected completions, (B,) each, detached; metrics ``kl`` (z0, repeated (B,)).
-        Unpaired: no pair, so the rewards are None; metrics ``kl`` (B,), and beta * r of this
-        micro-batch's desirable rows as ``rewards_desirable`` and of its undesirable rows as
-        ``rewards_undesirable`` (variable length, left out when there is none), whose means are
-        TRL's ``rewards/chosen`` and ``rewards/rejected``.
+        (losses, chosen_rewards, rejected_rewards, metrics), losses (B,); metrics ``kl`` (z0, (B,)).
+        Paired: rewards beta * r, (B,) each, detached. Unpaired: rewards None; metrics
+        ``rewards_desirable`` and ``rewards_undesirable``, beta * r of those rows (left out when empty).
 
     Raises:
         ValueError: if both or neither of ``label`` and the rejected log-probs are given.
@@ -1430,9 +1313,7 @@ def kto_objective(
 
 
 def objectives_table() -> str:
-    """docs/objectives.md's table of objectives, written from the declarations (a test checks that the
-    page carries exactly this): per ``loss=<name>``, what it is, its source, whether it loads a
-    reference, summed or per-token log-probs, and its ``loss.*`` keys with their defaults."""
+    """docs/objectives.md's Markdown table of the registered objectives, with their sources and ``loss.*`` defaults."""
     rows = [
         "| `loss=` | objective | source | reference | log-probs | keys (defaults) |",
         "|---|---|---|---|---|---|",
