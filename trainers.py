@@ -42,19 +42,14 @@ from preference_datasets import (
 from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
-"""The signals that make :meth:`BasicTrainer.train` save a checkpoint and stop (SIGUSR1: what
-SLURM's ``--signal=USR1@<seconds>`` sends before a time limit; absent on Windows); train.py
-then exits with 128 + the signal (130, 143, 138)."""
+"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1: SLURM's
+``--signal=USR1@<seconds>``; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Learning-rate multiplier for optimizer step ``step`` (0-based).
-
-    Linear warmup as in the reference repository, ``min(1, (step + 1) / (warmup_steps + 1))``,
-    so the first step already moves the weights; then ``constant``, or ``linear`` / ``cosine``
-    decay to 0 at ``total_steps``.
-    """
-    warm = min(1.0, (step + 1) / (warmup_steps + 1))
+    """Learning-rate multiplier for optimizer step ``step`` (0-based): linear warmup
+    ``min(1, (step + 1) / (warmup_steps + 1))``, then ``constant``, or ``linear`` / ``cosine`` decay to 0 at ``total_steps``."""
+    warm = min(1.0, (step + 1) / (warmup_steps + 1))  # step 0 already moves the weights
     if schedule == "constant" or step < warmup_steps:
         return warm
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
@@ -77,15 +72,10 @@ class NonFiniteLossError(RuntimeError):
 
 
 def concatenated_inputs(batch: dict) -> dict:
-    """Stack chosen over rejected, right-padded to a common length, for one forward pass.
+    """Chosen stacked over rejected, right-padded to one length, for one forward pass.
 
-    Args:
-        batch: with ``chosen_*`` and ``rejected_*`` tensors of shape (B, T_c) and (B, T_r).
-
-    Returns:
-        dict with ``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r));
-        rows [0, B) are chosen, rows [B, 2B) rejected.
-    """
+    Returns ``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)) from (B, T_c) and (B, T_r);
+    rows [0, B) are chosen, rows [B, 2B) rejected."""
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     out = {}
     for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", losses.IGNORE_INDEX)):
@@ -107,21 +97,10 @@ def _kept_positions(labels: torch.Tensor) -> int:
 
 
 def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits only where a response token is predicted, and the labels aligned with them.
-
-    The output layer (B x T x V, the largest tensor for a large vocabulary) is applied only
-    from the position before the batch's first response token on (``logits_to_keep``), not
-    over the prompts. All of them at once: :func:`response_logps` takes them in chunks.
-
-    Args:
-        model: a Hugging Face causal LM.
-        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T), right-padded.
-
-    Returns:
-        (logits, labels): (B, K, V) and (B, K) with K <= T, for ``losses.get_batch_logps``.
-    """
+    """Logits (B, K, V) from the position before the batch's first response token on
+    (``logits_to_keep``), and the labels (B, K) aligned with them; inputs (B, T) right-padded, K <= T."""
     labels = inputs["labels"]
-    keep = _kept_positions(labels)
+    keep = _kept_positions(labels)  # the output layer (B x T x V) skips the prompts
     logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logits_to_keep=keep).logits
     # a split model's logits may end on another GPU
     return logits, labels[:, labels.shape[1] - logits.shape[1] :].to(logits.device)
@@ -130,15 +109,12 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def response_logps(
     model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``losses.get_batch_logps`` of the padded forward (:func:`response_logits`), with the
-    output layer in chunks of ``chunk`` positions, each only where a token is predicted
-    (``packing.output_layer_logps``), so no (B, K, V) logits are held.
+    """``losses.get_batch_logps`` of the padded forward, the output layer in chunks of ``chunk`` positions
+    where a token is predicted (``packing.output_layer_logps``); inputs (B, T), padded on either side.
 
     Args:
-        model: a Hugging Face causal LM.
-        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T) (padded on either side).
         average_log_prob: mean per labelled token instead of the sum.
-        chunk: positions per call of the output layer; None or 0: :func:`response_logits`.
+        chunk: positions per output-layer call; None or 0: all at once (:func:`response_logits`).
 
     Returns:
         (logps, n_tokens): each (B,) float32, on the device of the model's output.
@@ -170,31 +146,22 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
 
 
 def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``params`` grouped by kind: plain tensors together, and DTensors (tensor parallelism,
-    FSDP2) by their device mesh, in order of first appearance (the same on every rank). torch's
-    foreach kernels (its optimizers' default on CUDA, and ``clip_grad_norm_``'s) refuse a list
-    that mixes DTensors with plain tensors or DTensors of different meshes.
-
-    Returns:
-        Lists of the same tensors; one list when all are of one kind (or there are none).
-    """
+    """``params`` in lists of one kind each: plain tensors, and DTensors by device mesh, in order of first
+    appearance (the same on every rank); one list when all are of one kind (or there are none)."""
     from torch.distributed.tensor import DTensor
 
     groups: dict = {}
     for p in params:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return list(groups.values()) or [[]]
+    return list(groups.values()) or [[]]  # torch's foreach kernels refuse a mix of kinds
 
 
 class BasicTrainer(OnlineSampling):
     """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
 
     Args:
-        policy: the causal LM being trained; a ``peft.PeftModel`` (``model.lora``) trains its
-            adapters, and the reference is then the same network with them off.
-        config: the composed Hydra config.
-        run_dir: this run's output folder.
-        tokenizer: the policy's tokenizer.
+        policy: the causal LM; a ``peft.PeftModel`` (``model.lora``) trains its adapters and is its own
+            reference with them off.
         train_examples, eval_examples: from ``preference_datasets.load_examples``.
         reference_model: the frozen reference (None for SFT or reference_free DPO).
         logger: a ``utils.MetricsLogger``.
@@ -288,10 +255,8 @@ class BasicTrainer(OnlineSampling):
         return self.rank == 0
 
     def prepare_models(self) -> None:
-        """Move the policy and reference to this process's device; a model already placed by
-        ``model.device_map`` (``hf_device_map``: split over several GPUs by accelerate, whose
-        hooks move activations between them) is never moved. ``self.device``, where inputs go,
-        is the device of the policy's first parameter (its embeddings)."""
+        """Move the policy and reference to this process's device, except a model split by ``model.device_map``
+        (``hf_device_map``); ``self.device``, where inputs go, is that of the policy's first parameter."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
         for model in (self.policy, self.reference_model):
             if model is not None and getattr(model, "hf_device_map", None) is None:
@@ -343,13 +308,8 @@ class BasicTrainer(OnlineSampling):
         return {}
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        """``config.optimizer`` over the policy's parameters (RMSprop is the reference default;
-        AdamW uses ``config.weight_decay``). ``optimizer_foreach`` (null: torch's default, the
-        foreach kernels on CUDA and a loop on CPU) forces either way.
-
-        Parameters of different kinds (plain tensors, DTensors of each device mesh; see
-        :func:`parameter_groups`) go into one param group each, all with the same settings:
-        torch's foreach kernels take one group's tensors at once and refuse such a mix."""
+        """``config.optimizer`` over the policy's trainable parameters (AdamW, Adam, SGD: ``config.weight_decay``;
+        ``optimizer_foreach`` null: torch's default), one param group per :func:`parameter_groups` group."""
         params = [p for p in self.policy.parameters() if p.requires_grad]
         cls = getattr(torch.optim, self.config.optimizer)
         kwargs = {"lr": self.config.lr}
@@ -358,6 +318,7 @@ class BasicTrainer(OnlineSampling):
         if self.config.get("optimizer_foreach") is not None:
             kwargs["foreach"] = bool(self.config.optimizer_foreach)
         groups = parameter_groups(params)
+        # foreach kernels take one group's tensors at once
         return cls(params if len(groups) == 1 else [{"params": group} for group in groups], **kwargs)
 
     # ------------------------------------------------------------------ log-probs and loss
@@ -372,18 +333,16 @@ class BasicTrainer(OnlineSampling):
         return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chosen and rejected log-probs of ``model``, as one padded forward of chosen stacked
-        over rejected would give them (within float tolerance), computed without the padding
-        and with each prompt once (:func:`packed_sequence_logps`); a batch that is not
-        right-padded takes the plain padded forward (:func:`response_logps`). Either way the
-        output layer runs in chunks of ``output_layer_chunk`` positions (read with a default,
-        as ray_launcher's reference actors call this with themselves as ``self``).
+        """Chosen and rejected log-probs of ``model`` as one padded forward of chosen over rejected gives them,
+        computed without padding and with each prompt once (:func:`packed_sequence_logps`), or, for a batch
+        that is not right-padded, by :func:`response_logps`.
 
         Returns:
-            (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) the
-            response-token counts (chosen rows first).
+            (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) response-token counts
+            (chosen rows first).
         """
         n = batch["chosen_input_ids"].shape[0]
+        # a default: ray_launcher's reference actors pass themselves as self
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
         if packed is not None:
@@ -398,14 +357,11 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32.
-
-        The one seam between the trainer and the reference model: a live module here;
-        a precomputed cache or remote workers can stand behind it without the loss knowing.
+        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32: the one seam to the reference
+        (a live module, a precomputed cache or remote workers).
 
         Raises:
-            RuntimeError: if the loss needs a reference and none was given, or the remote
-                reference is unreachable (never the policy in its place).
+            RuntimeError: if the loss needs a reference and none was given, or the remote one is unreachable.
         """
         if self.remote_reference is not None:
             chosen, rejected = self.remote_reference(batch)
@@ -420,9 +376,8 @@ class BasicTrainer(OnlineSampling):
 
     @contextlib.contextmanager
     def adapters_off(self):
-        """Within: ``self.policy`` is the reference of a LoRA run, its frozen base (peft's
-        ``disable_adapter``: every adapter bypassed), in eval mode as a reference is (no
-        dropout); the adapters and the mode are back afterwards, also on an error."""
+        """Within: ``self.policy`` with every adapter bypassed (peft's ``disable_adapter``), in eval mode (a
+        LoRA run's reference); adapters and mode are restored afterwards, also on an error."""
         training = self.policy.training
         self.policy.eval()
         try:
@@ -433,8 +388,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference
-        module's, or, for a LoRA policy, the policy's with its adapters off (:meth:`adapters_off`).
+        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's,
+        or a LoRA policy's with its adapters off (:meth:`adapters_off`).
 
         Raises:
             RuntimeError: if there is neither.
@@ -451,21 +406,12 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def precompute_reference(self, examples: list[dict], path: str) -> dict:
-        """The live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``
-        as :meth:`reference_logps` computes them, on every process; rank 0 then writes them to
-        ``path`` (:func:`reference_cache_path`) for later runs of the same inputs.
-
-        Each data-parallel rank computes a contiguous share of the examples (sizes differ by at
-        most one) through its shard of the reference, in batches of ``eval_batch_size``; every
-        rank makes the same number of forward calls (a stand-in batch, whose result is dropped,
-        when its share has fewer batches), as FSDP's collectives need; the shares are then
-        gathered. Rank 0 says how many pairs each rank computed. A cache file that cannot be
-        written costs only the reuse (one warning sentence): training goes on. A LoRA policy is
-        its own reference (:meth:`live_reference_logps`: adapters off), so none is loaded for it.
-        """
+        """The live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``, on every
+        process; rank 0 writes them to ``path`` (:func:`reference_cache_path`), with one warning if it cannot."""
         world, rank = self.data_world_size, self.data_rank
-        bounds = np.linspace(0, len(examples), world + 1).round().astype(int)
+        bounds = np.linspace(0, len(examples), world + 1).round().astype(int)  # a contiguous share per data-parallel rank
         size = self.config.eval_batch_size
+        # the same on every rank: FSDP's collectives need it
         n_calls = max(math.ceil((hi - lo) / size) for lo, hi in zip(bounds[:-1], bounds[1:]))
         mine = examples[bounds[rank] : bounds[rank + 1]]
         config = self.config
@@ -499,22 +445,13 @@ class BasicTrainer(OnlineSampling):
         return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
-        """Loss of one micro-batch, scaled so that summing over the micro-batches of a batch
-        gives the loss of the whole batch, and the metrics of the micro-batch.
-
-        Computes what the objective's declaration (``losses.Objective``) asks for and nothing
-        more: scores for a score head; the chosen responses alone for SFT data; otherwise chosen
-        and rejected log-probs, the reference's only when the objective uses it, the chosen NLL
-        only when used; then the objective's function gives per-example losses and rewards.
+        """Loss of one micro-batch, scaled so that the micro-batches' losses sum to the batch's, and its
+        metrics (name -> list of floats).
 
         Args:
-            batch: a collated (micro-)batch.
             n_batch_examples: examples in the whole batch.
             n_batch_tokens: chosen target tokens in the whole batch (a per-token objective's mean).
             split: "train" or "eval" (for metric names).
-
-        Returns:
-            (loss, metrics): a scalar tensor and a dict of name -> list of floats.
         """
         objective = self.objective
         metrics: dict[str, list[float]] = {}
@@ -604,11 +541,9 @@ class BasicTrainer(OnlineSampling):
         return inputs
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of single sequences (``input_ids``, ``attention_mask``, ``labels``, each (B, T),
-        right-padded; SFT targets, KTO completions): each sequence one packed row without its
-        padding (:func:`packed_single_logps`, in as many forward calls as
-        :meth:`concatenated_forward` makes), the output layer in chunks; a batch that is not
-        right-padded takes the padded forward (:func:`response_logps`).
+        """Log-probs of single right-padded sequences (``input_ids``, ``attention_mask``, ``labels``, each
+        (B, T); SFT targets, KTO completions), each packed without padding (:func:`packed_single_logps`), or,
+        when not right-padded, by :func:`response_logps`.
 
         Returns:
             ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
@@ -622,10 +557,9 @@ class BasicTrainer(OnlineSampling):
         return logps.to(self.device), n_tokens.to(self.device)
 
     def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mismatched pairs' log-probs as the objective gets them: this micro-batch's (B,) each on
-        one process; with several data-parallel processes, the mean over processes of each one's
-        mean difference as one value (shape (1,)) and a zero reference (one all-reduce; every
-        process calls this once per micro-batch, stand-ins for missing examples included)."""
+        """The mismatched pairs' log-probs as the objective gets them: (B,) each on one process; with several
+        data-parallel processes, the mean over processes of the mean difference, shape (1,), and a zero
+        reference (one all-reduce; every process calls this once per micro-batch)."""
         if self.data_world_size == 1:
             return policy_kl, reference_kl
         mean = self.global_sum(float((policy_kl - reference_kl).float().mean())) / self.data_world_size
@@ -641,13 +575,11 @@ class BasicTrainer(OnlineSampling):
         return self.gathered_kl(policy_kl, ref_kl)
 
     def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
-        """Inputs for a micro-batch of unpaired rows (``chosen_*`` tensors hold each row's completion,
-        ``label`` (B,) bool says whether it is desirable; no rejected side): the completions'
-        log-probs (the policy's with gradient, the reference's), the mismatched pairs' log-probs
-        and the label.
+        """Objective inputs for unpaired rows (``chosen_*``: each row's completion; ``label`` (B,) bool: desirable):
+        the completions' log-probs (policy with gradient, reference), the mismatched pairs' and the label.
 
         Raises:
-            ValueError: if the objective does not train on unpaired rows (the data checks refuse that earlier).
+            ValueError: if the objective trains on pairs.
         """
         objective = self.objective
         if not objective.unpaired:
@@ -704,12 +636,9 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def score_answers(self) -> dict:
-        """The policy's greedy answer to every eval prompt, scored by each of ``eval_reward_functions``:
-        ``answers_eval/<name>`` is the mean score over the prompts it scored (for an exact check such
-        as ``arithmetic``, the share answered exactly right), ``answers_eval/<name>_failed`` the share
-        it could not score (None, a non-number or an exception), ``answers_eval/ended`` the share of
-        answers that stopped at EOS within ``max_length - max_prompt_length`` new tokens. Each function
-        gets the eval rows' other columns as fields (``rewards.field_columns``)."""
+        """The policy's greedy answers to the eval prompts, scored by each of ``eval_reward_functions``:
+        ``answers_eval/<name>`` (mean score over the prompts it scored), ``answers_eval/<name>_failed`` (share
+        not scorable), ``answers_eval/ended`` (share stopped at EOS within ``max_length - max_prompt_length`` tokens)."""
         prompts, ids, fields = [], [], []
         for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
             prompts.extend(batch["prompt"])
@@ -743,6 +672,7 @@ class BasicTrainer(OnlineSampling):
             mask = completion_mask(completions, self.stop_ids)
             texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
             ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
+            # the eval rows' other columns, as fields
             columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
             for name, scorer in self.answer_functions:
                 scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
@@ -825,8 +755,7 @@ class BasicTrainer(OnlineSampling):
         """One optimizer step on one batch (gradient accumulation over micro-batches).
 
         Raises:
-            NonFiniteLossError: if a loss or the gradient norm is NaN or inf (before the
-                optimizer step, so the weights stay as they were).
+            NonFiniteLossError: if a loss or the gradient norm is NaN or inf (before the optimizer step).
         """
         n_examples = len(batch["prompt"])
         self.step_tokens = count_tokens(batch)
@@ -870,16 +799,12 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def update_reference(self, mode: str, alpha: float) -> None:
-        """TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real
-        Good Alignment", Sec. 3): ``soft`` mixes the policy into the reference,
-        theta_ref <- alpha * theta + (1 - alpha) * theta_ref; ``hard`` copies it, theta_ref <- theta.
-        Called every ``reference_update.every`` optimizer steps (the paper's tau; TRL's
-        ``ref_model_sync_steps`` with ``ref_model_mixup_alpha``). Works shard by shard: policy and
-        reference are sharded alike under FSDP and tensor parallelism, so no weight is gathered.
+        """TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
+        Alignment", Sec. 3), every ``reference_update.every`` steps (the paper's tau): ``soft``
+        theta_ref <- alpha * theta + (1 - alpha) * theta_ref; ``hard`` theta_ref <- theta.
 
         Raises:
-            RuntimeError: if there is no live reference module (a precomputed or remote one
-                cannot be updated; the config checks refuse those first).
+            RuntimeError: if no live reference module is loaded in this process.
         """
         if self.reference_model is None:
             raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
@@ -887,7 +812,7 @@ class BasicTrainer(OnlineSampling):
             for module in model.modules():
                 if hasattr(module, "reshard"):  # FSDP2 keeps a root's weights gathered after a no-grad forward
                     module.reshard()
-        policy = dict(self.policy.named_parameters())
+        policy = dict(self.policy.named_parameters())  # sharded alike (FSDP, TP): nothing is gathered
         for name, ref in self.reference_model.named_parameters():
             theta = policy[name].detach()
             theta = theta.to(ref.dtype) if theta.dtype != ref.dtype else theta
@@ -914,12 +839,9 @@ class BasicTrainer(OnlineSampling):
         )
 
     def train(self) -> int | None:
-        """Run training to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples,
-        checkpointing after each eval and at the end. SIGINT, SIGTERM or SIGUSR1
-        (:data:`STOP_SIGNALS`; SLURM's warning before a time limit) save a checkpoint and stop.
-        When training ends normally, rank 0 then writes ``<run_dir>/FINISHED``
-        (``utils.mark_finished``; what ``resume=auto`` skips), also for a run already complete
-        that has none; never after a signal or an error.
+        """Train to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples and checkpointing
+        after each eval and at the end; a signal in :data:`STOP_SIGNALS` saves a checkpoint and stops, and a
+        normal end writes ``<run_dir>/FINISHED`` on rank 0 (``utils.mark_finished``; what ``resume=auto`` skips).
 
         Returns:
             None when training finished, else the number of the signal that stopped it.
@@ -1030,17 +952,15 @@ class BasicTrainer(OnlineSampling):
             self.logger.finish()
 
     def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
-        """Print :func:`format_peak_memory`'s line and, without a GPU, the allocator that served
-        this process's memory (utils.cpu_allocator: a preloaded tcmalloc/jemalloc, or glibc and its
-        mmap threshold), which decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
+        """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator
+        (``utils.cpu_allocator``), which decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
         print(format_peak_memory(memory))
         if "cuda" not in memory:
             print(f"CPU memory allocator: {utils.cpu_allocator()}.")
 
     def log_peak_memory(self) -> dict[str, list[float]]:
-        """Log each process's peak resident memory (and peak CUDA memory) as ``memory/*``, and
-        its peak resident memory up to the end of model loading and sharding (``setup_peak_rss``).
-        Every process must call it (a gather).
+        """Log each process's peak resident memory (also up to the end of model loading, ``setup_peak_rss``)
+        and peak CUDA memory as ``memory/*``; every process must call it (a gather).
 
         Returns:
             {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
@@ -1070,15 +990,12 @@ class BasicTrainer(OnlineSampling):
         pending.clear()
 
     def _request_stop(self, signum, frame):
-        """The handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint (the step's
-        end tells every rank, ``any_rank``). A second Ctrl-C (SIGINT) stops at once
-        (KeyboardInterrupt); a repeated SIGTERM or SIGUSR1 is ignored, since schedulers deliver
-        them more than once (SLURM's scancel signals every process of a step, torchrun included,
-        which forwards it to the ranks again) and the checkpoint under way must not be lost."""
+        """Handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint; a second SIGINT raises
+        KeyboardInterrupt, a repeated SIGTERM or SIGUSR1 is ignored."""
         if self.stop_requested:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt
-            return
+            return  # schedulers deliver these more than once (scancel, then torchrun); keep the checkpoint under way
         print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
         self.stop_requested = True
         self.stop_signal = signum
@@ -1086,22 +1003,13 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> str:
-        """Write ``step-<examples>/`` atomically and point ``LATEST`` at it.
+        """Write ``step-<examples>/`` atomically and point ``LATEST`` at it; returns its path.
 
-        Holds the reference repository's files (policy.pt, optimizer.pt, scheduler.pt, each
-        ``{step_idx, state, ...}``), trainer_state.pt (example counter, RNG, data position)
-        and ``hf/``, a folder that ``AutoModelForCausalLM.from_pretrained`` and
-        ``AutoTokenizer.from_pretrained`` load. Returns the checkpoint's path. A LoRA run's
-        policy.pt holds the adapters alone (the frozen base is the run's start, rebuilt from
-        its config) and ``hf/`` is the adapter folder (:meth:`write_hf_export`).
-
-        The reference-format files come first; an ``hf/`` export that fails (e.g. a model whose
-        ``save_pretrained`` refuses its ``quantization_config``) is left out with one warning
-        sentence, and the checkpoint is published all the same.
+        It holds policy.pt, optimizer.pt, scheduler.pt (each ``{step_idx, state, ...}``), trainer_state.pt and
+        ``hf/`` (:meth:`write_hf_export`; LoRA: adapters alone); a failed ``hf/`` export is left out with one warning.
 
         Raises:
-            utils.CheckpointError: when the checkpoint itself cannot be written (disk full, I/O
-                error): the partial folder is removed and ``LATEST`` keeps its earlier target.
+            utils.CheckpointError: if the checkpoint cannot be written; ``LATEST`` keeps its earlier target.
         """
         step = self.example_counter
         self.hf_export_failure = None
@@ -1140,8 +1048,7 @@ class BasicTrainer(OnlineSampling):
         """Load policy.pt's ``state`` into the policy; a LoRA policy's holds its adapters alone.
 
         Raises:
-            RuntimeError: if ``state`` does not fit the policy (for LoRA: names other than its
-                adapters', or adapters missing).
+            RuntimeError: if ``state`` does not fit the policy (LoRA: other names, or adapters missing).
         """
         if self.peft_model is None:
             self.policy.load_state_dict(state)
@@ -1152,23 +1059,15 @@ class BasicTrainer(OnlineSampling):
             raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
 
     def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
-        """Write the Hugging Face export (policy and tokenizer ``save_pretrained``) into ``folder``.
-
-        A LoRA policy's export is its adapter folder, which ``peft.PeftModel.from_pretrained(base,
-        folder)`` loads onto the base (its ``base_model_name_or_path``: ``utils.lora_base_path``),
-        and with ``model.lora.export_merged`` also ``folder/merged``, the base with the adapters
-        merged in (peft's ``merge_and_unload`` on a copy that shares the weights; the policy is
-        untouched), which ``AutoModelForCausalLM.from_pretrained`` loads. The tokenizer and a
-        model card (README.md with the training curves so far, :func:`modelcard.write_cards`) go
-        into both.
+        """Write the Hugging Face export (policy, tokenizer, model card) into ``folder``; a LoRA policy's is
+        its adapter folder (``peft.PeftModel.from_pretrained``), plus the merged model in ``folder/merged``
+        with ``model.lora.export_merged``.
 
         Args:
-            state_dict: the full weights when the policy is sharded (FSDP/TP), else None (a
-                LoRA policy's may hold the adapters alone when no merged folder is asked for).
+            state_dict: the full weights when the policy is sharded (FSDP/TP), else None.
 
         Returns:
-            None, or why the export failed (the type and first line of the error); ``folder``
-            is then removed, and nothing else is touched: an export never costs the checkpoint.
+            None, or why the export failed (``folder`` is then removed; the checkpoint is kept).
         """
         import shutil
 
@@ -1179,7 +1078,7 @@ class BasicTrainer(OnlineSampling):
                 exporter.save_pretrained(folder, save_embedding_layers=False)
                 self.tokenizer.save_pretrained(folder)
                 if self.lora.get("export_merged"):
-                    merged = exporter.merge_and_unload(safe_merge=True)
+                    merged = exporter.merge_and_unload(safe_merge=True)  # a copy sharing the weights: the policy is untouched
                     merged.generation_config = self.policy.generation_config
                     merged.save_pretrained(os.path.join(folder, "merged"))
                     self.tokenizer.save_pretrained(os.path.join(folder, "merged"))
@@ -1292,14 +1191,11 @@ def set_numpy_rng_state(state) -> None:
 
 
 def read_checkpoint_file(checkpoint_dir: str, name: str):
-    """Load ``name`` from the checkpoint folder ``checkpoint_dir`` onto the CPU with ``weights_only=True``;
-    a trainer_state.pt of an earlier version (NumPy's RNG state as a uint32 ndarray) is read by allowing
-    just the globals that rebuild such an array (no code of the file's choosing can run).
+    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (an earlier version's
+    trainer_state.pt: also the globals that rebuild its NumPy uint32 RNG key).
 
     Raises:
-        utils.ConfigError: one sentence naming the file when it is missing or cut short (and the
-            intact checkpoint to resume from: :func:`utils.damaged_checkpoint_message`), cannot be
-            read or holds anything else.
+        utils.ConfigError: naming the file when it is missing, cut short, unreadable or holds anything else.
     """
     path = os.path.join(checkpoint_dir, name)
     problem = utils.checkpoint_file_problem(checkpoint_dir, name)
@@ -1311,6 +1207,7 @@ def read_checkpoint_file(checkpoint_dir: str, name: str):
         path,
         f"The checkpoint file {os.path.realpath(path)}",  # step-N/, not LATEST/, which moves
         "resume only from checkpoints written by this repository's train.py",
+        # only what rebuilds the array: no code of the file's choosing runs
         safe_globals=old_numpy if name == "trainer_state.pt" else (),
     )
 
@@ -1326,16 +1223,12 @@ SHARDED_METADATA_CLASSES = {
 
 
 def read_sharded_checkpoint(state: dict, folder: str) -> None:
-    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: its
-    ``FileSystemReader`` unpickles ``.metadata`` with ``pickle.load`` and its planner loads the
-    non-tensor entries with torch's full (unrestricted) unpickler, either of which runs code a crafted
-    folder holds; here the metadata goes through an unpickler that allows :data:`SHARDED_METADATA_CLASSES`
-    alone and the entries through ``weights_only=True``.
+    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: the
+    ``.metadata`` pickle through an unpickler allowing :data:`SHARDED_METADATA_CLASSES` alone, the entries
+    through ``weights_only=True`` (DCP's own reader unpickles both without restriction).
 
     Raises:
-        utils.ConfigError: one sentence naming ``folder`` when it holds anything else, or naming the
-            file that is missing or cut short (checked against the metadata before DCP reads) and
-            the intact checkpoint to resume from (:func:`utils.damaged_checkpoint_message`).
+        utils.ConfigError: naming ``folder`` when it holds anything else, or the file missing or cut short.
     """
     import pickle
     import sys
@@ -1469,12 +1362,9 @@ def _postfix(means: dict) -> dict:
 
 
 def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:
-    """The file in ``cache_dir`` for the reference log-probs of ``examples``: named by a hash of
-    the reference's whole weights (call it where they are whole: one process, or rank 0 before
-    sharding), the tokenizer, the examples' texts, the truncation settings and
-    ``loss.average_log_prob``, so a run with the same inputs finds what an earlier one wrote.
-    A LoRA policy (whose reference is its base) names the file by its base weights, as that
-    model alone would."""
+    """The file in ``cache_dir`` for the reference log-probs of ``examples``, named by a hash of the
+    reference's whole weights (LoRA: its base's; call it where they are whole), the tokenizer, the
+    examples' texts, the truncation settings and ``loss.average_log_prob``."""
     from preference_datasets import example_key
 
     digest = hashlib.sha256()
@@ -1523,10 +1413,8 @@ def write_reference_cache(path: str, cache: dict) -> str | None:
 
 @torch.no_grad()
 def precompute_reference_logps(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> dict:
-    """One pass of the reference (whole, in this process) over ``examples``; returns
-    {example key: (chosen, rejected)}, cached in :func:`reference_cache_path`, so a second run
-    with the same inputs reads it instead of computing it. (train.py computes it in the trainer,
-    sharded: :meth:`BasicTrainer.precompute_reference`.)"""
+    """One pass of the whole reference in this process over ``examples``: {example key: (chosen, rejected)},
+    cached in :func:`reference_cache_path` and read from there when present."""
     path = reference_cache_path(reference, examples, tokenizer, config, cache_dir)
     cached = read_reference_cache(path)
     if cached is not None:
@@ -1619,9 +1507,8 @@ class _DistributedTrainer(BasicTrainer):
         return 1
 
     def reshard_reference(self) -> None:
-        """Free the reference's gathered weights after a forward: FSDP2 keeps a root module's
-        (embeddings, final norm, output layer; the largest for a large vocabulary) gathered on
-        every rank after its forward, for a backward that a no-grad reference never runs."""
+        """Free the reference's gathered weights after a forward (FSDP2 keeps a root module's gathered for a
+        backward that a no-grad reference never runs)."""
         from torch.distributed.fsdp import FSDPModule
 
         if self.reference_model is None:
@@ -1666,14 +1553,10 @@ class _DistributedTrainer(BasicTrainer):
         return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
 
     def wait_for_all(self) -> None:
-        """A barrier. At the end of a run it keeps every rank until rank 0 has said how the run
-        ended, and lets gloo's worker threads release the tensors of the collectives before it
-        while the interpreter still runs: one that frees them during interpreter exit needs the
-        GIL then and aborts the process ("terminate called without an active exception", seen
-        about once in 20 two-rank CPU runs), which made the launcher stop rank 0 mid-sentence."""
+        """A barrier across all ranks."""
         import torch.distributed as dist
 
-        dist.barrier()
+        dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
 
     def gather_metrics(self, metrics: dict) -> dict:
         """Every data-parallel group's lists, concatenated in order (tensor-parallel peers computed the same)."""
@@ -1692,24 +1575,19 @@ class _DistributedTrainer(BasicTrainer):
         return out
 
     def shard_from_rank0(self, model: torch.nn.Module, shard) -> None:
-        """Shard ``model`` over ``self.mesh`` with ``shard`` (FSDP or a TP plan), its weights sent from rank 0.
-
-        Rank 0 holds the loaded weights and the other ranks the same architecture on the meta
-        device (``utils.rank0_model``). Every rank moves the model to meta, shards it there,
-        allocates only its own slice on ``self.device`` and receives that slice from rank 0
-        (``set_model_state_dict`` with ``broadcast_from_rank0``); buffers kept out of the state
-        dict (rotary ``inv_freq``) are broadcast as well. No rank ever holds the full model on
-        its device, and only rank 0 read the checkpoint.
-        """
+        """Shard ``model`` over ``self.mesh`` with ``shard`` (FSDP or a TP plan), its weights sent from rank 0:
+        no rank holds the full model on its device, and only rank 0 reads the checkpoint."""
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         state = model.state_dict()
         full = state if self.rank == 0 else {}
         unsaved = {n: b.detach().clone() for n, b in model.named_buffers() if n not in state}
+        # rank 0 holds the weights, the others meta tensors (utils.rank0_model)
         utils.keeping_ties(model, lambda model: model.to("meta"))
         shard(model)
         utils.keeping_ties(model, lambda model: model.to_empty(device=self.device))
+        # each rank allocates and receives only its slice
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for name, buffer in model.named_buffers():
             if name in unsaved:
@@ -1718,20 +1596,11 @@ class _DistributedTrainer(BasicTrainer):
                 dist.broadcast(buffer, src=0)
 
     def save(self) -> str:
-        """Each rank writes its own shard of policy and optimizer (DCP, no full gather) into
-        ``sharded/``; rank 0 also writes the reference-format policy.pt (gathered), scheduler.pt,
-        trainer_state.pt and the ``hf/`` export, then publishes the folder atomically. A LoRA
-        policy's shards, policy.pt and export hold its adapters alone (the frozen base is
-        gathered only for ``model.lora.export_merged``).
-
-        Every rank learns from rank 0 whether the checkpoint was written (a broadcast, which is
-        also the barrier that keeps the others until rank 0 is done), so a failure never leaves
-        a rank waiting. An ``hf/`` export that fails is left out with one warning sentence.
+        """Write the checkpoint: each rank its DCP shard of policy and optimizer in ``sharded/``, rank 0 policy.pt
+        (gathered), scheduler.pt, trainer_state.pt and ``hf/``, published atomically (LoRA: adapters alone).
 
         Raises:
-            utils.CheckpointError: on every rank, when the checkpoint itself cannot be written
-                (disk full, I/O error on any rank): the partial folder is removed and ``LATEST``
-                keeps its earlier target.
+            utils.CheckpointError: on every rank, if any rank cannot write; ``LATEST`` keeps its earlier target.
         """
         import shutil
 
@@ -1801,10 +1670,8 @@ class _DistributedTrainer(BasicTrainer):
         return StateDictOptions(ignore_frozen_params=True, strict=False)
 
     def clip_gradients(self) -> torch.Tensor:
-        """Clip to ``max_grad_norm`` by the global L2 norm. With tensor parallelism, gradients on
-        different meshes (FSDP-only and FSDP x TP) and plain ones mix (TensorParallelTrainer's
-        replicated embeddings and norms beside its sharded blocks, with one process too), which
-        torch's foreach norm refuses, so the norm is summed parameter by parameter."""
+        """Clip to ``max_grad_norm`` by the global L2 norm, summed parameter by parameter when gradients of
+        different meshes or plain ones mix (torch's foreach norm refuses them)."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if self.tp_size == 1 and len(parameter_groups(grads)) == 1:
             return super().clip_gradients()
@@ -1869,15 +1736,9 @@ class _DistributedTrainer(BasicTrainer):
 
 
 class FSDPTrainer(_DistributedTrainer):
-    """Fully sharded data parallel training with PyTorch FSDP2 (``fully_shard``).
-
-    Every transformer block (``model.block_name``, or the model's ``_no_split_modules``) and
-    the root are sharded, for the policy and the reference alike; each rank takes its slice of
-    every global batch. ``model.fsdp_policy_mp=bfloat16|float16`` computes in that dtype with
-    float32 gradient reduction (log-probs and losses stay float32). Micro-batches before the
-    last do not reduce gradients; clipping uses the global norm; sampling keeps every rank
-    stepping until all are done (``synced_gpus``), so ranks never wait on each other forever.
-    """
+    """Fully sharded data parallel training with PyTorch FSDP2 (``fully_shard``) of every transformer block
+    (``model.block_name``, or ``_no_split_modules``) and the root, policy and reference alike; each rank
+    takes its slice of every global batch."""
 
     max_forward_chunks = 1  # every rank must make the same FSDP calls (all-gathers), whatever its data
 
@@ -1895,6 +1756,7 @@ class FSDPTrainer(_DistributedTrainer):
         kwargs = {}
         if self.config.model.fsdp_policy_mp:
             dtype = utils.get_dtype(self.config.model.fsdp_policy_mp)
+            # float32 gradient reduction
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         kwargs["mesh"] = self.mesh["dp"]
         if self.tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
@@ -1931,18 +1793,12 @@ class FSDPTrainer(_DistributedTrainer):
 
 
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
-    """Column-wise / row-wise sharding plan (torch.distributed.tensor.parallel) for the attention
-    and MLP of every block: q/k/v and MLP-in column-wise, attention-out and MLP-out row-wise, so
-    each block needs one all-reduce in attention and one in the MLP (Megatron-LM's layout).
-    Embeddings, norms and the output layer stay replicated.
-
-    GPT-2's fused ``c_attn`` (a Conv1D laid out [q | k | v]) is first turned into an
-    ``nn.Linear`` whose output rows are regrouped per rank as [q_r | k_r | v_r], and each
-    attention's ``split_size`` set to its local width.
+    """Megatron-LM's column-/row-wise sharding plan (torch.distributed.tensor.parallel) for every block: q/k/v
+    and MLP-in column-wise, attention-out and MLP-out row-wise; embeddings, norms and the output layer stay
+    replicated; GPT-2's Conv1D layers become ``nn.Linear`` first (:func:`_gpt2_to_linear`).
 
     Raises:
-        utils.ConfigError: for a model family other than Llama, GPT-NeoX (Pythia) and GPT-2, or
-            a head count not divisible by ``world_size``.
+        utils.ConfigError: for a family other than Llama, GPT-NeoX (Pythia) and GPT-2, or heads not divisible by ``world_size``.
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -1992,12 +1848,8 @@ def _gpt2_to_linear(model: torch.nn.Module, world_size: int) -> None:
 
 
 class TensorParallelTrainer(_DistributedTrainer):
-    """Tensor parallelism with PyTorch's DTensor (``parallelize_module``) for the Llama, GPT-NeoX
-    (Pythia) and GPT-2 families: every process holds a column/row slice of each block's
-    attention and MLP weights (see :func:`tensor_parallel_plan`) and sees the whole batch.
-    The reference repository used the ``tensor_parallel`` package, which no longer imports on
-    current setuptools and rejects transformers 5's default SDPA attention.
-    """
+    """Tensor parallelism with PyTorch's DTensor (``parallelize_module``) for Llama, GPT-NeoX (Pythia) and
+    GPT-2: each process holds a slice of every block (:func:`tensor_parallel_plan`) and sees the whole batch."""
 
     def prepare_models(self) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
