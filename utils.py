@@ -31,11 +31,11 @@ class ConfigError(ValueError):
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
 FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
-"""Optimizers whose state and epsilon underflow in float16 weights: tried on a tiny Llama, each
-of these makes every weight NaN at the first step (any lr); SGD does not."""
+"""Optimizers whose state and epsilon underflow in float16 weights, making every weight NaN at the first step (SGD
+does not)."""
 
 DEFAULT_DIST_TIMEOUT_MINUTES = 60
-"""``dist_timeout_minutes`` when a config has none (one saved before the key existed)."""
+"""``dist_timeout_minutes`` when a config has none."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -205,13 +205,12 @@ def given_keys(overrides: list[str]) -> set[str]:
 
 
 def settle_given(config: DictConfig, given: set[str]) -> None:
-    """Apply what the command line's keys ``given`` mean over a preset's or config.yaml's values:
-    ``n_epochs`` given without ``n_examples`` governs (``n_examples`` becomes null, so a preset's
-    ``n_examples``, e.g. model=tiny's 40000, does not win); ``n_examples`` given wins as always.
+    """Let the command line's keys ``given`` win over a preset's values: ``n_epochs`` given without ``n_examples``
+    sets ``n_examples`` to null.
 
     Raises:
-        ConfigError: when the command line gives two keys that contradict (both ``n_epochs`` and
-            ``n_examples``, both ``model.tokenizer_class`` and ``model.tokenizer_name_or_path``).
+        ConfigError: if the command line sets both ``n_epochs`` and ``n_examples``, or both ``model.tokenizer_class``
+            and ``model.tokenizer_name_or_path``.
     """
     pairs = (
         ("n_epochs", "n_examples", "the training length"),
@@ -249,9 +248,7 @@ def training_length(config: DictConfig, n_train: int) -> str:
 
 
 def data_parallel_size(config: DictConfig, world_size: int) -> int:
-    """Into how many parts each batch is split over ``world_size`` processes: 1 under
-    TensorParallelTrainer (every process sees the whole batch), ``world_size /
-    tensor_parallel_size`` under FSDPTrainer, ``world_size`` otherwise."""
+    """How many data-parallel parts each batch is split into over ``world_size`` processes."""
     if config.trainer == "TensorParallelTrainer":
         return 1
     if config.trainer == "FSDPTrainer":
@@ -296,8 +293,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
 
 
 def validate_numbers(config: DictConfig) -> None:
-    """Check that each of :data:`NUMBER_KEYS` present and not null is a number of the right kind
-    and range (``lr=abc`` would otherwise reach the optimizer after the models load).
+    """Check that each :data:`NUMBER_KEYS` value present and not null is a number of the right kind and range.
 
     Raises:
         ConfigError: naming the key, what it needs and what it got.
@@ -358,16 +354,14 @@ def ray_reference_workers(config: DictConfig) -> int:
 
 
 def lora_settings(model_config: DictConfig) -> DictConfig | None:
-    """``model.lora`` when LoRA is on (``model.lora.r`` set), else None (full fine-tuning; also
-    for a config saved before the key existed)."""
+    """``model.lora`` when LoRA is on (``model.lora.r`` set), else None (full fine-tuning)."""
     lora = model_config.get("lora")
     return lora if lora is not None and lora.get("r") is not None else None
 
 
 def validate_lora(config: DictConfig, objective) -> None:
-    """Check ``model.lora`` (LoRA through peft) and what it cannot be combined with, before any
-    model loads: the reference of a LoRA run is the policy with its adapters off, so nothing
-    may move, place or type the reference apart from the policy's base.
+    """Check ``model.lora`` and what it cannot be combined with (a LoRA run's reference is the policy with
+    adapters off).
 
     Raises:
         ConfigError: naming the first bad key and how to fix it.
@@ -421,11 +415,11 @@ def validate_lora(config: DictConfig, objective) -> None:
 
 
 def validate_hub(config: DictConfig) -> None:
-    """Check ``hub.*`` (absent in a config saved before it existed: no push).
+    """Check ``hub.*`` (absent: no push).
 
     Raises:
-        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true``
-            without a valid ``hub.model_id`` or without ``save_hf_export``.
+        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true`` without a valid
+            ``hub.model_id`` or without ``save_hf_export``.
     """
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -451,8 +445,8 @@ def validate_hub(config: DictConfig) -> None:
 
 
 def online_capable(objective) -> bool:
-    """True if online DPO can train with ``objective`` (a ``losses.Objective``): it learns from
-    (chosen, rejected) pairs with a reference and a ``beta`` (online DPO's statistics use both)."""
+    """True if online DPO can train with ``objective`` (a ``losses.Objective``): paired, with a reference and a
+    ``beta``."""
     return objective.paired and objective.reference is not False and "beta" in objective.keys and not objective.mismatched_kl
 
 
@@ -529,8 +523,7 @@ def check_eval_size(config: DictConfig, n_eval: int) -> None:
 
 
 def set_threads(n: int | None) -> None:
-    """Use ``n`` CPU threads for torch ops (None: torch's default). Tiny models run faster on one
-    thread, and many threads thrash when another process shares the cores."""
+    """Use ``n`` CPU threads for torch ops (None: torch's default)."""
     if n:
         torch.set_num_threads(n)
 
@@ -557,9 +550,8 @@ _MALLOC = {"threshold_mib": None, "noted": False}  # what set_malloc_mmap_thresh
 
 
 def _preloaded_malloc() -> str | None:
-    """Another allocator in this process: the first ``*malloc*`` library of ``LD_PRELOAD`` as
-    written there (tcmalloc, jemalloc, mimalloc), else the file name of one mapped into the
-    process (``/proc/self/maps``), else None."""
+    """The first ``*malloc*`` library of ``LD_PRELOAD``, else one mapped into the process (``/proc/self/maps``),
+    else None."""
     listed = [lib for lib in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "malloc" in os.path.basename(lib)]
     if listed:
         return listed[0]
@@ -572,8 +564,8 @@ def _preloaded_malloc() -> str | None:
 
 
 def _glibc():
-    """This process's C library through ctypes if it is glibc (it has ``gnu_get_libc_version``
-    and ``mallopt``), else None."""
+    """This process's C library through ctypes if it is glibc (has ``gnu_get_libc_version`` and ``mallopt``), else
+    None."""
     import ctypes
 
     libc = ctypes.CDLL(None)
@@ -581,33 +573,15 @@ def _glibc():
 
 
 def set_malloc_mmap_threshold(mib: float | None) -> bool:
-    """Make glibc's malloc serve every allocation of at least ``mib`` MiB from its own memory
-    map, returned to the operating system when freed (``mallopt(M_MMAP_THRESHOLD)``, see
-    mallopt(3)); None leaves the allocator as it is.
-
-    Why: glibc's default threshold starts at 128 KiB and rises to the size of each mapped block
-    freed, up to 32 MiB, so after the first step most activations (1-32 MiB each for a 135M model)
-    are carved from the heap, and the freed heap memory stays resident, in pieces that later,
-    differently-sized tensors fit badly. A fixed threshold stops that growth: on CPU it lowers the
-    peak RSS of a step (bench/README.md, ``bench_memory.py``: DPO with LoRA and activation
-    checkpointing on SmolLM2-135M, 3.1 -> 1.95 GB) at the cost of mapping and zeroing fresh pages
-    for each large tensor (about 15-20% fewer pairs/s there). It only matters where tensors live in
-    host memory: CPU training, or host-side buffers on a GPU machine. The setting is per process;
-    torchrun's and Ray's workers each apply it from the config.
-
-    Args:
-        mib: the threshold in MiB, in (0, 32]; None does nothing.
-
-    A better allocator does more, at full speed (bench/README.md): tcmalloc or jemalloc loaded with
-    ``LD_PRELOAD`` (docs/models.md, "Memory on CPU"); with one preloaded this does nothing.
+    """Make glibc's malloc serve allocations of at least ``mib`` MiB from their own memory maps, returned to the
+    OS when freed (``mallopt(M_MMAP_THRESHOLD)``, mallopt(3)).
 
     Returns:
-        True when the threshold was set; False when ``mib`` is None, another allocator is
-        preloaded (a ``*malloc*`` library in ``LD_PRELOAD``) or the C library is not glibc (macOS,
-        musl); a note is printed once in the last two cases, and nothing changes.
+        True when set; False when ``mib`` is None, another allocator is preloaded or the C library is not glibc
+        (a note is printed once in the last two cases).
 
     Raises:
-        ConfigError: ``mib`` outside (0, 32] (:func:`validate_malloc_mmap_threshold`).
+        ConfigError: ``mib`` outside (0, 32].
     """
     validate_malloc_mmap_threshold(mib)
     if mib is None:
@@ -630,10 +604,8 @@ def set_malloc_mmap_threshold(mib: float | None) -> bool:
 
 
 def cpu_allocator() -> str:
-    """Which allocator serves this process's memory, in words: a preloaded ``*malloc*`` library
-    mapped into the process (``/proc/self/maps``: tcmalloc, jemalloc, mimalloc), else glibc's
-    malloc with the threshold :func:`set_malloc_mmap_threshold` set (or its default), else the C
-    library's malloc (not Linux). Never raises."""
+    """The allocator serving this process's memory, in words: a preloaded ``*malloc*`` library, glibc's malloc
+    with its mmap threshold, or the C library's malloc."""
     preloaded = _preloaded_malloc()
     if preloaded:
         return f"{os.path.basename(preloaded)} (preloaded)"
@@ -655,9 +627,8 @@ _PEAK = {"reset": False, "jobs": 0}
 
 
 def reset_peak_memory() -> None:
-    """Start this job's peak-memory counters afresh: the kernel's resident high-water mark
-    (``/proc/self/clear_refs``, Linux 4.0+) and CUDA's, so that each job of a Hydra multirun (all in
-    one process) reports its own peak, not the process's peak over the jobs before it."""
+    """Reset this job's peak-memory counters (the kernel's resident high-water mark via ``/proc/self/clear_refs``,
+    and CUDA's), so each job of a Hydra multirun reports its own peak."""
     _PEAK["jobs"] += 1
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -670,8 +641,8 @@ def reset_peak_memory() -> None:
 
 
 def peak_rss_mib() -> float:
-    """This job's peak resident memory, MiB: ``VmHWM`` since :func:`reset_peak_memory` on Linux,
-    else the process's peak so far (``ru_maxrss``)."""
+    """This job's peak resident memory, MiB: ``VmHWM`` since :func:`reset_peak_memory` on Linux, else the
+    process's peak (``ru_maxrss``)."""
     with contextlib.suppress(OSError):
         with open("/proc/self/status") as f:
             for line in f:
@@ -709,16 +680,13 @@ def _first_line(error: Exception) -> str:
 
 
 def load_tokenizer(model_config: DictConfig):
-    """The tokenizer ``model.tokenizer_name_or_path`` names (a hub id or folder), else the one
-    ``model.tokenizer_class`` builds with no files (e.g. ByT5Tokenizer), else
-    ``model.name_or_path``'s: ``tokenizer_name_or_path`` wins, so a random model built from
-    ``model.config`` pairs with any tokenizer (its vocab size follows the tokenizer). A pad token
-    is set to EOS when the tokenizer has none; ``model.chat_template`` (a file or a Jinja
-    string) replaces the tokenizer's chat template.
+    """The tokenizer of ``model.tokenizer_name_or_path``, else built by ``model.tokenizer_class``, else
+    ``model.name_or_path``'s, with pad set to EOS if absent and ``model.chat_template`` (a file or Jinja
+    string) applied.
 
     Raises:
-        ConfigError: when the tokenizer cannot be loaded (no such hub id or folder, offline), or
-            ``model.chat_template`` is neither a file nor a Jinja template.
+        ConfigError: when the tokenizer cannot be loaded, or ``model.chat_template`` is neither a file nor a Jinja
+            template.
     """
     import transformers
 
@@ -759,8 +727,8 @@ def read_chat_template(value: str) -> str:
 
 
 def transformers_config(model_config: DictConfig, tokenizer=None):
-    """The transformers config of the model ``model.*`` describes, without loading weights
-    (a random model's vocab_size, pad, BOS and EOS ids default to the tokenizer's).
+    """The transformers config of the model ``model.*`` describes, without weights (a random model's vocab_size
+    and pad/BOS/EOS ids default to the tokenizer's).
 
     Raises:
         ConfigError: if ``model.config.vocab_size`` is smaller than the tokenizer's vocabulary.
@@ -784,8 +752,8 @@ def transformers_config(model_config: DictConfig, tokenizer=None):
 
 
 def check_parallel_model(config: DictConfig, world_size: int) -> None:
-    """Before any process starts: can tensor parallelism split this model (TensorParallelTrainer
-    over ``world_size`` processes, or FSDPTrainer's ``tensor_parallel_size``)?
+    """Check that tensor parallelism can split this model (TensorParallelTrainer over ``world_size`` processes, or
+    FSDPTrainer's ``tensor_parallel_size``).
 
     Raises:
         ConfigError: for an unsupported family or a head count not divisible by the TP size.
@@ -800,10 +768,9 @@ def check_parallel_model(config: DictConfig, world_size: int) -> None:
 
 
 def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
-    """The frozen reference: the model ``model.*`` describes (a random one is seeded by ``seed``,
-    so it equals the policy's start) in ``model.reference_dtype`` (null: the policy's dtype), with
-    ``model.archive``'s weights when set and ``apply_archive`` (main() reads the archive once for
-    policy and reference). train.main and Ray's reference actors (``ray_launcher.ReferenceActor``) load it here."""
+    """The frozen reference of ``model.*`` (a random one seeded by ``seed``, equal to the policy's start) in
+    ``model.reference_dtype`` (null: the policy's), with ``model.archive``'s weights when set and
+    ``apply_archive``."""
     dtype = get_dtype(config.model.reference_dtype) or get_dtype(config.model.policy_dtype)
     reference = load_model(config.model, tokenizer, dtype, config.seed)
     if apply_archive and config.model.archive is not None:
@@ -818,9 +785,8 @@ TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
 
 
 def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None:
-    """Raise ConfigError unless tensor parallelism can split a model with transformers
-    config ``cfg`` over ``world_size`` processes (a supported family, heads divisible); the
-    message names ``key``, the setting to change (``tensor_parallel_size`` for 2-D FSDP x TP)."""
+    """Raise ConfigError unless tensor parallelism can split a model with transformers config ``cfg`` over
+    ``world_size`` processes; the message names ``key``, the setting to change."""
     family = cfg.model_type
     if family not in TP_FAMILIES:
         fix = (
@@ -839,18 +805,12 @@ def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None
 def load_model(
     model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int, reward_head: bool = False
 ) -> torch.nn.Module:
-    """A causal LM: weights from ``model.name_or_path`` (hub id or folder), or, when
-    ``model.config`` is set, a random model built from that config (``model_type`` plus
-    fields; vocab_size defaults to the tokenizer's size). Dropout is disabled, since the
-    policy and reference must agree at step 0.
-
-    With ``reward_head`` it is the same network with a one-output sequence-classification
-    head instead of the LM head (``AutoModelForSequenceClassification``, ``num_labels=1``):
-    a reward model for ``loss=reward``; the head starts random.
+    """A causal LM from ``model.name_or_path``, or a random one built from ``model.config``, with dropout
+    disabled; with ``reward_head``, a one-output sequence-classification model (``loss=reward``; the head
+    starts random).
 
     Raises:
-        ConfigError: when the weights cannot be loaded (no such hub id or folder, offline, no
-            weights file in the folder).
+        ConfigError: when the weights cannot be loaded.
     """
     import transformers
 
@@ -874,26 +834,22 @@ def load_model(
             ) from e
     if reward_head and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # batches are padded
-    disable_dropout(model)
+    disable_dropout(model)  # policy and reference must agree at step 0
     return model
 
 
 def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
-    """``build()`` on rank 0 only, where the weights are read; on every other rank the same
-    architecture with no weights (parameters on the meta device), built from rank 0's
-    transformers config and generation config. The FSDP/TP trainers then give each rank its
-    slice from rank 0 (``trainers._DistributedTrainer.shard_from_rank0``), so only rank 0 reads
-    the checkpoint and holds the whole model, on CPU.
+    """``build()`` on rank 0; on the other ranks the same architecture on the meta device (from rank 0's configs),
+    for the trainers to fill from rank 0.
 
     Args:
-        build: returns the loaded model (``load_model`` plus ``model.archive``); called on rank 0.
+        build: returns the loaded model; called on rank 0 only.
         rank: this process's rank (every rank must call this, in the same order).
         reward_head: the model is a reward model (``AutoModelForSequenceClassification``).
 
     Raises:
         ConfigError: on every rank, when ``build`` raised a ConfigError or DataError on rank 0.
-        RuntimeError: on the other ranks, when ``build`` raised anything else on rank 0 (which
-            raises the original error).
+        RuntimeError: on the other ranks, when ``build`` raised anything else on rank 0.
     """
     import transformers
 
@@ -923,14 +879,13 @@ def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
 
 
 def keeping_ties(model: torch.nn.Module, apply) -> None:
-    """``apply(model)`` (e.g. ``Module.to("meta")`` or ``Module.to_empty``) with tied parameters
-    (e.g. input embeddings and LM head) still one parameter afterwards: converting a model's
-    parameters to or from the meta device makes one new parameter per place, untying them."""
+    """``apply(model)`` (e.g. ``Module.to_empty``) with tied parameters (e.g. embeddings and LM head) tied again
+    afterwards."""
     places: dict[int, list[tuple[str, str]]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         module, _, attr = name.rpartition(".")
         places.setdefault(id(param), []).append((module, attr))
-    apply(model)
+    apply(model)  # to or from meta makes one new parameter per place, untying them
     for (first_module, first_attr), *others in places.values():
         shared = getattr(model.get_submodule(first_module), first_attr)
         for module, attr in others:
@@ -939,9 +894,8 @@ def keeping_ties(model: torch.nn.Module, apply) -> None:
 
 
 def disable_dropout(model: torch.nn.Module) -> None:
-    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, and the
-    float attributes that attention implementations pass to SDPA as ``dropout_p``
-    (e.g. Llama's ``attention_dropout``), and the config's ``*dropout*``/``*pdrop*`` fields."""
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, float ``*dropout*``/``*pdrop*``
+    attributes (passed to SDPA as ``dropout_p``) and config fields."""
     for module in [model, *model.modules()]:
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
@@ -959,8 +913,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def lora_peft_config(lora: DictConfig):
-    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; the output layer is never in
-    ``all-linear``)."""
+    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; ``all-linear`` never includes the output layer)."""
     import peft
 
     targets = lora.target_modules
@@ -971,15 +924,11 @@ def lora_peft_config(lora: DictConfig):
 
 
 def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
-    """``model`` with LoRA adapters (``peft.get_peft_model``, ``model.lora``): a ``PeftModel``
-    whose base weights are frozen and whose adapters start as the identity (LoRA's B is 0).
-    The adapters take the base weights' dtype and device (meta too: the FSDP ranks that
-    receive their weights from rank 0). peft injects the adapters into ``model`` itself
-    (``get_base_model()`` is ``model``, now holding them).
+    """``model`` with LoRA adapters injected in place (``peft.get_peft_model``): a ``PeftModel`` with frozen base
+    weights and adapters starting as the identity, in the base's dtype and device.
 
     Raises:
-        ConfigError: when ``model.lora.target_modules`` names no module of ``model`` (naming
-            its linear layers).
+        ConfigError: when ``model.lora.target_modules`` matches no module of ``model`` (naming its linear layers).
     """
     import warnings
 
@@ -1018,9 +967,8 @@ def is_lora_model(model) -> bool:
 
 
 def base_state_dict(model: torch.nn.Module) -> dict:
-    """``model``'s weights as the model without adapters names them: a LoRA policy's adapter
-    entries dropped and peft's ``.base_layer`` taken out of the names (the reference of a LoRA
-    run is that base); a plain model's ``state_dict()`` as it is."""
+    """``model``'s weights named as without adapters: a LoRA policy's adapter entries dropped and ``.base_layer``
+    taken out of the names."""
     if is_lora_model(model):
         model = model.get_base_model()
     state = model.state_dict()
@@ -1028,12 +976,9 @@ def base_state_dict(model: torch.nn.Module) -> dict:
 
 
 def lora_base_path(config: DictConfig) -> str | None:
-    """What a LoRA run's adapter folder names as its base (``base_model_name_or_path``, which
-    ``AutoPeftModelForCausalLM`` loads): with ``model.archive``, the ``hf/`` export beside it
-    when there is one (the archive's weights are the base; links such as LATEST resolved, so
-    it stays that checkpoint's); else ``model.name_or_path``
-    (absolute when it is a local folder); None for a random model (``model.config``) or an
-    archive without an export."""
+    """The base a LoRA run's adapter folder names (``base_model_name_or_path``): the ``hf/`` export beside
+    ``model.archive`` if any, else ``model.name_or_path`` (absolute if local); None for a random model or an
+    archive without export."""
     model = config.model
     if model.get("archive") is not None:
         beside = os.path.join(os.path.dirname(os.path.realpath(model.archive)), "hf")  # step-N/hf, not LATEST/hf
@@ -1045,12 +990,13 @@ def lora_base_path(config: DictConfig) -> str | None:
 
 
 def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str | None = None) -> torch.nn.Module:
-    """A ``PeftModel`` for writing a LoRA run's export: the architecture of ``hf_config`` on the
-    meta device with ``model.lora``'s adapters, given ``state`` (names as the live policy's
-    ``get_base_model().state_dict()``) without copying it (``assign``). ``state`` may hold the
-    adapters alone (enough for ``save_pretrained`` of the adapter folder) or the whole model
-    (for ``merge_and_unload``). ``base_path`` goes into the adapter config. The RNG is as before
-    (initialising the meta model draws from it; a checkpoint's RNG state must stay the run's).
+    """A meta-device ``PeftModel`` of ``hf_config`` with ``model.lora``'s adapters, holding ``state`` without
+    copying (``assign``), for writing a LoRA run's export.
+
+    Args:
+        state: the adapters alone (for ``save_pretrained``) or the whole model (for ``merge_and_unload``), named as
+            ``get_base_model().state_dict()``.
+        base_path: written into the adapter config.
 
     Raises:
         ValueError: if ``state`` has names the model does not have, or lacks an adapter weight.
@@ -1084,16 +1030,14 @@ RUN_DIR_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d{6}"
 """The timestamp :func:`make_run_dir` puts after ``<exp_name>_`` (sorts as it was made)."""
 
 FINISHED = "FINISHED"
-"""The file rank 0 writes into a run folder when training ends normally (its content: the number
-of examples trained on); absent while a run is unfinished (stopped by a signal or an error)."""
+"""The file rank 0 writes into a run folder when training ends normally, holding the number of examples trained on."""
 
 
 def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the whole new one: a
-    temporary file beside it, flushed to disk, then ``os.replace`` (:func:`replacing`).
+    """Write ``text`` to ``path`` atomically (a temporary file, fsynced, then ``os.replace``).
 
     Raises:
-        DiskFullError: one sentence when the disk is full (the old file is left as it was).
+        DiskFullError: when the disk is full (the old file is left as it was).
     """
     with replacing(path) as tmp, open(tmp, "w") as f:
         f.write(text)
@@ -1103,10 +1047,9 @@ def write_atomic(path: str, text: str) -> None:
 
 @contextlib.contextmanager
 def replacing(path: str, then: str = "try again", tmp: str | None = None):
-    """Replace ``path`` atomically with what the body writes into the yielded temporary file
-    (``<path>.tmp-<pid>`` unless ``tmp`` is given); when the body or the rename fails the
-    temporary file is removed, and a full disk is :class:`DiskFullError` (``then``: what to do
-    once space is free)."""
+    """Replace ``path`` atomically with what the body writes into the yielded temporary file (``tmp``, default
+    ``<path>.tmp-<pid>``), removed on failure; a full disk is :class:`DiskFullError` (``then``: what to do once
+    space is free)."""
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     try:
         with saying_disk_full(path, "write", then):
@@ -1127,8 +1070,8 @@ NO_SPACE = "no space left on the device"
 """How a full disk is named in every sentence (:func:`no_space`)."""
 
 LOW_FREE_MIB = 16
-"""Below this many MiB free, torch.save's short-write RuntimeError (which carries no errno) is
-taken for a full disk (:func:`disk_full`)."""
+"""Below this many MiB free, torch.save's short-write RuntimeError (no errno) is taken for a full disk
+(:func:`disk_full`)."""
 
 
 def free_mib(path: str) -> float | None:
@@ -1149,14 +1092,12 @@ def no_space(path: str) -> str:
 
 
 def disk_full(error: BaseException, path: str) -> bool:
-    """Whether ``error``, or one it was raised from or while handling, is a full disk: errno ENOSPC,
-    its text (DCP and safetensors wrap it in theirs), or torch.save's zip-writer short write
-    (``unexpected pos``, ``file write failed``: no errno) while ``path``'s disk has under
-    :data:`LOW_FREE_MIB` MiB free."""
+    """Whether ``error`` or its cause/context chain is a full disk: ENOSPC (errno or text), or torch.save's short
+    write while ``path``'s disk has under :data:`LOW_FREE_MIB` MiB free."""
     short_write, seen = False, set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if getattr(error, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(error):
+        if getattr(error, "errno", None) == errno.ENOSPC or os.strerror(errno.ENOSPC) in str(error):  # DCP, safetensors wrap it
             return True
         short_write |= isinstance(error, RuntimeError) and any(t in str(error) for t in ("unexpected pos", "file write failed"))
         error = error.__cause__ or error.__context__
@@ -1190,10 +1131,8 @@ RUN_COMMAND_LINE = "# Made by: "
 
 
 def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
-    """A new run folder (:func:`make_run_dir`), held (:func:`lock_run_dir`), with ``config``
-    saved as its config.yaml, which begins with the comment ``# Made by: <command>`` when the
-    command line is known; when any of that fails the folder is removed again, so that no
-    folder is left holding only ``.lock``. Returns the folder and its lock."""
+    """A new, locked run folder with ``config`` saved as config.yaml (first line ``# Made by: <command>`` when
+    known), removed again if any of that fails; returns the folder and its lock."""
     run_dir, lock = make_run_dir(root, exp_name), None
     try:
         lock = lock_run_dir(run_dir)
@@ -1223,12 +1162,8 @@ def mark_finished(run_dir: str, examples: int) -> None:
 
 
 def resumable_runs(root: str, exp_name: str) -> list[str]:
-    """What ``resume=auto`` may continue, newest first: the run folders
-    ``<root>/<exp_name>_<timestamp>`` (ordered by the timestamp in the name, so every node that
-    sees the same folders orders them alike) that have a ``LATEST`` checkpoint and a
-    ``config.yaml`` and no :data:`FINISHED`; empty when there is none (or ``root`` does not
-    exist). Folders of other experiments (another ``exp_name``, including ones that start with
-    this one) are never listed."""
+    """Run folders ``<root>/<exp_name>_<timestamp>`` that ``resume=auto`` may continue (a ``LATEST`` checkpoint, a
+    config.yaml, no :data:`FINISHED`), newest first."""
     import re
 
     if not os.path.isdir(root):
@@ -1246,14 +1181,12 @@ def resumable_runs(root: str, exp_name: str) -> list[str]:
             and not os.path.exists(os.path.join(path, FINISHED))
         ):
             found.append((match.group(1), path))
-    return [path for _, path in sorted(found, reverse=True)]
+    return [path for _, path in sorted(found, reverse=True)]  # by the name's timestamp: every node orders them alike
 
 
 def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
-    """The checkpoint ``resume=<run_dir>`` continues from, and a note when it is not ``LATEST``:
-    ``<run_dir>/LATEST`` when it leads to a folder; when ``LATEST`` points at a missing folder,
-    the newest intact ``step-N`` (:func:`intact_checkpoint`, and the note saying so); (None, None)
-    when there is none."""
+    """The checkpoint ``resume=<run_dir>`` continues from (``LATEST``, else the newest intact ``step-N`` with a
+    note saying so), or (None, None)."""
     latest = os.path.join(run_dir, "LATEST")
     if os.path.isdir(latest):
         return latest, None
@@ -1301,9 +1234,8 @@ def describe_differences(differences: list[tuple[str, object, object]], limit: i
 
 
 def examples_fingerprint(examples: list[dict]) -> dict:
-    """``{"n": number of examples, "sha256": hex digest of them in order}``: what identifies a
-    split's data on resume (plain ints and strings, so trainer_state.pt loads with ``weights_only``).
-    An example's ``fields`` (its row's other columns, for reward functions) are left out."""
+    """``{"n": number of examples, "sha256": hex digest of them in order}``, identifying a split's data on resume
+    (an example's ``fields`` left out)."""
     import hashlib
 
     h = hashlib.sha256()
@@ -1311,15 +1243,13 @@ def examples_fingerprint(examples: list[dict]) -> dict:
         example = {k: v for k, v in example.items() if k != "fields"}  # checkpoints from before fields were kept resume
         h.update(json.dumps(example, sort_keys=True, default=str).encode())
         h.update(b"\n")
-    return {"n": len(examples), "sha256": h.hexdigest()}
+    return {"n": len(examples), "sha256": h.hexdigest()}  # plain values: trainer_state.pt loads with weights_only
 
 
 def data_change(saved: dict | None, now: dict, checkpoint_dir: str, auto: bool = False) -> str | None:
-    """One sentence when a split's examples differ from those a checkpoint was trained on (its
-    trainer_state's ``data``: ``{split: examples_fingerprint}``), else None; None also for a
-    checkpoint written before fingerprints were kept (the caller notes it). ``auto``: the run was
-    picked by ``resume=auto``, so the sentence also says how to start afresh."""
-    if not saved:
+    """One sentence when a split's examples differ from those the checkpoint was trained on (``saved``: ``{split:
+    examples_fingerprint}``), else None; ``auto``: the run was picked by ``resume=auto``."""
+    if not saved:  # a checkpoint without fingerprints: the caller notes it
         return None
     for split, fp in now.items():
         old = saved.get(split)
@@ -1339,8 +1269,7 @@ RUN_LOCK = ".lock"
 """The lock file in every run folder (see :func:`lock_run_dir`)."""
 
 RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"
-"""Set by ``train.launch`` in the processes it starts: the number of the file descriptor, passed
-down from the launcher, of the run folder's lock it holds (``resume=``)."""
+"""Set by ``train.launch`` in the processes it starts: the file descriptor of the run folder's lock it holds."""
 
 
 class RunLock:
@@ -1356,8 +1285,8 @@ class RunLock:
         self.path = path
 
     def release(self) -> None:
-        """Close the descriptor: the lock ends once no process holds a descriptor of it. Never
-        ``LOCK_UN``, which would unlock it for the processes sharing it too."""
+        """Close the descriptor (the lock ends once no process holds one); never ``LOCK_UN``, which would unlock
+        it for the processes sharing it too."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -1370,19 +1299,11 @@ class RunLock:
 
 
 def lock_run_dir(run_dir: str) -> RunLock:
-    """Hold ``run_dir`` for this run: an exclusive ``flock`` on ``<run_dir>/.lock``, kept while
-    the returned lock (or a process it was passed to) is open. The OS drops the lock when the
-    last process holding it dies, however it dies, so a lock file left by a killed run does not
-    block; the file itself stays (removing it would let two runs lock two different files).
-    The file holds the holder's pid and host, for the refusal message.
-
-    A process ``train.launch`` started with the launcher's lock (:data:`RUN_LOCK_FD_ENV`, the
-    descriptor of this very file) takes that one over instead of locking again. Where
-    ``fcntl`` does not exist (Windows) nothing is locked.
+    """Hold ``run_dir`` with an exclusive ``flock`` on ``<run_dir>/.lock`` (holding the pid and host), or take
+    over the launcher's lock (:data:`RUN_LOCK_FD_ENV`); nothing is locked without ``fcntl``.
 
     Raises:
-        ConfigError: if a live process holds the folder (another run, e.g. ``resume=`` of a run
-            that is still training).
+        ConfigError: if a live process holds the folder.
     """
     try:
         import fcntl
@@ -1399,7 +1320,7 @@ def lock_run_dir(run_dir: str) -> RunLock:
                 os.set_inheritable(fd, False)
                 return RunLock(fd, path)
     with saying_disk_full(path, "write the lock file"):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the file stays; the OS drops the flock when its last holder dies
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -1425,29 +1346,26 @@ LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
 ``.step-N.tmp`` (FSDPTrainer's save), ``.step-N.old-XXXXXXXX`` (:func:`publish_checkpoint`)."""
 
 LEFTOVER_FILE = re.compile(r".+\.tmp-(?P<pid>\d+)|\..+\.tmp|completions\.html\.tmp")
-"""Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`),
-``.LATEST.tmp`` (:func:`point_latest`), an earlier version's ``completions.html.tmp``; a user's
-own ``notes.tmp`` is not one."""
+"""Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`), ``.LATEST.tmp``
+(:func:`point_latest`), ``completions.html.tmp``."""
 
 
 def remove_leftovers(run_dir: str) -> None:
-    """Remove the temporary files and folders (:data:`LEFTOVER_FOLDER`, :data:`LEFTOVER_FILE`) that
-    writers killed mid-write left in ``run_dir``, saying in one line how many and how big; call
-    it while holding the folder's lock (no other writer of it lives). Kept: files of a live pid
-    (this process's included) and a folder ``LATEST`` leads into (a kill inside
-    :func:`publish_checkpoint`)."""
+    """Remove the temporary files and folders (:data:`LEFTOVER_FOLDER`, :data:`LEFTOVER_FILE`) killed writers left
+    in ``run_dir``, printing how many and how big; call it holding the folder's lock."""
     latest = os.path.realpath(os.path.join(run_dir, "LATEST")) + os.sep
     removed, size = [], 0
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
         if os.path.isdir(path) and not os.path.islink(path):
+            # kept when LATEST leads into it (a kill inside publish_checkpoint)
             if not LEFTOVER_FOLDER.fullmatch(name) or latest.startswith(path + os.sep):
                 continue
             size += sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
             shutil.rmtree(path, ignore_errors=True)
         else:
             match = LEFTOVER_FILE.fullmatch(name)
-            if match is None or (match.group("pid") and pid_alive(int(match.group("pid")))):
+            if match is None or (match.group("pid") and pid_alive(int(match.group("pid")))):  # a live pid's file is kept
                 continue
             size += os.lstat(path).st_size
             with contextlib.suppress(OSError):
@@ -1483,12 +1401,11 @@ def failure_reason(error: BaseException) -> str:
 
 
 def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
-    """The contents of the ``torch.save`` file ``path``, loaded onto the CPU with ``weights_only=True``:
-    tensors and plain values only (plus ``safe_globals``), so that nothing in the file can run code.
+    """``torch.load`` of ``path`` onto the CPU with ``weights_only=True``: tensors, plain values and
+    ``safe_globals`` only, so nothing in the file can run code.
 
     Raises:
-        ConfigError: one sentence that names the file (``label``, e.g. ``model.archive=<path>``)
-            and says what to do (``fix``) when it cannot be read or holds anything else.
+        ConfigError: naming the file (``label``) and the fix (``fix``) when it cannot be read or holds anything else.
     """
     import pickle
 
@@ -1532,18 +1449,12 @@ def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
 
 
 def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
-    """Atomically write checkpoint folder ``<run_dir>/<name>`` and point ``LATEST`` at it.
-
-    ``write(tmp_dir)`` fills a temporary folder; only when it returns is the folder
-    renamed into place and the ``LATEST`` symlink swapped (``os.replace``, atomic on
-    POSIX), so a crash at any moment leaves ``LATEST`` pointing at a complete checkpoint.
-    Whatever goes wrong (also Ctrl-C), the temporary folder is removed. Returns the
-    checkpoint's path.
+    """Atomically write checkpoint folder ``<run_dir>/<name>`` (filled by ``write(tmp_dir)``) and point ``LATEST``
+    at it; returns its path.
 
     Raises:
-        CheckpointError: when writing or publishing raised an ``Exception`` (a full disk shows
-            as OSError from safetensors or RuntimeError from ``torch.save``, and is named so:
-            :func:`write_failure`); ``LATEST`` is untouched. Other exceptions (KeyboardInterrupt) propagate as they are.
+        CheckpointError: when writing or publishing raised an ``Exception`` (``LATEST`` untouched); others
+            (KeyboardInterrupt) propagate as they are.
     """
     tmp = None
     try:
@@ -1580,12 +1491,8 @@ def make_folder(parent: str, prefix: str) -> str:
 
 
 def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
-    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap the ``LATEST``
-    symlink to it (``os.replace``: atomic on POSIX). Returns the checkpoint's path.
-
-    When ``<name>`` exists already (a checkpoint saved again at the same step, e.g. after a
-    resume), ``LATEST`` points at ``tmp``, then at the old folder moved aside, while the folders
-    are renamed, so that at every moment it names a complete checkpoint."""
+    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap ``LATEST`` to it, ``LATEST`` naming a
+    complete checkpoint at every moment; returns its path."""
     write_checkpoint_manifest(tmp)  # last into the folder: what resume checks (checkpoint_damage)
     final = os.path.join(run_dir, name)
     if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
@@ -1634,11 +1541,9 @@ def cut_torch_archive(path: str) -> bool:
 
 
 def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
-    """What is wrong with the file ``name`` of the checkpoint ``folder`` (``is missing``, ``is
-    empty``, ``is cut short ...``), or None. A file read by a restricted unpickler (``torch.save``'s
-    ``.pt``, judged by its zip directory; DCP's ``.metadata``) is not held to its size (``size``: the
-    bytes the manifest recorded), so that one rewritten whole is left to that loader, which reads
-    tensors and plain values alone; DCP's shards must have ``size``."""
+    """What is wrong with file ``name`` of checkpoint ``folder`` (``is missing``, ``is empty``, ``is cut short
+    ...``), or None; ``size``: bytes the manifest recorded (``.pt``/``.metadata`` are judged by their zip
+    directory instead)."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return "is missing"
@@ -1646,7 +1551,7 @@ def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> 
     written = "" if size is None else f" of the {size} written"
     if have == 0 and size != 0:
         return f"is empty (0 bytes{written})"
-    if name.endswith((".pt", ".metadata")):
+    if name.endswith((".pt", ".metadata")):  # a restricted unpickler reads these: one rewritten whole is left to it
         return f"is cut short ({have} bytes{written}; its zip directory is gone)" if cut_torch_archive(path) else None
     if size is None or have == size:
         return None
@@ -1654,9 +1559,8 @@ def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> 
 
 
 def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
-    """The damaged files of the checkpoint ``folder``, as (path inside it, what is wrong), in the
-    manifest's order: every file :data:`CHECKPOINT_MANIFEST` lists but ``hf/`` (which resume does
-    not read); for a checkpoint written before manifests, the files every resume reads."""
+    """The damaged files of checkpoint ``folder`` as (path inside it, what is wrong): those
+    :data:`CHECKPOINT_MANIFEST` lists but ``hf/``, or without a manifest those every resume reads."""
     manifest = os.path.join(folder, CHECKPOINT_MANIFEST)
     if os.path.exists(manifest):
         try:
@@ -1722,8 +1626,7 @@ def point_latest(run_dir: str, name: str) -> None:
 
 
 def prune_checkpoints(run_dir: str, keep: int) -> None:
-    """Delete all but the newest ``keep`` step-N folders up to LATEST's (never the one LATEST points to;
-    a folder past it, left by a run resumed from an earlier step, is replaced when that step is saved again)."""
+    """Delete all but the newest ``keep`` step-N folders up to LATEST's, never the one LATEST points to."""
     if keep is None or keep <= 0:
         return
     latest = os.path.realpath(os.path.join(run_dir, "LATEST"))
@@ -1744,14 +1647,11 @@ def prune_checkpoints(run_dir: str, keep: int) -> None:
 
 
 def rewind_jsonl(path: str, step: int) -> int:
-    """Drop the records of the JSON-lines file ``path`` whose ``"step"`` is above ``step`` (and a
-    line cut short by a crash), rewriting it atomically; a missing file is left alone.
-
-    Returns:
-        How many lines were dropped.
+    """Drop the records of JSON-lines file ``path`` whose ``"step"`` is above ``step`` (and a line cut short),
+    rewriting it atomically; returns how many lines were dropped.
 
     Raises:
-        DiskFullError: one sentence when the disk is full (the file is left as it was).
+        DiskFullError: when the disk is full (the file is left as it was).
     """
     if not os.path.exists(path):
         return 0
@@ -1786,13 +1686,8 @@ def jsonl_records(path: str) -> list[dict]:
 
 
 class MetricsLogger:
-    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases.
-
-    A resumed run (``resume_id``, the W&B id saved in the checkpoint) continues the same W&B
-    run; it is opened by :meth:`rewind`, which the trainer calls with the checkpoint's example
-    count once it has loaded it, so that what was logged after that checkpoint is dropped
-    (here and, by W&B's run rewind, there) and every step appears once.
-    """
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases; a resumed run
+    (``resume_id``) continues its W&B run, opened by :meth:`rewind`."""
 
     def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None, enabled: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -1813,10 +1708,8 @@ class MetricsLogger:
                 self._open_wandb()
 
     def _open_wandb(self, rewind_to: int | None = None) -> None:
-        """Open the W&B run: a new one, or run ``run_id`` rewound to step ``rewind_to``
-        (``resume_from="<id>?_step=<n>"``: W&B keeps its history up to that step and the next
-        step logged follows it), else continued where W&B has it (``resume="allow"``: W&B then
-        ignores steps below its last one, so none is doubled either)."""
+        """Open the W&B run: a new one, else run ``run_id`` rewound to step ``rewind_to`` (``resume_from``), else
+        continued (``resume="allow"``; W&B ignores steps it already has)."""
         import wandb
 
         kwargs, self._wandb_init = self._wandb_init, None
@@ -1837,9 +1730,8 @@ class MetricsLogger:
         self.run_id = run.id
 
     def rewind(self, step: int) -> int:
-        """Continue after a checkpoint of ``step`` examples: drop the records logged after it
-        from metrics.jsonl (they are logged again as training repeats those steps) and open
-        the resumed W&B run rewound to ``step``. Returns how many records were dropped."""
+        """Drop the metrics.jsonl records logged after a checkpoint of ``step`` examples and open the resumed W&B
+        run rewound to ``step``; returns how many were dropped."""
         if not self.enabled:
             return 0
         dropped = rewind_jsonl(self.path, step)
@@ -1924,12 +1816,8 @@ def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
 
 
 def curve_panels(series: dict[str, list], loss: str | None = None, average_log_prob: bool = False) -> list[dict]:
-    """The plan of ``plot_curves``: which panel each metric goes to, with its title and y label.
-
-    Quantities of one unit share a panel: accuracies (0-1) get a panel of their own, apart from
-    rewards and margins (nats); ``memory/*`` (one value at the end, printed then) and
-    ``counters/*`` (the x axis) are not plotted; a panel with no series of two points or more is
-    left out. Keys no rule knows get a panel per prefix, labelled with the prefix.
+    """The plan of :func:`plot_curves`: which panel each metric goes to, with its title and y label (one unit per
+    panel).
 
     Args:
         series: metric key -> its (step, value) points.
@@ -1937,7 +1825,8 @@ def curve_panels(series: dict[str, list], loss: str | None = None, average_log_p
         average_log_prob: log-probabilities are per-token means (``loss.average_log_prob``).
 
     Returns:
-        [{"name": file stem, "title", "ylabel", "ylim": (lo, hi) or None, "keys": sorted}], in panel order.
+        [{"name": file stem, "title", "ylabel", "ylim": (lo, hi) or None, "keys": sorted}], in panel order,
+        leaving out panels with no series of two points or more.
     """
     import re
 
@@ -1946,7 +1835,7 @@ def curve_panels(series: dict[str, list], loss: str | None = None, average_log_p
     order = {rule[1]: i for i, rule in enumerate(rules)}
     for key in series:
         rule = next((r for r in rules if re.search(r[0], key)), None)
-        if rule is None:
+        if rule is None:  # a key no rule knows: a panel per prefix
             prefix = key.split("/")[0]
             rule = (None, prefix, prefix, prefix, None)
         _, name, title, ylabel, ylim = rule
@@ -1962,10 +1851,9 @@ def curve_panels(series: dict[str, list], loss: str | None = None, average_log_p
 
 
 def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...] | None = None) -> list[str]:
-    """Write one PNG per panel of :func:`curve_panels` from ``metrics.jsonl`` into ``out_dir``
-    (default ``<run_dir>/curves/``; x axis: examples seen; the loss's unit read from the run's
-    config.yaml), removing PNGs of panels no longer drawn; ``panels``: only these (by name).
-    Returns the files written."""
+    """Write one PNG per :func:`curve_panels` panel (x axis: examples seen) from ``metrics.jsonl`` into
+    ``out_dir`` (default ``<run_dir>/curves/``), removing stale PNGs; ``panels``: only these; returns the files
+    written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -2020,9 +1908,8 @@ def formatted_dict(d: dict) -> dict:
 
 
 def check_gpu_count(n_local: int, what: str = "world_size") -> None:
-    """Before any process starts on a GPU machine: one process per GPU, so at most as many
-    processes on this machine as it has GPUs (else CUDA's "invalid device ordinal" later).
-    Nothing to check on a machine without CUDA (gloo processes on CPU).
+    """Check that this machine has a GPU for each process to start (else CUDA's "invalid device ordinal" later);
+    nothing to check without CUDA.
 
     Args:
         n_local: the processes to start on this machine.
@@ -2042,19 +1929,15 @@ def check_gpu_count(n_local: int, what: str = "world_size") -> None:
 
 
 def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> int:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo on CPU); returns the rank.
+    """Join the process group torchrun describes (NCCL on GPUs, bound to ``cuda:<LOCAL_RANK>``; gloo on CPU);
+    returns the rank.
 
     Args:
         timeout_minutes: how long a collective waits for the other ranks before the run aborts
-            (``dist_timeout_minutes``). NCCL's own default, 10 minutes, is shorter than what one
-            rank may take alone while the others wait (rank 0 reading a large model's weights or
-            the data, writing a checkpoint's full export).
-
-    On CUDA the group is bound to this process's GPU (``device_id``: ``cuda:<LOCAL_RANK>``).
+            (``dist_timeout_minutes``).
 
     Raises:
-        ConfigError: when this machine has fewer GPUs than processes (``LOCAL_WORLD_SIZE``), the
-            same sentence on every rank, before any CUDA call (see :func:`check_gpu_count`).
+        ConfigError: on every rank, when this machine has fewer GPUs than processes (``LOCAL_WORLD_SIZE``).
     """
     import datetime
 
@@ -2062,6 +1945,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> i
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # NCCL's 10-minute default is shorter than what rank 0 may take alone while the others wait
         kwargs = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
@@ -2169,13 +2053,12 @@ def override_text(value) -> str:
 
 
 def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
-    """One sentence naming how the first rank that differs from rank 0 differs (the code first,
-    then the first differing config key in rank 0's key order), or None when all agree.
+    """One sentence naming how the first rank that differs from rank 0 differs (code first, then the first
+    differing config key), or None.
 
     Args:
         identities: :func:`run_identity` of every rank, in rank order.
-        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the
-            ranks found, not what they were given).
+        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the ranks found).
     """
     base = identities[0]
     h0 = base["host"]
@@ -2203,12 +2086,10 @@ def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str 
 
 
 def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
-    """Collective (every rank calls it once the process group is up, before any model loads):
-    all-gather every rank's :func:`run_identity` and compare them with rank 0's.
+    """All-gather every rank's :func:`run_identity` and compare it with rank 0's (a collective, before any model loads).
 
     Raises:
-        ConfigError: on every rank, the same sentence (:func:`identity_mismatch`), when a rank
-            was given another config (``output_root`` aside) or runs other code.
+        ConfigError: on every rank, when a rank was given another config (``output_root`` aside) or runs other code.
     """
     problem = identity_mismatch(all_gather_object(run_identity(config)), auto_resume)
     if problem is not None:
@@ -2235,13 +2116,11 @@ def _sees(path: str, wait_s: float) -> bool:
 
 
 def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
-    """Collective (every rank calls it): check that every rank sees ``output_root`` as rank 0
-    does. Rank 0 makes the folder and writes ``.shared-<random>`` there, every rank looks for
-    that file (for up to ``wait_s`` seconds), and rank 0 removes it.
+    """Check that every rank sees ``output_root`` as rank 0 does: rank 0 writes a ``.shared-<random>`` file there
+    for every rank to find within ``wait_s`` seconds, then removes it (a collective).
 
     Raises:
-        ConfigError: on every rank, one sentence, when rank 0 cannot write there or a rank does
-            not see the file.
+        ConfigError: on every rank, when rank 0 cannot write there or a rank does not see the file.
     """
     import uuid
 
