@@ -1094,7 +1094,7 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
 
 def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
     """results.json's content: the settings (the judge's reward model and the policy's weights,
-    ``policy_path``, as :func:`local_path` resolves them), :data:`INTERVAL`, and per temperature
+    ``policy_path``, as :func:`utils.local_path` resolves them), :data:`INTERVAL`, and per temperature
     :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
     and their mean length in tokens (``a_tokens``), A's mean reward (``reward_mean``,
     ``reward_ci_low``, ``reward_ci_high`` over the ``reward_n`` scored samples; null for a
@@ -1120,7 +1120,7 @@ def summarize(rows: list[dict], config, policy: Source, baseline_label: str, ref
         "policy_path": source_path(policy),
         "baseline": baseline_label,
         "judge": config.judge.name,
-        "reward_model": local_path(config.reward_model.name_or_path)
+        "reward_model": utils.local_path(config.reward_model.name_or_path)
         if config.judge.name in ("reward_model", "reward_model_judge")
         else None,
         "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
@@ -1273,18 +1273,11 @@ def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
         print(f"Prompts: the held-out split of {policy.label}'s datasets={list(config.datasets)}, read with its data.* settings.")
 
 
-def local_path(path) -> str:
-    """``path`` with its links resolved (``os.path.realpath``: a run's ``LATEST`` becomes the
-    ``step-N`` it named) when it exists here; a hub id as it is."""
-    expanded = os.path.expanduser(str(path))
-    return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
-
-
 def source_path(source: Source) -> str:
     """Where ``source``'s weights are: its checkpoint, hf or adapter folder (links resolved), or its hub id."""
     if source.weights is not None:
-        return os.path.dirname(local_path(source.weights))
-    return local_path(source.adapter or source.model_config.name_or_path)
+        return os.path.dirname(utils.local_path(source.weights))
+    return utils.local_path(source.adapter or source.model_config.name_or_path)
 
 
 def judge_text(config: DictConfig) -> str:
@@ -1293,7 +1286,7 @@ def judge_text(config: DictConfig) -> str:
     ``rm_run/step-48/hf``)."""
     kind = config.judge.name
     if kind in ("reward_model", "reward_model_judge"):
-        path = local_path(config.reward_model.name_or_path)
+        path = utils.local_path(config.reward_model.name_or_path)
         if os.path.isdir(path):
             run_dir = _enclosing_run(path)
             path = f"{os.path.basename(run_dir)}/{os.path.relpath(path, run_dir)}" if run_dir else os.path.basename(path)

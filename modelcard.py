@@ -37,22 +37,6 @@ class PushError(RuntimeError):
     """The final export could not be pushed to the Hub; the message is one sentence with the command to push it later."""
 
 
-def command_text(overrides: list[str]) -> str:
-    """The command line that ran train.py with ``overrides`` (torchrun's options are not known here)."""
-    launcher = "torchrun <options>" if "TORCHELASTIC_RUN_ID" in os.environ else "python"
-    return " ".join([launcher, "train.py", *(shlex.quote(o) for o in overrides)])
-
-
-def read_command(run_dir: str) -> str | None:
-    """The command line recorded at the top of ``<run_dir>/config.yaml`` (``utils.RUN_COMMAND_LINE``), or None."""
-    try:
-        with open(os.path.join(run_dir, "config.yaml")) as f:
-            first = f.readline().rstrip("\n")
-    except OSError:
-        return None
-    return first[len(utils.RUN_COMMAND_LINE) :] if first.startswith(utils.RUN_COMMAND_LINE) else None
-
-
 def is_hub_id(name) -> bool:
     """True if ``name`` is a valid hub repository id (``org/name`` or ``name``), not a local path."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -148,7 +132,7 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
     else:
         what = f"`{name}`"
     if model.get("archive") is not None:
-        archive = os.path.realpath(model.archive) if os.path.exists(model.archive) else model.archive  # not a LATEST link
+        archive = utils.local_path(model.archive)  # not a LATEST link
         what += f", starting from the policy `{archive}` (`model.archive`, e.g. an SFT run's)"
     return hub_id, what
 
@@ -249,7 +233,7 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
     else:
         lines.append("Not enough points for a curve yet; the run folder's `curves/` has them once training ends.")
     lines += evaluations_lines(evaluations(run_dir))
-    command = read_command(run_dir)
+    command = utils.read_command(run_dir)
     lines += ["", MADE_HEADING, ""]
     if command is not None:
         lines += ["```bash", command, "```", ""]
@@ -362,3 +346,14 @@ def push(checkpoint: str, config: DictConfig) -> str:
             f"push it later with: {later}"
         ) from e
     return str(url)
+
+
+def push_final(run_dir: str, config: DictConfig) -> str:
+    """Push the final export of ``run_dir`` (its LATEST checkpoint, :func:`push`); returns the line that says where it went.
+
+    Raises:
+        PushError: as :func:`push`.
+    """
+    checkpoint = os.path.join(run_dir, "LATEST")
+    url = push(checkpoint, config)
+    return f"Pushed {export_to_push(checkpoint, config).rstrip(os.sep)} to {url}"

@@ -247,11 +247,10 @@ def launch(config: DictConfig, main) -> int:
         print(f"Ray run {ray_cfg.name} done: run folder {run_dir}{where}.")
         if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
             try:
-                url = modelcard.push(os.path.join(run_dir, "LATEST"), config)
+                print(modelcard.push_final(run_dir, config))
             except modelcard.PushError as e:
                 print(f"Error: {e}", file=sys.stderr, flush=True)
                 return 1
-            print(f"Pushed {modelcard.export_to_push(os.path.join(run_dir, 'LATEST'), config).rstrip(os.sep)} to {url}")
         return 0
     finally:
         for actor in actors:

@@ -9,11 +9,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import itertools
 import json
 import os
 import re
-import shlex
 import shutil
 import signal
 import socket
@@ -34,7 +32,10 @@ import rewards
 import trainers
 import utils
 from preference_datasets import DataError, load_examples
-from utils import load_reference  # noqa: F401  (train.load_reference: the reference as main() loads it)
+from utils import (
+    load_reference,  # noqa: F401  (train.load_reference: the reference as main() loads it)
+    shell_line,
+)
 
 
 def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
@@ -267,14 +268,8 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     saved = found["old"]
     saved.update({k: config.get(k) for k in BUDGET_KEYS})
     path = os.path.join(run_dir, "config.yaml")
-    with open(path) as f:
-        head = "".join(itertools.takewhile(lambda line: line.startswith("#"), f))  # the "# Made by:" command line
     with utils.replacing(path) as tmp:
-        OmegaConf.save(saved, tmp)
-        with open(tmp) as f:
-            text = f.read()
-        with open(tmp, "w") as f:
-            f.write(head + text)
+        utils.save_run_config(saved, tmp, utils.read_command(run_dir))  # the "# Made by:" line kept
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
         f.write(f"{stamp} {line} {schedule}\n")
@@ -581,7 +576,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
 
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
-        command = None if COMMAND is None else modelcard.command_text(COMMAND)
+        command = None if COMMAND is None else utils.command_text(COMMAND)
         run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded, command)  # locked before config.yaml
         made.append(run_dir)
         held.enter_context(lock)
@@ -637,8 +632,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         dist.destroy_process_group()
     push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
     if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
-        url = modelcard.push(os.path.join(run_dir, "LATEST"), config)
-        print(f"Pushed {modelcard.export_to_push(os.path.join(run_dir, 'LATEST'), config).rstrip(os.sep)} to {url}")
+        print(modelcard.push_final(run_dir, config))
     return run_dir, stop_signal
 
 
@@ -1117,11 +1111,6 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
         sft.append(f"exp_name={given_name}_sft")
     second = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") != "sft_first"]
     return sft, [*second, "sft_first.n_examples=null"]  # the stage's own sft_first.* said once
-
-
-def shell_line(script: str, args: list[str]) -> str:
-    """``python <script> <args>`` as a line a shell gives back as these arguments (each quoted where needed)."""
-    return " ".join(["python", shlex.quote(script), *(shlex.quote(a) for a in args)])
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:

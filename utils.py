@@ -12,6 +12,7 @@ import math
 import os
 import random
 import re
+import shlex
 import shutil
 import socket
 import sys
@@ -1130,6 +1131,42 @@ RUN_COMMAND_LINE = "# Made by: "
 """How a run folder's config.yaml begins when the command line that made the run is known (:func:`new_run_dir`)."""
 
 
+def shell_line(script: str, args: list[str], launcher: str = "python") -> str:
+    """``<launcher> <script> <args>`` as a line a shell gives back as these arguments (each quoted where needed)."""
+    return " ".join([launcher, shlex.quote(script), *(shlex.quote(a) for a in args)])
+
+
+def command_text(overrides: list[str]) -> str:
+    """The command line that ran train.py with ``overrides`` (torchrun's options are not known here)."""
+    return shell_line("train.py", overrides, "torchrun <options>" if "TORCHELASTIC_RUN_ID" in os.environ else "python")
+
+
+def read_command(run_dir: str) -> str | None:
+    """The command line recorded at the top of ``<run_dir>/config.yaml`` (:data:`RUN_COMMAND_LINE`), or None."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return None
+    return first[len(RUN_COMMAND_LINE) :] if first.startswith(RUN_COMMAND_LINE) else None
+
+
+def save_run_config(config: DictConfig, path: str, command: str | None = None) -> None:
+    """Save ``config`` as a run's config.yaml at ``path``, its first line ``# Made by: <command>`` when known."""
+    OmegaConf.save(config, path)
+    if command is not None:
+        with open(path, "r+") as f:
+            text = f.read()
+            f.seek(0)
+            f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
+
+
+def local_path(path) -> str:
+    """``path`` with its links resolved (a run's ``LATEST`` becomes the ``step-N`` it named) when it exists here; a hub id as it is."""
+    expanded = os.path.expanduser(str(path))
+    return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
+
+
 def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
     """A new, locked run folder with ``config`` saved as config.yaml (first line ``# Made by: <command>`` when
     known), removed again if any of that fails; returns the folder and its lock."""
@@ -1138,12 +1175,7 @@ def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | Non
         lock = lock_run_dir(run_dir)
         path = os.path.join(run_dir, "config.yaml")
         with saying_disk_full(path, "write", "start the run again"):
-            OmegaConf.save(config, path)
-            if command is not None:
-                with open(path, "r+") as f:
-                    text = f.read()
-                    f.seek(0)
-                    f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
+            save_run_config(config, path, command)
         return run_dir, lock
     except BaseException:
         for name in (RUN_LOCK, "config.yaml"):
