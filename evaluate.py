@@ -45,7 +45,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+import checkpoints
+import checks
 import modelcard
+import models
 import preference_datasets
 import rewards
 import utils
@@ -316,7 +319,7 @@ def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
             f"{what}={spec} is a folder but not a model: it holds no config.yaml with LATEST/policy.pt (a run folder), "
             "no policy.pt (a checkpoint) and no config.json (a Hugging Face model folder)."
         )
-    if utils.looks_local(spec):
+    if checks.looks_local(spec):
         raise ConfigError(f"{what}={spec} does not exist; give a run folder, a checkpoint, a Hugging Face folder or a hub id.")
     model_config = config.model.copy()
     model_config.name_or_path, model_config.config = spec, None
@@ -405,7 +408,7 @@ def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str
 def check_same_vocabulary(policy: Source, reference: Source) -> None:
     """Raise ConfigError unless ``reference``'s tokenizer has ``policy``'s vocabulary (the KL
     compares the two models' probabilities of the same token ids)."""
-    if utils.load_tokenizer(policy.model_config).get_vocab() != utils.load_tokenizer(reference.model_config).get_vocab():
+    if models.load_tokenizer(policy.model_config).get_vocab() != models.load_tokenizer(reference.model_config).get_vocab():
         raise ConfigError(
             f"reference={reference.label} has another vocabulary than the policy {policy.label}, so KL(policy || reference) "
             "over token ids is undefined; give a reference with the policy's tokenizer."
@@ -415,15 +418,15 @@ def check_same_vocabulary(policy: Source, reference: Source) -> None:
 def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
     """(model in eval mode on ``device``, tokenizer) of ``source``. A LoRA run's ``policy.pt``
     (adapters only, with its ``lora`` settings) is loaded onto its base: the run's model with its
-    ``model.archive``, then ``utils.apply_lora``.
+    ``model.archive``, then ``models.apply_lora``.
 
     Raises:
         ConfigError: when the model or tokenizer cannot be loaded, or the weights file holds
             another model's weights.
     """
     try:
-        tokenizer = utils.load_tokenizer(source.model_config)
-        model = utils.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
+        tokenizer = models.load_tokenizer(source.model_config)
+        model = models.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
     except ConfigError as e:
         if source.kind != "hub":
             raise
@@ -437,7 +440,7 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
         model = peft.PeftModel.from_pretrained(model, source.adapter)
     if source.weights is not None:
         try:
-            checkpoint = utils.load_weights_file(
+            checkpoint = models.load_weights_file(
                 source.weights, f"The weights file {source.weights}", "give a checkpoint written by train.py"
             )
             if checkpoint.get("lora") is None:
@@ -445,11 +448,11 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
             else:
                 archive = source.model_config.get("archive")
                 if archive is not None:
-                    base = utils.load_weights_file(
+                    base = models.load_weights_file(
                         archive, f"{source.label}'s model.archive={archive}", "give the policy.pt of an earlier run"
                     )
                     model.load_state_dict(base["state"])
-                model = utils.apply_lora(model, OmegaConf.create(checkpoint["lora"]))
+                model = models.apply_lora(model, OmegaConf.create(checkpoint["lora"]))
                 # the adapters are named as in the base that peft injected them into (trainers: policy_checkpoint)
                 unexpected = model.get_base_model().load_state_dict(checkpoint["state"], strict=False).unexpected_keys
                 if unexpected:
@@ -849,9 +852,9 @@ class Judge:
         path = self.config.reward_model.name_or_path
         if path is None:
             raise ConfigError(f"judge={self.kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
-        if utils.looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+        if checks.looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
             raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
-        problem = utils.hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
+        problem = checks.hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
         if problem is not None:
             raise ConfigError(problem)
         allow = bool(self.config.reward_model.get("allow_untrained_head", False))
@@ -1094,7 +1097,7 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
 
 def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
     """results.json's content: the settings (the judge's reward model and the policy's weights,
-    ``policy_path``, as :func:`utils.local_path` resolves them), :data:`INTERVAL`, and per temperature
+    ``policy_path``, as :func:`checkpoints.local_path` resolves them), :data:`INTERVAL`, and per temperature
     :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
     and their mean length in tokens (``a_tokens``), A's mean reward (``reward_mean``,
     ``reward_ci_low``, ``reward_ci_high`` over the ``reward_n`` scored samples; null for a
@@ -1120,7 +1123,7 @@ def summarize(rows: list[dict], config, policy: Source, baseline_label: str, ref
         "policy_path": source_path(policy),
         "baseline": baseline_label,
         "judge": config.judge.name,
-        "reward_model": utils.local_path(config.reward_model.name_or_path)
+        "reward_model": checkpoints.local_path(config.reward_model.name_or_path)
         if config.judge.name in ("reward_model", "reward_model_judge")
         else None,
         "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
@@ -1276,8 +1279,8 @@ def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
 def source_path(source: Source) -> str:
     """Where ``source``'s weights are: its checkpoint, hf or adapter folder (links resolved), or its hub id."""
     if source.weights is not None:
-        return os.path.dirname(utils.local_path(source.weights))
-    return utils.local_path(source.adapter or source.model_config.name_or_path)
+        return os.path.dirname(checkpoints.local_path(source.weights))
+    return checkpoints.local_path(source.adapter or source.model_config.name_or_path)
 
 
 def judge_text(config: DictConfig) -> str:
@@ -1286,7 +1289,7 @@ def judge_text(config: DictConfig) -> str:
     ``rm_run/step-48/hf``)."""
     kind = config.judge.name
     if kind in ("reward_model", "reward_model_judge"):
-        path = utils.local_path(config.reward_model.name_or_path)
+        path = checkpoints.local_path(config.reward_model.name_or_path)
         if os.path.isdir(path):
             run_dir = _enclosing_run(path)
             path = f"{os.path.basename(run_dir)}/{os.path.relpath(path, run_dir)}" if run_dir else os.path.basename(path)
@@ -1308,7 +1311,7 @@ def default_output_dir(config: DictConfig, policy: Source, baseline_label: str) 
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
     root = os.path.join(policy.run_dir if policy.run_dir else config.output_root, "eval")
     os.makedirs(root, exist_ok=True)
-    return utils.make_run_dir(root, name)
+    return checkpoints.make_run_dir(root, name)
 
 
 def main(config: DictConfig) -> str:
@@ -1363,7 +1366,7 @@ def main(config: DictConfig) -> str:
         try:
             out = config.get("output_dir") or default_output_dir(config, policy, baseline_label)
             os.makedirs(out, exist_ok=True)
-            lock = utils.lock_run_dir(out)
+            lock = checkpoints.lock_run_dir(out)
             if config.get("resume") is None:
                 OmegaConf.save(config, os.path.join(out, "config.yaml"))
         except (ConfigError, OSError) as e:
@@ -1402,7 +1405,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
 
         def prompts(k: int) -> list[list[int]]:
             if not tokenizer:
-                tokenizer.append(utils.load_tokenizer(policy.model_config))
+                tokenizer.append(models.load_tokenizer(policy.model_config))
             if k not in ids:
                 ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
             return ids[k]

@@ -12,11 +12,14 @@ import shutil
 
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
+import checks
 import losses
+import tracking
 import utils
 
 CURVE_PANELS = ("loss", "accuracy")
-"""The panels of ``utils.plot_curves`` copied into each export (``curves/<panel>.png``)."""
+"""The panels of ``tracking.plot_curves`` copied into each export (``curves/<panel>.png``)."""
 
 HUB_DATASETS = {
     "hh": ("Anthropic/hh-rlhf", "local_dir"),
@@ -41,7 +44,7 @@ def is_hub_id(name) -> bool:
     """True if ``name`` is a valid hub repository id (``org/name`` or ``name``), not a local path."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    if not isinstance(name, str) or utils.looks_local(name) or os.path.exists(os.path.expanduser(name)):
+    if not isinstance(name, str) or checks.looks_local(name) or os.path.exists(os.path.expanduser(name)):
         return False
     try:
         validate_repo_id(name)
@@ -74,7 +77,7 @@ def eval_metrics(run_dir: str, step: int) -> tuple[int | None, dict]:
     if not os.path.exists(path):
         return None, {}
     latest = None, {}
-    for record in utils.jsonl_records(path):
+    for record in tracking.jsonl_records(path):
         if record.get("step", math.inf) <= step and any(EVAL_KEY.search(k) for k in record):
             latest = record["step"], {k: v for k, v in record.items() if k != "step"}
     return latest
@@ -132,7 +135,7 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
     else:
         what = f"`{name}`"
     if model.get("archive") is not None:
-        archive = utils.local_path(model.archive)  # not a LATEST link
+        archive = checkpoints.local_path(model.archive)  # not a LATEST link
         what += f", starting from the policy `{archive}` (`model.archive`, e.g. an SFT run's)"
     return hub_id, what
 
@@ -183,7 +186,7 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         f"{trained.capitalize()} trained with `loss={config.loss.name}` ({objective.summary}; {objective.source}) by train.py."
     )
     lines.append("")
-    lora = utils.lora_settings(config.model)
+    lora = checks.lora_settings(config.model)
     if kind == "adapter":
         lines.append(
             f"This folder holds LoRA adapters (r={lora.r}, alpha={lora.alpha}); load them onto the base with "
@@ -233,7 +236,7 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
     else:
         lines.append("Not enough points for a curve yet; the run folder's `curves/` has them once training ends.")
     lines += evaluations_lines(evaluations(run_dir))
-    command = utils.read_command(run_dir)
+    command = checkpoints.read_command(run_dir)
     lines += ["", MADE_HEADING, ""]
     if command is not None:
         lines += ["```bash", command, "```", ""]
@@ -249,7 +252,7 @@ def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, update
     saved = os.path.join(run_dir, "config.yaml")
     run_config = OmegaConf.load(saved) if os.path.exists(saved) else config
     curves_dir = os.path.join(folder, "curves")
-    curves = [os.path.basename(f)[: -len(".png")] for f in utils.plot_curves(run_dir, out_dir=curves_dir, panels=CURVE_PANELS)]
+    curves = [os.path.basename(f)[: -len(".png")] for f in tracking.plot_curves(run_dir, out_dir=curves_dir, panels=CURVE_PANELS)]
     if not curves:
         shutil.rmtree(curves_dir, ignore_errors=True)
     targets = [(folder, "adapter" if adapter else "model")]
@@ -276,7 +279,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
     """Rewrite the cards of checkpoint folder ``checkpoint`` of ``run_dir`` (``hf/README.md``,
     ``hf/merged/README.md``) with evaluate.py's results in ``run_dir/eval`` and ``output_dir``
     (this evaluation's folder), each atomically, then the sizes of ``manifest.json``
-    (``utils.CHECKPOINT_MANIFEST``), so the checkpoint stays whole; returns the cards rewritten
+    (``checkpoints.CHECKPOINT_MANIFEST``), so the checkpoint stays whole; returns the cards rewritten
     (none without ``hf/``)."""
     found = evaluations(run_dir)
     folder = os.path.realpath(output_dir)
@@ -294,7 +297,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
         with utils.replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
             f.write(new)
         written.append(name)
-    manifest = os.path.join(checkpoint, utils.CHECKPOINT_MANIFEST)
+    manifest = os.path.join(checkpoint, checkpoints.CHECKPOINT_MANIFEST)
     if written and os.path.isfile(manifest):
         with open(manifest) as f:
             sizes = json.load(f)
@@ -305,7 +308,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
 
 def export_to_push(checkpoint: str, config: DictConfig) -> str:
     """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` for a LoRA run with ``model.lora.export_merged``."""
-    lora = utils.lora_settings(config.model)
+    lora = checks.lora_settings(config.model)
     merged = lora is not None and lora.get("export_merged")
     return os.path.join(os.path.realpath(checkpoint), "hf", "merged" if merged else "")
 

@@ -18,8 +18,10 @@ import random
 import numpy as np
 import torch
 
+import checkpoints
 import losses
 import rewards
+import tracking
 import utils
 
 
@@ -311,7 +313,7 @@ class OnlineSampling:
             write_completions(self.run_dir, table)
             cols = ["step", "prompt", "completion", "score"]
             self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
-            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+            print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         return means
 
 
@@ -393,7 +395,7 @@ def write_completions(run_dir: str, rows: list[dict]) -> None:
     import html
 
     path = os.path.join(run_dir, "completions.jsonl")
-    then = utils.resume_hint(run_dir)
+    then = checkpoints.resume_hint(run_dir)
     with utils.saying_disk_full(path, "append to", then), open(path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")

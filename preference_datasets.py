@@ -2605,7 +2605,7 @@ def epoch_order(
 # refuses per_device_train_batch_size <= 1 for that reason, here it is allowed (a last micro-batch
 # may hold one example). The policy's side is computed without gradient. The reference's goes
 # through reference_logps (live or Ray actors) as a pair batch; precompute_ref_log_probs=true is
-# refused for such objectives (utils.validate_config), since the pairs change with every shuffled
+# refused for such objectives (checks.validate_config), since the pairs change with every shuffled
 # batch. Under FSDP / data parallelism z0 is the mean over processes of each process's micro-batch
 # mean (TRL gathers it the same way), passed to the objective as one already-reduced difference.
 

@@ -29,8 +29,11 @@ import sys
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
+import checks
 import losses
 import modelcard
+import models
 import rewards
 import trainers
 import utils
@@ -62,8 +65,8 @@ def check_config(config: DictConfig) -> None:
         raise utils.ConfigError(f"ray.num_workers must be a whole number >= 1, got {n}.")
     if config.trainer == "BasicTrainer" and n != 1:
         raise utils.ConfigError(f"trainer=BasicTrainer is one process; use ray.num_workers=1 or trainer=FSDPTrainer (got {n}).")
-    utils.validate_config(config, n)
-    utils.check_parallel_model(config, n)
+    checks.validate_config(config, n)
+    models.check_parallel_model(config, n)
     if not ray_cfg.cpus_per_worker > 0:
         raise utils.ConfigError(f"ray.cpus_per_worker must be > 0, got {ray_cfg.cpus_per_worker}.")
     for key in ("reference_workers", "reward_workers", "max_failures"):
@@ -144,7 +147,7 @@ def launch(config: DictConfig, main) -> int:
     and reward actors, then ``ray.num_workers`` Ray Train workers that each run ``train.main``.
     Uses a cluster this process is already connected to (``ray.init`` called before, as the
     tests do) and leaves it running; a cluster it started, it shuts down. This process holds the
-    run folder (``utils.lock_run_dir``) until it returns; the workers, which write into it, are
+    run folder (``checkpoints.lock_run_dir``) until it returns; the workers, which write into it, are
     Ray's, and Ray ends a job's workers and actors when the job's driver (this process) dies.
 
     Args:
@@ -169,12 +172,12 @@ def launch(config: DictConfig, main) -> int:
     config = copy.deepcopy(config)
     ray_cfg = config.ray
     need = required_resources(config)
-    held = contextlib.ExitStack()  # the run folder's lock (utils.lock_run_dir), held by this driver until it returns
+    held = contextlib.ExitStack()  # the run folder's lock (checkpoints.lock_run_dir), held by this driver until it returns
     started = not ray.is_initialized()
     actors = []
     try:
         if config.resume is not None:  # before Ray starts: refused while a live run holds the folder
-            held.enter_context(utils.lock_run_dir(config.resume))
+            held.enter_context(checkpoints.lock_run_dir(config.resume))
         if started:
             if ray_cfg.address is None:
                 ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
@@ -194,9 +197,9 @@ def launch(config: DictConfig, main) -> int:
                 "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
             )
         fresh = config.resume is None
-        run_dir = os.path.abspath(utils.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
+        run_dir = os.path.abspath(checkpoints.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
         if fresh:
-            held.enter_context(utils.lock_run_dir(run_dir))
+            held.enter_context(checkpoints.lock_run_dir(run_dir))
         ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
         ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
         if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
@@ -343,7 +346,7 @@ def _attach(payload: dict, from_scratch: bool, trainer) -> None:
 
 class ReferenceActor:
     """A Ray actor holding the frozen reference, loaded from the config as ``train.main`` loads a
-    colocated one (``utils.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
+    colocated one (``models.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
     actor's GPU if Ray gave it one, else the CPU.
 
     Args:
@@ -354,9 +357,9 @@ class ReferenceActor:
         config = OmegaConf.create(config)
         utils.set_threads(config.num_threads)
         utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
-        tokenizer = utils.load_tokenizer(config.model)
+        tokenizer = models.load_tokenizer(config.model)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.model = utils.load_reference(config, tokenizer).to(self.device)
+        self.model = models.load_reference(config, tokenizer).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)

@@ -38,8 +38,9 @@ import urllib.request
 import torch
 
 import reward_functions
+from checks import looks_local
 from preference_datasets import DataError
-from utils import ConfigError, get_dtype, looks_local
+from utils import ConfigError, get_dtype
 
 TIE = -1
 """A pairwise judgement saying neither completion is better."""

@@ -24,18 +24,20 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
+import checks
 import losses
 import modelcard
+import models
 import preference_datasets
 import reward_functions
 import rewards
+import tracking
 import trainers
 import utils
+from models import load_reference
 from preference_datasets import DataError, load_examples
-from utils import (
-    load_reference,  # noqa: F401  (train.load_reference: the reference as main() loads it)
-    shell_line,
-)
+from utils import shell_line
 
 
 def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
@@ -82,10 +84,10 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
     values of :data:`BUDGET_KEYS` set on it (:func:`budget_given`: the run is extended).
 
     ``resume=auto`` is first resolved (the same way on every rank, from the folders and the
-    config alone): the newest of :func:`utils.resumable_runs` of ``output_root`` and
+    config alone): the newest of :func:`checkpoints.resumable_runs` of ``output_root`` and
     ``exp_name`` (run folders of this experiment with a LATEST checkpoint and config.yaml and no
-    FINISHED) whose saved config equals ``config`` resolved (:func:`utils.config_differences`:
-    all keys but :data:`utils.RUN_FOLDER_KEYS`), continued as with ``resume=<that folder>``;
+    FINISHED) whose saved config equals ``config`` resolved (:func:`checks.config_differences`:
+    all keys but :data:`checks.RUN_FOLDER_KEYS`), continued as with ``resume=<that folder>``;
     when there is none, a fresh run of ``config`` (``resume=null``). One line says which, and
     names the first keys that kept the newest unfinished run from being continued
     (:func:`says_once`).
@@ -104,20 +106,20 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
             elif found is None:
                 print(
                     f"resume=auto: the newest unfinished run of exp_name={exp_name}, {other[0]}, was started with "
-                    f"another config ({utils.describe_differences(other[1])}); starting a fresh run."
+                    f"another config ({checks.describe_differences(other[1])}); starting a fresh run."
                 )
             elif other is None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name}.")
             else:
                 print(
                     f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name} with this "
-                    f"config (the newer {other[0]} differs in {utils.describe_differences(other[1])})."
+                    f"config (the newer {other[0]} differs in {checks.describe_differences(other[1])})."
                 )
         config.resume = found
     resume_dir = config.resume
     if resume_dir is not None:
         saved = os.path.join(resume_dir, "config.yaml")
-        checkpoint, _ = utils.checkpoint_to_resume(resume_dir)
+        checkpoint, _ = checkpoints.checkpoint_to_resume(resume_dir)
         if os.path.exists(saved) and checkpoint is None:
             raise utils.ConfigError(
                 f"resume={resume_dir} has no checkpoint yet (the run stopped before its first): there is nothing to "
@@ -139,16 +141,16 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
 def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
     """What ``resume=auto`` finds for ``config``: (the newest unfinished run of its ``exp_name``
     whose saved config equals it, or None; (the newest unfinished run, its
-    :func:`utils.config_differences`) when that one differs, else None)."""
+    :func:`checks.config_differences`) when that one differs, else None)."""
     new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     newest_other = None
-    for run in utils.resumable_runs(config.output_root, config.exp_name):
+    for run in checkpoints.resumable_runs(config.output_root, config.exp_name):
         try:
             saved = OmegaConf.load(os.path.join(run, "config.yaml"))
         except Exception as e:  # an unreadable config.yaml: that run cannot be matched
             differences = [("config.yaml", f"unreadable ({type(e).__name__})", "this command")]
         else:
-            differences = utils.config_differences(saved, new)
+            differences = checks.config_differences(saved, new)
         if not differences:
             return run, newest_other
         newest_other = newest_other or (run, differences)
@@ -157,27 +159,27 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
 
 def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     """With ``resume=<run folder>``: one sentence when the command line's other keys ``given``
-    (:func:`utils.given_keys`) set values that differ from the run's saved config (which the
+    (:func:`checks.given_keys`) set values that differ from the run's saved config (which the
     resumed run uses), :data:`BUDGET_KEYS` left out (:func:`budget_given`), else None (also when the folder has no config.yaml: :func:`effective_config`
     says so)."""
     saved = os.path.join(str(config.resume), "config.yaml")
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
         return None
-    differences = utils.config_differences(OmegaConf.load(saved), config, keys)
+    differences = checks.config_differences(OmegaConf.load(saved), config, keys)
     if not differences:
         return None
     archive = os.path.join(str(config.resume), "LATEST", "policy.pt")
     return (
         f"resume={config.resume} continues that run with its saved config, but this command changes "
-        f"{utils.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
+        f"{checks.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
         f"from its checkpoint with model.archive={archive} and them."
     )
 
 
 def budget_given(config: DictConfig, given: set[str]) -> dict | None:
     """With ``resume=<run folder>``: the training length the command line's ``n_examples`` /
-    ``n_epochs`` set (as :func:`utils.settle_given` reads them: ``n_epochs`` alone makes
+    ``n_epochs`` set (as :func:`checks.settle_given` reads them: ``n_epochs`` alone makes
     ``n_examples`` null), else None."""
     if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
         return None
@@ -269,12 +271,12 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     saved.update({k: config.get(k) for k in BUDGET_KEYS})
     path = os.path.join(run_dir, "config.yaml")
     with utils.replacing(path) as tmp:
-        utils.save_run_config(saved, tmp, utils.read_command(run_dir))  # the "# Made by:" line kept
+        checkpoints.save_run_config(saved, tmp, checkpoints.read_command(run_dir))  # the "# Made by:" line kept
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
         f.write(f"{stamp} {line} {schedule}\n")
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(run_dir, utils.FINISHED))
+        os.remove(os.path.join(run_dir, checkpoints.FINISHED))
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
@@ -304,7 +306,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     (``trainers.BasicTrainer.reference_logps``).
 
     Under FSDP/TP only rank 0 reads weights; the other ranks get the architecture on the meta
-    device and receive their shards when the trainer shards the models (``utils.rank0_model``);
+    device and receive their shards when the trainer shards the models (``models.rank0_model``);
     every rank adds the same adapters.
 
     Raises:
@@ -314,13 +316,13 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     """
     objective = losses.get_objective(config.loss.name)
     reward_head = objective.score_head
-    lora = utils.lora_settings(config.model)
+    lora = checks.lora_settings(config.model)
     needs_reference = objective.uses_reference(config.loss) and lora is None  # LoRA: the base is the reference
     remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
 
     @functools.cache
     def archive() -> dict:
-        state = utils.load_weights_file(
+        state = models.load_weights_file(
             config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
         )
         if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
@@ -336,7 +338,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         return state
 
     def build_policy() -> torch.nn.Module:
-        policy = utils.load_model(config.model, tokenizer, utils.get_dtype(config.model.policy_dtype), config.seed, reward_head)
+        policy = models.load_model(config.model, tokenizer, utils.get_dtype(config.model.policy_dtype), config.seed, reward_head)
         if config.model.archive is None:
             return policy
         state = archive()
@@ -364,12 +366,12 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         policy = build_policy()
         reference = build_reference() if needs_reference and not remote_reference else None
     else:
-        policy = utils.rank0_model(build_policy, rank, reward_head)
+        policy = models.rank0_model(build_policy, rank, reward_head)
         reference = None
         if needs_reference and not remote_reference:
-            reference = utils.rank0_model(build_reference, rank)
+            reference = models.rank0_model(build_reference, rank)
     if lora is not None:  # after the archive: LoRA on top of its weights (rank 0's; the others' arrive when sharded)
-        policy = utils.apply_lora(policy, lora)
+        policy = models.apply_lora(policy, lora)
     return policy, reference
 
 
@@ -446,10 +448,10 @@ def main(
         checkpoint.
 
     Under FSDP/TP every rank first checks, once the process group is up, that all ranks were
-    given the same config and code (``utils.check_same_run``) and see the same ``output_root``
-    (``utils.check_shared_output_root``).
+    given the same config and code (``checks.check_same_run``) and see the same ``output_root``
+    (``checks.check_shared_output_root``).
 
-    The run folder is held (``utils.lock_run_dir``) from before any model loads until this
+    The run folder is held (``checkpoints.lock_run_dir``) from before any model loads until this
     returns, when this process made it or resumes it (under FSDP/TP rank 0 holds it, or takes
     over the lock of the launcher that started it); a folder a launcher made (Ray) is held there.
 
@@ -460,7 +462,7 @@ def main(
         modelcard.PushError: ``hub.push=true`` and the final export could not be pushed (the
             run is finished and kept; the message says how to push it later).
     """
-    utils.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
+    tracking.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     made: list[str] = []  # the run folder this job makes
     with SetupStops() as stops, contextlib.ExitStack() as held:
         try:
@@ -480,12 +482,12 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
-        checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
+        checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
         if note is not None and says_once():
             print(f"Note: {note}")
     distributed = config.trainer != "BasicTrainer"
     world_size = int(os.environ.get("WORLD_SIZE", 1))
-    utils.validate_config(config, world_size)
+    checks.validate_config(config, world_size)
     declared = preference_datasets.declared_reward_functions(config.datasets)
     answer_functions = reward_functions.eval_functions(config.get("eval_reward_functions"), declared)  # a bad name: now
     if config.model.get("fsdp_policy_mp") == "float16" and int(os.environ.get("RANK", 0)) == 0:
@@ -493,14 +495,14 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
             "Note: model.fsdp_policy_mp=float16 computes in float16 without a gradient scaler, so small gradients "
             "can underflow to 0; model.fsdp_policy_mp=bfloat16 has float32's range."
         )
-    utils.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
+    models.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
     rank = 0
     if distributed:
         rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
-        utils.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
-        utils.check_shared_output_root(config.output_root, rank)
+        checks.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
+        checks.check_shared_output_root(config.output_root, rank)
         if rank != 0:
             import transformers
 
@@ -509,7 +511,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         refusal = None
         if rank == 0:
             try:
-                held.enter_context(utils.lock_run_dir(resume_dir))
+                held.enter_context(checkpoints.lock_run_dir(resume_dir))
             except utils.ConfigError as e:
                 refusal = str(e)
         if distributed:
@@ -517,12 +519,12 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         if refusal is not None:
             raise utils.ConfigError(refusal)
     if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
-        utils.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+        checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     sft_mode = losses.get_objective(config.loss.name).sft_data
     online = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
@@ -546,14 +548,17 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     train_examples, eval_examples = preference_datasets.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
-    utils.check_eval_size(config, len(eval_examples))
+    checks.check_eval_size(config, len(eval_examples))
     if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
-    fingerprint = {"train": utils.examples_fingerprint(train_examples), "eval": utils.examples_fingerprint(eval_examples)}
+    fingerprint = {
+        "train": checkpoints.examples_fingerprint(train_examples),
+        "eval": checkpoints.examples_fingerprint(eval_examples),
+    }
     resume_state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
         resume_state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
-        problem = utils.data_change(resume_state.get("data"), fingerprint, checkpoint_dir, auto=AUTO_RESUMED)
+        problem = checkpoints.data_change(resume_state.get("data"), fingerprint, checkpoint_dir, auto=AUTO_RESUMED)
         if problem is not None:
             raise DataError(problem)
         if resume_state.get("data") is None and rank == 0:
@@ -562,7 +567,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     if resume_dir is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
         extended = extension(config, resume_dir, resume_state["example_counter"], len(train_examples))
     if rank == 0:
-        print(utils.training_length(config, len(train_examples)))
+        print(checks.training_length(config, len(train_examples)))
 
     scorer = None
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
@@ -577,7 +582,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     run_dir = run_dir or resume_dir
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
-        run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded, command)  # locked before config.yaml
+        run_dir, lock = checkpoints.new_run_dir(
+            config.output_root, config.exp_name, recorded, command
+        )  # locked before config.yaml
         made.append(run_dir)
         held.enter_context(lock)
     if distributed:
@@ -587,22 +594,22 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         print(f"Run folder: {run_dir}")
         tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
-    n_eval = utils.n_eval_used(config, len(eval_examples))
+    n_eval = checks.n_eval_used(config, len(eval_examples))
     if rank == 0:
         trainable = ""
-        if utils.is_lora_model(policy):
+        if models.is_lora_model(policy):
             n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
         print(
             f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {len(train_examples)} train / {n_eval} eval examples."
         )
 
-    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
+    logger = tracking.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
     trainer_cls = getattr(trainers, config.trainer)
     reference_cache = None
-    lora_reference = utils.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
+    lora_reference = models.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
     precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
-    if precompute:  # LoRA: the reference is the policy's base (utils.base_state_dict names its weights)
+    if precompute:  # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
         cache_path, reference_cache = cached_reference(
             policy if lora_reference else reference, train_examples + eval_examples, tokenizer, config, distributed, rank
         )
@@ -655,7 +662,7 @@ its last stage's, for FSDP/TP rank 0's; a sweep's summary names it."""
 
 COMMAND: list[str] | None = None
 """The command line's overrides when train.py was started from it (set by :func:`hydra_main`); a new
-run folder's config.yaml begins with the command (``utils.RUN_COMMAND_LINE``), which model cards quote."""
+run folder's config.yaml begins with the command (``checkpoints.RUN_COMMAND_LINE``), which model cards quote."""
 
 
 def die_with_launcher(poll_s: float = 0.5) -> str | None:
@@ -675,7 +682,7 @@ def die_with_launcher(poll_s: float = 0.5) -> str | None:
     for a rank that is gone, so a rank told to save could hang for ever, still holding the run
     folder; and a launcher killed with SIGKILL was asked to stop now (a launcher that stops
     normally forwards SIGTERM itself). SIGKILL loses nothing already saved: checkpoints are
-    written atomically (``utils.save_checkpoint_dir``), ``LATEST`` always names a whole one,
+    written atomically (``checkpoints.save_checkpoint_dir``), ``LATEST`` always names a whole one,
     and the run folder's lock is free again the moment the last rank is gone.
     """
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
@@ -767,7 +774,7 @@ def launch(config: DictConfig) -> int | None:
     checkpoint and stop, and this process waits for them. If one fails, the others are stopped;
     if this process dies (even by SIGKILL), they are killed (:func:`die_with_launcher`).
 
-    With ``resume=`` this process holds the run folder's lock (``utils.lock_run_dir``) from
+    With ``resume=`` this process holds the run folder's lock (``checkpoints.lock_run_dir``) from
     before the processes start until it returns, and passes it to them, so the lock lasts as
     long as any of them lives.
 
@@ -781,15 +788,15 @@ def launch(config: DictConfig) -> int | None:
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
-    utils.validate_config(config, n)
+    checks.validate_config(config, n)
     utils.check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
-    utils.check_parallel_model(config, n)
-    lock = utils.lock_run_dir(config.resume) if config.resume is not None else utils.RunLock(None, "")
+    models.check_parallel_model(config, n)
+    lock = checkpoints.lock_run_dir(config.resume) if config.resume is not None else checkpoints.RunLock(None, "")
     with lock:
         return _run_processes(config, n, lock)
 
 
-def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
+def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int:
     """launch()'s work: start the ``n`` processes (passing ``lock`` down when it holds one),
     forward signals to them and wait; returns the exit code (:func:`rank_failure`)."""
     with socket.socket() as s:
@@ -797,7 +804,7 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
         port = s.getsockname()[1]
     print(f"Starting {n} {config.trainer} processes (gloo on CPU, NCCL on GPUs).")
     procs = []
-    shared = {utils.RUN_LOCK_FD_ENV: str(lock.fd)} if lock.fd is not None else {}
+    shared = {checkpoints.RUN_LOCK_FD_ENV: str(lock.fd)} if lock.fd is not None else {}
     folder_pipe = os.pipe()  # rank 0 writes the run folder into it once it has made it (tell_launcher)
     for rank in range(n):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), **shared}
@@ -894,7 +901,7 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
     - ``+key=value`` adding a top-level key that is a near-miss of an existing one
       (``+batch_szie=8``: Hydra accepts it and nothing would read it). Other additions
       (``+data.mine.path=...``, ``+model.config.foo=...``, ``+loss.beta=...``, which
-      ``utils.validate_config`` judges) are left alone;
+      ``checks.validate_config`` judges) are left alone;
     - a config-group option that does not exist (``loss=ipoo``).
 
     ``config_name`` is the primary config (``evaluate`` for evaluate.py's command line).
@@ -984,7 +991,7 @@ def command_line_error(argv: list[str]) -> str | None:
 def sweep_error(overrides: list[str]) -> str | None:
     """One sentence for the first job of the sweep ``overrides`` (``loss=dpo,ipo lr=1e-3``:
     one job per combination, as Hydra's basic sweeper makes them) whose overrides
-    :func:`override_error` rejects or whose composed config ``utils.validate_config`` rejects
+    :func:`override_error` rejects or whose composed config ``checks.validate_config`` rejects
     (the sentence starts with the job's swept values, e.g. "In the job loss=ipoo: ..."); None
     when all pass or the overrides do not parse (Hydra reports that itself)."""
     from hydra import compose, initialize_config_dir
@@ -1007,10 +1014,10 @@ def sweep_error(overrides: list[str]) -> str | None:
                 except HydraException:
                     return None
             try:
-                utils.settle_given(config, utils.given_keys(job))  # as hydra_main does
+                checks.settle_given(config, checks.given_keys(job))  # as hydra_main does
                 if config.resume is None:  # resume= runs the saved config, checked when it starts
                     n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
-                    utils.validate_config(config, n)
+                    checks.validate_config(config, n)
             except utils.ConfigError as e:
                 problem = str(e)
         if problem is not None:
@@ -1130,7 +1137,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     try:
         for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
             if number == 2:
-                if folders[0] is None or not os.path.exists(os.path.join(folders[0], utils.FINISHED)):
+                if folders[0] is None or not os.path.exists(os.path.join(folders[0], checkpoints.FINISHED)):
                     print("Error: the SFT stage finished without a finished run folder in output_root.", file=sys.stderr)
                     return 1
                 args = [*args, f"model.archive={os.path.join(folders[0], 'LATEST', 'policy.pt')}"]
@@ -1279,10 +1286,10 @@ def run_command(config: DictConfig) -> None:
         overrides = list(HydraConfig.get().overrides.task)
         global COMMAND
         COMMAND = overrides
-        given = utils.given_keys(overrides)
-        utils.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
+        given = checks.given_keys(overrides)
+        checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
         if sft_stage_wanted(config, given):
-            utils.validate_config(config)  # a bad value is said once, before either stage starts
+            checks.validate_config(config)  # a bad value is said once, before either stage starts
             declared = preference_datasets.declared_reward_functions(config.datasets)
             reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
             options = OmegaConf.to_container(config.data, resolve=True)
@@ -1310,7 +1317,7 @@ def run_command(config: DictConfig) -> None:
     except (
         trainers.NonFiniteLossError,
         trainers.JudgeFailureError,
-        utils.CheckpointError,
+        checkpoints.CheckpointError,
         utils.DiskFullError,
         modelcard.PushError,
     ) as e:

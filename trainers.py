@@ -24,11 +24,16 @@ import numpy as np
 import torch
 import tqdm
 
+import checkpoints
+import checks
 import losses
 import modelcard
+import models
 import reward_functions
 import rewards
+import tracking
 import utils
+from models import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 from online import JudgeFailureError, OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
 from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from preference_datasets import (
@@ -39,7 +44,6 @@ from preference_datasets import (
     mismatched_pairs,
     stop_token_ids,
 )
-from utils import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1: SLURM's
@@ -164,7 +168,7 @@ class BasicTrainer(OnlineSampling):
             reference with them off.
         train_examples, eval_examples: from ``preference_datasets.load_examples``.
         reference_model: the frozen reference (None for SFT or reference_free DPO).
-        logger: a ``utils.MetricsLogger``.
+        logger: a ``tracking.MetricsLogger``.
     """
 
     def __init__(self, policy, config, run_dir, tokenizer, train_examples, eval_examples, reference_model=None, logger=None):
@@ -174,13 +178,13 @@ class BasicTrainer(OnlineSampling):
         self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token: generation stops at either
         # LoRA: the PeftModel switches the adapters off (the reference); self.policy is the network
         # holding them, called, sharded and saved as a plain Hugging Face model
-        self.peft_model = policy if utils.is_lora_model(policy) else None
+        self.peft_model = policy if models.is_lora_model(policy) else None
         self.policy = policy.get_base_model() if self.peft_model is not None else policy
-        self.lora = utils.lora_settings(config.model) if self.peft_model is not None else None
+        self.lora = checks.lora_settings(config.model) if self.peft_model is not None else None
         if self.peft_model is not None and reference_model is not None:
             raise ValueError("A LoRA policy is its own reference (adapters off); pass no reference_model.")
         self.reference_model = reference_model
-        self.logger = logger or utils.MetricsLogger(run_dir, config)
+        self.logger = logger or tracking.MetricsLogger(run_dir, config)
         self.train_examples = train_examples
         self.loss_config = config.loss
         self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
@@ -200,7 +204,7 @@ class BasicTrainer(OnlineSampling):
                 self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}  # LoRA: the adapters
         self.prepare_models()
-        self.setup_peak_rss_mib = utils.peak_rss_mib()  # loading and sharding, before any step
+        self.setup_peak_rss_mib = tracking.peak_rss_mib()  # loading and sharding, before any step
 
         self.optimizer = self.build_optimizer()
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
@@ -630,7 +634,7 @@ class BasicTrainer(OnlineSampling):
             self.sample()
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
-            print(f"[eval] after {self.example_counter} examples: {utils.formatted_dict(means)}")
+            print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         self.policy.train()
         return means
 
@@ -736,7 +740,7 @@ class BasicTrainer(OnlineSampling):
         if not self.is_main:
             return rows
         path = os.path.join(self.run_dir, "samples.jsonl")
-        with utils.saying_disk_full(path, "append to", utils.resume_hint(self.run_dir)), open(path, "a") as f:
+        with utils.saying_disk_full(path, "append to", checkpoints.resume_hint(self.run_dir)), open(path, "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         write_samples_md(self.run_dir)
@@ -841,7 +845,7 @@ class BasicTrainer(OnlineSampling):
     def train(self) -> int | None:
         """Train to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples and checkpointing
         after each eval and at the end; a signal in :data:`STOP_SIGNALS` saves a checkpoint and stops, and a
-        normal end writes ``<run_dir>/FINISHED`` on rank 0 (``utils.mark_finished``; what ``resume=auto`` skips).
+        normal end writes ``<run_dir>/FINISHED`` on rank 0 (``checkpoints.mark_finished``; what ``resume=auto`` skips).
 
         Returns:
             None when training finished, else the number of the signal that stopped it.
@@ -850,8 +854,8 @@ class BasicTrainer(OnlineSampling):
         if self.example_counter >= self.total_examples:
             if self.is_main:
                 print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
-                if not os.path.exists(os.path.join(self.run_dir, utils.FINISHED)):  # finished before FINISHED existed
-                    utils.mark_finished(self.run_dir, self.example_counter)
+                if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
+                    checkpoints.mark_finished(self.run_dir, self.example_counter)
             self.logger.finish()
             return None
         iterator = get_batch_iterator(
@@ -913,7 +917,7 @@ class BasicTrainer(OnlineSampling):
                 path = self.save()
                 memory = self.log_peak_memory()
                 if self.is_main:
-                    utils.plot_curves(self.run_dir)
+                    tracking.plot_curves(self.run_dir)
                     print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
                     self.say_peak_memory(memory)
                     how = (
@@ -933,7 +937,7 @@ class BasicTrainer(OnlineSampling):
                 raise JudgeFailureError(stop.format(checkpoint=path))
             memory = self.log_peak_memory()
             if self.is_main:
-                written = utils.plot_curves(self.run_dir)
+                written = tracking.plot_curves(self.run_dir)
                 export = ""
                 if config.save_hf_export:
                     failed = self.hf_export_failure
@@ -944,7 +948,7 @@ class BasicTrainer(OnlineSampling):
                     print(f"Training curves: {os.path.dirname(written[0])}/")
             self.wait_for_all()
             if self.is_main:  # every rank's part of the last checkpoint is written
-                utils.mark_finished(self.run_dir, self.example_counter)
+                checkpoints.mark_finished(self.run_dir, self.example_counter)
             return None
         finally:
             for s, handler in previous.items():
@@ -965,7 +969,7 @@ class BasicTrainer(OnlineSampling):
         Returns:
             {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
         """
-        mine = {"rss": [utils.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
+        mine = {"rss": [tracking.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
         gathered = self.gather_per_rank(mine)
@@ -1009,7 +1013,7 @@ class BasicTrainer(OnlineSampling):
         ``hf/`` (:meth:`write_hf_export`; LoRA: adapters alone); a failed ``hf/`` export is left out with one warning.
 
         Raises:
-            utils.CheckpointError: if the checkpoint cannot be written; ``LATEST`` keeps its earlier target.
+            checkpoints.CheckpointError: if the checkpoint cannot be written; ``LATEST`` keeps its earlier target.
         """
         step = self.example_counter
         self.hf_export_failure = None
@@ -1025,9 +1029,9 @@ class BasicTrainer(OnlineSampling):
             if self.config.save_hf_export:
                 self.hf_export_failure = self.write_hf_export(os.path.join(tmp, "hf"))
 
-        path = utils.save_checkpoint_dir(self.run_dir, f"step-{step}", write)
+        path = checkpoints.save_checkpoint_dir(self.run_dir, f"step-{step}", write)
         self.warn_export_failure(path)
-        utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+        checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
     hf_export_failure: str | None = None
@@ -1074,7 +1078,7 @@ class BasicTrainer(OnlineSampling):
         try:
             if self.peft_model is not None:
                 state = self.policy.state_dict() if state_dict is None else state_dict
-                exporter = utils.lora_export_model(self.policy.config, self.lora, state, utils.lora_base_path(self.config))
+                exporter = models.lora_export_model(self.policy.config, self.lora, state, models.lora_base_path(self.config))
                 exporter.save_pretrained(folder, save_embedding_layers=False)
                 self.tokenizer.save_pretrained(folder)
                 if self.lora.get("export_merged"):
@@ -1104,7 +1108,7 @@ class BasicTrainer(OnlineSampling):
             )
 
     data_fingerprint: dict | None = None
-    """``{split: utils.examples_fingerprint}`` of the train and eval examples (set by train.main),
+    """``{split: checkpoints.examples_fingerprint}`` of the train and eval examples (set by train.main),
     kept in trainer_state.pt so that resume can tell when the data changed."""
 
     def trainer_state(self) -> dict:
@@ -1168,7 +1172,7 @@ class BasicTrainer(OnlineSampling):
             return 0
         dropped = self.logger.rewind(step)
         for name in ("samples.jsonl", "completions.jsonl"):
-            utils.rewind_jsonl(os.path.join(self.run_dir, name), step)
+            tracking.rewind_jsonl(os.path.join(self.run_dir, name), step)
         write_samples_md(self.run_dir)  # its view of samples.jsonl, rewound with it
         return dropped
 
@@ -1198,12 +1202,12 @@ def read_checkpoint_file(checkpoint_dir: str, name: str):
         utils.ConfigError: naming the file when it is missing, cut short, unreadable or holds anything else.
     """
     path = os.path.join(checkpoint_dir, name)
-    problem = utils.checkpoint_file_problem(checkpoint_dir, name)
+    problem = checkpoints.checkpoint_file_problem(checkpoint_dir, name)
     if problem is not None:  # also where no manifest was checked first (a checkpoint of an earlier version, Ray's copy)
-        raise utils.ConfigError(utils.damaged_checkpoint_message(checkpoint_dir, [(name, problem)]))
+        raise utils.ConfigError(checkpoints.damaged_checkpoint_message(checkpoint_dir, [(name, problem)]))
     reconstruct = np.empty(0).__reduce__()[0]  # numpy(._)core.multiarray._reconstruct: an empty ndarray of a given class
     old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
-    return utils.load_weights_file(
+    return models.load_weights_file(
         path,
         f"The checkpoint file {os.path.realpath(path)}",  # step-N/, not LATEST/, which moves
         "resume only from checkpoints written by this repository's train.py",
@@ -1276,7 +1280,7 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
     def damaged(name: str, problem: str) -> utils.ConfigError:
-        return utils.ConfigError(utils.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
+        return utils.ConfigError(checkpoints.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
 
     metadata = os.path.join(folder, ".metadata")
     if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
@@ -1315,7 +1319,7 @@ def format_peak_memory(memory: dict[str, list[float]]) -> str:
             text += f", {memory['cuda'][rank]:.0f} MiB CUDA"
         parts.append(f"rank {rank} {text}" if n > 1 else text)
     whose = " (this process's, over the earlier jobs of this multirun too: its peak cannot be reset here)"
-    return "Peak memory" + (whose if utils.peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."
+    return "Peak memory" + (whose if tracking.peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."
 
 
 def count_tokens(batch: dict) -> int:
@@ -1332,10 +1336,10 @@ def write_samples_md(run_dir: str) -> None:
     if not os.path.exists(path):
         return
     sections: dict[int, list[dict]] = {}
-    for row in utils.jsonl_records(path):
+    for row in tracking.jsonl_records(path):
         sections.setdefault(row["step"], []).append(row)
     tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
-    then = utils.resume_hint(run_dir)
+    then = checkpoints.resume_hint(run_dir)
     with utils.replacing(os.path.join(run_dir, "samples.md"), then, tmp), open(tmp, "w") as f:
         for step, rows in sections.items():
             cols = ["prompt", *(k for k in rows[0] if k not in ("step", "prompt"))]
@@ -1368,7 +1372,7 @@ def reference_cache_path(reference, examples: list[dict], tokenizer, config, cac
     from preference_datasets import example_key
 
     digest = hashlib.sha256()
-    for name, tensor in sorted(utils.base_state_dict(reference).items()):  # a LoRA policy: its base, the reference
+    for name, tensor in sorted(models.base_state_dict(reference).items()):  # a LoRA policy: its base, the reference
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
@@ -1385,10 +1389,10 @@ def read_reference_cache(path: str) -> dict | None:
     file or it was cut short (saying so: the log-probs are computed again and the file rewritten)."""
     if not os.path.exists(path):
         return None
-    if os.path.getsize(path) == 0 or utils.cut_torch_archive(path):
+    if os.path.getsize(path) == 0 or checkpoints.cut_torch_archive(path):
         print(f"Note: the reference log-prob cache {path} is cut short ({os.path.getsize(path)} bytes); computing them again.")
         return None
-    cache = utils.load_weights_file(
+    cache = models.load_weights_file(
         path,
         f"The reference log-prob cache {path}",
         "delete that file (this run then computes the log-probs again) and check who else can write to cache_dir",
@@ -1583,10 +1587,10 @@ class _DistributedTrainer(BasicTrainer):
         state = model.state_dict()
         full = state if self.rank == 0 else {}
         unsaved = {n: b.detach().clone() for n, b in model.named_buffers() if n not in state}
-        # rank 0 holds the weights, the others meta tensors (utils.rank0_model)
-        utils.keeping_ties(model, lambda model: model.to("meta"))
+        # rank 0 holds the weights, the others meta tensors (models.rank0_model)
+        models.keeping_ties(model, lambda model: model.to("meta"))
         shard(model)
-        utils.keeping_ties(model, lambda model: model.to_empty(device=self.device))
+        models.keeping_ties(model, lambda model: model.to_empty(device=self.device))
         # each rank allocates and receives only its slice
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         for name, buffer in model.named_buffers():
@@ -1600,7 +1604,7 @@ class _DistributedTrainer(BasicTrainer):
         (gathered), scheduler.pt, trainer_state.pt and ``hf/``, published atomically (LoRA: adapters alone).
 
         Raises:
-            utils.CheckpointError: on every rank, if any rank cannot write; ``LATEST`` keeps its earlier target.
+            checkpoints.CheckpointError: on every rank, if any rank cannot write; ``LATEST`` keeps its earlier target.
         """
         import shutil
 
@@ -1620,7 +1624,7 @@ class _DistributedTrainer(BasicTrainer):
                     shutil.rmtree(tmp, ignore_errors=True)
                     os.makedirs(tmp)
                 except OSError as e:
-                    failure = utils.write_failure(e, self.run_dir)
+                    failure = checkpoints.write_failure(e, self.run_dir)
             failure = utils.broadcast_object(failure)  # the folder exists before any rank writes into it
             if failure is None:
                 try:
@@ -1630,7 +1634,7 @@ class _DistributedTrainer(BasicTrainer):
                         state["reference"] = get_model_state_dict(self.reference_model)
                     dcp.save(state, checkpoint_id=os.path.join(tmp, "sharded"))
                 except Exception as e:  # DCP raises on every rank when any rank's write fails
-                    failure = utils.write_failure(e, self.run_dir)
+                    failure = checkpoints.write_failure(e, self.run_dir)
                 if self.any_rank(failure is not None):
                     failure = failure or "another rank could not write its shard"
                 else:
@@ -1641,9 +1645,9 @@ class _DistributedTrainer(BasicTrainer):
                     if self.is_main:
                         try:
                             self.write_rank0_files(tmp, step, full)
-                            utils.publish_checkpoint(self.run_dir, name, tmp)
+                            checkpoints.publish_checkpoint(self.run_dir, name, tmp)
                         except Exception as e:
-                            failure = utils.write_failure(e, self.run_dir)
+                            failure = checkpoints.write_failure(e, self.run_dir)
         except BaseException:
             if self.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -1651,13 +1655,13 @@ class _DistributedTrainer(BasicTrainer):
         message = None
         if self.is_main and failure is not None:
             shutil.rmtree(tmp, ignore_errors=True)
-            message = utils.checkpoint_error_message(self.run_dir, name, failure)
+            message = checkpoints.checkpoint_error_message(self.run_dir, name, failure)
         message = utils.broadcast_object(message)  # every rank waits here for rank 0's files
         if message is not None:
-            raise utils.CheckpointError(message)
+            raise checkpoints.CheckpointError(message)
         if self.is_main:
             self.warn_export_failure(path)
-            utils.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+            checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
 
     def sharded_options(self):

@@ -180,7 +180,7 @@ def worker_prepare(spec: dict) -> dict:
 
     _set_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec.get("tokenizer_dir", STORIES))  # bench_memory.py: SmolLM2's
-    if tokenizer.pad_token_id is None:  # as utils.load_tokenizer (and TRL) do
+    if tokenizer.pad_token_id is None:  # as models.load_tokenizer (and TRL) do
         tokenizer.pad_token = tokenizer.eos_token
     report = collections.Counter()
     data = pdata.get_hh("train", report, local_dir=str(HH), subsets=["harmless-base"], holdout_fraction=0.1)
@@ -307,6 +307,8 @@ def _our_trainer(spec: dict, run_dir: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    import checks
+    import models
     import preference_datasets as pdata
     import trainers
     import utils
@@ -341,14 +343,14 @@ def _our_trainer(spec: dict, run_dir: str):
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
         config = compose(config_name="config", overrides=overrides)
     OmegaConf.resolve(config)
-    utils.validate_config(config)
+    checks.validate_config(config)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
     with open(spec["pairs_file"]) as f:
         pairs = json.load(f)
     examples = [{k: p[k] for k in ("prompt", "chosen", "rejected", "truncation_mode")} for p in pairs]
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     elements = [
         pdata.tokenize_element(
             e["prompt"], e["chosen"], e["rejected"], e["truncation_mode"], tokenizer, config.max_length, config.max_prompt_length

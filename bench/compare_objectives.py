@@ -9,7 +9,7 @@ launcher), so each run's memory is its own; ``hydra.sweeper.max_batch_size=1`` r
 a time, so that their times do not share the CPUs (``hydra/launcher=slurm``: each a SLURM job).
 
 Reads each run folder's config.yaml and metrics.jsonl (one JSON record a line, ``step`` the
-example counter; see utils.MetricsLogger) and writes, per objective (one row per run):
+example counter; see tracking.MetricsLogger) and writes, per objective (one row per run):
 
   accuracy    held-out reward accuracy at the last eval (``rewards_eval/accuracies``): the
               fraction of eval pairs whose chosen reward is strictly above the rejected's,

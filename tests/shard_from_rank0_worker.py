@@ -1,7 +1,7 @@
 """Run by tests/test_distributed.py under ``torch.distributed.run --nproc_per_node 2`` (gloo).
 
 For each model family and way of sharding (FSDP, tensor parallel): rank 0 builds the model
-(``utils.rank0_model``; the other rank's ``build`` would fail), every other rank gets it on the
+(``models.rank0_model``; the other rank's ``build`` would fail), every other rank gets it on the
 meta device, ``shard_from_rank0`` shards it and sends the weights; the sharded model's logits
 must equal those of the whole model (built on every rank from the same seed, for comparison),
 tied embeddings must stay one parameter, and the rotary buffers must be rank 0's.
@@ -18,6 +18,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import models
 import trainers  # noqa: E402
 import utils  # noqa: E402
 
@@ -53,7 +54,7 @@ def main() -> None:
                 assert rank == 0, "only rank 0 may load the weights"
                 return copy.deepcopy(whole)
 
-            model = utils.rank0_model(build, rank)
+            model = models.rank0_model(build, rank)
             assert all(p.is_meta for p in model.parameters()) == (rank != 0), (family, how, rank)
             if how == "fsdp":
                 blocks = trainers.find_block_classes(model, None)

@@ -17,6 +17,8 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
+import checkpoints
+import checks
 import reward_functions
 import train
 import utils
@@ -145,7 +147,7 @@ def test_the_stage_banner_pastes_back_into_a_shell_and_names_sft_first_once():
 
 def wanted(overrides: list[str]) -> bool:
     config = compose_config(overrides)
-    return train.sft_stage_wanted(config, utils.given_keys(overrides))
+    return train.sft_stage_wanted(config, checks.given_keys(overrides))
 
 
 def test_when_the_sft_stage_applies(capsys, tmp_path):
@@ -179,7 +181,7 @@ def test_two_stages_in_one_command(tmp_path):
     assert (sft.loss.name, sft.n_examples, sft.lr, sft.sft_first.n_examples) == ("sft", 64, 3e-3, None)
     assert (dpo.loss.name, dpo.n_examples, dpo.lr, dpo.sft_first.n_examples) == ("dpo", 32, 3e-4, None)
     assert dpo.model.archive == str(tmp_path / sft_dir.name / "LATEST" / "policy.pt")  # the reference repository's shape
-    assert (sft_dir / utils.FINISHED).exists() and (dpo_dir / utils.FINISHED).exists()
+    assert (sft_dir / checkpoints.FINISHED).exists() and (dpo_dir / checkpoints.FINISHED).exists()
     # the DPO run starts from the SFT policy: its step-0 eval is the SFT run's last, on the same pairs
     sft_last = [r for r in metric_records(sft_dir) if "logps_eval/chosen" in r][-1]
     dpo_first = [r for r in metric_records(dpo_dir) if "logps_eval/chosen" in r][0]
@@ -222,5 +224,5 @@ def test_sigterm_in_the_sft_stage_stops_both_and_keeps_its_checkpoint(tmp_path):
     assert proc.returncode == 143, stderr[-2000:]
     assert "Stage 2 of 2" not in stdout and "Stage 1 of 2 ended with exit code 143" in stderr
     (run_dir,) = tmp_path.iterdir()
-    assert (run_dir / "LATEST" / "policy.pt").exists() and not (run_dir / utils.FINISHED).exists()
+    assert (run_dir / "LATEST" / "policy.pt").exists() and not (run_dir / checkpoints.FINISHED).exists()
     assert json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["step"] > 0

@@ -13,6 +13,7 @@ from conftest import TINY, compose_config, metric_records, needs_shared, run_tra
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer, ByT5Tokenizer
 
+import models
 import preference_datasets as pd
 import trainers
 import utils
@@ -235,18 +236,18 @@ def test_bad_conversations_are_one_sentence_naming_the_row():
 def test_random_model_takes_any_tokenizer_and_chat_template_setting(tmp_path):
     path = str(needs_shared("tokenizers", "smollm2-135m-instruct"))
     config = compose_config([f"model.tokenizer_name_or_path={path}"])  # the tiny preset sets tokenizer_class: path wins
-    tok = utils.load_tokenizer(config.model)
+    tok = models.load_tokenizer(config.model)
     assert len(tok) == 49152 and tok.convert_tokens_to_ids("<|im_end|>") == 2
-    assert utils.transformers_config(config.model, tok).vocab_size == 49152
+    assert models.transformers_config(config.model, tok).vocab_size == 49152
     template = tmp_path / "t.jinja"
     template.write_text(LLAMA3)
     for value in (str(template), LLAMA3):
         model = OmegaConf.merge(config.model, {"chat_template": value})
-        assert utils.load_tokenizer(model).chat_template == LLAMA3
+        assert models.load_tokenizer(model).chat_template == LLAMA3
     with pytest.raises(utils.ConfigError, match="neither a file nor a Jinja template"):
-        utils.load_tokenizer(OmegaConf.merge(config.model, {"chat_template": str(tmp_path / "missing.jinja")}))
+        models.load_tokenizer(OmegaConf.merge(config.model, {"chat_template": str(tmp_path / "missing.jinja")}))
     with pytest.raises(utils.ConfigError, match="vocab_size=512 is smaller than the tokenizer's 49152"):
-        utils.transformers_config(
+        models.transformers_config(
             compose_config([f"model.tokenizer_name_or_path={path}", "+model.config.vocab_size=512"]).model, tok
         )
 
@@ -255,7 +256,7 @@ def test_generation_stops_at_end_of_turn(tmp_path):
     tok = llama3_tokenizer()
     eot = tok.convert_tokens_to_ids("<|eot_id|>")
     config = compose_config([*TINY, f"output_root={tmp_path}", "n_eval_model_samples=1", "max_length=48"])
-    policy = utils.load_model(config.model, tok, torch.float32, 0)
+    policy = models.load_model(config.model, tok, torch.float32, 0)
     policy.lm_head = torch.nn.Linear(policy.config.hidden_size, len(tok), bias=True)  # always <|eot_id|>
     torch.nn.init.zeros_(policy.lm_head.weight)
     with torch.no_grad():

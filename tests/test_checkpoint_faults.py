@@ -24,6 +24,10 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, metric_records, one_run
 
+import checkpoints
+import checks
+import models
+import tracking
 import train
 import trainers
 import utils
@@ -137,7 +141,7 @@ def test_a_failed_hf_export_keeps_the_checkpoint_and_the_run_ends_normally(tmp_p
     assert f"Checkpoint: {latest.resolve()} (no Hugging Face export: {reason})." in out
     # the weights saved are the trained ones: they load into the model and differ from its start
     state = torch.load(latest / "policy.pt", weights_only=False)["state"]
-    start = utils.load_model(config.model, utils.load_tokenizer(config.model), torch.float32, config.seed).state_dict()
+    start = models.load_model(config.model, models.load_tokenizer(config.model), torch.float32, config.seed).state_dict()
     assert state.keys() == start.keys()
     assert any(not torch.equal(state[k], start[k]) for k in state)
 
@@ -205,9 +209,9 @@ def test_an_error_while_saving_removes_the_partial_folder_and_names_latest(tmp_p
         Path(folder, "policy.pt").write_text("half")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # torch.save, disk full
 
-    first = utils.save_checkpoint_dir(str(tmp_path), "step-8", lambda folder: Path(folder, "policy.pt").write_text("ok"))
-    with pytest.raises(utils.CheckpointError) as err:
-        utils.save_checkpoint_dir(str(tmp_path), "step-16", write)
+    first = checkpoints.save_checkpoint_dir(str(tmp_path), "step-8", lambda folder: Path(folder, "policy.pt").write_text("ok"))
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.save_checkpoint_dir(str(tmp_path), "step-16", write)
     assert not os.path.exists(calls[0]) and not (tmp_path / "step-16").exists()
     assert os.path.realpath(tmp_path / "LATEST") == os.path.realpath(first)
     message = str(err.value)
@@ -326,7 +330,7 @@ def test_a_wandb_server_that_refuses_rewind_continues_the_same_run(tmp_path, mon
 
     monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
     config = compose_config(["wandb.enabled=true", "wandb.mode=online"])
-    logger = utils.MetricsLogger(str(tmp_path), config, resume_id="abc123")
+    logger = tracking.MetricsLogger(str(tmp_path), config, resume_id="abc123")
     assert calls == []  # opened once the checkpoint's step is known
     logger.rewind(24)
     assert [c.get("resume_from") for c in calls] == ["abc123?_step=24", None]
@@ -353,9 +357,9 @@ def test_a_resumed_checkpoint_written_after_an_eval_does_not_evaluate_again(tmp_
 def test_rewind_jsonl_drops_records_after_the_step_and_a_cut_line(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "a": 1}\n{"step": 8, "a": 2}\n{"step": 16, "a": 3}\n{"step": 24, "a"')
-    assert utils.rewind_jsonl(str(path), 8) == 2
+    assert tracking.rewind_jsonl(str(path), 8) == 2
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"step": 0, "a": 1}, {"step": 8, "a": 2}]
-    assert utils.rewind_jsonl(str(path), 8) == 0 and utils.rewind_jsonl(str(tmp_path / "absent.jsonl"), 8) == 0
+    assert tracking.rewind_jsonl(str(path), 8) == 0 and tracking.rewind_jsonl(str(tmp_path / "absent.jsonl"), 8) == 0
 
 
 # ----------------------------------------------------------------------------- 4. numbers that cannot train
@@ -366,25 +370,25 @@ def test_float16_weights_break_exactly_the_refused_optimizers(optimizer):
     # One step of the tiny model in float16: Adam, AdamW and RMSprop divide by sqrt(v) + eps with
     # v = g^2 (1e-10 and below) and eps = 1e-8 both 0 in float16, so every weight becomes inf/NaN.
     config = compose_config([])
-    tokenizer = utils.load_tokenizer(config.model)
-    model = utils.load_model(config.model, tokenizer, torch.float16, seed=0)
+    tokenizer = models.load_tokenizer(config.model)
+    model = models.load_model(config.model, tokenizer, torch.float16, seed=0)
     ids = torch.tensor([tokenizer.encode("Q: 17+25=\nA: 42")])
     opt = getattr(torch.optim, optimizer)(model.parameters(), lr=5e-7)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     broken = not all(torch.isfinite(p).all() for p in model.parameters())
-    assert broken == (optimizer in utils.FLOAT16_UNSAFE_OPTIMIZERS)
+    assert broken == (optimizer in checks.FLOAT16_UNSAFE_OPTIMIZERS)
 
 
-@pytest.mark.parametrize("optimizer", utils.FLOAT16_UNSAFE_OPTIMIZERS)
+@pytest.mark.parametrize("optimizer", checks.FLOAT16_UNSAFE_OPTIMIZERS)
 def test_float16_weights_with_an_adaptive_optimizer_are_refused_naming_what_works(optimizer):
     with pytest.raises(utils.ConfigError) as err:
-        utils.validate_config(compose_config(["model.policy_dtype=float16", f"optimizer={optimizer}"]))
+        checks.validate_config(compose_config(["model.policy_dtype=float16", f"optimizer={optimizer}"]))
     message = str(err.value)
     assert f"model.policy_dtype=float16 with optimizer={optimizer}" in message
     assert "model.policy_dtype=bfloat16" in message and "model.fsdp_policy_mp=float16" in message
     for fine in (["model.policy_dtype=float16", "optimizer=SGD"], ["model.policy_dtype=bfloat16", f"optimizer={optimizer}"]):
-        utils.validate_config(compose_config(fine))
+        checks.validate_config(compose_config(fine))
 
 
 def test_float16_with_adamw_is_one_sentence_before_any_model_loads(tmp_path):
@@ -455,7 +459,7 @@ def test_curves_have_units_keep_accuracies_apart_and_no_single_point_panels(tmp_
     (tmp_path / "config.yaml").write_text("loss: {name: dpo, beta: 0.1, average_log_prob: false}\n")
     (tmp_path / "curves").mkdir()
     (tmp_path / "curves" / "memory.png").write_bytes(b"stale")
-    written = utils.plot_curves(str(tmp_path))
+    written = tracking.plot_curves(str(tmp_path))
     # by hand: grad_norm (one point), rewards_eval/margins (one point), memory, counters are not drawn
     assert [Path(f).name for f in written] == ["accuracy.png", "loss.png", "rewards_train.png", "lr.png"]
     assert sorted(p.name for p in (tmp_path / "curves").iterdir()) == sorted(Path(f).name for f in written)
@@ -464,17 +468,17 @@ def test_curves_have_units_keep_accuracies_apart_and_no_single_point_panels(tmp_
         for k, v in r.items():
             if k != "step":
                 series.setdefault(k, []).append((r["step"], v))
-    plan = {p["name"]: p for p in utils.curve_panels(series, "dpo")}
+    plan = {p["name"]: p for p in tracking.curve_panels(series, "dpo")}
     assert plan["accuracy"]["keys"] == ["rewards_eval/accuracies", "rewards_train/accuracies"]
     assert plan["accuracy"]["ylim"] == (-0.02, 1.02) and "fraction" in plan["accuracy"]["ylabel"]
     assert plan["rewards_train"]["keys"] == ["rewards_train/margins"] and "(nats)" in plan["rewards_train"]["ylabel"]
     assert plan["loss"]["ylabel"].startswith("loss (nats")
     assert plan["lr"]["ylabel"].startswith("learning rate")
     for loss, unit in (("sft", "nats per target token"), ("ipo", "nats²"), ("reward", "nats")):
-        assert unit in utils.curve_panels(series, loss)[1]["ylabel"]
+        assert unit in tracking.curve_panels(series, loss)[1]["ylabel"]
     logps = {"logps_train/chosen": [(8, -20.0), (16, -19.0)]}
-    assert "summed over response tokens" in utils.curve_panels(logps, "dpo")[0]["ylabel"]
-    assert "per token" in utils.curve_panels(logps, "ipo", average_log_prob=True)[0]["ylabel"]
+    assert "summed over response tokens" in tracking.curve_panels(logps, "dpo")[0]["ylabel"]
+    assert "per token" in tracking.curve_panels(logps, "ipo", average_log_prob=True)[0]["ylabel"]
 
 
 def test_saving_again_at_the_same_step_keeps_latest_on_a_complete_checkpoint_throughout(tmp_path, monkeypatch):
@@ -487,7 +491,7 @@ def test_saving_again_at_the_same_step_keeps_latest_on_a_complete_checkpoint_thr
 
         return fill
 
-    utils.save_checkpoint_dir(str(tmp_path), "step-8", write("first"))
+    checkpoints.save_checkpoint_dir(str(tmp_path), "step-8", write("first"))
     seen = []
     real_replace = os.replace
 
@@ -496,7 +500,7 @@ def test_saving_again_at_the_same_step_keeps_latest_on_a_complete_checkpoint_thr
         seen.append((tmp_path / "LATEST" / "policy.pt").read_text())  # raises if LATEST dangles
 
     monkeypatch.setattr(os, "replace", watching_replace)
-    utils.save_checkpoint_dir(str(tmp_path), "step-8", write("second"))
+    checkpoints.save_checkpoint_dir(str(tmp_path), "step-8", write("second"))
     assert seen and set(seen) <= {"first", "second"}
     assert os.readlink(tmp_path / "LATEST") == "step-8" and (tmp_path / "step-8" / "policy.pt").read_text() == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["LATEST", "step-8"]
@@ -592,10 +596,10 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints
     # there and whole torch.save archives; one that slips through is the same sentence when read.
     run = unfinished_copy(two_checkpoints, tmp_path)
     for step in ("step-24", "step-48"):
-        (run / step / utils.CHECKPOINT_MANIFEST).unlink()
-    assert utils.checkpoint_damage(str(run / "step-48")) == []
+        (run / step / checkpoints.CHECKPOINT_MANIFEST).unlink()
+    assert checkpoints.checkpoint_damage(str(run / "step-48")) == []
     size = cut(run / "step-48" / "policy.pt", 1000)
-    assert utils.checkpoint_damage(str(run / "step-48")) == [
+    assert checkpoints.checkpoint_damage(str(run / "step-48")) == [
         ("policy.pt", "is cut short (1000 bytes; its zip directory is gone)")
     ]
     with pytest.raises(utils.ConfigError) as err:
@@ -603,10 +607,10 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints
     assert "Error: " + str(err.value) == damaged_sentence(run, "policy.pt is cut short (1000 bytes; its zip directory is gone)")
     assert size > 1000
     (run / "step-48" / "scheduler.pt").unlink()
-    assert [name for name, _ in utils.checkpoint_damage(str(run / "step-48"))] == ["policy.pt", "scheduler.pt"]
+    assert [name for name, _ in checkpoints.checkpoint_damage(str(run / "step-48"))] == ["policy.pt", "scheduler.pt"]
     (run / "step-24" / "optimizer.pt").unlink()  # no intact checkpoint left
     with pytest.raises(utils.ConfigError) as err:
-        utils.check_checkpoint(str(run / "LATEST"))
+        checkpoints.check_checkpoint(str(run / "LATEST"))
     assert str(err.value) == (
         f"The checkpoint {run}/step-48 is damaged: policy.pt is cut short (1000 bytes; its zip directory is gone) "
         f"(and 1 more file); no other checkpoint of {run} is intact: restore that file, or start the run again with "
@@ -616,8 +620,8 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints
 
 def test_each_checkpoint_holds_a_manifest_of_its_files_and_their_sizes(two_checkpoints):
     folder = two_checkpoints / "step-24"
-    manifest = json.loads((folder / utils.CHECKPOINT_MANIFEST).read_text())
-    names = sorted(p.name for p in folder.iterdir() if p.name != utils.CHECKPOINT_MANIFEST)
+    manifest = json.loads((folder / checkpoints.CHECKPOINT_MANIFEST).read_text())
+    names = sorted(p.name for p in folder.iterdir() if p.name != checkpoints.CHECKPOINT_MANIFEST)
     assert names == ["optimizer.pt", "policy.pt", "scheduler.pt", "trainer_state.pt"]
     assert manifest == {name: (folder / name).stat().st_size for name in names}
 

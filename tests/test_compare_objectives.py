@@ -136,7 +136,7 @@ def test_labels_units_and_a_path_without_runs(tmp_path, capsys):
             ["-m", "loss=dpo,simpo", "loss.reference_free=true"],
             "In the job loss=simpo: loss=simpo has no key 'reference_free' (keys of loss: ",
         ),
-        (["-m", "loss=dpo", "loss.beta=-1"], "loss.beta must be > 0"),  # utils.validate_config's sentence, nothing swept
+        (["-m", "loss=dpo", "loss.beta=-1"], "loss.beta must be > 0"),  # checks.validate_config's sentence, nothing swept
     ],
 )
 def test_a_multirun_checks_every_job_before_the_first_starts(argv, sentence):

@@ -27,6 +27,8 @@ from conftest import compose_config, run_torchrun
 from test_distributed import cli, weights
 from test_distributed import finished_run as finished
 
+import checkpoints
+import checks
 import packing
 import train
 import trainers
@@ -96,7 +98,7 @@ def test_tensor_parallel_with_one_process_trains_to_the_end(basic_run, tmp_path)
     # One GPU gives world_size 1: clip_grad_norm_ over DTensors (a 1-process mesh) and plain
     # tensors crashed even on CPU.
     run_dir = finished([*SMALL, "trainer=TensorParallelTrainer", "world_size=1"], tmp_path)
-    assert (run_dir / utils.FINISHED).exists()
+    assert (run_dir / checkpoints.FINISHED).exists()
     same_weights(basic_run, run_dir, atol=5e-5)
 
 
@@ -120,7 +122,7 @@ def test_parameter_groups_split_plain_tensors_from_dtensors_of_each_mesh():
 @pytest.mark.parametrize("value", [1, "yes"])
 def test_a_bad_optimizer_foreach_is_one_sentence(value):
     with pytest.raises(utils.ConfigError) as e:
-        utils.validate_config(compose_config([f"optimizer_foreach={value}"]))
+        checks.validate_config(compose_config([f"optimizer_foreach={value}"]))
     assert str(e.value) == (
         f"optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {value!r}."
     )
@@ -179,7 +181,7 @@ def test_the_configured_timeout_is_what_train_main_passes(monkeypatch, tmp_path)
 @pytest.mark.parametrize("value", [0, -5, "ten", "inf"])
 def test_a_bad_timeout_is_one_sentence(value):
     with pytest.raises(utils.ConfigError) as e:
-        utils.validate_config(compose_config([f"dist_timeout_minutes={value}"]))
+        checks.validate_config(compose_config([f"dist_timeout_minutes={value}"]))
     shown = float("inf") if value == "inf" else value
     assert str(e.value) == (
         "dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others before the run "

@@ -24,6 +24,8 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, metric_records, one_run
 
+import checkpoints
+import tracking
 import train
 import trainers
 import utils
@@ -90,7 +92,7 @@ def assert_one_sentence(error: BaseException, path) -> None:
     assert f"no space left on the device ({FREE_MIB} MiB free)" in message, message
     assert "\n" not in message and "Errno" not in message and "unexpected pos" not in message, message
     assert message.endswith("."), message
-    assert isinstance(error, (utils.DiskFullError, utils.CheckpointError)), type(error)
+    assert isinstance(error, (utils.DiskFullError, checkpoints.CheckpointError)), type(error)
 
 
 def leftovers(folder: Path) -> list[str]:
@@ -114,7 +116,7 @@ def test_resume_on_a_full_disk_is_one_sentence_and_leaves_metrics_jsonl_as_it_wa
     path.write_text(before)
     disk_full_under(monkeypatch, tmp_path)
     with pytest.raises(OSError) as err:
-        utils.rewind_jsonl(str(path), 8)  # drops 16 and 24: a rewrite
+        tracking.rewind_jsonl(str(path), 8)  # drops 16 and 24: a rewrite
     assert_one_sentence(err.value, path)
     assert path.read_text() == before and leftovers(tmp_path) == []
 
@@ -123,7 +125,7 @@ def test_a_fresh_run_on_a_full_disk_is_one_sentence_and_leaves_no_folder(tmp_pat
     # Seen: OSError: [Errno 28] from lock_run_dir (the pid into .lock), and a folder holding only .lock.
     disk_full_under(monkeypatch, tmp_path)
     with pytest.raises(OSError) as err:
-        utils.new_run_dir(str(tmp_path), "exp", compose_config(TINY))
+        checkpoints.new_run_dir(str(tmp_path), "exp", compose_config(TINY))
     assert_one_sentence(err.value, tmp_path)
     assert ".lock" in str(err.value)
     assert list(tmp_path.iterdir()) == []
@@ -139,7 +141,7 @@ def test_a_fresh_run_that_cannot_write_config_yaml_leaves_no_folder(tmp_path, mo
     monkeypatch.setattr(OmegaConf, "save", save)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100 * MIB, 97 * MIB, FREE_MIB * MIB))
     with pytest.raises(OSError) as err:
-        utils.new_run_dir(str(tmp_path), "exp", compose_config(TINY))
+        checkpoints.new_run_dir(str(tmp_path), "exp", compose_config(TINY))
     assert_one_sentence(err.value, tmp_path)
     assert "config.yaml" in str(err.value) and "start the run again" in str(err.value)
     assert list(tmp_path.iterdir()) == []
@@ -147,7 +149,9 @@ def test_a_fresh_run_that_cannot_write_config_yaml_leaves_no_folder(tmp_path, mo
 
 def test_torch_saves_unexpected_pos_on_a_full_disk_says_no_space_left(tmp_path, monkeypatch):
     # Seen: "Could not write checkpoint step-16 ... (RuntimeError: [enforce fail ...] unexpected pos 400256 vs 400144; ...)".
-    first = utils.save_checkpoint_dir(str(tmp_path), "step-8", lambda folder: Path(folder, "policy.pt").write_bytes(b"x" * MIB))
+    first = checkpoints.save_checkpoint_dir(
+        str(tmp_path), "step-8", lambda folder: Path(folder, "policy.pt").write_bytes(b"x" * MIB)
+    )
 
     def write(folder):
         Path(folder, "policy.pt").write_bytes(b"half")  # what torch.save wrote before the disk filled
@@ -155,8 +159,8 @@ def test_torch_saves_unexpected_pos_on_a_full_disk_says_no_space_left(tmp_path, 
 
     total = 100 * MIB
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(total, total - FREE_MIB * MIB, FREE_MIB * MIB))
-    with pytest.raises(utils.CheckpointError) as err:
-        utils.save_checkpoint_dir(str(tmp_path), "step-16", write)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.save_checkpoint_dir(str(tmp_path), "step-16", write)
     message = str(err.value)
     assert_one_sentence(err.value, tmp_path)
     assert "step-16" in message and "LATEST still points at the complete step-8" in message
@@ -172,8 +176,8 @@ def test_torch_saves_unexpected_pos_with_space_free_is_not_called_a_full_disk(tm
     def write(folder):
         raise RuntimeError(TORCH_ZIP_ENOSPC)
 
-    with pytest.raises(utils.CheckpointError) as err:
-        utils.save_checkpoint_dir(str(tmp_path), "step-8", write)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.save_checkpoint_dir(str(tmp_path), "step-8", write)
     assert "unexpected pos 400256 vs 400144" in str(err.value) and "no space left" not in str(err.value)
 
 
@@ -199,7 +203,7 @@ def test_write_atomic_on_a_full_disk_is_one_sentence_and_leaves_no_temporary_fil
 
 
 def test_a_metrics_record_on_a_full_disk_is_one_sentence(tmp_path, monkeypatch):
-    logger = utils.MetricsLogger(str(tmp_path), compose_config(TINY))
+    logger = tracking.MetricsLogger(str(tmp_path), compose_config(TINY))
     logger.log({"loss/train": 1.0}, step=8)
     disk_full_under(monkeypatch, tmp_path)
     with pytest.raises(OSError) as err:
@@ -290,7 +294,7 @@ def test_opening_a_run_folder_removes_what_dead_writers_left_and_says_so(tmp_pat
     kept = ["config.yaml", "metrics.jsonl", "notes.txt", "notes.tmp"]  # a user's notes.tmp is not a writer's
     for name in kept:
         (tmp_path / name).write_text("keep")
-    with utils.lock_run_dir(str(tmp_path)):
+    with checkpoints.lock_run_dir(str(tmp_path)):
         pass
     assert leftovers(tmp_path) == sorted([mine.name, "notes.tmp"])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*kept, ".lock", mine.name])
@@ -302,7 +306,7 @@ def test_opening_a_run_folder_removes_what_dead_writers_left_and_says_so(tmp_pat
 
 def test_opening_a_clean_run_folder_says_nothing(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
-    with utils.lock_run_dir(str(tmp_path)):
+    with checkpoints.lock_run_dir(str(tmp_path)):
         pass
     assert capsys.readouterr().out == ""
 
@@ -313,7 +317,7 @@ def test_a_temporary_folder_latest_points_into_is_kept(tmp_path):
     tmp.mkdir()
     (tmp / "policy.pt").write_text("complete")
     os.symlink(tmp.name, tmp_path / "LATEST")
-    with utils.lock_run_dir(str(tmp_path)):
+    with checkpoints.lock_run_dir(str(tmp_path)):
         pass
     assert (tmp / "policy.pt").read_text() == "complete"
 
@@ -381,12 +385,12 @@ def test_a_real_full_disk_gives_the_sentences_and_leaves_nothing(real_full_disk)
     disk = real_full_disk
     before = (disk / "metrics.jsonl").read_text()
     with pytest.raises(OSError) as err:
-        utils.rewind_jsonl(str(disk / "metrics.jsonl"), 8)
+        tracking.rewind_jsonl(str(disk / "metrics.jsonl"), 8)
     assert "no space left on the device (0 MiB free)" in str(err.value) and str(disk / "metrics.jsonl") in str(err.value)
     assert (disk / "metrics.jsonl").read_text() == before
 
     with pytest.raises(OSError) as err:
-        utils.new_run_dir(str(disk / "runs"), "exp", compose_config(TINY))
+        checkpoints.new_run_dir(str(disk / "runs"), "exp", compose_config(TINY))
     assert "no space left on the device (0 MiB free)" in str(err.value)
     assert list((disk / "runs").iterdir()) == []
 
@@ -395,8 +399,8 @@ def test_a_real_full_disk_gives_the_sentences_and_leaves_nothing(real_full_disk)
     def write(folder):
         torch.save({"w": torch.zeros(100_000)}, os.path.join(folder, "policy.pt"))  # 400 kB on a full disk
 
-    with pytest.raises(utils.CheckpointError) as err:
-        utils.save_checkpoint_dir(str(run), "step-8", write)
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.save_checkpoint_dir(str(run), "step-8", write)
     assert "no space left on the device (0 MiB free)" in str(err.value) and "unexpected pos" not in str(err.value)
     assert sorted(os.listdir(disk)) == ["filler", "metrics.jsonl", "run", "runs"] and os.listdir(run) == []
 
@@ -407,7 +411,7 @@ def test_pruning_counts_no_checkpoint_past_latest(tmp_path):
     for step in (152, 288, 424, 680):
         (tmp_path / f"step-{step}").mkdir()
     (tmp_path / "LATEST").symlink_to("step-424")
-    utils.prune_checkpoints(str(tmp_path), 3)
+    checkpoints.prune_checkpoints(str(tmp_path), 3)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
         "step-152",
         "step-288",
@@ -417,7 +421,7 @@ def test_pruning_counts_no_checkpoint_past_latest(tmp_path):
     (tmp_path / "step-560").mkdir()
     os.remove(tmp_path / "LATEST")
     (tmp_path / "LATEST").symlink_to("step-560")
-    utils.prune_checkpoints(str(tmp_path), 3)  # the newest 3 up to LATEST; step-680 waits to be saved again
+    checkpoints.prune_checkpoints(str(tmp_path), 3)  # the newest 3 up to LATEST; step-680 waits to be saved again
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == [
         "step-288",
         "step-424",

@@ -15,6 +15,8 @@ from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+import checkpoints
+import checks
 import train
 import trainers
 import utils
@@ -45,8 +47,8 @@ def extend(run, overrides: list[str]):
     """What ``python train.py resume=<run> <overrides>`` does (hydra_main's steps), in-process."""
     args = [f"resume={run}", *overrides]
     config = compose_config([*TINY, f"output_root={run.parent}", *args])
-    given = utils.given_keys(args)
-    utils.settle_given(config, given)
+    given = checks.given_keys(args)
+    checks.settle_given(config, given)
     budget = train.budget_given(config, given)
     assert train.resume_override_error(config, given) is None
     return train.main(config, budget=budget)
@@ -60,7 +62,7 @@ def test_extending_equals_a_fresh_run_of_the_longer_length_bit_for_bit(finished,
     run = copy_run(finished["constant"], tmp_path)
     # the last checkpoint of the run (evals at 0, 24 and its end, 48) holds the next eval, at 72
     assert torch.load(run / "step-48" / "trainer_state.pt", weights_only=False)["next_eval_at"] == 72
-    made_by = f"{utils.RUN_COMMAND_LINE}python train.py n_examples=48\n"
+    made_by = f"{checkpoints.RUN_COMMAND_LINE}python train.py n_examples=48\n"
     (run / "config.yaml").write_text(made_by + (run / "config.yaml").read_text())
     capsys.readouterr()
     _, stop = extend(run, ["n_examples=96"])
@@ -142,7 +144,7 @@ def test_other_keys_given_with_resume_are_still_refused(finished):
     run = finished["constant"]
     args = [f"resume={run}", "n_examples=96", "lr=1.0"]
     config = compose_config([*TINY, *args])
-    problem = train.resume_override_error(config, utils.given_keys(args))
+    problem = train.resume_override_error(config, checks.given_keys(args))
     assert problem is not None and "changes lr (saved 0.003, given 1.0);" in problem and "n_examples" not in problem
 
 

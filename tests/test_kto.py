@@ -21,7 +21,9 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
+import checks
 import losses
+import models
 import preference_datasets as pd
 import trainers
 import utils
@@ -61,11 +63,11 @@ def build(tmp_path: Path, rows: list[dict], *overrides: str) -> trainers.BasicTr
         ]
     )
     OmegaConf.resolve(config)
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
     tr, ev = (pd.load_examples(["json"], split, options, False, silent=True) for split in ("train", "test"))
-    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
-    reference = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    policy = models.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(exist_ok=True)
     return trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
 
@@ -312,7 +314,7 @@ def test_kto_under_fsdp_ends_as_basic_trainer(tmp_path):
 def test_precomputed_reference_with_kto_is_one_sentence():
     config = compose_config(["loss=kto", "precompute_ref_log_probs=true"])
     with pytest.raises(utils.ConfigError) as e:
-        utils.validate_config(config)
+        checks.validate_config(config)
     assert str(e.value) == (
         "loss=kto needs the reference's log-probs of each prompt paired with another example's completion, pairs that "
         "change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."

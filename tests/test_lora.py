@@ -4,7 +4,7 @@ adapter folder (``PeftModel.from_pretrained``) and on request a merged model
 (``AutoModelForCausalLM.from_pretrained``); with ``model.archive``, online DPO, FSDP over 2
 processes, Ray and activation checkpointing; what cannot combine is one sentence.
 
-Expected values come from models loaded here on their own (the base by ``utils.load_model`` with
+Expected values come from models loaded here on their own (the base by ``models.load_model`` with
 the run's seed, the adapters by peft directly) and log-probs by the formula, never from the
 trainer's own code path.
 """
@@ -23,7 +23,10 @@ from conftest import TINY, compose_config, metric_records, needs_shared, run_tra
 from omegaconf import OmegaConf
 from test_distributed import COMMON, assert_resumes_exactly_from_step_32, assert_same_run, cli, finished_run, weights
 
+import checkpoints
+import checks
 import losses
+import models
 import train
 import trainers
 import utils
@@ -46,8 +49,8 @@ def hand_logps(model, batch: dict, side: str) -> torch.Tensor:
 
 def base_model(config):
     """The run's base on its own: the model ``model.*`` describes, seeded as the run seeds it."""
-    tokenizer = utils.load_tokenizer(config.model)
-    return utils.load_model(config.model, tokenizer, torch.float32, config.seed).eval()
+    tokenizer = models.load_tokenizer(config.model)
+    return models.load_model(config.model, tokenizer, torch.float32, config.seed).eval()
 
 
 def trained_policy(run_dir: Path, base=None):
@@ -74,11 +77,11 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def loaded_models(config, tokenizer) -> tuple[torch.nn.Module, torch.nn.Module | None, int]:
-    """``train.load_models`` on one process, and how many models it loaded (``utils.load_model`` calls)."""
+    """``train.load_models`` on one process, and how many models it loaded (``models.load_model`` calls)."""
     loaded = []
-    real = utils.load_model
+    real = models.load_model
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(utils, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
+        m.setattr(models, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
         policy, reference = train.load_models(config, tokenizer, 0, False)
     return policy, reference, len(loaded)
 
@@ -88,9 +91,9 @@ def lora_trainer(tmp_path: Path, overrides: list[str]) -> tuple[trainers.BasicTr
     how many models were loaded for it."""
     config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
     OmegaConf.resolve(config)
-    utils.validate_config(config)
+    checks.validate_config(config)
     utils.set_threads(config.num_threads)
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
     train_examples = load_examples(list(config.datasets), "train", options, False, silent=True)
     eval_examples = load_examples(list(config.datasets), "test", options, False, silent=True)
@@ -106,9 +109,9 @@ def lora_run(tmp_path_factory) -> Path:
     eval, the adapter and merged exports), and the number of models it loaded."""
     out = tmp_path_factory.mktemp("lora")
     loaded = []
-    real = utils.load_model
+    real = models.load_model
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(utils, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
+        m.setattr(models, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
         run_dir = run_train([*LORA, "model.lora.export_merged=true"], out)
     return run_dir, len(loaded)
 
@@ -132,7 +135,7 @@ def test_the_lora_block_composes_with_every_model_yaml_and_from_the_command_line
     config = compose_config(overrides)
     assert config.model.lora.r == 16 and list(config.model.lora.target_modules) == ["q_proj", "v_proj"]
     assert config.model.config.model_type == "llama"  # the tiny model's own keys are still there
-    utils.validate_config(config)
+    checks.validate_config(config)
     assert "did you mean model.lora.r?" in train.override_error(["model.lora.rr=16"])
 
 
@@ -143,7 +146,7 @@ def test_the_reference_is_the_base_with_adapters_off_and_only_the_adapters_train
     trainer, n_loaded = lora_trainer(tmp_path, LORA)
     assert n_loaded == 1 and trainer.reference_model is None  # no second model
     config = compose_config(TINY)
-    _, plain_reference, n_plain = loaded_models(config, utils.load_tokenizer(config.model))
+    _, plain_reference, n_plain = loaded_models(config, models.load_tokenizer(config.model))
     assert n_plain == 2 and plain_reference is not None  # what the count counts, without LoRA: policy and reference
     policy = trainer.policy
     base = base_model(trainer.config)  # loaded on its own
@@ -216,9 +219,9 @@ def test_a_lora_run_starts_at_ln2_loads_one_model_and_precompute_gives_the_live_
         torch.testing.assert_close(weights(pre)[name], value, rtol=0, atol=1e-5)
     # the cache is named by the base's weights: the file a full fine-tuning run of this base uses
     config = compose_config(LORA)
-    tokenizer = utils.load_tokenizer(config.model)
-    lora_policy = utils.apply_lora(utils.load_model(config.model, tokenizer, torch.float32, 0), config.model.lora)
-    plain = utils.load_model(config.model, tokenizer, torch.float32, 0)
+    tokenizer = models.load_tokenizer(config.model)
+    lora_policy = models.apply_lora(models.load_model(config.model, tokenizer, torch.float32, 0), config.model.lora)
+    plain = models.load_model(config.model, tokenizer, torch.float32, 0)
     examples = load_examples(["arithmetic"], "test", {"arithmetic": {"n_train": 8, "n_test": 8}}, False, silent=True)
     path = trainers.reference_cache_path(lora_policy, examples, tokenizer, config, "c")
     assert path == trainers.reference_cache_path(plain, examples, tokenizer, config, "c")
@@ -240,7 +243,7 @@ def test_checkpoints_hold_the_adapters_and_their_optimizer_and_resume_exactly(lo
     shutil.rmtree(cut / "step-48")
     (cut / "LATEST").unlink()
     (cut / "LATEST").symlink_to("step-24")
-    (cut / utils.FINISHED).unlink()
+    (cut / checkpoints.FINISHED).unlink()
     train.main(compose_config([f"resume={cut}"]))
     for name, value in weights(run_dir).items():
         torch.testing.assert_close(weights(cut)[name], value, rtol=0, atol=1e-6, msg=name)
@@ -321,7 +324,7 @@ def test_online_dpo_with_lora_samples_with_the_adapters_on_and_references_the_ba
     train_rows = [r for r in metric_records(run_dir) if "objective/kl" in r]
     assert train_rows[0]["objective/kl"] == 0.0  # step 0: policy (B = 0) and base agree exactly
     assert abs(train_rows[-1]["objective/kl"]) > 1e-4  # trained adapters: the policy leaves the base, the reference does not
-    assert (run_dir / utils.FINISHED).exists()
+    assert (run_dir / checkpoints.FINISHED).exists()
 
 
 # ----------------------------------------------------------------------------- FSDP and Ray
@@ -390,7 +393,7 @@ def test_what_cannot_combine_with_lora_is_one_sentence_before_any_model_loads(ov
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(utils, "load_model", no_model)
+    monkeypatch.setattr(models, "load_model", no_model)
     with pytest.raises(utils.ConfigError, match=message) as caught:
         train.main(compose_config([*TINY, f"output_root={tmp_path}", *overrides]))
     assert "\n" not in str(caught.value) and str(caught.value).endswith(".")
@@ -399,10 +402,10 @@ def test_what_cannot_combine_with_lora_is_one_sentence_before_any_model_loads(ov
 
 def test_tensor_parallel_inside_fsdp_and_a_missing_peft_are_refused(monkeypatch):
     with pytest.raises(utils.ConfigError, match="model.lora does not work with tensor parallelism"):
-        utils.validate_config(compose_config([*LORA, "trainer=FSDPTrainer", "tensor_parallel_size=2", "batch_size=4"]), 2)
+        checks.validate_config(compose_config([*LORA, "trainer=FSDPTrainer", "tensor_parallel_size=2", "batch_size=4"]), 2)
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(utils.ConfigError, match="the peft library is not installed; pip install -r requirements.txt"):
-        utils.validate_config(compose_config(LORA))
+        checks.validate_config(compose_config(LORA))
 
 
 def test_target_modules_the_model_lacks_are_one_sentence_naming_its_layers_and_leave_no_run_folder(tmp_path):

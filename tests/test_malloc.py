@@ -22,6 +22,8 @@ import ctypes, sys
 sys.path.insert(0, {repo!r})
 import torch
 import utils
+import checks
+import models
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
@@ -75,26 +77,29 @@ def test_a_threshold_above_2_mib_leaves_a_2_mib_block_on_the_heap():
 
 
 def test_out_of_range_or_non_number_is_one_sentence_before_any_model_loads(monkeypatch):
+    import checks
+    import models
     import utils
 
-    monkeypatch.setattr(utils, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     for value in ("0", "64", "abc", "-1", "true"):
         with pytest.raises(utils.ConfigError) as e:
-            utils.validate_config(compose_config([f"malloc_mmap_threshold_mib={value}"]))
+            checks.validate_config(compose_config([f"malloc_mmap_threshold_mib={value}"]))
         assert str(e.value).startswith("malloc_mmap_threshold_mib must be null (glibc's default) or a number of MiB in (0, 32]")
-    utils.validate_config(compose_config(["malloc_mmap_threshold_mib=1"]))
-    utils.validate_config(compose_config(["malloc_mmap_threshold_mib=0.5"]))
+    checks.validate_config(compose_config(["malloc_mmap_threshold_mib=1"]))
+    checks.validate_config(compose_config(["malloc_mmap_threshold_mib=0.5"]))
 
 
 def test_train_sets_it_in_each_process_before_the_model_loads(tmp_path, monkeypatch):
     from conftest import run_train
 
+    import models
     import utils
 
     calls = []
-    real = utils.load_model
+    real = models.load_model
     monkeypatch.setattr(utils, "set_malloc_mmap_threshold", lambda mib: calls.append(("malloc", mib)))
-    monkeypatch.setattr(utils, "load_model", lambda *a, **k: (calls.append(("model",)), real(*a, **k))[1])
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: (calls.append(("model",)), real(*a, **k))[1])
     run_train(["malloc_mmap_threshold_mib=1", "n_examples=4"], tmp_path)
     assert calls[0] == ("malloc", 1) and ("model",) in calls
 

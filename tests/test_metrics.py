@@ -25,8 +25,8 @@ from conftest import TINY, compose_config, metric_records
 from omegaconf import OmegaConf
 
 import losses
+import models
 import trainers
-import utils
 from preference_datasets import load_examples, load_prompt_examples
 
 BETA = 0.5
@@ -65,15 +65,15 @@ def build(tmp_path: Path, overrides: list[str], online: bool = False) -> trainer
     small = ["n_eval_examples=8", "eval_batch_size=4", "sample_during_eval=false"]
     config = compose_config([*TINY, f"output_root={tmp_path}", *small, *overrides])
     OmegaConf.resolve(config)
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
     name = config.loss.name
     if online:
         tr, ev = (load_prompt_examples(list(config.datasets), split, options, silent=True) for split in ("train", "test"))
     else:
         tr, ev = (load_examples(list(config.datasets), split, options, name == "sft", silent=True) for split in ("train", "test"))
-    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed, reward_head=name == "reward")
-    reference = None if name in ("sft", "reward") else utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    policy = models.load_model(config.model, tokenizer, torch.float32, config.seed, reward_head=name == "reward")
+    reference = None if name in ("sft", "reward") else models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(parents=True, exist_ok=True)
     return trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
 

@@ -15,6 +15,8 @@ from conftest import REPO, TINY, compose_config, metric_records, needs_shared, r
 from huggingface_hub import ModelCard
 from test_extend import extend
 
+import checkpoints
+import checks
 import modelcard
 import utils
 
@@ -94,10 +96,10 @@ def test_an_earlier_checkpoint_card_states_the_metrics_at_its_own_step(pushed_ru
 def test_the_card_is_inside_the_checkpoint_manifest(pushed_run):
     run_dir, _ = pushed_run
     final = run_dir / f"step-{N_EXAMPLES}"
-    manifest = json.loads((final / utils.CHECKPOINT_MANIFEST).read_text())
+    manifest = json.loads((final / checkpoints.CHECKPOINT_MANIFEST).read_text())
     assert manifest["hf/README.md"] == (final / "hf" / "README.md").stat().st_size
     assert manifest["hf/curves/loss.png"] == (final / "hf" / "curves" / "loss.png").stat().st_size
-    utils.check_checkpoint(str(final))  # raises if anything listed is missing or cut
+    checkpoints.check_checkpoint(str(final))  # raises if anything listed is missing or cut
 
 
 def test_push_uploads_the_final_export_once_with_the_repo_id_and_private_flag(pushed_run):
@@ -110,7 +112,7 @@ def test_push_uploads_the_final_export_once_with_the_repo_id_and_private_flag(pu
     assert Path(upload["folder_path"]) == (run_dir / f"step-{N_EXAMPLES}" / "hf").resolve()
     assert {"README.md", "config.json", "model.safetensors", "curves/loss.png"} <= set(files)
     assert upload["commit_message"] == f"train.py: {run_dir.name} step-{N_EXAMPLES}"
-    assert (run_dir / utils.FINISHED).read_text() == f"{N_EXAMPLES}\n"
+    assert (run_dir / checkpoints.FINISHED).read_text() == f"{N_EXAMPLES}\n"
 
 
 def test_lora_cards_say_peft_for_the_adapters_and_transformers_for_the_merged_model(tmp_path):
@@ -135,7 +137,7 @@ def card_for(overrides: list[str], tmp_path: Path, kind: str = "model"):
     """The card build_card makes for a hand-written run folder (config.yaml and one eval record at step 8)."""
     config = compose_config(overrides)
     tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "config.yaml").write_text(utils.RUN_COMMAND_LINE + "python train.py x=1\n")
+    (tmp_path / "config.yaml").write_text(checkpoints.RUN_COMMAND_LINE + "python train.py x=1\n")
     (tmp_path / "metrics.jsonl").write_text(
         json.dumps({"step": 8, "loss/eval": 0.5, "rewards_eval/accuracies": 0.75})
         + "\n"
@@ -173,7 +175,7 @@ def test_hub_ids_go_into_the_front_matter_and_local_paths_do_not(tmp_path):
 )
 def test_hub_settings_are_checked_before_training(overrides, message):
     with pytest.raises(utils.ConfigError, match=message):
-        utils.validate_config(compose_config(overrides))
+        checks.validate_config(compose_config(overrides))
 
 
 def test_the_sft_stage_is_not_pushed():
@@ -196,7 +198,7 @@ def test_a_failed_push_keeps_the_finished_run_and_says_how_to_push_it_later(tmp_
         rf"push it later with: hf upload me/tiny-dpo {re.escape(str(hf))} \. --private",
         line,
     ), line
-    assert (run_dir / utils.FINISHED).exists()
+    assert (run_dir / checkpoints.FINISHED).exists()
     card = ModelCard.load(hf / "README.md")
     assert f"python train.py {' '.join(args)}" in card.text  # the command that made it
 
@@ -258,10 +260,10 @@ def test_an_evaluation_of_a_checkpoint_goes_into_its_card_and_the_checkpoint_sta
     assert "\n".join(table) in EVALUATIONS.search(after).group(0)
     assert earlier.read_text() == earlier_before  # another checkpoint's card: not this evaluation's
 
-    manifest = json.loads((final / utils.CHECKPOINT_MANIFEST).read_text())
+    manifest = json.loads((final / checkpoints.CHECKPOINT_MANIFEST).read_text())
     assert manifest["hf/README.md"] == card.stat().st_size != len(before.encode())
     assert not list(final.rglob("*.tmp-*"))
-    utils.check_checkpoint(str(run_dir / "LATEST"))
+    checkpoints.check_checkpoint(str(run_dir / "LATEST"))
     _, stop = extend(run_dir, ["num_threads=1", "sample_during_eval=false", f"n_examples={N_EXAMPLES + BATCH}"])
     assert stop is None and (run_dir / "LATEST").resolve().name == f"step-{N_EXAMPLES + BATCH}"  # resumed, not refused
 
@@ -283,9 +285,9 @@ def test_a_checkpoint_without_an_export_is_left_alone(tmp_path):
     checkpoint = tmp_path / "run" / "step-8"
     checkpoint.mkdir(parents=True)
     (checkpoint / "policy.pt").write_bytes(b"x")
-    utils.write_checkpoint_manifest(str(checkpoint))
-    manifest = (checkpoint / utils.CHECKPOINT_MANIFEST).read_text()
+    checkpoints.write_checkpoint_manifest(str(checkpoint))
+    manifest = (checkpoint / checkpoints.CHECKPOINT_MANIFEST).read_text()
     (tmp_path / "run" / "eval" / "e").mkdir(parents=True)
     (tmp_path / "run" / "eval" / "e" / "results.json").write_text(json.dumps({"temperatures": {}}))
     assert modelcard.add_evaluation(str(checkpoint), str(tmp_path / "run"), str(tmp_path / "run" / "eval" / "e")) == []
-    assert (checkpoint / utils.CHECKPOINT_MANIFEST).read_text() == manifest
+    assert (checkpoint / checkpoints.CHECKPOINT_MANIFEST).read_text() == manifest

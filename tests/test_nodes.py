@@ -26,6 +26,8 @@ from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 from test_distributed import COMMON, assert_same_run, cli, start_train, weights
 
+import checkpoints
+import checks
 import train
 import utils
 
@@ -98,7 +100,7 @@ def test_two_nodes_train_like_one_node_of_two_processes(tmp_path):
         assert code == 0, text[-3000:]
     (run_dir,) = run_dirs(tmp_path / "nodes")
     assert_same_run(one, run_dir)
-    assert (run_dir / utils.FINISHED).read_text() == "64\n"  # n_examples
+    assert (run_dir / checkpoints.FINISHED).read_text() == "64\n"  # n_examples
     assert sorted(p.name for p in (run_dir / "LATEST" / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not list((tmp_path / "nodes").glob(".shared-*"))  # the marker of the output_root check is gone
 
@@ -172,23 +174,23 @@ def test_identity_mismatch_names_the_first_difference():
         }
 
     same = {"lr": 0.0002, "datasets": ["hh", "shp"], "loss.beta": 0.1}
-    assert utils.identity_mismatch([identity(same), identity(dict(same), host="h2")]) is None
+    assert checks.identity_mismatch([identity(same), identity(dict(same), host="h2")]) is None
     other = {**same, "datasets": ["hh"], "loss.beta": 0.2}  # two keys differ: the first in rank 0's order is named
-    assert utils.identity_mismatch([identity(same), identity(same, host="h2"), identity(other, host="h3")]) == (
+    assert checks.identity_mismatch([identity(same), identity(same, host="h2"), identity(other, host="h3")]) == (
         "Rank 2 (host h3) was started with datasets=[hh], rank 0 (host h1) with datasets=[hh,shp]; "
         "start every node with the same command."
     )
     added = {**same, "loss.label_smoothing": None}
-    assert utils.identity_mismatch([identity(same), identity(added, host="h2")]) == (
+    assert checks.identity_mismatch([identity(same), identity(added, host="h2")]) == (
         "Rank 1 (host h2) was started with loss.label_smoothing=null, rank 0 (host h1) without loss.label_smoothing; "
         "start every node with the same command."
     )
     code = {"train.py": "a", "utils.py": "c"}
-    assert utils.identity_mismatch([identity(same), identity(added, code, host="h2")]) == (
+    assert checks.identity_mismatch([identity(same), identity(added, code, host="h2")]) == (
         "Rank 1 (host h2) runs other code than rank 0 (host h1): utils.py differs; give every node the same checkout."
     )
     moved = {**same, "resume": "/o/dpo_run_b"}
-    assert utils.identity_mismatch([identity({**same, "resume": "/o/dpo_run_a"}), identity(moved, host="h2")], True) == (
+    assert checks.identity_mismatch([identity({**same, "resume": "/o/dpo_run_a"}), identity(moved, host="h2")], True) == (
         "resume=auto found resume=/o/dpo_run_b on rank 1 (host h2) but resume=/o/dpo_run_a on rank 0 (host h1); "
         "every node must see the same output_root."
     )
@@ -196,15 +198,15 @@ def test_identity_mismatch_names_the_first_difference():
 
 def test_run_identity_covers_every_key_but_output_root(tmp_path):
     base = compose_config(["output_root=/a"])
-    assert utils.run_identity(compose_config(["output_root=/b"]))["config_hash"] == utils.run_identity(base)["config_hash"]
+    assert checks.run_identity(compose_config(["output_root=/b"]))["config_hash"] == checks.run_identity(base)["config_hash"]
     flat = utils.flat_config(base)
     assert len(flat) > 100 and flat["loss.beta"] == 0.1 and flat["data.arithmetic.n_train"] == 4000
     for override in ("lr=0.001", "loss.beta=0.2", "data.arithmetic.n_train=7", "world_size=2", "num_threads=3", "datasets=[hh]"):
         assert (
-            utils.run_identity(compose_config(["output_root=/a", override]))["config_hash"]
-            != utils.run_identity(base)["config_hash"]
+            checks.run_identity(compose_config(["output_root=/a", override]))["config_hash"]
+            != checks.run_identity(base)["config_hash"]
         ), override
-    files = utils.code_files()
+    files = checks.code_files()
     assert {"train.py", "trainers.py", "utils.py", "config/config.yaml", "config/model/tiny.yaml"} <= set(files)
     assert not any(p.startswith("tests/") for p in files)
 
@@ -265,7 +267,7 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
     assert text.count(f"resume=auto: no unfinished run of exp_name=dpo_run in {cut_root}; starting a fresh run.") == 1
     assert "Received SIGUSR1" in text and text.count("Interrupted after") == 1 and "Traceback" not in text
     (cut,) = run_dirs(cut_root)
-    assert not (cut / utils.FINISHED).exists()
+    assert not (cut / checkpoints.FINISHED).exists()
     stopped_at = torch.load(cut / "LATEST" / "trainer_state.pt", weights_only=False)["example_counter"]
     assert 0 < stopped_at < n
     if trainer == "fsdp":
@@ -278,7 +280,7 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
     assert text.count(f"resume=auto: continuing {cut}, the newest unfinished run of exp_name=dpo_run.") == 1
     assert "ignoring" not in text and "Error" not in text  # the same command: the run's own config
     assert f"Resuming after {stopped_at} examples" in text
-    assert (cut / utils.FINISHED).read_text() == f"{n}\n"
+    assert (cut / checkpoints.FINISHED).read_text() == f"{n}\n"
     a, b = weights(full), weights(cut)
     assert set(a) == set(b)
     for name in a:
@@ -289,7 +291,7 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
     assert code == 0, text[-3000:]
     assert "starting a fresh run" in text
     fresh = [d for d in run_dirs(cut_root) if d != cut]
-    assert len(fresh) == 1 and (fresh[0] / utils.FINISHED).read_text() == "16\n"
+    assert len(fresh) == 1 and (fresh[0] / checkpoints.FINISHED).read_text() == "16\n"
 
 
 def make_run(root: Path, name: str, *, latest: bool = True, finished: bool = False, lr: float = 0.123) -> Path:
@@ -301,7 +303,7 @@ def make_run(root: Path, name: str, *, latest: bool = True, finished: bool = Fal
     if latest:
         (run_dir / "LATEST").symlink_to("step-8")
     if finished:
-        (run_dir / utils.FINISHED).write_text("8\n")
+        (run_dir / checkpoints.FINISHED).write_text("8\n")
     return run_dir
 
 
@@ -341,20 +343,20 @@ def test_resume_auto_starts_fresh_when_no_run_is_unfinished(tmp_path, capsys):
 
 def test_resume_auto_of_a_folder_a_live_run_holds_is_the_lock_sentence(tmp_path):
     held = make_run(tmp_path, "dpo_run_2025-01-02_00-00-00_000000")
-    with utils.lock_run_dir(str(held)):
+    with checkpoints.lock_run_dir(str(held)):
         with pytest.raises(utils.ConfigError, match=rf"^The run folder {re.escape(str(held))} is in use by a live run \(pid"):
             train.main(compose_config([*TINY, f"output_root={tmp_path}", "resume=auto", "lr=0.123"]))  # make_run's config
 
 
 def test_finished_is_written_at_the_end_and_for_a_complete_run_without_one(tmp_path):
     run_dir = run_train(["n_examples=8", "eval_every=8", "sample_during_eval=false", "save_hf_export=false"], tmp_path)
-    assert (run_dir / utils.FINISHED).read_text() == "8\n"
-    (run_dir / utils.FINISHED).unlink()  # a run finished before FINISHED existed
+    assert (run_dir / checkpoints.FINISHED).read_text() == "8\n"
+    (run_dir / checkpoints.FINISHED).unlink()  # a run finished before FINISHED existed
     before = (run_dir / "metrics.jsonl").read_text()
     _, stop_signal = train.main(compose_config([f"resume={run_dir}"]))
-    assert stop_signal is None and (run_dir / utils.FINISHED).read_text() == "8\n"
+    assert stop_signal is None and (run_dir / checkpoints.FINISHED).read_text() == "8\n"
     assert (run_dir / "metrics.jsonl").read_text() == before
-    assert utils.resumable_runs(str(tmp_path), "dpo_run") == []
+    assert checkpoints.resumable_runs(str(tmp_path), "dpo_run") == []
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])

@@ -94,7 +94,21 @@ def test_the_readme_example_objective_trains_with_no_other_change(readme_objecti
 OBJECTIVE_NAMES = set(losses.OBJECTIVES) - {"mix"}  # "mix" is also an English word in comments
 
 
-@pytest.mark.parametrize("module", ["trainers.py", "train.py", "utils.py", "ray_launcher.py", "online.py", "packing.py"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "trainers.py",
+        "train.py",
+        "utils.py",
+        "models.py",
+        "checkpoints.py",
+        "tracking.py",
+        "checks.py",
+        "ray_launcher.py",
+        "online.py",
+        "packing.py",
+    ],
+)
 def test_the_loop_and_the_launchers_name_no_objective(module):
     tree = ast.parse((REPO / module).read_text())
     docstrings = set()

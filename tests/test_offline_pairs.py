@@ -206,8 +206,8 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
     """A policy given by name (an hf folder) needs model=blank_model: model=tiny, the default, refuses a name_or_path."""
     from conftest import compose_config, needs_shared
 
+    import checks
     import evaluate
-    import utils
 
     folder = str(needs_shared("models", "stories260K"))
     model_config = compose_config(["model=blank_model", f"model.name_or_path={folder}"]).model
@@ -216,5 +216,5 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
     args = command.split()[2:]
     assert args[:2] == ["datasets=[json]", f"data.json.path={tmp_path / 'pairs.jsonl'}"]
     config = compose_config(args)
-    utils.validate_config(config)
+    checks.validate_config(config)
     assert config.model.name_or_path == folder and config.model.config is None

@@ -15,7 +15,10 @@ import torch
 from conftest import TINY, compose_config, metric_records, needs_shared, run_train, tiny_llama_scorer
 from omegaconf import OmegaConf
 
+import checkpoints
+import checks
 import losses
+import models
 import rewards
 import train
 import trainers
@@ -34,7 +37,7 @@ def test_beta_list_is_validated():
     for bad in ("[0.1,-1]", "[]"):
         config = compose_config(["loss=dpo", f"loss.beta={bad}"])
         with pytest.raises(utils.ConfigError, match="loss.beta must be > 0"):
-            utils.validate_config(config)
+            checks.validate_config(config)
 
 
 def test_completion_mask_stops_after_the_first_eos():
@@ -159,7 +162,7 @@ def test_reward_model_starts_from_an_sft_archive(tmp_path, capsys):
     # most ~1.5e-3, while SFT's six steps moved it further than that from the random start.
     key = "model.layers.0.mlp.up_proj.weight"
     config = compose_config([*TINY])
-    start = utils.load_model(config.model, utils.load_tokenizer(config.model), torch.float32, config.seed).state_dict()[key]
+    start = models.load_model(config.model, models.load_tokenizer(config.model), torch.float32, config.seed).state_dict()[key]
     assert (state[key] - sft_state[key]).abs().max() < 2e-3
     assert (sft_state[key] - start).abs().max() > 5e-3
     assert "score.weight" in state and "lm_head.weight" not in state
@@ -168,7 +171,7 @@ def test_reward_model_starts_from_an_sft_archive(tmp_path, capsys):
 def test_reward_loss_refuses_tensor_parallel():
     config = compose_config(["loss=reward", "trainer=TensorParallelTrainer"])
     with pytest.raises(utils.ConfigError, match="loss=reward trains with BasicTrainer or FSDPTrainer"):
-        utils.validate_config(config)
+        checks.validate_config(config)
 
 
 # ----------------------------------------------------------------------------- the online loop
@@ -196,13 +199,13 @@ def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> t
 
     config = compose_config([*TINY, f"output_root={tmp_path}", *ONLINE, *overrides])
     OmegaConf.resolve(config)
-    utils.validate_config(config)
-    tokenizer = utils.load_tokenizer(config.model)
+    checks.validate_config(config)
+    tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
     tr = load_prompt_examples(list(config.datasets), "train", options, silent=True)
     ev = load_prompt_examples(list(config.datasets), "test", options, silent=True)
-    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
-    reference = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    policy = models.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(parents=True, exist_ok=True)
     trainer = trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
     trainer.scorer = scorer
@@ -298,8 +301,8 @@ def test_online_run_logs_trl_metrics_kl_zero_at_step_zero_and_writes_completions
 
 def test_prompt_only_datasets_are_for_online_dpo():
     with pytest.raises(utils.ConfigError, match="has prompts only; use it for online DPO"):
-        utils.validate_config(compose_config(["datasets=[tldr]"]))
-    utils.validate_config(compose_config(["datasets=[tldr]", *ONLINE]))  # accepted online
+        checks.validate_config(compose_config(["datasets=[tldr]"]))
+    checks.validate_config(compose_config(["datasets=[tldr]", *ONLINE]))  # accepted online
 
 
 @pytest.mark.parametrize(
@@ -315,7 +318,7 @@ def test_prompt_only_datasets_are_for_online_dpo():
 def test_online_mistakes_are_one_sentence(overrides, message):
     with pytest.raises(utils.ConfigError, match=message):
         online = [o for o in ONLINE if not o.startswith("loss.")]  # loss=sft has no beta
-        utils.validate_config(compose_config([*TINY, *online, *overrides]))
+        checks.validate_config(compose_config([*TINY, *online, *overrides]))
 
 
 class ConstantScorer:
@@ -442,7 +445,7 @@ def test_user_mistakes_found_by_a_new_user_are_one_sentence(overrides, message):
     # From a first-time user's trial: a string instead of a list was read letter by letter, and a
     # relative path without "./" (or online DPO without a reward model) reached transformers.
     with pytest.raises(utils.ConfigError, match=message):
-        utils.validate_config(compose_config(overrides))
+        checks.validate_config(compose_config(overrides))
 
 
 def test_a_mistyped_relative_reward_model_folder_is_one_sentence(tmp_path, monkeypatch):
@@ -451,7 +454,7 @@ def test_a_mistyped_relative_reward_model_folder_is_one_sentence(tmp_path, monke
     config = compose_config([*ONLINE, "reward_model.name_or_path=outputs/rm_typo"])
     with pytest.raises(utils.ConfigError, match="is not a folder"):
         rewards.build_scorer(config, device="cpu")
-    assert not utils.looks_local("EleutherAI/pythia-2.8b")  # a hub id stays a hub id
+    assert not checks.looks_local("EleutherAI/pythia-2.8b")  # a hub id stays a hub id
 
 
 def test_a_missing_reward_model_folder_stops_before_any_run_folder_is_made(tmp_path):
@@ -534,7 +537,7 @@ def test_a_judge_that_always_fails_stops_with_one_sentence_and_keeps_the_checkpo
         "[judge] after 8 examples: 8 of 8 judgements failed since the last eval (100%; online.max_failure_rate=0.1)"
         in result.stdout
     )
-    assert "Done" not in result.stdout and not (run_dir / utils.FINISHED).exists()
+    assert "Done" not in result.stdout and not (run_dir / checkpoints.FINISHED).exists()
     assert (run_dir / "LATEST").resolve().name == "step-8" and (run_dir / "LATEST" / "policy.pt").exists()
     assert server.count[0] == 8  # nothing was judged after the stop
 
@@ -567,10 +570,10 @@ def test_a_judge_failing_a_share_stops_only_above_max_failure_rate(tmp_path, cap
             "Training stopped: 4 of 16 judgements since the last eval failed (25% > online.max_failure_rate=0.1; e.g. the judge answered 'nope'"
         )
         run_dir = next(tmp_path.iterdir())
-        assert (run_dir / "LATEST").resolve().name == "step-16" and not (run_dir / utils.FINISHED).exists()
+        assert (run_dir / "LATEST").resolve().name == "step-16" and not (run_dir / checkpoints.FINISHED).exists()
         return
     assert "[judge] after 32 examples: 2 of 16 judgements failed since the last eval (12%; online.max_failure_rate=0.25)" in out
-    assert (run_dir / utils.FINISHED).exists() and server.count[0] == 32
+    assert (run_dir / checkpoints.FINISHED).exists() and server.count[0] == 32
 
 
 def test_a_nan_reward_fails_the_judgement_instead_of_a_tie():
@@ -583,7 +586,7 @@ def test_a_nan_reward_fails_the_judgement_instead_of_a_tie():
 
 def test_max_failure_rate_is_a_share():
     with pytest.raises(utils.ConfigError, match=r"online.max_failure_rate must be in \[0, 1\], got 1.5"):
-        utils.validate_config(compose_config([*TINY, *ONLINE, "online.max_failure_rate=1.5"]))
+        checks.validate_config(compose_config([*TINY, *ONLINE, "online.max_failure_rate=1.5"]))
 
 
 def test_a_causal_lm_as_reward_model_is_one_sentence_exit_2_and_no_run_folder(tmp_path):
@@ -701,7 +704,7 @@ def test_a_reward_model_run_folder_is_one_sentence_naming_its_export(tmp_path, i
     given = {"": run, "LATEST": run / "LATEST", "nothing": tmp_path}[inner]
     config = compose_config([*TINY, *ONLINE, "online.scorer=reward_model", f"reward_model.name_or_path={given}"])
     with pytest.raises(utils.ConfigError) as error:
-        utils.validate_config(config)
+        checks.validate_config(config)
     if inner == "nothing":
         assert str(error.value).endswith(
             "holds no config.json, so it is not a Hugging Face model folder; give one (e.g. a loss=reward run's LATEST/hf)."

@@ -18,7 +18,9 @@ import pytest
 import torch
 from conftest import compose_config, needs_shared
 
+import checks
 import losses
+import models
 import packing
 import trainers
 import utils
@@ -68,7 +70,7 @@ def make_model(family: str = "llama", seed: int = 0, dtype=torch.float64):
     else:
         attn = "eager" if family == "gemma2" else "sdpa"
         model = transformers.AutoModelForCausalLM.from_config(family_config(family), attn_implementation=attn)
-    utils.disable_dropout(model)
+    models.disable_dropout(model)
     return model.to(dtype).train()
 
 
@@ -526,12 +528,12 @@ def test_train_step_with_output_layer_chunk_equals_without(tmp_path, loss):
 def test_a_bad_output_layer_chunk_is_one_sentence(value):
     config = compose_config([f"output_layer_chunk={value}"])
     with pytest.raises(utils.ConfigError, match="output_layer_chunk must be"):
-        utils.validate_config(config)
+        checks.validate_config(config)
 
 
 def test_output_layer_chunk_null_and_zero_are_the_previous_path():
     for value in ("null", "0", "1024"):
-        utils.validate_config(compose_config([f"output_layer_chunk={value}"]))
+        checks.validate_config(compose_config([f"output_layer_chunk={value}"]))
     assert compose_config([]).output_layer_chunk == packing.DEFAULT_OUTPUT_LAYER_CHUNK == 1024
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import losses
+import models
 import packing
 import trainers
-import utils
 from losses import IGNORE_INDEX
 from preference_datasets import collate
 
@@ -43,7 +43,7 @@ def make_model(family: str = "llama", attn: str = "sdpa", seed: int = 0):
         )
     cfg._attn_implementation = attn
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn)
-    utils.disable_dropout(model)
+    models.disable_dropout(model)
     return model.train()
 
 

@@ -19,6 +19,7 @@ import pytest
 from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 
+import checkpoints
 import train
 import trainers
 import utils
@@ -76,9 +77,11 @@ def kill_all(procs: list[subprocess.Popen], pids: list[int] = ()) -> None:
 
 
 def holder(folder: Path) -> subprocess.Popen:
-    """A process holding ``folder``'s lock (``utils.lock_run_dir``) until it is killed; returns
+    """A process holding ``folder``'s lock (``checkpoints.lock_run_dir``) until it is killed; returns
     once it holds it."""
-    code = f"import sys, time, utils; lock = utils.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
+    code = (
+        f"import sys, time, utils; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
+    )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -114,7 +117,7 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
         ranks = children(launcher.pid)
         assert len(ranks) == 2
         with pytest.raises(utils.ConfigError, match="is in use by a live run"):
-            utils.lock_run_dir(str(run_dir))  # rank 0 holds it while training
+            checkpoints.lock_run_dir(str(run_dir))  # rank 0 holds it while training
 
         # resume= of the folder while it trains: refused before any process starts
         resume = subprocess.run(
@@ -133,7 +136,7 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
         time.sleep(2)
         assert os.readlink(run_dir / "LATEST") == latest  # LATEST stopped moving
         assert (run_dir / "metrics.jsonl").stat().st_size == size
-        utils.lock_run_dir(str(run_dir)).release()  # and the folder is free for resume=
+        checkpoints.lock_run_dir(str(run_dir)).release()  # and the folder is free for resume=
     finally:
         kill_all([launcher], ranks)
 
@@ -141,7 +144,7 @@ def test_kill_9_of_the_fsdp_launcher_kills_both_ranks_and_a_resume_meanwhile_is_
 def lock_is_free(folder: Path) -> bool:
     """Whether ``folder``'s lock can be taken (it is released again at once)."""
     try:
-        utils.lock_run_dir(str(folder)).release()
+        checkpoints.lock_run_dir(str(folder)).release()
     except utils.ConfigError:
         return False
     return True
@@ -178,7 +181,7 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
         run_dir, ranks = after_first_checkpoint(tmp_path / "out", launcher)
         assert len(ranks) == 2
         with pytest.raises(utils.ConfigError, match="is in use by a live run"):
-            utils.lock_run_dir(str(run_dir))
+            checkpoints.lock_run_dir(str(run_dir))
         os.kill(launcher.pid, signal.SIGKILL)
         launcher.wait(timeout=10)
         wait_until(lambda: all(is_dead(pid) for pid in ranks), 5, "both ranks to die with torchrun")
@@ -382,7 +385,7 @@ def fake_run_folder(tmp_path: Path, overrides: list[str] = ()) -> Path:
 @pytest.mark.timeout(180)
 def test_resume_of_a_folder_a_live_run_holds_is_refused_and_a_killed_holders_lock_does_not_block(tmp_path, monkeypatch):
     run_dir = run_train([], tmp_path)
-    utils.lock_run_dir(str(run_dir)).release()  # main() let go of it when it returned
+    checkpoints.lock_run_dir(str(run_dir)).release()  # main() let go of it when it returned
     proc = holder(run_dir)
     try:
         loaded = []
@@ -409,7 +412,7 @@ def test_a_fresh_run_holds_its_folder_from_before_config_yaml(tmp_path, monkeypa
     def spy(config, f, *a, **k):
         if str(f).endswith("config.yaml") and "locked" not in seen:
             try:
-                utils.lock_run_dir(os.path.dirname(str(f))).release()
+                checkpoints.lock_run_dir(os.path.dirname(str(f))).release()
                 seen["locked"] = False
             except utils.ConfigError:
                 seen["locked"] = True
@@ -462,7 +465,7 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
     script.write_text(
         "import os, sys, train, utils\n"
         "from conftest import compose_config\n"
-        "train.load_tokenizer = utils.load_tokenizer = None  # loading anything fails loudly\n"
+        "train.load_tokenizer = models.load_tokenizer = None  # loading anything fails loudly\n"
         "try:\n"
         f"    train.main(compose_config(['resume={folder}']))\n"
         "except utils.ConfigError as e:\n"
@@ -547,7 +550,7 @@ def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
         ["+data.json.path=x.jsonl"],
         ["+model.config.foo=1"],
         ["+my_tag=x"],
-        ["loss=ipo", "+loss.label_smoothing=0.1"],  # utils.validate_config's own sentence
+        ["loss=ipo", "+loss.label_smoothing=0.1"],  # checks.validate_config's own sentence
         ["batch_size=4,8"],  # not about a key: Hydra says what is wrong
     ],
 )

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from conftest import REPO, compose_config  # noqa: E402
 from test_distributed import COMMON, assert_same_run, cli, evals, weights  # noqa: E402
 
+import models
 import ray_launcher  # noqa: E402
 import rewards  # noqa: E402
 import train  # noqa: E402
@@ -228,7 +229,7 @@ def tiny_batch(config, n: int) -> tuple[list[dict], dict]:
     """The first ``n`` arithmetic pairs, and the same as one collated batch."""
     from preference_datasets import get_batch_iterator, load_examples
 
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     examples = load_examples(["arithmetic"], "test", {"arithmetic": {"n_train": 8, "n_test": 16}}, False, silent=True)[:n]
     batches = get_batch_iterator(examples, tokenizer, n, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1)
     return examples, next(batches)
@@ -241,8 +242,8 @@ def test_remote_reference_keeps_order_and_dtype_and_a_dead_actor_is_an_error(clu
     reference = ray_launcher.start_reference(config)
     chosen, rejected = reference(batch)
 
-    tokenizer = utils.load_tokenizer(config.model)
-    policy = utils.load_model(config.model, tokenizer, None, config.seed)
+    tokenizer = models.load_tokenizer(config.model)
+    policy = models.load_model(config.model, tokenizer, None, config.seed)
     trainer = trainers.BasicTrainer(
         policy, config, str(tmp_path), tokenizer, examples, examples, train.load_reference(config, tokenizer)
     )

@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, run_train
 
+import checks
+import models
 import trainers
 import utils
 
@@ -30,8 +32,8 @@ def state(path: Path) -> dict:
 def start_weights(overrides: list[str]) -> dict:
     """The model the run starts from (policy and reference alike), rebuilt from the config's seed."""
     config = compose_config([*TINY, *overrides])
-    tokenizer = utils.load_tokenizer(config.model)
-    return utils.load_model(config.model, tokenizer, None, config.seed).state_dict()
+    tokenizer = models.load_tokenizer(config.model)
+    return models.load_model(config.model, tokenizer, None, config.seed).state_dict()
 
 
 def test_soft_and_hard_updates_follow_the_rules_on_each_parameter():
@@ -133,7 +135,7 @@ def test_sharded_soft_updates_match_the_single_process_run(soft_run, tmp_path, t
 def test_reference_update_mistakes_are_one_sentence_before_any_model_loads(overrides, sentence):
     config = compose_config([*TINY, *overrides])
     with pytest.raises(utils.ConfigError) as e:
-        utils.validate_config(config)
+        checks.validate_config(config)
     assert sentence in str(e.value)
 
 

@@ -20,12 +20,12 @@ import pytest
 import torch
 from conftest import TINY, compose_config, metric_records, run_train
 
+import checkpoints
 import evaluate
 import preference_datasets
 import reward_functions
 import rewards
 import trainers
-import utils
 from reward_functions import arithmetic, length, sentiment
 from utils import ConfigError
 
@@ -332,7 +332,7 @@ def test_online_dpo_with_arithmetic_under_two_process_fsdp(tmp_path):
     assert train_rows and all(r["online/labelled_pairs"] == 1.0 and r["objective/scores_margin"] == 1.0 for r in train_rows)
     assert all(r["online/failed_judgements"] == 0.0 for r in train_rows)
     assert "[judge] after 16 examples: 0 of 8 judgements failed" in result.stdout
-    assert (run_dir / utils.FINISHED).exists()
+    assert (run_dir / checkpoints.FINISHED).exists()
 
 
 def test_a_reward_function_raising_on_every_row_stops_online_dpo_naming_the_row(tmp_path, user_module, capsys):
@@ -381,7 +381,7 @@ def test_a_function_raising_on_some_rows_counts_them_and_runs_on_only_under_the_
     out = capsys.readouterr().out
     failed = [r["online/failed_judgements"] for r in metric_records(run_dir) if "online/failed_judgements" in r]
     assert failed and 0 < sum(failed) / len(failed) < 1  # some pairs failed, some were labelled
-    assert "[judge] after 16 examples:" in out and (run_dir / utils.FINISHED).exists()
+    assert "[judge] after 16 examples:" in out and (run_dir / checkpoints.FINISHED).exists()
     # At each eval the odd questions' completions fail; eval/scores is the mean over the others (1.0), not NaN.
     assert [r["eval/scores"] for r in metric_records(run_dir) if "eval/scores" in r] == [1.0, 1.0, 1.0]
     table = [json.loads(line) for line in (run_dir / "completions.jsonl").read_text().splitlines()]

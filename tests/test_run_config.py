@@ -16,6 +16,8 @@ import torch
 from conftest import REPO, TINY, compose_config, needs_shared, one_run, run_train
 from omegaconf import OmegaConf
 
+import checkpoints
+import checks
 import train
 import utils
 from preference_datasets import DataError
@@ -37,7 +39,7 @@ def settled(overrides: list[str]):
     """The config ``python train.py <overrides>`` runs (before resume=): composed, then the
     command line's keys applied over the preset's as hydra_main applies them."""
     config = compose_config(overrides)
-    utils.settle_given(config, utils.given_keys(overrides))
+    checks.settle_given(config, checks.given_keys(overrides))
     return config
 
 
@@ -76,14 +78,14 @@ def test_a_model_preset_without_its_path_or_a_path_as_a_preset_is_one_sentence(t
 
 def test_other_model_contradictions_are_one_sentence():
     with pytest.raises(utils.ConfigError, match=r"^model.device_map=auto places loaded weights, but model.config builds"):
-        utils.validate_config(compose_config(["model.device_map=auto"]))
+        checks.validate_config(compose_config(["model.device_map=auto"]))
     stories = str(needs_shared("models", "stories260K"))
     on_fsdp = compose_config(
         ["model=blank_model", f"model.name_or_path={stories}", "model.device_map=auto", "trainer=FSDPTrainer"]
     )
     with pytest.raises(utils.ConfigError, match=r"^model.device_map=auto is for trainer=BasicTrainer"):
-        utils.validate_config(on_fsdp)
-    utils.validate_config(compose_config(["model=blank_model", f"model.name_or_path={stories}"]))  # what the README says
+        checks.validate_config(on_fsdp)
+    checks.validate_config(compose_config(["model=blank_model", f"model.name_or_path={stories}"]))  # what the README says
     with pytest.raises(utils.ConfigError) as e:  # both given: which tokenizer?
         settled(["model=blank_model", "model.tokenizer_class=ByT5Tokenizer", "model.tokenizer_name_or_path=gpt2"])
     assert str(e.value) == (
@@ -116,7 +118,7 @@ def test_the_readme_commands_that_give_a_model_path_have_no_contradiction():
     assert len(commands) >= 5  # S260 (three sections), SMOL (two), the LoRA command, the chat-data example
     for overrides in commands:
         config = settled(overrides)
-        assert utils.model_contradiction(config) is None, overrides
+        assert checks.model_contradiction(config) is None, overrides
 
 
 # ----------------------------------------------------------------------------- n_epochs and n_examples
@@ -133,21 +135,21 @@ def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
     with pytest.raises(utils.ConfigError) as e:
         settled(["n_epochs=1", "n_examples=100"])
     assert str(e.value) == "n_epochs=1 and n_examples=100 both set the training length and contradict; give only one."
-    assert utils.training_length(settled(["n_epochs=2", "warmup_steps=0"]), 16) == (
+    assert checks.training_length(settled(["n_epochs=2", "warmup_steps=0"]), 16) == (
         "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch)."
     )
     # tiny's batch_size=32: 32 examples are 1 optimizer step, inside tiny's 20 warmup steps, whose
     # multiplier (step + 1) / 21 never reaches 1 (found by a new user: n_epochs=1 of a small file trained at 1/21 of lr)
-    assert utils.training_length(settled(["n_epochs=2"]), 16) == (
+    assert checks.training_length(settled(["n_epochs=2"]), 16) == (
         "Training length: n_epochs=2 governs (n_examples=null): 32 examples (16 per epoch). Note: warmup_steps=20 is "
         "not shorter than the run's 1 optimizer step, so the learning rate never reaches lr=0.0003; lower warmup_steps."
     )
     # 33 examples are 2 steps (the last one short); warmup_steps=1 reaches lr at the second
-    assert "Note" not in utils.training_length(settled(["n_examples=33", "warmup_steps=1"]), 16)
-    assert "Note: warmup_steps=2 is not shorter than the run's 2 optimizer steps" in utils.training_length(
+    assert "Note" not in checks.training_length(settled(["n_examples=33", "warmup_steps=1"]), 16)
+    assert "Note: warmup_steps=2 is not shorter than the run's 2 optimizer steps" in checks.training_length(
         settled(["n_examples=33", "warmup_steps=2"]), 16
     )
-    assert utils.training_length(settled([]), 4000) == (
+    assert checks.training_length(settled([]), 4000) == (
         "Training length: n_examples=16000 governs (n_epochs=1 is not used): 4 epochs of 4000 train examples."
     )
 
@@ -181,7 +183,7 @@ def test_n_epochs_1_trains_one_epoch_with_the_default_preset(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "Training length: n_epochs=1 governs (n_examples=null): 16 examples (16 per epoch). Note: warmup_steps=2" in out.stdout
     (run_dir,) = (tmp_path / "out").iterdir()
-    assert (run_dir / utils.FINISHED).read_text() == "16\n"
+    assert (run_dir / checkpoints.FINISHED).read_text() == "16\n"
     both = train_py([*json_data(tmp_path), "n_epochs=1", "n_examples=100", f"output_root={tmp_path / 'out2'}"])
     assert both.returncode == 2
     assert both.stderr == "Error: n_epochs=1 and n_examples=100 both set the training length and contradict; give only one.\n"
@@ -196,7 +198,7 @@ def run_to_8_of_16(tmp_path: Path) -> tuple[list[str], Path]:
     run_dir = run_train([*data, *SMALL, "n_examples=16", "eval_every=8"], tmp_path / "out")
     (run_dir / "LATEST").unlink()
     (run_dir / "LATEST").symlink_to("step-8")
-    (run_dir / utils.FINISHED).unlink()
+    (run_dir / checkpoints.FINISHED).unlink()
     return data, run_dir
 
 
@@ -232,7 +234,7 @@ def test_resume_with_the_same_data_continues_and_an_old_checkpoint_gets_a_note(t
     _, run_dir = run_to_8_of_16(tmp_path)
     capsys.readouterr()
     _, stop = train.main(compose_config([f"resume={run_dir}"]))
-    assert stop is None and (run_dir / utils.FINISHED).read_text() == "16\n"
+    assert stop is None and (run_dir / checkpoints.FINISHED).read_text() == "16\n"
     out = capsys.readouterr().out
     assert "Resuming after 8 examples." in out and "predates data fingerprints" not in out
     # a checkpoint written before fingerprints were kept: resumed, with a note
@@ -242,7 +244,7 @@ def test_resume_with_the_same_data_continues_and_an_old_checkpoint_gets_a_note(t
     torch.save(state, path)
     (run_dir / "LATEST").unlink()
     (run_dir / "LATEST").symlink_to("step-8")
-    (run_dir / utils.FINISHED).unlink()
+    (run_dir / checkpoints.FINISHED).unlink()
     _, stop = train.main(compose_config([f"resume={run_dir}"]))
     out = capsys.readouterr().out
     assert stop is None and "Resuming after 8 examples." in out
@@ -256,8 +258,8 @@ def test_examples_fingerprint_is_sha256_of_the_examples_in_order():
     expected = hashlib.sha256(
         b'{"chosen": "c", "prompt": "p", "rejected": "r"}\n{"chosen": "c", "prompt": "q", "rejected": "r"}\n'
     ).hexdigest()
-    assert utils.examples_fingerprint([a, b]) == {"n": 2, "sha256": expected}
-    assert utils.examples_fingerprint([b, a])["sha256"] != expected  # the order is part of the data
+    assert checkpoints.examples_fingerprint([a, b]) == {"n": 2, "sha256": expected}
+    assert checkpoints.examples_fingerprint([b, a])["sha256"] != expected  # the order is part of the data
 
 
 # ----------------------------------------------------------------------------- resume: the config
@@ -384,7 +386,7 @@ def test_model_archive_given_a_folder_names_the_policy_file_that_is_there(tmp_pa
         "step": run / "step-512" / "policy.pt",
     }.get(given)
     with pytest.raises(utils.ConfigError) as error:
-        utils.validate_config(compose_config([f"model.archive={folder}"]))
+        checks.validate_config(compose_config([f"model.archive={folder}"]))
     message = str(error.value)
     assert message.startswith(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: ")
     if expected is None:
@@ -412,16 +414,16 @@ def test_latest_pointing_at_a_missing_folder_resumes_from_the_newest_intact_step
     run = run_train(["n_examples=48", "eval_every=16", "keep_checkpoints=0", "save_hf_export=false"], tmp_path)
     assert os.readlink(run / "LATEST") == "step-48"
     shutil.rmtree(run / "step-48")
-    (run / utils.FINISHED).unlink()
-    assert utils.checkpoint_to_resume(str(run)) == (
+    (run / checkpoints.FINISHED).unlink()
+    assert checkpoints.checkpoint_to_resume(str(run)) == (
         str(run / "step-32"),
         "LATEST points at step-48, which is missing; continuing from step-32, the newest checkpoint with its files.",
     )
-    assert utils.resumable_runs(str(tmp_path), "dpo_run") == [str(run)]  # resume=auto finds it
+    assert checkpoints.resumable_runs(str(tmp_path), "dpo_run") == [str(run)]  # resume=auto finds it
     capsys.readouterr()
     run_dir, stop = train.main(compose_config([*TINY, f"output_root={tmp_path}", f"resume={run}"]))
     assert stop is None and Path(run_dir) == run
     assert "Note: LATEST points at step-48, which is missing; continuing from step-32" in capsys.readouterr().out
-    assert (run / utils.FINISHED).read_text() == "48\n" and os.readlink(run / "LATEST") == "step-48"
+    assert (run / checkpoints.FINISHED).read_text() == "48\n" and os.readlink(run / "LATEST") == "step-48"
     evals = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
     assert evals == [0, 16, 32, 48]  # the rewound metrics: step 48 once

@@ -22,6 +22,8 @@ from conftest import REPO, TINY, compose_config, run_train
 from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
+import checkpoints
+import models
 import rewards
 import train
 import trainers
@@ -87,9 +89,9 @@ def test_a_planted_model_archive_runs_nothing_and_is_one_sentence(finished, tmp_
         "loaded because unpickling it could run code; give the policy.pt of an earlier run."
     )
     assert not marker.exists()
-    with pytest.raises(utils.ConfigError, match=r"\(e\.g\. exec\)"):  # the reference's own read (utils.load_reference)
-        utils.load_reference(
-            compose_config([*TINY, f"model.archive={archive}"]), utils.load_tokenizer(compose_config(TINY).model)
+    with pytest.raises(utils.ConfigError, match=r"\(e\.g\. exec\)"):  # the reference's own read (models.load_reference)
+        models.load_reference(
+            compose_config([*TINY, f"model.archive={archive}"]), models.load_tokenizer(compose_config(TINY).model)
         )
     assert not marker.exists()
 
@@ -397,7 +399,7 @@ def test_post_returns_the_body_well_within_the_deadline():
 def test_checkpoint_folders_get_the_mode_mkdir_gives_under_the_umask(tmp_path, umask):
     old = os.umask(umask)
     try:
-        path = utils.save_checkpoint_dir(str(tmp_path), "step-8", lambda tmp: Path(tmp, "f.pt").write_bytes(b"x"))
+        path = checkpoints.save_checkpoint_dir(str(tmp_path), "step-8", lambda tmp: Path(tmp, "f.pt").write_bytes(b"x"))
     finally:
         os.umask(old)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask  # 0o700 and 0o755

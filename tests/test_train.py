@@ -17,6 +17,9 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
+import checks
+import models
+import tracking
 import train
 import trainers
 import utils
@@ -96,7 +99,7 @@ def test_every_model_and_loss_yaml_composes(model, loss):
     ):
         assert key in config.model
     assert config.loss.name == ("mix" if loss == "mpo" else loss)  # mpo.yaml is a preset of loss=mix
-    utils.validate_config(config)  # every shipped combination is valid as is
+    checks.validate_config(config)  # every shipped combination is valid as is
 
 
 def test_reference_presets_keep_reference_learning_rate():
@@ -132,7 +135,7 @@ def test_reference_presets_keep_reference_learning_rate():
 def test_bad_override_is_one_clear_sentence(overrides, message):
     config = compose_config(overrides)
     with pytest.raises(utils.ConfigError, match=message):
-        utils.validate_config(config)
+        checks.validate_config(config)
 
 
 def test_a_model_folder_without_weights_is_one_sentence_and_leaves_no_run_folder(tmp_path):
@@ -161,7 +164,7 @@ def test_an_archive_of_another_model_is_one_sentence(tmp_path):
 
 def test_batch_size_must_divide_by_world_size():
     with pytest.raises(utils.ConfigError, match="number of processes"):
-        utils.validate_config(compose_config(["batch_size=6"]), world_size=4)
+        checks.validate_config(compose_config(["batch_size=6"]), world_size=4)
 
 
 def test_eval_batch_larger_than_eval_set_fails_before_any_model_loads(tmp_path):
@@ -294,13 +297,13 @@ def build_trainer(overrides: list[str], tmp_path: Path) -> trainers.BasicTrainer
     """A BasicTrainer built the way train.main builds it, without running it."""
     config = compose_config([*TINY, f"output_root={tmp_path}", "sample_during_eval=false", *overrides])
     OmegaConf.resolve(config)
-    tokenizer = utils.load_tokenizer(config.model)
+    tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
     sft = config.loss.name == "sft"
     tr = load_examples(list(config.datasets), "train", options, sft, silent=True)
     ev = load_examples(list(config.datasets), "test", options, sft, silent=True)
-    policy = utils.load_model(config.model, tokenizer, torch.float32, config.seed)
-    reference = None if sft else utils.load_model(config.model, tokenizer, torch.float32, config.seed)
+    policy = models.load_model(config.model, tokenizer, torch.float32, config.seed)
+    reference = None if sft else models.load_model(config.model, tokenizer, torch.float32, config.seed)
     os.makedirs(tmp_path / "run", exist_ok=True)
     return trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
 
@@ -323,7 +326,7 @@ def test_gradient_accumulation_gives_the_same_step(tmp_path, loss):
 def test_dropout_is_disabled_in_policy_and_reference():
     from omegaconf import OmegaConf as OC
 
-    tokenizer = utils.load_tokenizer(compose_config([]).model)
+    tokenizer = models.load_tokenizer(compose_config([]).model)
     for fields in (
         {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "attn_pdrop": 0.5, "resid_pdrop": 0.5, "embd_pdrop": 0.5},
         {
@@ -335,7 +338,7 @@ def test_dropout_is_disabled_in_policy_and_reference():
             "attention_dropout": 0.5,
         },
     ):
-        model = utils.load_model(OC.create({"config": fields}), tokenizer, torch.float32, seed=0)
+        model = models.load_model(OC.create({"config": fields}), tokenizer, torch.float32, seed=0)
         model.train()
         ids = torch.arange(3, 20).unsqueeze(0)
         torch.testing.assert_close(model(ids).logits, model(ids).logits)
@@ -447,8 +450,8 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
 def test_eval_size_check_counts_n_eval_examples():
     config = compose_config(["eval_batch_size=64", "n_eval_examples=32"])
     with pytest.raises(utils.ConfigError, match="eval_batch_size \\(64\\) is larger than the eval set \\(32 examples\\)"):
-        utils.check_eval_size(config, 256)
-    utils.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256)
+        checks.check_eval_size(config, 256)
+    checks.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256)
 
 
 @pytest.mark.parametrize(
@@ -587,9 +590,11 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
 
 def test_a_non_number_or_out_of_range_number_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch):
     """``lr=abc`` reached torch's optimizer after the models loaded (a TypeError traceback)."""
+    import checks
+    import models
     import utils
 
-    monkeypatch.setattr(utils, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     for override, message in [
         ("lr=abc", "lr must be a number > 0, got 'abc'; e.g. lr=5e-07."),
         ("lr=0", "lr must be a number > 0, got 0"),
@@ -598,7 +603,7 @@ def test_a_non_number_or_out_of_range_number_is_one_sentence_before_any_model_lo
         ("weight_decay=-0.1", "weight_decay must be a number >= 0, got -0.1"),
     ]:
         with pytest.raises(utils.ConfigError) as e:
-            utils.validate_config(compose_config([override]))
+            checks.validate_config(compose_config([override]))
         assert str(e.value).startswith(message), str(e.value)
 
 
@@ -607,7 +612,7 @@ def test_samples_md_is_rewound_with_samples_jsonl(tmp_path):
     # it, and the resumed run wrote them again (samples.jsonl was rewound, samples.md was not).
     rows = [{"step": s, "prompt": f"Q{i}|", "policy": f"p{s}\n", "reference": "r"} for s in (0, 24, 48) for i in range(2)]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    utils.rewind_jsonl(str(tmp_path / "samples.jsonl"), 24)
+    tracking.rewind_jsonl(str(tmp_path / "samples.jsonl"), 24)
     trainers.write_samples_md(str(tmp_path))
     text = (tmp_path / "samples.md").read_text()
     assert text.count("## after 0 examples") == 1 and text.count("## after 24 examples") == 1

@@ -1,0 +1,515 @@
+"""Run folders, the run lock, resume, atomic checkpoint save and publish, and checkpoint integrity."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+
+from omegaconf import DictConfig, OmegaConf
+
+import utils
+
+# ----------------------------------------------------------------------------- run folders
+
+
+def make_run_dir(root: str, exp_name: str) -> str:
+    """Create and return ``<root>/<exp_name>_<timestamp>`` (unique)."""
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S_%f")
+    path = os.path.join(root, f"{exp_name}_{stamp}")
+    os.makedirs(path, exist_ok=False)
+    return path
+
+
+RUN_DIR_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d{6}"
+"""The timestamp :func:`make_run_dir` puts after ``<exp_name>_`` (sorts as it was made)."""
+
+FINISHED = "FINISHED"
+"""The file rank 0 writes into a run folder when training ends normally, holding the number of examples trained on."""
+
+
+def resume_hint(run_dir: str) -> str:
+    """What to do after a fault in run folder ``run_dir``: continue from its checkpoint, or start again."""
+    checkpoint = checkpoint_to_resume(run_dir)[0]
+    if checkpoint is None:
+        return "start the run again"
+    return f"continue with resume={run_dir} (from {os.path.basename(os.path.realpath(checkpoint))})"
+
+
+RUN_COMMAND_LINE = "# Made by: "
+"""How a run folder's config.yaml begins when the command line that made the run is known (:func:`new_run_dir`)."""
+
+
+def read_command(run_dir: str) -> str | None:
+    """The command line recorded at the top of ``<run_dir>/config.yaml`` (:data:`RUN_COMMAND_LINE`), or None."""
+    try:
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            first = f.readline().rstrip("\n")
+    except OSError:
+        return None
+    return first[len(RUN_COMMAND_LINE) :] if first.startswith(RUN_COMMAND_LINE) else None
+
+
+def save_run_config(config: DictConfig, path: str, command: str | None = None) -> None:
+    """Save ``config`` as a run's config.yaml at ``path``, its first line ``# Made by: <command>`` when known."""
+    OmegaConf.save(config, path)
+    if command is not None:
+        with open(path, "r+") as f:
+            text = f.read()
+            f.seek(0)
+            f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
+
+
+def local_path(path) -> str:
+    """``path`` with its links resolved (a run's ``LATEST`` becomes the ``step-N`` it named) when it exists here; a hub id as it is."""
+    expanded = os.path.expanduser(str(path))
+    return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
+
+
+def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
+    """A new, locked run folder with ``config`` saved as config.yaml (first line ``# Made by: <command>`` when
+    known), removed again if any of that fails; returns the folder and its lock."""
+    run_dir, lock = make_run_dir(root, exp_name), None
+    try:
+        lock = lock_run_dir(run_dir)
+        path = os.path.join(run_dir, "config.yaml")
+        with utils.saying_disk_full(path, "write", "start the run again"):
+            save_run_config(config, path, command)
+        return run_dir, lock
+    except BaseException:
+        for name in (RUN_LOCK, "config.yaml"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(run_dir, name))
+        if lock is not None:
+            lock.release()
+        with contextlib.suppress(OSError):  # anything else in it (not ours) keeps it
+            os.rmdir(run_dir)
+        raise
+
+
+def mark_finished(run_dir: str, examples: int) -> None:
+    """Write ``<run_dir>/FINISHED`` (:data:`FINISHED`), holding ``examples``, atomically."""
+    utils.write_atomic(os.path.join(run_dir, FINISHED), f"{examples}\n")
+
+
+def resumable_runs(root: str, exp_name: str) -> list[str]:
+    """Run folders ``<root>/<exp_name>_<timestamp>`` that ``resume=auto`` may continue (a ``LATEST`` checkpoint, a
+    config.yaml, no :data:`FINISHED`), newest first."""
+    import re
+
+    if not os.path.isdir(root):
+        return []
+    pattern = re.compile(re.escape(exp_name) + "_(" + RUN_DIR_STAMP + ")")
+    found = []
+    for name in os.listdir(root):
+        match = pattern.fullmatch(name)
+        path = os.path.join(root, name)
+        if match is None or not os.path.isdir(path):
+            continue
+        if (
+            os.path.exists(os.path.join(path, "config.yaml"))
+            and checkpoint_to_resume(path)[0] is not None
+            and not os.path.exists(os.path.join(path, FINISHED))
+        ):
+            found.append((match.group(1), path))
+    return [path for _, path in sorted(found, reverse=True)]  # by the name's timestamp: every node orders them alike
+
+
+def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
+    """The checkpoint ``resume=<run_dir>`` continues from (``LATEST``, else the newest intact ``step-N`` with a
+    note saying so), or (None, None)."""
+    latest = os.path.join(run_dir, "LATEST")
+    if os.path.isdir(latest):
+        return latest, None
+    name = intact_checkpoint(run_dir)
+    if name is None:
+        return None, None
+    folder = os.path.join(run_dir, name)
+    target = os.readlink(latest) if os.path.islink(latest) else None
+    why = f"LATEST points at {target}, which is missing" if target else "LATEST is missing"
+    return folder, f"{why}; continuing from {name}, the newest checkpoint with its files."
+
+
+def examples_fingerprint(examples: list[dict]) -> dict:
+    """``{"n": number of examples, "sha256": hex digest of them in order}``, identifying a split's data on resume
+    (an example's ``fields`` left out)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for example in examples:
+        example = {k: v for k, v in example.items() if k != "fields"}  # checkpoints from before fields were kept resume
+        h.update(json.dumps(example, sort_keys=True, default=str).encode())
+        h.update(b"\n")
+    return {"n": len(examples), "sha256": h.hexdigest()}  # plain values: trainer_state.pt loads with weights_only
+
+
+def data_change(saved: dict | None, now: dict, checkpoint_dir: str, auto: bool = False) -> str | None:
+    """One sentence when a split's examples differ from those the checkpoint was trained on (``saved``: ``{split:
+    examples_fingerprint}``), else None; ``auto``: the run was picked by ``resume=auto``."""
+    if not saved:  # a checkpoint without fingerprints: the caller notes it
+        return None
+    for split, fp in now.items():
+        old = saved.get(split)
+        if old is None or (old["n"], old["sha256"]) == (fp["n"], fp["sha256"]):
+            continue
+        same = " (the same count, other contents)" if old["n"] == fp["n"] else ""
+        fresh = "start a fresh run under another exp_name, or " if auto else ""
+        return (
+            f"The {split} split changed since this run's checkpoint: {old['n']} examples then, {fp['n']} now{same}; "
+            f"restore that data to resume, or {fresh}start a new run from the checkpoint's weights (the optimizer and "
+            f"learning-rate schedule start anew) with model.archive={os.path.join(os.path.realpath(checkpoint_dir), 'policy.pt')}."
+        )
+    return None
+
+
+RUN_LOCK = ".lock"
+"""The lock file in every run folder (see :func:`lock_run_dir`)."""
+
+RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"
+"""Set by ``train.launch`` in the processes it starts: the file descriptor of the run folder's lock it holds."""
+
+
+class RunLock:
+    """An open, locked ``<run folder>/.lock`` (see :func:`lock_run_dir`); a context manager.
+
+    Attributes:
+        fd: the file descriptor holding the lock (pass it to child processes to share the lock).
+        path: the lock file.
+    """
+
+    def __init__(self, fd: int | None, path: str):
+        self.fd = fd
+        self.path = path
+
+    def release(self) -> None:
+        """Close the descriptor (the lock ends once no process holds one); never ``LOCK_UN``, which would unlock
+        it for the processes sharing it too."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_run_dir(run_dir: str) -> RunLock:
+    """Hold ``run_dir`` with an exclusive ``flock`` on ``<run_dir>/.lock`` (holding the pid and host), or take
+    over the launcher's lock (:data:`RUN_LOCK_FD_ENV`); nothing is locked without ``fcntl``.
+
+    Raises:
+        ConfigError: if a live process holds the folder.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock: nothing to hold
+        return RunLock(None, os.path.join(run_dir, RUN_LOCK))
+    path = os.path.join(run_dir, RUN_LOCK)
+    inherited = os.environ.get(RUN_LOCK_FD_ENV)
+    if inherited is not None:
+        with contextlib.suppress(OSError, ValueError):
+            fd = int(inherited)
+            mine, there = os.fstat(fd), os.stat(path)
+            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                del os.environ[RUN_LOCK_FD_ENV]  # taken over once
+                os.set_inheritable(fd, False)
+                return RunLock(fd, path)
+    with utils.saying_disk_full(path, "write the lock file"):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the file stays; the OS drops the flock when its last holder dies
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        with open(path) as f:
+            holder = f.read().strip() or "unknown pid"
+        os.close(fd)
+        raise utils.ConfigError(
+            f"The run folder {run_dir} is in use by a live run ({holder}); wait for that run to end or stop it, then try again."
+        ) from None
+    try:
+        with utils.saying_disk_full(path, "write the lock file"):
+            os.ftruncate(fd, 0)
+            os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+    except BaseException:
+        os.close(fd)
+        raise
+    remove_leftovers(run_dir)  # no writer of this folder is alive now: what they left is garbage
+    return RunLock(fd, path)
+
+
+LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
+"""Temporary folders of writers in a run folder: ``.step-N.tmp-XXXXXXXX`` (:func:`save_checkpoint_dir`),
+``.step-N.tmp`` (FSDPTrainer's save), ``.step-N.old-XXXXXXXX`` (:func:`publish_checkpoint`)."""
+
+LEFTOVER_FILE = re.compile(r".+\.tmp-(?P<pid>\d+)|\..+\.tmp|completions\.html\.tmp")
+"""Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`), ``.LATEST.tmp``
+(:func:`point_latest`), ``completions.html.tmp``."""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (this process included)."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def remove_leftovers(run_dir: str) -> None:
+    """Remove the temporary files and folders (:data:`LEFTOVER_FOLDER`, :data:`LEFTOVER_FILE`) killed writers left
+    in ``run_dir``, printing how many and how big; call it holding the folder's lock."""
+    latest = os.path.realpath(os.path.join(run_dir, "LATEST")) + os.sep
+    removed, size = [], 0
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            # kept when LATEST leads into it (a kill inside publish_checkpoint)
+            if not LEFTOVER_FOLDER.fullmatch(name) or latest.startswith(path + os.sep):
+                continue
+            size += sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(path) for f in files)
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            match = LEFTOVER_FILE.fullmatch(name)
+            if match is None or (match.group("pid") and pid_alive(int(match.group("pid")))):  # a live pid's file is kept
+                continue
+            size += os.lstat(path).st_size
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        removed.append(name)
+    if removed:
+        names = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+        amount = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 1024:.1f} KiB"
+        what = "temporary files and folders" if len(removed) > 1 else "temporary file or folder"
+        print(f"Removed {len(removed)} {what} ({amount}) that killed writers left in {run_dir}: {names}.")
+
+
+class CheckpointError(OSError):
+    """A checkpoint could not be written (disk full, an I/O error); the message is one sentence
+    saying why, that the partial folder was removed and where ``LATEST`` still points."""
+
+
+def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
+    """The sentence for checkpoint ``name`` of ``run_dir`` that could not be written: why
+    (``reason``; :data:`NO_SPACE` for a full disk, :func:`write_failure`), the disk's free space,
+    where ``LATEST`` still points, and how to continue."""
+    latest = os.path.join(run_dir, "LATEST")
+    full = reason == utils.NO_SPACE
+    if full:
+        why, fix = f": {utils.no_space(run_dir)}", "free space on that disk"
+    else:
+        mib = utils.free_mib(run_dir)
+        why = f" ({reason}" + ("" if mib is None else f"; {mib:.0f} MiB are free on its disk") + ")"
+        fix = "fix the cause"
+    if os.path.exists(latest):
+        last = os.path.realpath(latest)
+        where = f"LATEST still points at the complete {os.path.basename(last)}"
+        if full:  # how much the next one needs, about
+            size = sum(os.lstat(os.path.join(d, f)).st_size for d, _, files in os.walk(last) for f in files)
+            fix += f" ({os.path.basename(last)} takes {size / 2**20:.1f} MiB)"
+        then = f"{fix} and continue with resume={run_dir}"
+    else:
+        where, then = "no earlier checkpoint exists", f"{fix} and start the run again"
+    return f"Could not write checkpoint {name} in {run_dir}{why}; the partial folder was removed and {where}: {then}."
+
+
+def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
+    """Atomically write checkpoint folder ``<run_dir>/<name>`` (filled by ``write(tmp_dir)``) and point ``LATEST``
+    at it; returns its path.
+
+    Raises:
+        CheckpointError: when writing or publishing raised an ``Exception`` (``LATEST`` untouched); others
+            (KeyboardInterrupt) propagate as they are.
+    """
+    tmp = None
+    try:
+        tmp = make_folder(run_dir, f".{name}.tmp-")
+        write(tmp)
+        return publish_checkpoint(run_dir, name, tmp)
+    except BaseException as e:
+        reason = write_failure(e, run_dir) if isinstance(e, Exception) else None  # before the partial folder frees space
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if reason is not None and not isinstance(e, CheckpointError):
+            raise CheckpointError(checkpoint_error_message(run_dir, name, reason)) from e
+        raise
+
+
+def write_failure(error: Exception, path: str) -> str:
+    """Why writing under ``path`` failed, for a sentence: :data:`NO_SPACE` when its disk is full
+    (:func:`disk_full`; call it before removing what was written), else :func:`failure_reason`."""
+    return utils.NO_SPACE if utils.disk_full(error, path) else utils.failure_reason(error)
+
+
+def make_folder(parent: str, prefix: str) -> str:
+    """A new folder ``<parent>/<prefix><random hex>`` with the mode ``mkdir`` gives (0o777 less the
+    umask), unlike ``tempfile.mkdtemp``'s 0o700, so a checkpoint's folder is as shared as any other."""
+    import secrets
+
+    while True:
+        path = os.path.join(parent, prefix + secrets.token_hex(4))
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+
+
+def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
+    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap ``LATEST`` to it, ``LATEST`` naming a
+    complete checkpoint at every moment; returns its path."""
+    write_checkpoint_manifest(tmp)  # last into the folder: what resume checks (checkpoint_damage)
+    final = os.path.join(run_dir, name)
+    if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
+        point_latest(run_dir, os.path.basename(tmp))
+        old = tempfile.mkdtemp(prefix=f".{name}.old-", dir=run_dir)
+        os.replace(final, os.path.join(old, name))
+        point_latest(run_dir, os.path.join(os.path.basename(old), name))
+        os.replace(tmp, final)
+        point_latest(run_dir, name)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+        point_latest(run_dir, name)
+    return final
+
+
+CHECKPOINT_MANIFEST = "manifest.json"
+"""In each checkpoint folder, written last before it is published: ``{relative path: bytes}`` of
+every other file, which :func:`checkpoint_damage` compares with the folder before a resume loads anything."""
+
+
+def write_checkpoint_manifest(folder: str) -> None:
+    """Write :data:`CHECKPOINT_MANIFEST` into the checkpoint ``folder``: each file's path and size."""
+    sizes = {}
+    for root, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(root, name)
+            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    with open(os.path.join(folder, CHECKPOINT_MANIFEST), "w") as f:
+        json.dump(dict(sorted(sizes.items())), f, indent=1)
+
+
+def cut_torch_archive(path: str) -> bool:
+    """Whether the ``torch.save`` file ``path`` (a zip archive) was cut short (an interrupted copy,
+    a full disk): it begins as a zip archive but has lost the central directory at its end."""
+    import zipfile
+
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":
+            return False  # not a zip archive at all: the loader says what it is
+    try:
+        with zipfile.ZipFile(path):
+            return False
+    except zipfile.BadZipFile:
+        return True
+
+
+def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
+    """What is wrong with file ``name`` of checkpoint ``folder`` (``is missing``, ``is empty``, ``is cut short
+    ...``), or None; ``size``: bytes the manifest recorded (``.pt``/``.metadata`` are judged by their zip
+    directory instead)."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return "is missing"
+    have = os.path.getsize(path)
+    written = "" if size is None else f" of the {size} written"
+    if have == 0 and size != 0:
+        return f"is empty (0 bytes{written})"
+    if name.endswith((".pt", ".metadata")):  # a restricted unpickler reads these: one rewritten whole is left to it
+        return f"is cut short ({have} bytes{written}; its zip directory is gone)" if cut_torch_archive(path) else None
+    if size is None or have == size:
+        return None
+    return f"is cut short ({have} of its {size} bytes)" if have < size else f"has {have} bytes, not the {size} written"
+
+
+def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
+    """The damaged files of checkpoint ``folder`` as (path inside it, what is wrong): those
+    :data:`CHECKPOINT_MANIFEST` lists but ``hf/``, or without a manifest those every resume reads."""
+    manifest = os.path.join(folder, CHECKPOINT_MANIFEST)
+    if os.path.exists(manifest):
+        try:
+            with open(manifest) as f:
+                sizes = json.load(f)
+        except (OSError, ValueError) as e:
+            return [(CHECKPOINT_MANIFEST, f"could not be read ({utils.failure_reason(e)})")]
+    else:  # FSDP/TP keep the optimizer in sharded/
+        sharded = os.path.isdir(os.path.join(folder, "sharded"))
+        sizes = dict.fromkeys(
+            ["policy.pt", "optimizer.pt" if not sharded else "sharded/.metadata", "scheduler.pt", "trainer_state.pt"]
+        )
+    found = ((name, checkpoint_file_problem(folder, name, size)) for name, size in sizes.items() if not name.startswith("hf/"))
+    return [(name, problem) for name, problem in found if problem is not None]
+
+
+def intact_checkpoint(run_dir: str, but: str | None = None) -> str | None:
+    """The newest ``step-N`` folder of ``run_dir`` (other than ``but``) whose files are whole
+    (:func:`checkpoint_damage`), or None."""
+    steps = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        match = re.fullmatch(r"step-(\d+)", name)
+        if match and name != but and os.path.isdir(os.path.join(run_dir, name)):
+            steps.append((int(match.group(1)), name))
+    return next((name for _, name in sorted(steps, reverse=True) if not checkpoint_damage(os.path.join(run_dir, name))), None)
+
+
+def damaged_checkpoint_message(folder: str, damage: list[tuple[str, str]]) -> str:
+    """The sentence for the checkpoint ``folder`` whose files ``damage`` (:func:`checkpoint_damage`)
+    are not whole: the first, and how to resume from the newest intact ``step-N`` of its run."""
+    path = os.path.realpath(folder)
+    run_dir, step = os.path.split(path)
+    name, problem = damage[0]
+    more = f" (and {len(damage) - 1} more file{'s' if len(damage) > 2 else ''})" if len(damage) > 1 else ""
+    other = intact_checkpoint(run_dir, but=step) if re.fullmatch(r"step-\d+", step) else None
+    if other is not None:  # LATEST pointed back at it; resume= takes a run folder
+        fix = f"resume from {other}, which is intact: ln -sfn {other} {run_dir}/LATEST && python train.py resume={run_dir}"
+    elif os.path.exists(os.path.join(run_dir, "config.yaml")):
+        fix = f"no other checkpoint of {run_dir} is intact: restore that file, or start the run again with its config ({run_dir}/config.yaml)"
+    else:
+        fix = "restore that file"
+    return f"The checkpoint {path} is damaged: {name} {problem}{more}; {fix}."
+
+
+def check_checkpoint(folder: str) -> None:
+    """Check, before anything is loaded from it, that the checkpoint ``folder``'s files are whole.
+
+    Raises:
+        ConfigError: :func:`damaged_checkpoint_message` when one is missing or cut short.
+    """
+    damage = checkpoint_damage(folder)
+    if damage:
+        raise utils.ConfigError(damaged_checkpoint_message(folder, damage))
+
+
+def point_latest(run_dir: str, name: str) -> None:
+    """Swap the ``<run_dir>/LATEST`` symlink to ``name`` atomically (a new link, then ``os.replace``)."""
+    link_tmp = os.path.join(run_dir, ".LATEST.tmp")
+    if os.path.lexists(link_tmp):
+        os.remove(link_tmp)
+    os.symlink(name, link_tmp)
+    os.replace(link_tmp, os.path.join(run_dir, "LATEST"))
+
+
+def prune_checkpoints(run_dir: str, keep: int) -> None:
+    """Delete all but the newest ``keep`` step-N folders up to LATEST's, never the one LATEST points to."""
+    if keep is None or keep <= 0:
+        return
+    latest = os.path.realpath(os.path.join(run_dir, "LATEST"))
+    name = os.path.basename(latest)
+    newest = int(name[5:]) if name.startswith("step-") and name[5:].isdigit() else None
+    steps = sorted(
+        (d for d in os.listdir(run_dir) if d.startswith("step-") and d[5:].isdigit()),
+        key=lambda d: int(d[5:]),
+    )
+    if newest is not None:  # folders past LATEST (a damaged one a resume went back from) are replaced, not counted
+        steps = [d for d in steps if int(d[5:]) <= newest]
+    for d in steps[:-keep]:
+        if os.path.realpath(os.path.join(run_dir, d)) != latest:
+            shutil.rmtree(os.path.join(run_dir, d))

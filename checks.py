@@ -1,0 +1,682 @@
+"""Every config rule, checked once where a job starts, and the checks that all ranks run the same job."""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import socket
+
+from omegaconf import DictConfig, OmegaConf
+
+import losses
+import utils
+
+TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
+
+FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
+"""Optimizers whose state and epsilon underflow in float16 weights, making every weight NaN at the first step (SGD
+does not)."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def validate_config(config: DictConfig, world_size: int = 1) -> None:
+    """Check the composed config before any data or model is loaded.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    from preference_datasets import DATASETS, PROMPT_DATASETS
+
+    validate_numbers(config)
+    utils.validate_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+    loss = config.loss
+    try:
+        objective = losses.validate_loss_config(loss)
+    except losses.ObjectiveConfigError as e:
+        raise utils.ConfigError(str(e)) from None
+    if objective.score_head and config.trainer == "TensorParallelTrainer":
+        raise utils.ConfigError(
+            f"loss={loss.name} trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs."
+        )
+    if config.precompute_ref_log_probs and not objective.uses_reference(loss):
+        raise utils.ConfigError(
+            f"loss={loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."
+        )
+    if config.precompute_ref_log_probs and objective.mismatched_kl:
+        raise utils.ConfigError(
+            f"loss={loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
+            "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."
+        )
+    validate_reference_update(config, objective)
+    validate_online(config)
+    validate_lora(config, objective)
+    validate_hub(config)
+    online = bool(config.get("online") and config.online.enabled)
+    if not OmegaConf.is_list(config.datasets):
+        raise utils.ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
+    for name in config.datasets:
+        if name in PROMPT_DATASETS and name not in DATASETS and not online:
+            raise utils.ConfigError(f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true).")
+        if name not in DATASETS and name not in PROMPT_DATASETS:
+            known = sorted({*DATASETS, *PROMPT_DATASETS})
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise utils.ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")
+    if config.batch_size % config.gradient_accumulation_steps:
+        raise utils.ConfigError(
+            f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
+        )
+    tp = config.get("tensor_parallel_size") or 1
+    if tp != 1:
+        if not isinstance(tp, int) or tp < 1:
+            raise utils.ConfigError(f"tensor_parallel_size must be a whole number >= 1, got {tp}.")
+        if config.trainer != "FSDPTrainer":
+            raise utils.ConfigError(
+                f"tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {config.trainer} does not use it: remove it."
+            )
+        if objective.score_head:
+            raise utils.ConfigError(
+                f"loss={loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
+            )
+        if world_size % tp:
+            raise utils.ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
+    data_parallel = data_parallel_size(config, world_size)
+    if config.batch_size % data_parallel:
+        groups = "processes" if tp == 1 else "data-parallel groups (processes / tensor_parallel_size)"
+        raise utils.ConfigError(
+            f"batch_size ({config.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
+        )
+    if config.max_prompt_length >= config.max_length:
+        raise utils.ConfigError(
+            f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
+        )
+    if config.n_examples is None and config.n_epochs is None:
+        raise utils.ConfigError("Set n_epochs or n_examples (e.g. n_epochs=1).")
+    if config.optimizer not in ("RMSprop", "AdamW", "Adam", "SGD"):
+        raise utils.ConfigError(f"optimizer must be one of RMSprop, AdamW, Adam, SGD, got {config.optimizer}.")
+    if config.model.get("policy_dtype") == "float16" and config.optimizer in FLOAT16_UNSAFE_OPTIMIZERS:
+        raise utils.ConfigError(
+            f"model.policy_dtype=float16 with optimizer={config.optimizer} turns the weights into NaN at the first step "
+            f"(its epsilon 1e-8 is 0 in float16, and so is the square of a small gradient); use model.policy_dtype=bfloat16, "
+            "or float32 weights with model.fsdp_policy_mp=float16 under trainer=FSDPTrainer for float16 compute."
+        )
+    foreach = config.get("optimizer_foreach")
+    if foreach is not None and not isinstance(foreach, bool):
+        raise utils.ConfigError(
+            f"optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {foreach!r}."
+        )
+    chunk = config.get("output_layer_chunk")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
+        raise utils.ConfigError(
+            f"output_layer_chunk must be a whole number of positions >= 0 (0 or null: the output layer over all "
+            f"positions at once), got {chunk!r}; e.g. output_layer_chunk=1024."
+        )
+    timeout = config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise utils.ConfigError(
+            f"dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
+            f"before the run aborts), got {timeout!r}; e.g. dist_timeout_minutes=60."
+        )
+    if config.lr_scheduler not in ("constant", "linear", "cosine"):
+        raise utils.ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
+    if config.wandb.mode not in ("online", "offline", "disabled"):
+        raise utils.ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
+    if config.trainer not in TRAINERS:
+        raise utils.ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
+    if config.get("launcher", "local") not in ("local", "ray"):
+        raise utils.ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
+    if OmegaConf.is_missing(config.model, "name_or_path"):  # model=blank_model (or a preset built on it) alone
+        raise utils.ConfigError("model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.")
+    if config.model.name_or_path is None and config.model.get("config") is None:
+        raise utils.ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
+    if config.get("resume") is None:  # a fresh run (a resumed one keeps what it started with)
+        problem = model_contradiction(config)
+        if problem is not None:
+            raise utils.ConfigError(problem)
+    path = config.model.name_or_path
+    if (
+        path is not None
+        and config.model.get("config") is None
+        and looks_local(path)
+        and not os.path.isdir(os.path.expanduser(path))
+    ):
+        raise utils.ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
+    if config.model.archive is not None and not os.path.exists(config.model.archive):
+        raise utils.ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
+    if config.model.archive is not None and os.path.isdir(config.model.archive):
+        folder = config.model.archive
+        there = [
+            os.path.join(folder, *p)
+            for p in (("policy.pt",), ("LATEST", "policy.pt"))
+            if os.path.exists(os.path.join(folder, *p))
+        ]
+        hint = (
+            f"model.archive={there[0]}"
+            if there
+            else "the policy.pt of a checkpoint (<run>/LATEST/policy.pt); this folder holds none"
+        )
+        raise utils.ConfigError(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}.")
+
+
+def model_contradiction(config: DictConfig) -> str | None:
+    """One sentence when two ``model.*`` keys contradict (one would be silently ignored), else None."""
+    model = config.model
+    path, built = model.get("name_or_path"), model.get("config") is not None
+    if path is not None and built:  # load_model builds from model.config and never reads the path's weights
+        return (
+            f"model.name_or_path={path} is not loaded when model.config is set (the default model=tiny builds a "
+            "random model from it); add model=blank_model to train that model, or drop model.name_or_path."
+        )
+    if model.get("device_map") and built:
+        return f"model.device_map={model.device_map} places loaded weights, but model.config builds a random model; drop it."
+    if model.get("device_map") and config.get("trainer", "BasicTrainer") != "BasicTrainer":
+        return (
+            f"model.device_map={model.device_map} is for trainer=BasicTrainer (one process over the local GPUs); "
+            f"{config.trainer} places the model itself: drop it."
+        )
+    return None
+
+
+def given_keys(overrides: list[str]) -> set[str]:
+    """The keys (and config groups) that command-line ``overrides`` set, deletions (``~key``) left out."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return {o.key_or_group for o in OverridesParser.create().parse_overrides(overrides) if not o.is_delete()}
+
+
+def settle_given(config: DictConfig, given: set[str]) -> None:
+    """Let the command line's keys ``given`` win over a preset's values: ``n_epochs`` given without ``n_examples``
+    sets ``n_examples`` to null.
+
+    Raises:
+        ConfigError: if the command line sets both ``n_epochs`` and ``n_examples``, or both ``model.tokenizer_class``
+            and ``model.tokenizer_name_or_path``.
+    """
+    pairs = (
+        ("n_epochs", "n_examples", "the training length"),
+        ("model.tokenizer_class", "model.tokenizer_name_or_path", "the tokenizer"),
+    )
+    for a, b, what in pairs:
+        va, vb = OmegaConf.select(config, a), OmegaConf.select(config, b)
+        if a in given and b in given and va is not None and vb is not None:
+            raise utils.ConfigError(
+                f"{a}={utils.override_text(va)} and {b}={utils.override_text(vb)} both set {what} and contradict; give only one."
+            )
+    if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
+        config.n_examples = None
+
+
+def training_length(config: DictConfig, n_train: int) -> str:
+    """One line saying which of ``n_examples`` and ``n_epochs`` governs and what it makes of ``n_train`` examples."""
+    if config.get("n_examples"):
+        total = config.n_examples
+        epochs = total / max(n_train, 1)
+        line = (
+            f"Training length: n_examples={total} governs (n_epochs={config.n_epochs} is not used): "
+            f"{epochs:.3g} epochs of {n_train} train examples."
+        )
+    else:
+        total = config.n_epochs * n_train
+        line = f"Training length: n_epochs={config.n_epochs} governs (n_examples=null): {total} examples ({n_train} per epoch)."
+    steps = -(-total // config.batch_size)  # optimizer steps (the last batch may be short)
+    if config.get("warmup_steps", 0) >= steps:  # a run inside its warmup never trains at lr
+        line += (
+            f" Note: warmup_steps={config.warmup_steps} is not shorter than the run's {steps} optimizer step{'s' * (steps != 1)}, so the "
+            f"learning rate never reaches lr={config.lr}; lower warmup_steps."
+        )
+    return line
+
+
+def data_parallel_size(config: DictConfig, world_size: int) -> int:
+    """How many data-parallel parts each batch is split into over ``world_size`` processes."""
+    if config.trainer == "TensorParallelTrainer":
+        return 1
+    if config.trainer == "FSDPTrainer":
+        return world_size // (config.get("tensor_parallel_size") or 1)
+    return world_size
+
+
+def hf_folder_error(path: str, key: str) -> str | None:
+    """One sentence when the local folder ``path`` (given as ``key``) is a run folder or a checkpoint
+    of train.py rather than a Hugging Face model folder, naming the export inside it; else None."""
+    folder = os.path.expanduser(str(path))
+    if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "config.json")):
+        return None
+    for inner in (("hf",), ("LATEST", "hf")):
+        export = os.path.join(folder, *inner)
+        if os.path.exists(os.path.join(export, "config.json")):
+            return f"{key}={path} is a run folder or checkpoint of train.py, not a model folder; give its export, {key}={export}."
+    return f"{key}={path} holds no config.json, so it is not a Hugging Face model folder; give one (e.g. a loss=reward run's LATEST/hf)."
+
+
+def looks_local(path: str) -> bool:
+    """True if ``path`` can only be a local folder, not a hub id ("org/name" has one slash at most)."""
+    path = str(path)
+    return path.startswith((".", "/", "~")) or path.count("/") > 1 or os.path.exists(path.split("/")[0])
+
+
+NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether that value itself is allowed)
+    "lr": (False, 0, False),
+    "weight_decay": (False, 0, True),
+    "max_grad_norm": (False, 0, False),
+    "warmup_steps": (True, 0, True),
+    "batch_size": (True, 1, True),
+    "eval_batch_size": (True, 1, True),
+    "gradient_accumulation_steps": (True, 1, True),
+    "max_length": (True, 1, True),
+    "max_prompt_length": (True, 1, True),
+    "n_epochs": (True, 1, True),
+    "n_eval_examples": (True, 0, True),
+    "eval_every": (True, 1, True),
+}
+"""The top-level numeric keys :func:`validate_numbers` checks (null is left to the key's own meaning)."""
+
+
+def validate_numbers(config: DictConfig) -> None:
+    """Check that each :data:`NUMBER_KEYS` value present and not null is a number of the right kind and range.
+
+    Raises:
+        ConfigError: naming the key, what it needs and what it got.
+    """
+    for key, (whole, least, inclusive) in NUMBER_KEYS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        kind = "a whole number" if whole else "a number"
+        ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+        if not ok or not (value >= least if inclusive else value > least):
+            raise utils.ConfigError(
+                f"{key} must be {kind} {'>=' if inclusive else '>'} {least}, got {value!r}; e.g. {key}={config_default(key)}."
+            )
+
+
+def config_default(key: str):
+    """The value ``key`` has in config/config.yaml (for examples in error messages)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "config.yaml")
+    return OmegaConf.load(path).get(key)
+
+
+def validate_reference_update(config: DictConfig, objective) -> None:
+    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    update = config.get("reference_update")
+    if update is None or update.get("mode") is None:
+        return
+    if update.mode not in ("soft", "hard"):
+        raise utils.ConfigError(f"reference_update.mode must be null, soft or hard, got {update.mode}.")
+    if not objective.uses_reference(config.loss):
+        raise utils.ConfigError(f"reference_update moves the reference model, but loss={config.loss.name} uses none; remove it.")
+    every = update.get("every")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise utils.ConfigError(f"reference_update.every must be a whole number of optimizer steps >= 1, got {every}.")
+    alpha = update.get("alpha")
+    if update.mode == "soft" and not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
+        raise utils.ConfigError(f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {alpha}.")
+    if config.precompute_ref_log_probs:
+        raise utils.ConfigError(
+            "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
+            "set precompute_ref_log_probs=false."
+        )
+    if ray_reference_workers(config):
+        raise utils.ConfigError(
+            "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."
+        )
+
+
+def ray_reference_workers(config: DictConfig) -> int:
+    """How many Ray actors hold the reference apart from the policy: ``ray.reference_workers``
+    under ``launcher=ray``, else 0."""
+    ray_cfg = config.get("ray")
+    return int(ray_cfg.get("reference_workers", 0) or 0) if config.get("launcher") == "ray" and ray_cfg is not None else 0
+
+
+def lora_settings(model_config: DictConfig) -> DictConfig | None:
+    """``model.lora`` when LoRA is on (``model.lora.r`` set), else None (full fine-tuning)."""
+    lora = model_config.get("lora")
+    return lora if lora is not None and lora.get("r") is not None else None
+
+
+def validate_lora(config: DictConfig, objective) -> None:
+    """Check ``model.lora`` and what it cannot be combined with (a LoRA run's reference is the policy with
+    adapters off).
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    lora = lora_settings(config.model)
+    if lora is None:
+        return
+    r, alpha, dropout, targets = lora.r, lora.get("alpha", 32), lora.get("dropout", 0.0), lora.get("target_modules")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise utils.ConfigError(f"model.lora.r must be a whole number >= 1 (the adapters' rank, e.g. 16) or null, got {r!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise utils.ConfigError(f"model.lora.alpha must be a number > 0 (the adapters are scaled by alpha / r), got {alpha!r}.")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise utils.ConfigError(f"model.lora.dropout must be a number in [0, 1), got {dropout!r}.")
+    names = OmegaConf.to_container(targets) if OmegaConf.is_list(targets) else targets
+    if names != "all-linear" and not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
+        raise utils.ConfigError(
+            f"model.lora.target_modules must be all-linear or a list of module names, e.g. [q_proj,v_proj], got {targets!r}."
+        )
+    if not isinstance(lora.get("export_merged", False), bool):
+        raise utils.ConfigError(f"model.lora.export_merged must be true or false, got {lora.export_merged!r}.")
+    if objective.score_head:
+        raise utils.ConfigError(
+            f"model.lora trains the adapters of a causal LM, not loss={config.loss.name}'s score head; set model.lora.r=null."
+        )
+    if config.trainer == "TensorParallelTrainer" or (config.get("tensor_parallel_size") or 1) > 1:
+        raise utils.ConfigError(
+            "model.lora does not work with tensor parallelism (its plan splits plain linear layers, not LoRA's); "
+            "use trainer=FSDPTrainer with tensor_parallel_size=1 or BasicTrainer."
+        )
+    update = config.get("reference_update")
+    if update is not None and update.get("mode") is not None:
+        raise utils.ConfigError(
+            "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
+            "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."
+        )
+    if ray_reference_workers(config):
+        raise utils.ConfigError(
+            "with model.lora the reference is the policy with its adapters off, in each policy worker; set ray.reference_workers=0."
+        )
+    reference_dtype = config.model.get("reference_dtype")
+    if reference_dtype is not None and reference_dtype != config.model.get("policy_dtype"):
+        raise utils.ConfigError(
+            f"with model.lora the reference is the policy's own base, in model.policy_dtype={config.model.get('policy_dtype')}, "
+            f"so model.reference_dtype={reference_dtype} cannot apply; set model.reference_dtype=null."
+        )
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise utils.ConfigError(
+            "model.lora.r is set but the peft library is not installed; pip install -r requirements.txt."
+        ) from None
+
+
+def validate_hub(config: DictConfig) -> None:
+    """Check ``hub.*`` (absent: no push).
+
+    Raises:
+        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true`` without a valid
+            ``hub.model_id`` or without ``save_hf_export``.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    hub = config.get("hub") or {}
+    for key in ("push", "private"):
+        if not isinstance(hub.get(key, False), bool):
+            raise utils.ConfigError(f"hub.{key} must be true or false, got {hub.get(key)!r}.")
+    if not hub.get("push"):
+        return
+    model_id = hub.get("model_id")
+    if model_id is None:
+        raise utils.ConfigError("hub.push=true needs the repository to push to: add hub.model_id=<org or user>/<name>.")
+    try:
+        validate_repo_id(str(model_id))
+    except HFValidationError:
+        raise utils.ConfigError(
+            f"hub.model_id={model_id} is not a Hugging Face repository id; give <org or user>/<name>, e.g. hub.model_id=my-org/my-dpo-model."
+        ) from None
+    if not config.save_hf_export:
+        raise utils.ConfigError(
+            "hub.push=true pushes the run's Hugging Face export, which save_hf_export=false leaves out; set save_hf_export=true."
+        )
+
+
+def online_capable(objective) -> bool:
+    """True if online DPO can train with ``objective`` (a ``losses.Objective``): paired, with a reference and a
+    ``beta``."""
+    return objective.paired and objective.reference is not False and "beta" in objective.keys and not objective.mismatched_kl
+
+
+def validate_online(config: DictConfig) -> None:
+    """Check the ``online:`` section (online DPO) when ``online.enabled``.
+
+    Raises:
+        ConfigError: naming the first bad key and how to fix it.
+    """
+    online = config.get("online")
+    if online is None or not online.enabled:
+        return
+    objective = losses.get_objective(config.loss.name)
+    if not online_capable(objective):
+        capable = [name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o)]
+        raise utils.ConfigError(
+            "online.enabled=true trains with loss=dpo or loss=ipo or another paired objective with a reference "
+            f"({', '.join(capable)}), not loss={config.loss.name}."
+        )
+    if not objective.uses_reference(config.loss):
+        raise utils.ConfigError(f"online DPO needs the reference model: set loss.{objective.reference}=false.")
+    if config.precompute_ref_log_probs:
+        raise utils.ConfigError(
+            "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
+        )
+    if online.scorer not in ("reward_model", "reward_model_judge", "http_judge", "reward_function"):
+        raise utils.ConfigError(
+            f"online.scorer must be reward_model, reward_model_judge, http_judge or reward_function, got {online.scorer}."
+        )
+    if online.scorer in ("reward_model", "reward_model_judge") and config.reward_model.name_or_path is None:
+        raise utils.ConfigError(
+            f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
+        )
+    if online.scorer in ("reward_model", "reward_model_judge"):
+        problem = hf_folder_error(config.reward_model.name_or_path, "reward_model.name_or_path")
+        if problem is not None:
+            raise utils.ConfigError(problem)
+    if online.scorer == "http_judge" and (config.judge.base_url is None or config.judge.model is None):
+        raise utils.ConfigError("online.scorer=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
+    if online.ties not in ("skip", "random"):
+        raise utils.ConfigError(f"online.ties must be skip or random, got {online.ties}.")
+    if not online.max_new_tokens >= 1:
+        raise utils.ConfigError(f"online.max_new_tokens must be >= 1, got {online.max_new_tokens}.")
+    if config.max_prompt_length + online.max_new_tokens > config.max_length:
+        raise utils.ConfigError(
+            f"max_prompt_length ({config.max_prompt_length}) + online.max_new_tokens ({online.max_new_tokens}) "
+            f"must be at most max_length ({config.max_length}); raise max_length or lower one of them."
+        )
+    if not online.temperature > 0:
+        raise utils.ConfigError(f"online.temperature must be > 0 (online DPO samples), got {online.temperature}.")
+    if not 0 <= online.get("max_failure_rate", 0.1) <= 1:
+        raise utils.ConfigError(f"online.max_failure_rate must be in [0, 1], got {online.max_failure_rate}.")
+    if config.trainer == "TensorParallelTrainer":
+        raise utils.ConfigError("online DPO runs with BasicTrainer or FSDPTrainer.")
+
+
+def n_eval_used(config: DictConfig, n_eval: int) -> int:
+    """How many eval examples are used: ``n_eval_examples`` capped by the eval split's size."""
+    return min(config.n_eval_examples or n_eval, n_eval)
+
+
+def check_eval_size(config: DictConfig, n_eval: int) -> None:
+    """Raise ConfigError if the eval set cannot fill one eval batch."""
+    if n_eval == 0:
+        raise utils.ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
+    used = n_eval_used(config, n_eval)
+    if config.eval_batch_size > used:
+        raise utils.ConfigError(
+            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}); lower it."
+        )
+
+
+RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")
+"""Keys that name where a run is, not what it trains: left out when a new command is compared
+with a run's saved config (:func:`config_differences`)."""
+
+
+def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | None = None) -> list[tuple[str, object, object]]:
+    """``(dotted key, saved value, new value)`` for each leaf where the resolved configs differ (a
+    key one lacks: ``"absent"``), in ``saved``'s key order, :data:`RUN_FOLDER_KEYS` left out;
+    ``keys`` limits it to those keys and what lies under them (e.g. ``loss`` for ``loss=ipo``)."""
+    a, b = utils.flat_config(saved), utils.flat_config(new)
+
+    def inside(key: str, top: str) -> bool:
+        return key == top or key.startswith(top + ".")
+
+    out = []
+    for key in list(a) + [k for k in b if k not in a]:
+        if any(inside(key, skip) for skip in RUN_FOLDER_KEYS):
+            continue
+        if keys is not None and not any(inside(key, k) for k in keys):
+            continue
+        va, vb = a.get(key, "absent"), b.get(key, "absent")
+        if va != vb:
+            out.append((key, va, vb))
+    return out
+
+
+def describe_differences(differences: list[tuple[str, object, object]], limit: int = 3) -> str:
+    """``lr (saved 0.003, given 1.0), loss.name (saved dpo, given ipo)``: the first ``limit`` of
+    :func:`config_differences`, and how many more."""
+    text = ", ".join(f"{k} (saved {utils.override_text(a)}, given {utils.override_text(b)})" for k, a, b in differences[:limit])
+    more = len(differences) - limit
+    return text + (f" and {more} more" if more > 0 else "")
+
+
+# ----------------------------------------------------------------------------- several nodes: the same run everywhere
+
+REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def code_files(repo: str = REPO_DIR) -> dict[str, str]:
+    """The code version of the checkout ``repo``: ``{path: sha256 of its contents}`` of its
+    top-level ``.py`` files and ``config/**/*.yaml``, paths relative to ``repo`` with ``/``."""
+    import glob
+    import hashlib
+
+    paths = glob.glob(os.path.join(repo, "*.py")) + glob.glob(os.path.join(repo, "config", "**", "*.yaml"), recursive=True)
+    files = {}
+    for path in sorted(paths):
+        with open(path, "rb") as f:
+            files[os.path.relpath(path, repo).replace(os.sep, "/")] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+CONFIG_CHECK_SKIPS = ("output_root",)
+"""Keys left out of the config check across ranks: output_root is checked by what it must do
+(:func:`check_shared_output_root`), since two nodes may mount one file system at two paths."""
+
+
+def run_identity(config: DictConfig, host: str | None = None, repo: str = REPO_DIR) -> dict:
+    """What every rank must agree on, with the host for messages: ``{"host", "config" (flat,
+    without :data:`CONFIG_CHECK_SKIPS`), "config_hash", "code" (:func:`code_files`), "code_hash"}``."""
+    flat = {k: v for k, v in utils.flat_config(config).items() if k not in CONFIG_CHECK_SKIPS}
+    code = code_files(repo)
+    return {
+        "host": host or socket.gethostname(),
+        "config": flat,
+        "config_hash": utils.digest(flat),
+        "code": code,
+        "code_hash": utils.digest(code),
+    }
+
+
+_UNSET = object()
+
+
+def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
+    """One sentence naming how the first rank that differs from rank 0 differs (code first, then the first
+    differing config key), or None.
+
+    Args:
+        identities: :func:`run_identity` of every rank, in rank order.
+        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the ranks found).
+    """
+    base = identities[0]
+    h0 = base["host"]
+    for rank, other in enumerate(identities[1:], start=1):
+        who = f"Rank {rank} (host {other['host']})"
+        if other["code_hash"] != base["code_hash"]:
+            names = list(base["code"]) + [p for p in other["code"] if p not in base["code"]]
+            path = next((p for p in names if base["code"].get(p) != other["code"].get(p)), "a file")
+            return f"{who} runs other code than rank 0 (host {h0}): {path} differs; give every node the same checkout."
+        if other["config_hash"] == base["config_hash"]:
+            continue
+        mine, theirs = base["config"], other["config"]
+        keys = list(mine) + [k for k in theirs if k not in mine]
+        key = next((k for k in keys if mine.get(k, _UNSET) != theirs.get(k, _UNSET)), None)
+        if key is None:
+            return f"{who} was started with another config than rank 0 (host {h0}); start every node with the same command."
+        if key == "resume" and auto_resume:
+            return (
+                f"resume=auto found resume={utils.override_text(theirs.get(key))} on rank {rank} (host {other['host']}) but "
+                f"resume={utils.override_text(mine.get(key))} on rank 0 (host {h0}); every node must see the same output_root."
+            )
+        said = [
+            f"with {key}={utils.override_text(values[key])}" if key in values else f"without {key}" for values in (theirs, mine)
+        ]
+        return f"{who} was started {said[0]}, rank 0 (host {h0}) {said[1]}; start every node with the same command."
+    return None
+
+
+def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
+    """All-gather every rank's :func:`run_identity` and compare it with rank 0's (a collective, before any model loads).
+
+    Raises:
+        ConfigError: on every rank, when a rank was given another config (``output_root`` aside) or runs other code.
+    """
+    problem = identity_mismatch(utils.all_gather_object(run_identity(config)), auto_resume)
+    if problem is not None:
+        raise utils.ConfigError(problem)
+
+
+SHARED_MARKER = ".shared-"
+"""The prefix of the file :func:`check_shared_output_root` writes into ``output_root`` (then removes)."""
+
+
+def _sees(path: str, wait_s: float) -> bool:
+    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (a network file system
+    may show a new file late; listing the folder makes NFS look again)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        with contextlib.suppress(OSError):
+            if os.path.exists(path) or os.path.basename(path) in os.listdir(os.path.dirname(path) or "."):
+                return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
+    """Check that every rank sees ``output_root`` as rank 0 does: rank 0 writes a ``.shared-<random>`` file there
+    for every rank to find within ``wait_s`` seconds, then removes it (a collective).
+
+    Raises:
+        ConfigError: on every rank, when rank 0 cannot write there or a rank does not see the file.
+    """
+    import uuid
+
+    host = socket.gethostname()
+    name = failure = None
+    if rank == 0:
+        name = f"{SHARED_MARKER}{uuid.uuid4().hex}"
+        try:
+            os.makedirs(output_root, exist_ok=True)
+            utils.write_atomic(os.path.join(output_root, name), f"written by rank 0 on {host}\n")
+        except OSError as e:
+            failure = f"output_root={output_root} cannot be written on rank 0 (host {host}): {utils.failure_reason(e)}; give a folder it can write."
+    name, failure = utils.broadcast_object((name, failure))
+    if failure is not None:
+        raise utils.ConfigError(failure)
+    try:
+        seen = utils.all_gather_object((_sees(os.path.join(output_root, name), wait_s), host, output_root))
+    finally:
+        if rank == 0:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(output_root, name))
+    blind = next((r for r, (ok, _, _) in enumerate(seen) if not ok), None)
+    if blind is not None:
+        _, where, theirs = seen[blind]
+        root = seen[0][2]
+        there = f", looking in output_root={theirs}" if theirs != root else ""
+        raise utils.ConfigError(
+            f"output_root={root} is not shared: rank {blind} (host {where}{there}) does not see the file "
+            f"rank 0 (host {seen[0][1]}) wrote there; put output_root on a file system every node mounts at the same path."
+        )

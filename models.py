@@ -1,0 +1,375 @@
+"""Tokenizers, models, the reference model, LoRA adapters and reading weight files."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+import utils
+
+_LOAD_HINT = "Check model.name_or_path (a hub id, which needs the internet or the hub cache, or a local model folder)."
+
+
+def load_tokenizer(model_config: DictConfig):
+    """The tokenizer of ``model.tokenizer_name_or_path``, else built by ``model.tokenizer_class``, else
+    ``model.name_or_path``'s, with pad set to EOS if absent and ``model.chat_template`` (a file or Jinja
+    string) applied.
+
+    Raises:
+        ConfigError: when the tokenizer cannot be loaded, or ``model.chat_template`` is neither a file nor a Jinja
+            template.
+    """
+    import transformers
+
+    path = model_config.get("tokenizer_name_or_path")
+    if model_config.get("tokenizer_class") and not path:
+        tokenizer = getattr(transformers, model_config.tokenizer_class)()
+    else:
+        path = path or model_config.name_or_path
+        try:
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise utils.ConfigError(
+                f"Could not load the tokenizer {path!r} (model.tokenizer_name_or_path, else model.name_or_path): "
+                f"{utils._first_line(e)} {_LOAD_HINT}"
+            ) from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model_config.get("chat_template"):
+        tokenizer.chat_template = read_chat_template(model_config.chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """``model.chat_template``: the text of the file it names, or the Jinja string itself.
+
+    Raises:
+        ConfigError: if it is neither an existing file nor text with ``{{`` or ``{%``.
+    """
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise utils.ConfigError(
+        f"model.chat_template={value!r} is neither a file nor a Jinja template (no '{{{{' or '{{%'); "
+        "give the path of a .jinja file or the template itself."
+    )
+
+
+def transformers_config(model_config: DictConfig, tokenizer=None):
+    """The transformers config of the model ``model.*`` describes, without weights (a random model's vocab_size
+    and pad/BOS/EOS ids default to the tokenizer's).
+
+    Raises:
+        ConfigError: if ``model.config.vocab_size`` is smaller than the tokenizer's vocabulary.
+    """
+    import transformers
+
+    if model_config.get("config") is not None:
+        fields = OmegaConf.to_container(model_config.config, resolve=True)
+        if tokenizer is not None:
+            if fields.get("vocab_size") is not None and fields["vocab_size"] < len(tokenizer):
+                raise utils.ConfigError(
+                    f"model.config.vocab_size={fields['vocab_size']} is smaller than the tokenizer's {len(tokenizer)} tokens; "
+                    "remove it (it follows the tokenizer) or raise it."
+                )
+            fields.setdefault("vocab_size", len(tokenizer))
+            fields.setdefault("pad_token_id", tokenizer.pad_token_id)
+            fields.setdefault("eos_token_id", tokenizer.eos_token_id)
+            fields.setdefault("bos_token_id", tokenizer.bos_token_id)
+        return transformers.AutoConfig.for_model(**fields)
+    return transformers.AutoConfig.from_pretrained(model_config.name_or_path)
+
+
+def check_parallel_model(config: DictConfig, world_size: int) -> None:
+    """Check that tensor parallelism can split this model (TensorParallelTrainer over ``world_size`` processes, or
+    FSDPTrainer's ``tensor_parallel_size``).
+
+    Raises:
+        ConfigError: for an unsupported family or a head count not divisible by the TP size.
+    """
+    if config.trainer == "TensorParallelTrainer":
+        tp, key = world_size, "world_size"
+    else:
+        tp, key = (config.get("tensor_parallel_size") or 1) if config.trainer == "FSDPTrainer" else 1, "tensor_parallel_size"
+    if tp == 1:
+        return
+    check_tensor_parallel(transformers_config(config.model), tp, key)
+
+
+def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
+    """The frozen reference of ``model.*`` (a random one seeded by ``seed``, equal to the policy's start) in
+    ``model.reference_dtype`` (null: the policy's), with ``model.archive``'s weights when set and
+    ``apply_archive``."""
+    dtype = utils.get_dtype(config.model.reference_dtype) or utils.get_dtype(config.model.policy_dtype)
+    reference = load_model(config.model, tokenizer, dtype, config.seed)
+    if apply_archive and config.model.archive is not None:
+        archive = load_weights_file(
+            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+        )
+        reference.load_state_dict(archive["state"])
+    return reference
+
+
+TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
+
+
+def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None:
+    """Raise ConfigError unless tensor parallelism can split a model with transformers config ``cfg`` over
+    ``world_size`` processes; the message names ``key``, the setting to change."""
+    family = cfg.model_type
+    if family not in TP_FAMILIES:
+        fix = (
+            "use FSDPTrainer for this model" if key == "world_size" else "set tensor_parallel_size=1 (FSDP alone) for this model"
+        )
+        raise utils.ConfigError(
+            f"Tensor parallelism supports the Llama, GPT-NeoX (Pythia) and GPT-2 families, not {family!r}; {fix}."
+        )
+    heads = cfg.num_attention_heads if family != "gpt2" else cfg.n_head
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if heads % world_size or kv_heads % world_size:
+        raise utils.ConfigError(
+            f"{heads} attention heads ({kv_heads} key/value heads) cannot be split over {world_size} processes; "
+            f"choose a {key} that divides them."
+        )
+
+
+def load_model(
+    model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int, reward_head: bool = False
+) -> torch.nn.Module:
+    """A causal LM from ``model.name_or_path``, or a random one built from ``model.config``, with dropout
+    disabled; with ``reward_head``, a one-output sequence-classification model (``loss=reward``; the head
+    starts random).
+
+    Raises:
+        ConfigError: when the weights cannot be loaded.
+    """
+    import transformers
+
+    auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    extra = {"num_labels": 1} if reward_head else {}
+    if model_config.get("config") is not None:
+        cfg = transformers_config(model_config, tokenizer)
+        for key, value in extra.items():
+            setattr(cfg, key, value)
+        torch.manual_seed(seed)  # same random weights for policy and reference
+        model = auto.from_config(cfg, dtype=dtype)
+    else:
+        kwargs = {"dtype": dtype, **extra}
+        if model_config.get("device_map"):
+            kwargs["device_map"] = model_config.device_map
+        try:
+            model = auto.from_pretrained(model_config.name_or_path, **kwargs)
+        except (OSError, ValueError) as e:  # no such id or folder, offline, no weights, no model_type
+            raise utils.ConfigError(
+                f"Could not load model.name_or_path={model_config.name_or_path}: {utils._first_line(e)} {_LOAD_HINT}"
+            ) from e
+    if reward_head and model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id  # batches are padded
+    disable_dropout(model)  # policy and reference must agree at step 0
+    return model
+
+
+def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
+    """``build()`` on rank 0; on the other ranks the same architecture on the meta device (from rank 0's configs),
+    for the trainers to fill from rank 0.
+
+    Args:
+        build: returns the loaded model; called on rank 0 only.
+        rank: this process's rank (every rank must call this, in the same order).
+        reward_head: the model is a reward model (``AutoModelForSequenceClassification``).
+
+    Raises:
+        ConfigError: on every rank, when ``build`` raised a ConfigError or DataError on rank 0.
+        RuntimeError: on the other ranks, when ``build`` raised anything else on rank 0.
+    """
+    import transformers
+
+    model, spec = None, None
+    if rank == 0:
+        try:
+            model = build()
+            spec = ("ok", model.config, model.generation_config, next(model.parameters()).dtype)
+        except Exception as e:
+            from preference_datasets import DataError
+
+            utils.broadcast_object(("config" if isinstance(e, (utils.ConfigError, DataError)) else "error", str(e), None, None))
+            raise
+    status, config, generation_config, dtype = utils.broadcast_object(spec)
+    if rank == 0:
+        return model
+    if status == "config":
+        raise utils.ConfigError(config)
+    if status == "error":
+        raise RuntimeError(f"Rank 0 could not load the model: {config}")
+    auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=dtype)
+    model.generation_config = generation_config
+    disable_dropout(model)
+    return model
+
+
+def keeping_ties(model: torch.nn.Module, apply) -> None:
+    """``apply(model)`` (e.g. ``Module.to_empty``) with tied parameters (e.g. embeddings and LM head) tied again
+    afterwards."""
+    places: dict[int, list[tuple[str, str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        module, _, attr = name.rpartition(".")
+        places.setdefault(id(param), []).append((module, attr))
+    apply(model)  # to or from meta makes one new parameter per place, untying them
+    for (first_module, first_attr), *others in places.values():
+        shared = getattr(model.get_submodule(first_module), first_attr)
+        for module, attr in others:
+            if getattr(model.get_submodule(module), attr) is not shared:
+                setattr(model.get_submodule(module), attr, shared)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability in ``model`` to 0: ``nn.Dropout`` modules, float ``*dropout*``/``*pdrop*``
+    attributes (passed to SDPA as ``dropout_p``) and config fields."""
+    for module in [model, *model.modules()]:
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if config is not None and module is model:
+            for name, value in list(vars(config).items()):
+                if ("dropout" in name or "pdrop" in name) and isinstance(value, float):
+                    setattr(config, name, 0.0)
+
+
+# ----------------------------------------------------------------------------- LoRA (peft)
+
+
+def lora_peft_config(lora: DictConfig):
+    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; ``all-linear`` never includes the output layer)."""
+    import peft
+
+    targets = lora.target_modules
+    targets = list(targets) if OmegaConf.is_list(targets) else targets
+    return peft.LoraConfig(
+        r=int(lora.r), lora_alpha=lora.alpha, lora_dropout=float(lora.dropout), target_modules=targets, task_type="CAUSAL_LM"
+    )
+
+
+def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
+    """``model`` with LoRA adapters injected in place (``peft.get_peft_model``): a ``PeftModel`` with frozen base
+    weights and adapters starting as the identity, in the base's dtype and device.
+
+    Raises:
+        ConfigError: when ``model.lora.target_modules`` matches no module of ``model`` (naming its linear layers).
+    """
+    import warnings
+
+    import peft
+
+    try:
+        with warnings.catch_warnings():  # peft reads a deprecated transformers attribute
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, lora_peft_config(lora), autocast_adapter_dtype=False)
+    except ValueError as e:
+        from transformers.pytorch_utils import Conv1D
+
+        output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        linear = sorted(
+            {
+                name.rpartition(".")[2]
+                for name, m in model.named_modules()
+                if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not output
+            }
+        )
+        targets = lora.target_modules
+        targets = "[" + ",".join(targets) + "]" if OmegaConf.is_list(targets) else targets
+        raise utils.ConfigError(
+            f"model.lora.target_modules={targets} matches no module of {type(model).__name__} ({utils._first_line(e)[:120]}); "
+            f"its linear layers are named {', '.join(linear) or 'nothing'}: name some of them, or all-linear."
+        ) from None
+
+
+def is_lora_model(model) -> bool:
+    """True if ``model`` is a ``peft.PeftModel`` (a LoRA policy)."""
+    try:
+        import peft
+    except ImportError:
+        return False
+    return isinstance(model, peft.PeftModel)
+
+
+def base_state_dict(model: torch.nn.Module) -> dict:
+    """``model``'s weights named as without adapters: a LoRA policy's adapter entries dropped and ``.base_layer``
+    taken out of the names."""
+    if is_lora_model(model):
+        model = model.get_base_model()
+    state = model.state_dict()
+    return {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+
+
+def lora_base_path(config: DictConfig) -> str | None:
+    """The base a LoRA run's adapter folder names (``base_model_name_or_path``): the ``hf/`` export beside
+    ``model.archive`` if any, else ``model.name_or_path`` (absolute if local); None for a random model or an
+    archive without export."""
+    model = config.model
+    if model.get("archive") is not None:
+        beside = os.path.join(os.path.dirname(os.path.realpath(model.archive)), "hf")  # step-N/hf, not LATEST/hf
+        return beside if os.path.isfile(os.path.join(beside, "config.json")) else None
+    if model.get("config") is not None or model.name_or_path is None:
+        return None
+    path = str(model.name_or_path)
+    return os.path.abspath(os.path.expanduser(path)) if os.path.isdir(os.path.expanduser(path)) else path
+
+
+def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str | None = None) -> torch.nn.Module:
+    """A meta-device ``PeftModel`` of ``hf_config`` with ``model.lora``'s adapters, holding ``state`` without
+    copying (``assign``), for writing a LoRA run's export.
+
+    Args:
+        state: the adapters alone (for ``save_pretrained``) or the whole model (for ``merge_and_unload``), named as
+            ``get_base_model().state_dict()``.
+        base_path: written into the adapter config.
+
+    Raises:
+        ValueError: if ``state`` has names the model does not have, or lacks an adapter weight.
+    """
+    import transformers
+
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # building draws random numbers: resume stays exact
+        base = transformers.AutoModelForCausalLM.from_config(hf_config)
+        model = apply_lora(base, lora)
+    missing, unexpected = base.load_state_dict(state, strict=False, assign=True)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ValueError(f"the weights do not fit the LoRA model (e.g. {(unexpected or missing)[0]!r})")
+    if getattr(hf_config, "tie_word_embeddings", False):
+        base.tie_weights()  # one output layer with the embeddings, also when the state names it once
+    model.peft_config["default"].base_model_name_or_path = base_path
+    return model
+
+
+def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
+    """``torch.load`` of ``path`` onto the CPU with ``weights_only=True``: tensors, plain values and
+    ``safe_globals`` only, so nothing in the file can run code.
+
+    Raises:
+        ConfigError: naming the file (``label``) and the fix (``fix``) when it cannot be read or holds anything else.
+    """
+    import pickle
+
+    try:
+        with torch.serialization.safe_globals(list(safe_globals)):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses a global, e.g. GLOBAL posix.system, before calling it
+        found = re.search(r"GLOBAL (\S+)|but got <class '([^']+)'>", str(e))
+        if found is None:  # not a pickle of ours at all (e.g. a text file)
+            raise utils.ConfigError(f"{label} could not be read (UnpicklingError); {fix}.") from None
+        raise utils.ConfigError(
+            f"{label} holds more than tensors and plain values (e.g. {found.group(1) or found.group(2)}), and is not "
+            f"loaded because unpickling it could run code; {fix}."
+        ) from None
+    except Exception as e:  # a missing, truncated or foreign file
+        raise utils.ConfigError(f"{label} could not be read ({utils.failure_reason(e)}); {fix}.") from None
