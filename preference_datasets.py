@@ -904,6 +904,11 @@ def _rows(dataset) -> list[dict]:
     return dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
 
 
+def _first_line(error: Exception, text: str | None = None) -> str:
+    """The first line of ``text`` (default ``str(error)``), at most 160 characters; the error's type name when empty."""
+    return ((str(error) if text is None else text).splitlines() or [type(error).__name__])[0][:160]
+
+
 def _read_with_datasets(what: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a ``datasets`` reader of a local file or folder) with its progress bars off.
 
@@ -917,7 +922,7 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # the readers raise many kinds (DatasetGenerationError, ArrowInvalid, JSON errors, ...)
-        detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        detail = _first_line(e)
         raise DataError(
             f"{what} could not be read by the datasets library ({detail}); check that it is complete and in its format."
         ) from None
@@ -1293,23 +1298,11 @@ def _with_system(prompt: str | Messages, system, where: str, column: str) -> str
     return [{"role": "system", "content": system}, *prompt]
 
 
-def hf_rows_to_data(
-    rows: list[dict],
-    report: collections.Counter,
-    source: str,
-    format: str = "auto",
-    columns: dict | None = None,
-    max_pairs_per_prompt: int | None = None,
-    roles: dict | None = None,
-    ranked_order: str | None = None,
-    cast: dict[str, str] | None = None,
-) -> DatasetDict:
-    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict, counting rows
-    of a ``cast`` column.
+def _check_hf_options(format: str, columns, ranked_order: str | None) -> None:
+    """Check ``data.hf.format``, ``data.hf.columns`` (a mapping of known keys) and ``data.hf.ranked_order``.
 
     Raises:
-        DataError: for an unknown format or mapping key, columns that match no format, or a bad
-            row (naming ``source`` and the 1-based row).
+        DataError: naming the bad option and its fix.
     """
     if format not in HF_FORMATS:
         raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
@@ -1328,16 +1321,14 @@ def hf_rows_to_data(
         raise DataError(
             f"data.hf.ranked_order={ranked_order} is unknown; use best_first or worst_first (or null: the rows give scores)."
         )
-    found = list(rows[0]) if rows else []
-    missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
-    if missing:
-        key, col = missing[0]
-        raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
-    given = dict(columns or {})
-    columns = _hf_columns(columns, found)
-    pair_columns = _context_columns(columns, given)
-    roles = check_roles_mapping(roles)
-    fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
+
+
+def _check_hf_format_options(fmt: str, rows: list[dict], source: str, ranked_order: str | None, given: dict) -> None:
+    """Check that ``ranked_order`` and a mapped ``input`` / ``history`` fit rows read as ``fmt``.
+
+    Raises:
+        DataError: naming the option, the format and the mapping to set.
+    """
     if ranked_order is not None and rows and fmt != "ranked":
         raise DataError(
             f"data.hf.ranked_order={ranked_order} orders ranked rows' responses, but {source} is read as {fmt}; map the "
@@ -1349,6 +1340,67 @@ def hf_rows_to_data(
             f"data.hf.columns maps {', '.join(context)}, which add to a prompt string of standard or ranked rows, but "
             f"{source} is read as {fmt}; map prompt, chosen and rejected (or responses) to string columns."
         )
+
+
+def _ranked_candidates(
+    prompt: str | Messages, ranked: list[tuple[str | Messages, float]], report: collections.Counter
+) -> list[tuple[tuple, float]]:
+    """[((chosen, rejected), score gap), ...] of every two responses of a ranked row; ties skipped and counted."""
+    if len(ranked) < 2:
+        note_row(report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt))
+    candidates = []
+    for a in range(len(ranked)):
+        for b in range(a + 1, len(ranked)):
+            (ta, sa), (tb, sb) = ranked[a], ranked[b]
+            if sa == sb:
+                note_row(report, "skipped: score tie", prompt if isinstance(prompt, str) else conversation_key(prompt))
+            else:
+                candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
+    return candidates
+
+
+def _cap_pairs(data: DatasetDict, gaps: dict[str, list[float]], max_pairs_per_prompt: int, report: collections.Counter) -> None:
+    """Keep at most ``max_pairs_per_prompt`` pairs of each prompt of ``data``, those of the largest ``gaps``."""
+    for key, entry in data.items():
+        n = len(entry["pairs"])
+        if n > max_pairs_per_prompt:
+            note_row(report, "skipped: over max_pairs_per_prompt", key, n - max_pairs_per_prompt)
+            keep = sorted(sorted(range(n), key=lambda k: -gaps[key][k])[:max_pairs_per_prompt])
+            entry["pairs"] = [entry["pairs"][k] for k in keep]
+            if "rows" in entry:
+                entry["rows"] = [entry["rows"][k] for k in keep]
+
+
+def hf_rows_to_data(
+    rows: list[dict],
+    report: collections.Counter,
+    source: str,
+    format: str = "auto",
+    columns: dict | None = None,
+    max_pairs_per_prompt: int | None = None,
+    roles: dict | None = None,
+    ranked_order: str | None = None,
+    cast: dict[str, str] | None = None,
+) -> DatasetDict:
+    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict, counting rows
+    of a ``cast`` column.
+
+    Raises:
+        DataError: for an unknown format or mapping key, columns that match no format, or a bad
+            row (naming ``source`` and the 1-based row).
+    """
+    _check_hf_options(format, columns, ranked_order)
+    found = list(rows[0]) if rows else []
+    missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
+    if missing:
+        key, col = missing[0]
+        raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
+    given = dict(columns or {})
+    columns = _hf_columns(columns, found)
+    pair_columns = _context_columns(columns, given)
+    roles = check_roles_mapping(roles)
+    fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
+    _check_hf_format_options(fmt, rows, source, ranked_order, given)
     data: DatasetDict = {}
     gaps: dict[str, list[float]] = {}
     for i, row in enumerate(rows, 1):
@@ -1362,18 +1414,7 @@ def hf_rows_to_data(
             continue
         if fmt == "ranked":
             prompt, ranked = _hf_ranked(row, pair_columns, where, roles, ranked_order)
-            if len(ranked) < 2:
-                note_row(
-                    report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt)
-                )
-            candidates = []
-            for a in range(len(ranked)):
-                for b in range(a + 1, len(ranked)):
-                    (ta, sa), (tb, sb) = ranked[a], ranked[b]
-                    if sa == sb:
-                        note_row(report, "skipped: score tie", prompt if isinstance(prompt, str) else conversation_key(prompt))
-                    else:
-                        candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
+            candidates = _ranked_candidates(prompt, ranked, report)
         else:
             if columns["prompt"] == SHAREGPT_PROMPT:
                 check_sharegpt_roles(row, columns, where, roles)
@@ -1394,14 +1435,7 @@ def hf_rows_to_data(
         if fmt == "ranked" and key in data:
             data[key]["sft_target"] = max(ranked, key=lambda t: t[1])[0]
     if max_pairs_per_prompt is not None:
-        for key, entry in data.items():
-            n = len(entry["pairs"])
-            if n > max_pairs_per_prompt:
-                note_row(report, "skipped: over max_pairs_per_prompt", key, n - max_pairs_per_prompt)
-                keep = sorted(sorted(range(n), key=lambda k: -gaps[key][k])[:max_pairs_per_prompt])
-                entry["pairs"] = [entry["pairs"][k] for k in keep]
-                if "rows" in entry:
-                    entry["rows"] = [entry["rows"][k] for k in keep]
+        _cap_pairs(data, gaps, max_pairs_per_prompt, report)
     return data
 
 
@@ -1587,7 +1621,7 @@ def read_records(path: str) -> list[dict]:
     try:
         rows = pyarrow.parquet.read_table(path).to_pylist()
     except (OSError, ValueError) as e:  # pyarrow's ArrowIOError and ArrowInvalid
-        detail = (str(e).split("': ", 1)[-1].splitlines() or [type(e).__name__])[0][:160]  # pyarrow repeats the path
+        detail = _first_line(e, str(e).split("': ", 1)[-1])  # pyarrow repeats the path
         raise DataError(f"{path} is not a readable parquet file ({detail}); copy it again if it was cut short.") from None
     if not rows:
         raise DataError(f"{path} has no rows (the parquet table is empty); give a file with rows.")
