@@ -1,19 +1,6 @@
-"""Preference datasets: one loader function per dataset, then tokenization and batching.
-
-Every loader returns the reference repository's dict::
-
-    {prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected), ...], "sft_target": str}}
-
-(an entry may also keep ``"fields"``, the other columns of its rows, which reward functions
-receive: :func:`add_fields`) and is registered by name with :func:`register_dataset`, so
-``datasets=[name]`` finds it. Adding a dataset is adding one decorated function (see docs/data.md).
-
-Real records are messy; every loader counts what it skipped or repaired in a
-``collections.Counter`` (``report``, a :class:`DataReport`) that :func:`load_dataset_dict`
-prints, for the split's own rows (:func:`note_row`, :func:`apply_holdout`). Before training,
-:func:`screen_splits` tokenizes every example once, reports how much truncation cuts and skips
-pairs that truncation leaves identical.
-"""
+"""Preference datasets: registered loaders, each returning
+``{prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected), ...], "sft_target": str}}`` (docs/data.md),
+then tokenization and batching."""
 
 from __future__ import annotations
 
@@ -48,8 +35,8 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A registered loader. ``truncation_mode`` says which end of a too-long prompt to keep:
-    ``keep_end`` for dialogues (the last turns matter), ``keep_start`` for questions."""
+    """A registered loader; ``truncation_mode`` keeps a too-long prompt's end (``keep_end``, dialogues) or
+    start (``keep_start``, questions)."""
 
     loader: Callable[..., DatasetDict]
     truncation_mode: str
@@ -75,13 +62,8 @@ def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncatio
 
 
 def register_dataset(name: str, truncation_mode: str = "keep_start", reward_functions: tuple[str, ...] = ()):
-    """Decorator: register ``fn(split, report, **options) -> DatasetDict`` under ``name``.
-
-    Args:
-        split: "train" or "test"; ``report``: a Counter of skipped or repaired records;
-            ``options``: the keys of ``data.<name>``.
-        reward_functions: reward functions that score an answer to its prompts exactly
-            (applied by every eval when ``eval_reward_functions=auto``).
+    """Decorator: register ``fn(split, report, **options) -> DatasetDict`` (options: the keys of
+    ``data.<name>``) under ``name``, with the ``reward_functions`` that score its answers exactly.
 
     Raises:
         ValueError: if the name is taken or the truncation mode is unknown.
@@ -170,10 +152,8 @@ def _note_file(path: str) -> None:
 def add_pair(
     data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter, row: str | None = None
 ) -> bool:
-    """Add one (prompt, chosen, rejected) pair to ``data``, skipping and counting empty or identical responses.
-
-    ``row`` (e.g. ``"data.parquet, row 3"``) is kept in the entry's ``"rows"``, one per pair. Returns True if added.
-    """
+    """Add one (prompt, chosen, rejected) pair and its ``row`` (e.g. ``"data.parquet, row 3"``) to ``data``,
+    skipping and counting empty or identical responses; True if added."""
     if not chosen.strip() or not rejected.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -216,10 +196,8 @@ def fill_fields(data: DatasetDict) -> None:
 
 
 def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, report: collections.Counter, row: str) -> bool:
-    """Add one unpaired row (prompt, completion, desirable label; TRL's unpaired format) to ``data``; True if added.
-
-    The entry keeps ``"pairs": []``, ``"labels"`` ([(response index, label)]) and ``"rows"``, one per label.
-    """
+    """Add one unpaired row (prompt, completion, desirable label; TRL's unpaired format) to ``data`` as
+    ``"pairs": []``, ``"labels"`` ([(response index, label)]) and ``"rows"``; True if added."""
     if not completion.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -232,11 +210,8 @@ def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, r
 
 
 def check_pairing(examples: list[dict], objective) -> None:
-    """Refuse unpaired examples for an objective that learns from pairs, and unpaired mixed with paired ones.
-
-    Args:
-        examples: :func:`load_examples` rows of every split.
-        objective: the ``losses.Objective`` of ``loss.name``.
+    """Refuse unpaired :func:`load_examples` rows for an objective (``losses.Objective``) that learns from
+    pairs, and unpaired mixed with paired ones.
 
     Raises:
         DataError: naming the first unpaired row and the fix.
@@ -278,11 +253,9 @@ def add_conversation_pair(
     report: collections.Counter,
     row: str | None = None,
 ) -> bool:
-    """Add one conversational pair to ``data`` under :func:`conversation_key` of ``prompt_messages``; True if added.
-
-    The responses are message lists ending with the assistant's; the entry also holds ``"prompt_messages"``.
-    An empty last message or chosen equal to rejected is skipped and counted.
-    """
+    """Add one conversational pair (responses: message lists ending with the assistant's) to ``data`` under
+    :func:`conversation_key`, skipping and counting an empty last message or chosen equal to rejected; True if
+    added."""
     key = conversation_key(prompt_messages)
     if not chosen_messages[-1]["content"].strip() or not rejected_messages[-1]["content"].strip():
         note_row(report, "skipped: empty response", key)
@@ -354,10 +327,8 @@ def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
 
 
 def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None) -> Messages:
-    """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}`` messages.
-
-    One message object is a list of one; ShareGPT's ``from`` / ``value`` are read; ``roles``
-    (``data.hf.roles``) renames roles; other keys are dropped.
+    """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}``
+    messages (ShareGPT's ``from`` / ``value`` read, roles renamed by ``roles``, other keys dropped).
 
     Raises:
         DataError: if it is not a list of messages, a message lacks role or content, or a role is not standard.
@@ -393,10 +364,8 @@ def check_ends_with_assistant(messages: Messages, where: str, column: str) -> No
 
 
 def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages, Messages, Messages] | None:
-    """Split two whole conversations into (prompt, chosen response, rejected response), or None if they share no prompt.
-
-    The prompt is their longest common run of messages followed, in both, by an assistant message.
-    """
+    """Split two whole conversations at their longest common run of messages followed by an assistant message
+    into (prompt, chosen response, rejected response), or None."""
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
@@ -432,10 +401,8 @@ def apply_holdout(data: DatasetDict, split: str, fraction: float, report: collec
 
 
 def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, str] | None:
-    """Split two whole HH dialogues into (prompt, chosen_response, rejected_response), or None if they share no assistant tag.
-
-    The prompt is their longest common prefix that ends with an ``"\\n\\nAssistant:"`` tag.
-    """
+    """Split two whole HH dialogues at their longest common prefix ending with ``"\\n\\nAssistant:"`` into
+    (prompt, chosen_response, rejected_response), or None."""
     n = 0
     limit = min(len(chosen), len(rejected))
     while n < limit and chosen[n] == rejected[n]:
@@ -596,11 +563,8 @@ HH_ROLES = {HUMAN_TAG: "user", ASSISTANT_TAG: "assistant"}
 
 
 def hh_messages(text: str) -> tuple[Messages, bool]:
-    """The turns of HH dialogue text as user / assistant messages, consecutive turns of one role merged.
-
-    Returns:
-        (messages, whether turns were merged).
-    """
+    """(messages, whether turns were merged): the turns of HH dialogue text as user / assistant messages,
+    consecutive turns of one role merged."""
     pieces = re.split(r"(\n\nHuman:|\n\nAssistant:)", text)
     turns = [("user", pieces[0])] if pieces[0].strip() else []
     turns += [(HH_ROLES[tag], content) for tag, content in zip(pieces[1::2], pieces[2::2])]
@@ -635,9 +599,8 @@ def _add_hh_conversation(data: DatasetDict, prompt: str, chosen: str, rejected: 
 def hh_rows_to_data(
     rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None, conversation: bool = False
 ) -> DatasetDict:
-    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to ``data`` when given).
-
-    With ``conversation``, each pair is added as messages (:func:`hh_messages`).
+    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to ``data`` when
+    given), as messages with ``conversation``.
 
     Raises:
         DataError: if a row lacks string ``chosen`` and ``rejected`` (naming ``source`` and the row).
@@ -653,11 +616,8 @@ def hh_rows_to_data(
 def add_hh_pair(
     data: DatasetDict, chosen: str, rejected: str, report: collections.Counter, row: str | None, conversation: bool = False
 ) -> tuple[str, bool]:
-    """Split two whole HH dialogues (:func:`split_prompt_and_responses`) and add the pair to ``data``.
-
-    Returns:
-        (the prompt's key in ``data``, or ``chosen`` when skipped for no common turn; whether added).
-    """
+    """Add the pair of two whole HH dialogues to ``data``; returns (the prompt's key, or ``chosen`` when they
+    share no turn; whether added)."""
     split = split_prompt_and_responses(chosen, rejected)
     if split is None:
         note_row(report, "skipped: no common Assistant turn", chosen)
@@ -683,13 +643,8 @@ def get_hh(
     cache_dir: str | None = None,
     conversation: bool = False,
 ) -> DatasetDict:
-    """Anthropic Helpful-Harmless dialogues (Bai et al. 2022), hub id ``Anthropic/hh-rlhf``.
-
-    Options (``data.hh.*``):
-        local_dir: a local copy laid out as ``<local_dir>/<subset>/<split>.jsonl.gz``; None loads from the hub.
-        subsets: e.g. [harmless-base, helpful-base]; None means all found.
-        holdout_fraction: if > 0, carve the eval slice from the first split that exists (:func:`in_holdout`).
-        conversation: true reads the dialogues as user / assistant messages (:func:`hh_rows_to_data`).
+    """Anthropic Helpful-Harmless dialogues (Bai et al. 2022): hub id ``Anthropic/hh-rlhf``, or
+    ``data.hh.local_dir`` laid out as ``<local_dir>/<subset>/<split>.jsonl.gz``.
 
     Raises:
         DataError: if the local copy has no file for the subsets and split asked for.
@@ -738,10 +693,8 @@ SHP_FIELDS = {
 def shp_rows_to_data(
     rows, report: collections.Counter, max_pairs_per_prompt: int = 5, min_score_ratio: float = 2.0, source: str = "shp"
 ) -> DatasetDict:
-    """Stanford Human Preferences rows to a DatasetDict.
-
-    Pairs with a score ratio below ``min_score_ratio`` are dropped, each prompt keeps at most
-    ``max_pairs_per_prompt`` (largest ratios), and the sft_target is the best-scored response.
+    """Stanford Human Preferences rows to a DatasetDict: pairs of score ratio >= ``min_score_ratio``, at most
+    ``max_pairs_per_prompt`` a prompt (largest ratios), the best-scored response as sft_target.
 
     Raises:
         DataError: if a row lacks one of :data:`SHP_FIELDS` (naming ``source``, the row and the field).
@@ -850,10 +803,8 @@ def get_json(
     path: str | dict | None = None,
     holdout_fraction: float = 0.1,
 ) -> DatasetDict:
-    """A local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected} or {prompt, completion, label}.
-
-    ``data.json.path`` is a mapping {train: file, test: file}, or one file from which an eval slice
-    of ``holdout_fraction`` of the prompts is carved. A row's other fields become its prompt's fields.
+    """A local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected} or {prompt, completion,
+    label}, other fields kept as the prompt's fields.
 
     Raises:
         DataError: if no path is set, a row lacks a needed string field, a label is not a boolean, or
@@ -953,6 +904,11 @@ def _rows(dataset) -> list[dict]:
     return dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
 
 
+def _first_line(error: Exception, text: str | None = None) -> str:
+    """The first line of ``text`` (default ``str(error)``), at most 160 characters; the error's type name when empty."""
+    return ((str(error) if text is None else text).splitlines() or [type(error).__name__])[0][:160]
+
+
 def _read_with_datasets(what: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` (a ``datasets`` reader of a local file or folder) with its progress bars off.
 
@@ -966,7 +922,7 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # the readers raise many kinds (DatasetGenerationError, ArrowInvalid, JSON errors, ...)
-        detail = (str(e).splitlines() or [type(e).__name__])[0][:160]
+        detail = _first_line(e)
         raise DataError(
             f"{what} could not be read by the datasets library ({detail}); check that it is complete and in its format."
         ) from None
@@ -976,11 +932,8 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
 
 
 def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[object, dict[str, str]]:
-    """``dataset`` with those of ``text_columns`` that ``datasets`` read as numbers or booleans turned into strings.
-
-    Returns:
-        (the dataset, {column: the report's note on it}).
-    """
+    """(``dataset`` with those of ``text_columns`` read as numbers or booleans turned into strings, {column:
+    the report's note on it})."""
     import datasets
 
     features = getattr(dataset, "features", None) or {}
@@ -1006,10 +959,8 @@ def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[obj
 def open_hf_source(
     path, name: str | None, cache_dir: str | None, text_columns=()
 ) -> tuple[list[str], Callable[[str], tuple[list[dict], str, dict[str, str]]]]:
-    """The splits of ``data.hf.path`` (a file, a mapping {split: file}, a folder, or a hub id) and a reader of one split.
-
-    Returns:
-        (split names, ``read(split) -> (rows, source named in messages, {column cast to text: note})``).
+    """(split names, ``read(split) -> (rows, source named in messages, {column cast to text: note})``) of
+    ``data.hf.path``: a file, a mapping {split: file}, a folder, or a hub id.
 
     Raises:
         DataError: if a local path does not exist, a reader fails, or the hub cannot be reached.
@@ -1222,10 +1173,8 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: di
 def _hf_ranked(
     row: dict, columns: dict[str, str], where: str, roles: dict[str, str], order: str | None = None
 ) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
-    """(prompt, [(response, score), ...]) of a ranked row.
-
-    With ``order`` (``data.hf.ranked_order``) the k-th of n responses (1-based) scores n - k + 1
-    (best_first) or k (worst_first).
+    """(prompt, [(response, score), ...]) of a ranked row; with ``order`` the k-th of n responses scores
+    n - k + 1 (best_first) or k (worst_first).
 
     Raises:
         DataError: naming the row when the responses or scores are missing or malformed, or
@@ -1349,25 +1298,11 @@ def _with_system(prompt: str | Messages, system, where: str, column: str) -> str
     return [{"role": "system", "content": system}, *prompt]
 
 
-def hf_rows_to_data(
-    rows: list[dict],
-    report: collections.Counter,
-    source: str,
-    format: str = "auto",
-    columns: dict | None = None,
-    max_pairs_per_prompt: int | None = None,
-    roles: dict | None = None,
-    ranked_order: str | None = None,
-    cast: dict[str, str] | None = None,
-) -> DatasetDict:
-    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict.
-
-    Args:
-        cast: {column: note} from :func:`open_hf_source`, counting rows whose column was cast to text.
+def _check_hf_options(format: str, columns, ranked_order: str | None) -> None:
+    """Check ``data.hf.format``, ``data.hf.columns`` (a mapping of known keys) and ``data.hf.ranked_order``.
 
     Raises:
-        DataError: for an unknown format or mapping key, columns that match no format, or a bad
-            row (naming ``source`` and the 1-based row).
+        DataError: naming the bad option and its fix.
     """
     if format not in HF_FORMATS:
         raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
@@ -1386,16 +1321,14 @@ def hf_rows_to_data(
         raise DataError(
             f"data.hf.ranked_order={ranked_order} is unknown; use best_first or worst_first (or null: the rows give scores)."
         )
-    found = list(rows[0]) if rows else []
-    missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
-    if missing:
-        key, col = missing[0]
-        raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
-    given = dict(columns or {})
-    columns = _hf_columns(columns, found)
-    pair_columns = _context_columns(columns, given)
-    roles = check_roles_mapping(roles)
-    fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
+
+
+def _check_hf_format_options(fmt: str, rows: list[dict], source: str, ranked_order: str | None, given: dict) -> None:
+    """Check that ``ranked_order`` and a mapped ``input`` / ``history`` fit rows read as ``fmt``.
+
+    Raises:
+        DataError: naming the option, the format and the mapping to set.
+    """
     if ranked_order is not None and rows and fmt != "ranked":
         raise DataError(
             f"data.hf.ranked_order={ranked_order} orders ranked rows' responses, but {source} is read as {fmt}; map the "
@@ -1407,6 +1340,67 @@ def hf_rows_to_data(
             f"data.hf.columns maps {', '.join(context)}, which add to a prompt string of standard or ranked rows, but "
             f"{source} is read as {fmt}; map prompt, chosen and rejected (or responses) to string columns."
         )
+
+
+def _ranked_candidates(
+    prompt: str | Messages, ranked: list[tuple[str | Messages, float]], report: collections.Counter
+) -> list[tuple[tuple, float]]:
+    """[((chosen, rejected), score gap), ...] of every two responses of a ranked row; ties skipped and counted."""
+    if len(ranked) < 2:
+        note_row(report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt))
+    candidates = []
+    for a in range(len(ranked)):
+        for b in range(a + 1, len(ranked)):
+            (ta, sa), (tb, sb) = ranked[a], ranked[b]
+            if sa == sb:
+                note_row(report, "skipped: score tie", prompt if isinstance(prompt, str) else conversation_key(prompt))
+            else:
+                candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
+    return candidates
+
+
+def _cap_pairs(data: DatasetDict, gaps: dict[str, list[float]], max_pairs_per_prompt: int, report: collections.Counter) -> None:
+    """Keep at most ``max_pairs_per_prompt`` pairs of each prompt of ``data``, those of the largest ``gaps``."""
+    for key, entry in data.items():
+        n = len(entry["pairs"])
+        if n > max_pairs_per_prompt:
+            note_row(report, "skipped: over max_pairs_per_prompt", key, n - max_pairs_per_prompt)
+            keep = sorted(sorted(range(n), key=lambda k: -gaps[key][k])[:max_pairs_per_prompt])
+            entry["pairs"] = [entry["pairs"][k] for k in keep]
+            if "rows" in entry:
+                entry["rows"] = [entry["rows"][k] for k in keep]
+
+
+def hf_rows_to_data(
+    rows: list[dict],
+    report: collections.Counter,
+    source: str,
+    format: str = "auto",
+    columns: dict | None = None,
+    max_pairs_per_prompt: int | None = None,
+    roles: dict | None = None,
+    ranked_order: str | None = None,
+    cast: dict[str, str] | None = None,
+) -> DatasetDict:
+    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict, counting rows
+    of a ``cast`` column.
+
+    Raises:
+        DataError: for an unknown format or mapping key, columns that match no format, or a bad
+            row (naming ``source`` and the 1-based row).
+    """
+    _check_hf_options(format, columns, ranked_order)
+    found = list(rows[0]) if rows else []
+    missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
+    if missing:
+        key, col = missing[0]
+        raise DataError(f"data.hf.columns maps {key} to {col!r}, which is not a column of {source} (its columns: {found}).")
+    given = dict(columns or {})
+    columns = _hf_columns(columns, found)
+    pair_columns = _context_columns(columns, given)
+    roles = check_roles_mapping(roles)
+    fmt = detect_hf_format(found, rows[0], columns, source, roles) if format == "auto" and rows else format
+    _check_hf_format_options(fmt, rows, source, ranked_order, given)
     data: DatasetDict = {}
     gaps: dict[str, list[float]] = {}
     for i, row in enumerate(rows, 1):
@@ -1420,18 +1414,7 @@ def hf_rows_to_data(
             continue
         if fmt == "ranked":
             prompt, ranked = _hf_ranked(row, pair_columns, where, roles, ranked_order)
-            if len(ranked) < 2:
-                note_row(
-                    report, "skipped: fewer than 2 responses", prompt if isinstance(prompt, str) else conversation_key(prompt)
-                )
-            candidates = []
-            for a in range(len(ranked)):
-                for b in range(a + 1, len(ranked)):
-                    (ta, sa), (tb, sb) = ranked[a], ranked[b]
-                    if sa == sb:
-                        note_row(report, "skipped: score tie", prompt if isinstance(prompt, str) else conversation_key(prompt))
-                    else:
-                        candidates.append(((ta, tb) if sa > sb else (tb, ta), abs(sa - sb)))
+            candidates = _ranked_candidates(prompt, ranked, report)
         else:
             if columns["prompt"] == SHAREGPT_PROMPT:
                 check_sharegpt_roles(row, columns, where, roles)
@@ -1452,14 +1435,7 @@ def hf_rows_to_data(
         if fmt == "ranked" and key in data:
             data[key]["sft_target"] = max(ranked, key=lambda t: t[1])[0]
     if max_pairs_per_prompt is not None:
-        for key, entry in data.items():
-            n = len(entry["pairs"])
-            if n > max_pairs_per_prompt:
-                note_row(report, "skipped: over max_pairs_per_prompt", key, n - max_pairs_per_prompt)
-                keep = sorted(sorted(range(n), key=lambda k: -gaps[key][k])[:max_pairs_per_prompt])
-                entry["pairs"] = [entry["pairs"][k] for k in keep]
-                if "rows" in entry:
-                    entry["rows"] = [entry["rows"][k] for k in keep]
+        _cap_pairs(data, gaps, max_pairs_per_prompt, report)
     return data
 
 
@@ -1473,10 +1449,8 @@ def hf_split_rows(
     cache_dir: str | None,
     columns=None,
 ) -> tuple[list[dict], str, bool, dict[str, str]]:
-    """The rows ``hf`` reads for ``split`` ("train" or "test").
-
-    Returns:
-        (rows, source named in messages, whether to carve the held-out slice, {column cast to text: note}).
+    """(rows, source named in messages, whether to carve the held-out slice, {column cast to text: note}) that
+    ``hf`` reads for ``split``.
 
     Raises:
         DataError: as :func:`open_hf_source`; if no path is set, ``train_split`` is missing, or
@@ -1523,19 +1497,8 @@ def get_hf(
     roles: dict | None = None,
     ranked_order: str | None = None,
 ) -> DatasetDict:
-    """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them.
-
-    Options (``data.hf.*``):
-        path: a hub id, a data file, a folder, a ``save_to_disk`` folder, or {split: file} (:func:`open_hf_source`).
-        name: the hub dataset's config (None: its default).
-        train_split, test_split: the source's splits read for train and eval.
-        format: auto, standard, conversational, implicit, ranked or hh (:func:`detect_hf_format`).
-        columns: a mapping from prompt / chosen / rejected / responses / scores / system / input / history to your columns.
-        max_pairs_per_prompt: cap on the pairs of one prompt (ranked rows; None: all).
-        ranked_order: ranked rows without scores: best_first or worst_first (None: rows give scores).
-        holdout_fraction: the eval slice of prompts when the source has no ``test_split``.
-        cache_dir: where ``datasets`` caches what it prepares (None: its default).
-        roles: a mapping from your messages' roles to system / user / assistant / tool.
+    """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them (options
+    ``data.hf.*``: docs/configuration.md).
 
     Raises:
         DataError: naming the file / split and the row, before any model loads.
@@ -1658,7 +1621,7 @@ def read_records(path: str) -> list[dict]:
     try:
         rows = pyarrow.parquet.read_table(path).to_pylist()
     except (OSError, ValueError) as e:  # pyarrow's ArrowIOError and ArrowInvalid
-        detail = (str(e).split("': ", 1)[-1].splitlines() or [type(e).__name__])[0][:160]  # pyarrow repeats the path
+        detail = _first_line(e, str(e).split("': ", 1)[-1])  # pyarrow repeats the path
         raise DataError(f"{path} is not a readable parquet file ({detail}); copy it again if it was cut short.") from None
     if not rows:
         raise DataError(f"{path} has no rows (the parquet table is empty); give a file with rows.")
@@ -1690,12 +1653,8 @@ def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[s
 
 @register_prompt_dataset("tldr", truncation_mode="keep_end")  # the end holds the TL;DR: cue
 def get_tldr(split: str, report: collections.Counter, path: str | dict | None = None, cache_dir: str | None = None) -> list[str]:
-    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr``.
-
-    Split "test" reads the source's ``validation`` split (``test`` if there is none).
-
-    Options (``data.tldr.*``):
-        path: None loads from the hub; a folder, a mapping {train: file, test: file}, or one file for both splits.
+    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr`` or
+    ``data.tldr.path``; "test" reads ``validation`` (else ``test``).
 
     Raises:
         DataError: if the path holds no file for the split, or a row has no string prompt.
@@ -1764,10 +1723,7 @@ def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataE
 
 
 def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, unit: str):
-    """Run ``spec``'s loader with a fresh :class:`DataReport`.
-
-    Returns:
-        (what the loader returned, the report).
+    """(what ``spec``'s loader returned, its fresh :class:`DataReport`).
 
     Raises:
         DataError: as the loader, or :func:`_nothing_left`'s sentence if it returned nothing.
@@ -1835,11 +1791,8 @@ def count_duplicates(data: DatasetDict) -> int:
 
 
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
-    """One example per pair (DPO), per prompt (SFT) or per labelled completion (unpaired), in a stable order.
-
-    Each is ``{"prompt", "chosen", "rejected", "truncation_mode"}`` (SFT: no ``"rejected"``), plus
-    ``"conversation"``, ``"row"``, ``"label"`` and ``"fields"`` where the entry has them.
-    """
+    """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (DPO; SFT: per prompt, no
+    ``"rejected"``; unpaired: per labelled completion), in a stable order."""
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
@@ -1943,10 +1896,7 @@ def prompt_truncation_mode(name: str) -> str:
 
 
 def _encode(tokenizer, text: str, rendered: bool = False) -> list[int]:
-    # Plain text: split_special_tokens, so text that spells a special token ("</s>" inside a
-    # post) stays plain text, no EOS appears mid-sequence and nothing asserts. Text a chat
-    # template rendered (``rendered``): the special tokens it wrote (<|im_start|>, ...) are
-    # parsed as such, one token each.
+    # plain text: a spelled "</s>" stays text (split_special_tokens); rendered text: a template's <|im_start|> is one token
     return tokenizer(text, add_special_tokens=False, split_special_tokens=not rendered)["input_ids"]
 
 
@@ -1997,11 +1947,8 @@ def truncate_pair_ids(
     end_id=None,
     bos_id=_USE_TOKENIZER,
 ) -> tuple[list[int], list[list[int]]]:
-    """Cut the prompt, then each response (still ending with EOS or ``end_id``), to fit ``max_length`` tokens.
-
-    Returns:
-        (prompt ids, [response ids, ...]), new lists where something was cut.
-    """
+    """(prompt ids, [response ids, ...]): the prompt, then each response (still ending with EOS or
+    ``end_id``), cut to fit ``max_length`` tokens."""
     end = tokenizer.eos_token_id if end_id is None else end_id
     bos = tokenizer.bos_token_id if bos_id is _USE_TOKENIZER else bos_id
     longest = max(len(r) for r in response_ids)
@@ -2029,12 +1976,8 @@ def _encode_pieces(encode, pieces) -> tuple[list[int], list[bool]]:
 
 
 def _example_ids(texts: dict, encode, tokenizer, end_id, pieces, truncation_mode, max_length, max_prompt_length):
-    """The one tokenization of :func:`tokenize_element` and :func:`truncated_ids`.
-
-    Returns:
-        (prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt
-        mask, cut response masks), the masks True on trained tokens.
-    """
+    """(prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt mask, cut
+    response masks) of one example, masks True on trained tokens."""
     sides = [s for s in ("chosen", "rejected") if texts.get(s) is not None]
     pieces = pieces or {}
     if end_id is None:
@@ -2350,9 +2293,8 @@ def render_conversations(
     split: str = "train",
     all_assistant_turns: bool = False,
 ) -> list[dict]:
-    """Render every conversational example into texts with the tokenizer's chat template; plain-text examples pass unchanged.
-
-    Rendered examples carry ``end_token_id``, ``messages`` and, where only parts are trained, ``pieces``.
+    """Render every conversational example with the chat template into texts carrying ``end_token_id``,
+    ``messages`` and, where only parts are trained, ``pieces``; plain-text examples pass unchanged.
 
     Raises:
         DataError: naming the row when the tokenizer has no chat template, the template rejects a
@@ -2489,10 +2431,7 @@ def _share(k: int, n: int) -> str:
 def screen_examples(
     examples: list[dict], split: str, tokenizer, max_length: int, max_prompt_length: int, silent: bool = False
 ) -> list[dict]:
-    """The examples of ``split`` worth training on: pairs identical once truncated are skipped with a warning.
-
-    Returns:
-        The examples kept, in order.
+    """The examples of ``split`` worth training on, in order: pairs identical once truncated are skipped with a warning.
 
     Raises:
         DataError: if ``examples`` is empty, or no pair is left.
@@ -2553,10 +2492,7 @@ def screen_splits(
     max_prompt_length: int,
     silent: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """:func:`screen_examples` of the train and the eval examples.
-
-    Returns:
-        (train examples kept, eval examples kept).
+    """(train examples kept, eval examples kept) by :func:`screen_examples`.
 
     Raises:
         DataError: as :func:`screen_examples`, for either split.
@@ -2597,17 +2533,9 @@ def epoch_order(
     return np.concatenate([g[np.argsort([-lengths[j] for j in g], kind="stable")] for g in groups])
 
 
-# Mismatched pairs (KTO's reference point z0, Ethayarajh et al. 2024, Sec. 4.1; TRL's KTOTrainer):
-# within each micro-batch of B examples (the batch get_batch_metrics gets, as TRL rotates the
-# completions within each per-device batch), prompt x_i is paired with the chosen (paired rows) or
-# only (unpaired rows) completion y_{(i+1) mod B}. TRL rotates the other way, (x_i, y_{i-1}): the
-# same estimator. With B == 1 the pair is (x_i, y_i) itself, so z0 is that row's own log-ratio; TRL
-# refuses per_device_train_batch_size <= 1 for that reason, here it is allowed (a last micro-batch
-# may hold one example). The policy's side is computed without gradient. The reference's goes
-# through reference_logps (live or Ray actors) as a pair batch; precompute_ref_log_probs=true is
-# refused for such objectives (checks.validate_config), since the pairs change with every shuffled
-# batch. Under FSDP / data parallelism z0 is the mean over processes of each process's micro-batch
-# mean (TRL gathers it the same way), passed to the objective as one already-reduced difference.
+# KTO's reference point z0 (Ethayarajh et al. 2024, Sec. 4.1): within each micro-batch of B examples, prompt x_i
+# with the chosen (or only) completion y_{(i+1) mod B} (TRL's KTOTrainer: y_{i-1}, the same estimator); B == 1
+# gives (x_i, y_i); under FSDP / data parallelism z0 is the mean over processes of each micro-batch mean.
 
 
 def mismatched_pairs(batch: dict, max_length: int) -> dict:
