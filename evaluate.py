@@ -1203,21 +1203,51 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
     show = rank == 0 and bool(config.get("progress_bar", True))
     a = sample_all(policy, "A", mine, config, samples, device, show, need_tokens=reference is not None)
     b = sample_all(baseline, "B", mine, config, samples, device, show) if baseline is not None else None
-    kl = {}
-    if reference is not None:
-        logps = Cache(out, "logps", rank)
-        tokenizer, ids = [], {}
+    kl = _kl_logps(config, out, rank, device, policy, reference, mine, a, show) if reference is not None else {}
+    rows = _rows(config, mine, a, b, kl)
+    judge.judge_all(rows)
+    errors = judge.errors
+    if world > 1:
+        gathered = utils.all_gather_object((rows, errors[:5]))
+        rows = [r for part, _ in gathered for r in part]
+        errors = [e for _, part in gathered for e in part]
+    rows.sort(key=lambda r: (r["temperature"], r["index"]))
+    results = summarize(rows, config, policy, baseline_label, reference)
+    if rank == 0:
+        _write_and_report(config, out, rows, results, errors, policy, baseline_label)
+    if world > 1:
+        import torch.distributed as dist
 
-        def prompts(k: int) -> list[list[int]]:
-            if not tokenizer:
-                tokenizer.append(utils.load_tokenizer(policy.model_config))
-            if k not in ids:
-                ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
-            return ids[k]
+        dist.barrier()
+        dist.destroy_process_group()
+    if rows and all(r["verdict"] == "failed" for r in rows):
+        why = f"; e.g. {errors[0]}" if errors else ""
+        raise ConfigError(
+            f"Every judgement failed ({len(rows)} of {len(rows)}{why}); results.json records it: fix the judge, then "
+            f"python evaluate.py resume={out} asks again without resampling."
+        )
+    return out
 
-        a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
-        ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
-        kl = {k: (a_logps[k], ref_logps[k]) for k in a_logps}
+
+def _kl_logps(config, out, rank, device, policy: Source, reference: Source, mine, a: dict, show: bool) -> dict:
+    """{(item id, temperature): (log pi_A, log pi_ref)} of A's samples ``a``, each in nats, cached in ``logps-rank<r>.jsonl``."""
+    logps = Cache(out, "logps", rank)
+    tokenizer, ids = [], {}
+
+    def prompts(k: int) -> list[list[int]]:
+        if not tokenizer:
+            tokenizer.append(utils.load_tokenizer(policy.model_config))
+        if k not in ids:
+            ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
+        return ids[k]
+
+    a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
+    ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
+    return {k: (a_logps[k], ref_logps[k]) for k in a_logps}
+
+
+def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> list[dict]:
+    """One row to judge per item of ``mine`` and temperature: A's response, B's (the chosen one when ``b`` is None), the KL terms."""
     rows = []
     for batch in mine:
         for it in batch:
@@ -1241,55 +1271,41 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                         **({"fields": it["fields"]} if it["fields"] else {}),
                     }
                 )
-    judge.judge_all(rows)
-    errors = judge.errors
-    if world > 1:
-        gathered = utils.all_gather_object((rows, errors[:5]))
-        rows = [r for part, _ in gathered for r in part]
-        errors = [e for _, part in gathered for e in part]
-    rows.sort(key=lambda r: (r["temperature"], r["index"]))
-    results = summarize(rows, config, policy, baseline_label, reference)
-    if rank == 0:
-        utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
-        with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
-        title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
-        write_html(rows, os.path.join(out, "samples.html"), title)
-        plot_win_rates(
-            plot_series(results, list(config.get("plot_with") or [])),
-            os.path.join(out, "win_rates.png"),
-            baseline_label,
-            win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
-        )
-        plot_reward_kl(
-            plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
-        )
-        print(f"{title} ({INTERVAL}):\n{results_table(results)}")
-        print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
-        for t, r in results["temperatures"].items():
-            if r["too_many_failures"]:
-                print(
-                    f"Warning: at temperature {t}, {r['failed']} of {r['failed'] + r['n']} judgements failed "
-                    f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
-                    + (f" (e.g. {errors[0]})." if errors else ".")
-                )
-        print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
-        if not all(r["verdict"] == "failed" for r in rows):
-            update_card(policy, out)
-    if world > 1:
-        import torch.distributed as dist
+    return rows
 
-        dist.barrier()
-        dist.destroy_process_group()
-    if rows and all(r["verdict"] == "failed" for r in rows):
-        why = f"; e.g. {errors[0]}" if errors else ""
-        raise ConfigError(
-            f"Every judgement failed ({len(rows)} of {len(rows)}{why}); results.json records it: fix the judge, then "
-            f"python evaluate.py resume={out} asks again without resampling."
-        )
-    return out
+
+def _write_and_report(
+    config, out: str, rows: list[dict], results: dict, errors: list, policy: Source, baseline_label: str
+) -> None:
+    """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
+    utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
+    with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
+    title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
+    write_html(rows, os.path.join(out, "samples.html"), title)
+    plot_win_rates(
+        plot_series(results, list(config.get("plot_with") or [])),
+        os.path.join(out, "win_rates.png"),
+        baseline_label,
+        win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
+    )
+    plot_reward_kl(
+        plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
+    )
+    print(f"{title} ({INTERVAL}):\n{results_table(results)}")
+    print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
+    for t, r in results["temperatures"].items():
+        if r["too_many_failures"]:
+            print(
+                f"Warning: at temperature {t}, {r['failed']} of {r['failed'] + r['n']} judgements failed "
+                f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
+                + (f" (e.g. {errors[0]})." if errors else ".")
+            )
+    print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
+    if not all(r["verdict"] == "failed" for r in rows):
+        update_card(policy, out)
 
 
 def update_card(policy: Source, out: str) -> None:
