@@ -1,33 +1,5 @@
-"""Win rates as the DPO paper measured them: ``python evaluate.py policy=... baseline=... judge=...``.
-
-Responses are sampled from a policy A at several temperatures on held-out prompts, compared
-with a baseline B (the dataset's chosen responses, the policy's reference / SFT start, or
-another policy) by a judge (a reward model's scores, or a pairwise judge: the reward model
-pairwise, or an LLM over an OpenAI-compatible endpoint with the paper's prompts, appendix C.2),
-and reported per temperature as the win rate of A over B with a 95% interval over prompts
-(Rafailov et al. 2023, Figures 2 and 3). See docs/win-rates.md.
-
-- A pairwise judge sees each pair in both orders (A first, then B first). A verdict that is the
-  same in both orders is a win or a loss; two verdicts that disagree (position bias), or a tie in
-  either order, make a tie. Identical responses are a tie without asking the judge.
-- A failed judgement (an HTTP error, a malformed answer, a NaN score; one order failing fails the
-  pair) is counted in ``failed``; it is neither a win, a loss nor a tie, and it is left out of
-  ``n``. Ties are counted in ``tie_rate`` and are not wins: win_rate + tie_rate + loss_rate = 1.
-- The interval is the Wilson score interval of wins / n (scipy's ``binomtest``), n the judged
-  prompts at that temperature (one sample per prompt, so the prompts are the independent units).
-- Samples, judgements and log-probs are cached in the output folder (``samples-rank<r>.jsonl``,
-  ``judgements-rank<r>.jsonl``, ``logps-rank<r>.jsonl``), keyed by everything they depend on; ``resume=<that folder>``
-  continues an interrupted evaluation without redoing them. A batch of prompts is sampled with
-  a seed drawn from ``seed``, the batch's prompts, the temperature and the side (A or B), so the
-  same seed gives the same samples, on one process or several.
-- Beside the win rates, per temperature: A's mean reward (a judge that scores each response),
-  and the Monte Carlo estimate of KL(A || reference) from A's own samples, each with a t interval
-  over prompts (:func:`mean_interval`). A sample's log-ratio is log pi_A(y|x) - log pi_ref(y|x)
-  of the models' own distributions (temperature 1, no top-k / top-p), summed over the sampled
-  tokens: at ``temperature=1`` without top-k / top-p it estimates KL(pi_A || pi_ref) without bias.
-- Under ``torchrun --nproc_per_node N``, batch k of prompts goes to rank k mod N and the rows are
-  gathered on rank 0, which writes the results (the same as one process: tested).
-"""
+"""Win rates as the DPO paper measured them (Rafailov et al. 2023, Figures 2 and 3):
+``python evaluate.py policy=... baseline=... judge=...``; see docs/win-rates.md."""
 
 from __future__ import annotations
 
@@ -96,11 +68,7 @@ SUMMARY_DATASETS = ("tldr",)
 
 
 def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[float | None, float | None]:
-    """The Wilson score interval of the proportion ``wins / n`` (scipy's ``binomtest``).
-
-    Returns:
-        (low, high) in [0, 1]; (None, None) when ``n`` is 0.
-    """
+    """The Wilson score interval (low, high) in [0, 1] of ``wins / n`` (scipy's ``binomtest``); (None, None) for n = 0."""
     if n == 0:
         return None, None
     from scipy.stats import binomtest
@@ -110,8 +78,8 @@ def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[
 
 
 def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high) of ``values``: the Student t interval mean +- t(0.975, n-1) * sd / sqrt(n)
-    (sd with n-1); (None, None, None) for no values, (mean, None, None) for one."""
+    """(mean, low, high) of ``values``: mean +- t(0.975, n-1) * sd / sqrt(n), sd with n-1; (None, None, None) for
+    no values, (mean, None, None) for one."""
     n = len(values)
     if n == 0:
         return None, None, None
@@ -126,15 +94,8 @@ def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[
 
 
 def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
-    """The results of one temperature from its pairs' verdicts (each one of :data:`VERDICTS`).
-
-    Returns:
-        ``win_rate``, ``tie_rate``, ``loss_rate`` (shares of the n judged pairs; None if n is 0),
-        ``ci_low``, ``ci_high`` (:func:`wilson_interval` of the wins), ``n`` (judged pairs),
-        ``wins``, ``ties``, ``losses``, ``failed`` (failed judgements, not in n),
-        ``failure_rate`` (failed / all pairs) and ``too_many_failures`` (it is above
-        ``max_failure_rate``).
-    """
+    """One temperature's results from its pairs' :data:`VERDICTS`: rates over the n judged pairs (None for n = 0),
+    the :func:`wilson_interval` of the wins, the counts, and ``failure_rate`` (failed / all), flagged above ``max_failure_rate``."""
     counts = {v: sum(x == v for x in verdicts) for v in VERDICTS}
     n = counts["win"] + counts["tie"] + counts["loss"]
     low, high = wilson_interval(counts["win"], n)
@@ -156,16 +117,8 @@ def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
 
 
 def combine_orders(a_first: int | None, b_first: int | None) -> str:
-    """A's verdict from a pairwise judge's answers for the pair shown both ways.
-
-    Args:
-        a_first: the answer for (A, B): 0 (A better), 1 (B better), ``rewards.TIE`` or None (failed).
-        b_first: the answer for (B, A): 0 (B better), 1 (A better), ``rewards.TIE`` or None.
-
-    Returns:
-        "failed" if either failed; "win" / "loss" if both orders agree; "tie" if either is a
-        tie or the two disagree (the judge followed the position, not the responses).
-    """
+    """A's verdict from a pairwise judge's answers for (A, B) and (B, A) (0: the first better, 1: the second,
+    ``rewards.TIE``, None: failed): "failed" if either failed, "win" / "loss" if both agree, else "tie"."""
     if a_first is None or b_first is None:
         return "failed"
     if rewards.TIE in (a_first, b_first):
@@ -174,7 +127,7 @@ def combine_orders(a_first: int | None, b_first: int | None) -> str:
         return "win"
     if a_first == 1 and b_first == 0:
         return "loss"
-    return "tie"
+    return "tie"  # the judge followed the position, not the responses
 
 
 def compare_scores(a: float, b: float) -> str:
@@ -190,30 +143,17 @@ def compare_scores(a: float, b: float) -> str:
 
 @dataclasses.dataclass
 class Source:
-    """A model to sample from, as ``policy=`` / ``baseline=`` named it.
+    """A model to sample from, as ``policy=`` / ``baseline=`` named it."""
 
-    Attributes:
-        label: how results name it (the run folder's name, ``<run>/<step>``, a hub id, ...).
-        kind: "run", "checkpoint", "hf", "hub" or "reference".
-        model_config: the ``model.*`` section it is built from (its run's, or evaluate's with
-            ``name_or_path`` set to it).
-        weights: a ``policy.pt`` loaded over that model, or None.
-        seed: builds a random ``model.config`` model as its run built it.
-        run_dir: the training run folder it belongs to, or None.
-        run_config: that run's config.yaml, or None.
-        fingerprint: a digest of what identifies its weights and tokenizer (cache keys).
-        adapter: a peft adapter folder loaded onto the model (``PeftModel.from_pretrained``), or None.
-    """
-
-    label: str
-    kind: str
-    model_config: DictConfig
-    weights: str | None
-    seed: int
-    run_dir: str | None = None
-    run_config: DictConfig | None = None
-    fingerprint: str = ""
-    adapter: str | None = None
+    label: str  # how results name it: the run folder's name, <run>/<step>, a hub id, ...
+    kind: str  # "run", "checkpoint", "hf", "hub" or "reference"
+    model_config: DictConfig  # the model.* it is built from: its run's, or evaluate's with name_or_path set to it
+    weights: str | None  # a policy.pt loaded over that model
+    seed: int  # builds a random model.config model as its run built it
+    run_dir: str | None = None  # the training run folder it belongs to
+    run_config: DictConfig | None = None  # that run's config.yaml
+    fingerprint: str = ""  # a digest of what identifies its weights and tokenizer (cache keys)
+    adapter: str | None = None  # a peft adapter folder loaded onto the model
 
 
 def _stat(path: str) -> list:
@@ -234,8 +174,8 @@ def _fingerprint(source: Source) -> str:
 
 
 def _enclosing_run(path: str) -> str | None:
-    """The training run folder (one with config.yaml) that holds the folder ``path`` (a
-    checkpoint's ``hf/`` or ``hf/merged``) within three levels up, or None."""
+    """The training run folder (a config.yaml without ``policy``) within three levels above ``path`` (a checkpoint's
+    ``hf/`` or ``hf/merged``), or None."""
     folder = os.path.realpath(path)
     for _ in range(3):
         folder = os.path.dirname(folder)
@@ -268,16 +208,8 @@ def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Sour
 
 
 def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
-    """The model ``spec`` names: a run folder (its LATEST checkpoint), a checkpoint folder
-    (``step-N/``, ``LATEST``) or its ``policy.pt``, a Hugging Face folder (``config.json``, such
-    as a checkpoint's ``hf/``) or a hub id. A run's checkpoint is built from the run's saved
-    ``model`` section; an hf folder or hub id from evaluate's ``model.*`` (tokenizer, chat
-    template, dtype) with ``name_or_path`` set to it.
-
-    Raises:
-        ConfigError: for a path that does not exist, a file that is not a ``.pt``, a folder that
-            is not a model, a run folder without a checkpoint, or a reward model.
-    """
+    """The model ``spec`` names: a run folder (its LATEST), a checkpoint or its ``policy.pt`` (built from the run's saved
+    ``model``), or a Hugging Face folder, adapter folder or hub id (evaluate's ``model.*`` with ``name_or_path`` set to it)."""
     spec = str(spec)
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -329,13 +261,8 @@ def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
 
 
 def _adapter_source(path: str, spec: str, config: DictConfig, what: str) -> Source:
-    """A peft adapter folder (``adapter_config.json``, e.g. a LoRA run's ``hf/``): the checkpoint
-    it was exported from when it lies in one (built exactly as the run built it), else its
-    ``base_model_name_or_path`` with the adapters on top.
-
-    Raises:
-        ConfigError: if the adapter names no base model.
-    """
+    """A peft adapter folder (e.g. a LoRA run's ``hf/``): the checkpoint it was exported from when it lies in one,
+    else its ``base_model_name_or_path`` with the adapters on top."""
     parent = os.path.dirname(os.path.realpath(path))
     if os.path.isfile(os.path.join(parent, "policy.pt")) and _enclosing_run(path):
         return _checkpoint_source(parent, spec, what, "checkpoint")
@@ -360,13 +287,8 @@ def _adapter_source(path: str, spec: str, config: DictConfig, what: str) -> Sour
 
 
 def reference_source(policy: Source) -> Source:
-    """The reference of a policy trained here: its run's ``model.archive`` (the SFT checkpoint
-    DPO started from) loaded into its model, or that model as it was before training (its
-    pretrained weights, or its seeded random init) when the run had no archive.
-
-    Raises:
-        ConfigError: if the policy is not a run's checkpoint, or its archive is not a file here.
-    """
+    """The reference of a policy trained here: its run's ``model.archive`` (the SFT checkpoint DPO started from), else
+    its model before training (pretrained or seeded random init)."""
     if policy.run_config is None:
         raise ConfigError(
             f"baseline=reference needs a policy trained here (a run folder or checkpoint), whose model.archive or base model is "
@@ -385,13 +307,8 @@ def reference_source(policy: Source) -> Source:
 
 
 def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str | None]:
-    """The model KL(A || reference) is measured against: ``reference=`` (named as ``policy=`` is),
-    else the policy run's start (:func:`reference_source`); with why there is none (a hub id or a
-    folder outside a run, an archive not here) when there is none.
-
-    Raises:
-        ConfigError: for a ``reference=`` that :func:`resolve_source` refuses.
-    """
+    """The model KL(A || reference) is measured against (``reference=``, else :func:`reference_source`), and None
+    with why when there is none."""
     if config.get("reference") is not None:
         return resolve_source(config.reference, config, "reference"), None
     if policy.run_config is None:
@@ -406,8 +323,7 @@ def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str
 
 
 def check_same_vocabulary(policy: Source, reference: Source) -> None:
-    """Raise ConfigError unless ``reference``'s tokenizer has ``policy``'s vocabulary (the KL
-    compares the two models' probabilities of the same token ids)."""
+    """Raise ConfigError unless ``reference``'s tokenizer has ``policy``'s vocabulary (the KL compares the same token ids)."""
     if models.load_tokenizer(policy.model_config).get_vocab() != models.load_tokenizer(reference.model_config).get_vocab():
         raise ConfigError(
             f"reference={reference.label} has another vocabulary than the policy {policy.label}, so KL(policy || reference) "
@@ -416,14 +332,8 @@ def check_same_vocabulary(policy: Source, reference: Source) -> None:
 
 
 def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
-    """(model in eval mode on ``device``, tokenizer) of ``source``. A LoRA run's ``policy.pt``
-    (adapters only, with its ``lora`` settings) is loaded onto its base: the run's model with its
-    ``model.archive``, then ``models.apply_lora``.
-
-    Raises:
-        ConfigError: when the model or tokenizer cannot be loaded, or the weights file holds
-            another model's weights.
-    """
+    """(model in eval mode on ``device``, tokenizer) of ``source``; a LoRA run's ``policy.pt`` (adapters only) goes
+    onto its base with its ``model.archive`` (``models.apply_lora``)."""
     try:
         tokenizer = models.load_tokenizer(source.model_config)
         model = models.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
@@ -473,9 +383,8 @@ ROLE_TAGS = {"user": "Human", "assistant": "Assistant", "system": "System"}
 
 
 def messages_text(messages: list[dict]) -> str:
-    """A conversation as HH's plain text (``"\\n\\nHuman: ...\\n\\nAssistant:"``, a system message
-    as ``System:``), ending with the tag the next assistant turn follows: what a reward model
-    trained on plain-text HH, or an LLM judge, reads."""
+    """A conversation as HH's plain text (``"\\n\\nHuman: ...\\n\\nAssistant:"``), as a plain-text HH reward model or an
+    LLM judge reads it."""
     turns = "".join(f"\n\n{ROLE_TAGS.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages)
     return turns + preference_datasets.ASSISTANT_TAG
 
@@ -488,19 +397,8 @@ def response_text(response) -> str:
 
 
 def load_items(config: DictConfig, silent: bool = False, split: str = "test") -> list[dict]:
-    """The first ``n_prompts`` prompts of ``split`` (held-out: "test") of each dataset in
-    ``datasets``, in the dataset's order.
-
-    Each item: ``id`` (``<dataset>/<k>``), ``index`` (its place in the list), ``dataset``, ``prompt`` (as the dataset gives it: a
-    string, or a list of messages that each policy's chat template renders), ``judge_prompt``
-    (text: :func:`messages_text` of a conversation), ``chosen`` (the dataset's chosen response as
-    text, with ``baseline=chosen``; else None), ``conversation``, ``truncation_mode`` and ``fields``
-    (the other columns of the prompt's row, which reward functions get; {} when none).
-
-    Raises:
-        ConfigError: with ``baseline=chosen``, for a dataset that has prompts only (tldr).
-        DataError: as the loaders (an unknown dataset, a bad file, an empty held-out split).
-    """
+    """The first ``n_prompts`` prompts of ``split`` of each of ``datasets``, in order: ``prompt`` as the dataset gives it,
+    ``judge_prompt`` as the judge reads it, ``chosen`` only with ``baseline=chosen``, ``fields`` for reward functions."""
     options = OmegaConf.to_container(config.data, resolve=True)
     items = []
     for name in config.datasets:
@@ -534,10 +432,8 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
 
 
 def training_overlap(items: list[dict], policy: Source) -> dict[str, int]:
-    """How many of ``items``' prompts each dataset's training split gave the policy's run, read
-    with that run's own ``datasets`` and ``data.*`` settings (its holdout_fraction, files):
-    ``{dataset: count}`` for the datasets with any; empty for a policy not trained here.
-    Prompts are compared as the judge reads them (:func:`messages_text` of a conversation)."""
+    """``{dataset: count}`` of ``items``' prompts (as the judge reads them) in the policy run's training split, read
+    with that run's ``datasets`` and ``data.*``; empty for a policy not trained here."""
     run = policy.run_config
     if run is None:
         return {}
@@ -558,21 +454,13 @@ def training_overlap(items: list[dict], policy: Source) -> dict[str, int]:
 
 
 def judged_response(text: str, conversation: bool) -> str:
-    """A response as the judge reads it: as it is after a plain-text prompt; after a
-    conversation's :func:`messages_text` (which ends with ``Assistant:``), one space, then the
-    text stripped, whoever wrote it (so a chat model's reply and the chosen one look alike)."""
-    return " " + text.strip() if conversation else text
+    """A response as the judge reads it: as it is after a plain-text prompt, else one space and the text stripped."""
+    return " " + text.strip() if conversation else text  # a chat model's reply and the chosen one look alike
 
 
 def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[int]]:
-    """Each item's prompt as ``tokenizer``'s model sees it when sampling: a conversation
-    rendered by its chat template (``preference_datasets.render_conversations``, earliest
-    turns dropped to fit), then ``preference_datasets.tokenize_prompt`` (BOS, cut to
-    ``max_prompt_length`` at the dataset's end).
-
-    Raises:
-        DataError: for a conversation and a tokenizer without a chat template.
-    """
+    """Each item's prompt token ids as ``tokenizer``'s model sees them when sampling (chat template, BOS, cut to
+    ``max_prompt_length``)."""
     examples = [
         {
             "prompt": it["prompt"],
@@ -596,11 +484,9 @@ def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[in
 
 
 def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
-    """The text ``completion`` adds after ``prompt``: decode(prompt + completion) minus
-    decode(prompt), special tokens skipped. Decoding the completion alone would drop the space a
-    SentencePiece tokenizer writes in its first token ("▁Hello" decodes to "Hello"), and the
-    judge would read "Assistant:Hello"; when the decoded prompt is not a prefix (a tokenizer
-    that cleans up spaces), the completion decoded alone."""
+    """The text ``completion`` adds after ``prompt``, special tokens skipped; the completion decoded alone when the
+    decoded prompt is not a prefix."""
+    # decoded alone, a SentencePiece "▁Hello" loses its space: "Assistant:Hello"
     whole = tokenizer.decode(prompt + completion, skip_special_tokens=True)
     head = tokenizer.decode(prompt, skip_special_tokens=True)
     if whole.startswith(head):
@@ -611,14 +497,8 @@ def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
 def generate_batch(
     model, tokenizer, stop_ids: list[int], prompts: list[list[int]], temperature: float, config, seed: int
 ) -> list[dict]:
-    """One sample per prompt, the prompts left-padded in one ``generate`` call seeded with
-    ``seed``: greedy at temperature 0, else sampled at ``temperature`` (``top_k``, ``top_p``),
-    at most ``max_new_tokens``, stopping at EOS or the chat template's end-of-turn token.
-
-    Returns:
-        per prompt ``{"text": :func:`completion_text`, "n_tokens": generated tokens up to and
-        with the stop token, "ended": whether it stopped at one, "tokens": those token ids}``.
-    """
+    """One sample per prompt from one left-padded ``generate`` call seeded with ``seed`` (greedy at temperature 0),
+    each ``{"text", "n_tokens" (with the stop token), "ended" (at a stop token), "tokens"}``."""
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id
@@ -652,10 +532,8 @@ def generate_batch(
 
 
 class Cache:
-    """Records ``{"key": ..., ...}`` in ``<folder>/<name>-rank<r>.jsonl``: every rank's files are
-    read when it opens (a line cut short by a kill is skipped), each rank appends to its own
-    file (flushed and synced after each :meth:`put`), so a resumed evaluation, on any number of
-    processes, finds what every earlier rank finished."""
+    """Records ``{"key": ..., ...}`` in ``<folder>/<name>-rank<r>.jsonl``: every rank's files are read on open (a line
+    cut by a kill skipped), each rank appends to its own, synced after each :meth:`put`."""
 
     def __init__(self, folder: str, name: str, rank: int = 0):
         self.records: dict[str, dict] = {}
@@ -695,29 +573,23 @@ class Cache:
 
 
 def sample_key(source: Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
-    """The cache key of the ``i``-th sample of a batch: the model, the side, the temperature, the
-    seed, the generation settings and the batch's prompts (which share one ``generate`` call)."""
+    """The cache key of a batch's ``i``-th sample: model, side, temperature, seed, generation settings and the batch's
+    prompts (which share one ``generate`` call)."""
     settings = [config.seed, config.max_new_tokens, config.top_k, config.top_p, config.max_prompt_length, config.max_length]
     return utils.digest([source.fingerprint, side, float(temperature), settings, batch_digest, i])
 
 
 def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
-    """The seed of one batch's ``generate`` call: from ``seed``, the side, the temperature and
-    the batch's prompts (not the rank or the order of work, so any number of processes agrees)."""
+    """The seed of one batch's ``generate`` call, from ``seed``, side, temperature and the batch's prompts (not the
+    rank: any number of processes agrees)."""
     return int(utils.digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
 
 
 def sample_all(
     source: Source, side: str, batches: list[list[dict]], config, cache: Cache, device, show: bool, need_tokens: bool = False
 ) -> dict:
-    """Samples of ``source`` for every item of ``batches`` at every temperature, taken from
-    ``cache`` or generated (the model is loaded only if something is missing) and cached batch
-    by batch. With ``need_tokens``, a cached sample without its token ids (an evaluation from
-    before they were kept) counts as missing: its batch is sampled again, with the same seed.
-
-    Returns:
-        {(item id, temperature): sample record}.
-    """
+    """{(item id, temperature): sample record} of ``source``, from ``cache`` or generated batch by batch; with
+    ``need_tokens``, a cached sample without its token ids is sampled again with the same seed."""
     temps = [float(t) for t in config.temperatures]
     digests = [utils.digest([json.dumps(it["prompt"]) for it in batch]) for batch in batches]
     keys = {
@@ -746,12 +618,8 @@ def sample_all(
 
 
 def completion_logps(model, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-    """log p(completion | prompt) under ``model``'s own distribution (temperature 1, no top-k /
-    top-p): the sum over the completion's tokens, by the trainer's ``trainers.response_logps``.
-
-    Returns:
-        (N,) float32 (float64 for a float64 model), on the CPU.
-    """
+    """log p(completion | prompt) summed over the completion's tokens, ``model``'s own distribution (temperature 1, no
+    top-k / top-p): (N,) float32 (float64 for a float64 model), on the CPU."""
     rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -771,16 +639,8 @@ def completion_logps(model, prompts: list[list[int]], completions: list[list[int
 def logps_all(
     source: Source, batches: list[list[dict]], samples: dict, prompts: dict, config, cache: Cache, device, show: bool
 ) -> dict:
-    """:func:`completion_logps` under ``source`` of every sample in ``samples`` (A's), taken from
-    ``cache`` or computed batch by batch (the model is loaded only if something is missing).
-
-    Args:
-        samples: {(item id, temperature): sample record with its ``tokens``}, as :func:`sample_all` returns.
-        prompts: a callable giving batch b's prompt token ids as A saw them (the policy's tokenizer).
-
-    Returns:
-        {(item id, temperature): log-prob in nats}.
-    """
+    """{(item id, temperature): log-prob in nats} under ``source`` of each of A's ``samples``, from ``cache`` or computed
+    batch by batch; ``prompts(b)``: batch b's prompt ids as A saw them."""
     temps = [float(t) for t in config.temperatures]
     key = lambda it, t: utils.digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
     todo = [(b, t) for b, batch in enumerate(batches) for t in temps if any(cache.get(key(it, t)) is None for it in batch)]
@@ -800,8 +660,7 @@ def logps_all(
 
 
 def _source(fn) -> str:
-    """A digest of ``fn``'s source code (its name where the source cannot be read): cached scores
-    are asked again after the function changes."""
+    """A digest of ``fn``'s source code (its name where unreadable): cached scores are asked again after it changes."""
     import inspect
 
     try:
@@ -811,26 +670,8 @@ def _source(fn) -> str:
 
 
 class Judge:
-    """The judge ``judge=`` names, built lazily from the config sections online DPO uses
-    (``rewards.build_scorer``: ``reward_model.*``, ``judge.*``), with its cache.
-
-    - ``reward_model``, ``reward_function``: each response is scored (cached per prompt and
-      response) by the reward model or by ``reward_functions`` weighted by ``reward_weights``, A
-      wins when its score is higher (:func:`compare_scores`); a response no function could score
-      fails.
-    - ``reward_model_judge``, ``http_judge``: pairwise, each pair asked in both orders (cached per
-      order) and combined by :func:`combine_orders`. The HTTP judge's ``judge.template`` null
-      uses the DPO paper's prompt for the task (summarisation for tldr, else dialogue); it is
-      never shuffled (both orders are asked).
-
-    A failed judgement is not cached: a resumed evaluation asks it again. Built (and checked:
-    the reward model's folder, the HTTP judge's settings, the reward functions' imports and
-    weights) before anything is sampled; ``cache`` is set once the output folder exists.
-
-    Raises:
-        ConfigError: for an unknown judge, a missing reward model, bad ``judge.*`` settings, or
-            reward functions that do not import or weights that do not match them.
-    """
+    """The judge ``judge=`` names (``rewards.build_scorer``), checked before any sampling: it scores each response
+    (:func:`compare_scores`) or asks each pair in both orders (:func:`combine_orders`); failures are not cached."""
 
     def __init__(self, config: DictConfig, cache: Cache | None = None):
         self.config = config
@@ -869,7 +710,7 @@ class Judge:
     def _scorer_config(self, template=None) -> DictConfig:
         config = self.config.copy()
         config.online.scorer = self.kind
-        config.judge.shuffle_order = False
+        config.judge.shuffle_order = False  # both orders are asked
         if self.kind == "http_judge":
             config.judge.template = template
         return config
@@ -893,8 +734,7 @@ class Judge:
         return utils.digest([self.kind, where, self.config.reward_model.max_length])
 
     def judge_all(self, rows: list[dict]) -> None:
-        """Set ``verdict`` and ``detail`` of each row (``judge_prompt``, ``a``, ``b``, ``dataset``),
-        asking only what the cache lacks, :data:`JUDGE_CHUNK` requests (or texts to score) at a time."""
+        """Set each row's ``verdict`` and ``detail``, asking only what the cache lacks, :data:`JUDGE_CHUNK` at a time."""
         chunk = JUDGE_CHUNK
         if self.kind in ("reward_model", "reward_function"):
             self._by_scores(rows, chunk)
@@ -972,13 +812,8 @@ def temperature_key(t: float) -> str:
 
 
 def plot_win_rates(series: list[dict], path: str, baseline: str, title: str) -> str:
-    """The paper's figure: win rate against sampling temperature, one line per policy, its 95%
-    interval as a band; 0.5 dashed. Returns the title as the figure holds it.
-
-    Args:
-        series: ``{"label": str, "temperatures": {key: results of that temperature}}`` each.
-        title: :func:`win_rates_title`.
-    """
+    """Draw win rate against temperature to ``path``, a line and 95% band per ``{"label", "temperatures"}`` of
+    ``series``, 0.5 dashed; returns the title as drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1016,13 +851,8 @@ def _bar(r: dict, name: str, end: str) -> float:
 
 
 def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
-    """The DPO paper's frontier axes: A's mean reward against its KL from the reference, one
-    point per policy and temperature (labelled ``T=<t>``), the 95% intervals as error bars;
-    a temperature without a reward or a KL (a pairwise judge, no reference) has no point.
-
-    Args:
-        series: as :func:`plot_win_rates`.
-    """
+    """Draw A's mean reward against its KL from the reference to ``path``, a point (``T=<t>``) with 95% bars per
+    series and temperature that has both."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1096,13 +926,8 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
 
 
 def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
-    """results.json's content: the settings (the judge's reward model and the policy's weights,
-    ``policy_path``, as :func:`checkpoints.local_path` resolves them), :data:`INTERVAL`, and per temperature
-    :func:`win_rate_stats` plus A's share of samples that stopped by themselves (``a_ended``)
-    and their mean length in tokens (``a_tokens``), A's mean reward (``reward_mean``,
-    ``reward_ci_low``, ``reward_ci_high`` over the ``reward_n`` scored samples; null for a
-    pairwise judge) and the KL estimate (``kl_mean``, ``kl_ci_low``, ``kl_ci_high`` over ``kl_n``;
-    null without a reference), each :func:`mean_interval`."""
+    """results.json's content: the settings and per temperature :func:`win_rate_stats`, ``a_ended``, ``a_tokens`` and
+    the :func:`mean_interval` of A's reward (null for a pairwise judge) and KL (null without a reference)."""
     temperatures = {}
     for t in config.temperatures:
         mine = [r for r in rows if r["temperature"] == float(t)]
@@ -1171,11 +996,7 @@ def results_table(results: dict) -> str:
 
 
 def plot_series(results: dict, others: list) -> list[dict]:
-    """This evaluation's line and those of the evaluation folders (or results.json files) in ``plot_with``.
-
-    Raises:
-        ConfigError: for a ``plot_with`` entry that holds no results.json.
-    """
+    """This evaluation's line and those of the evaluation folders (or results.json files) in ``plot_with``."""
     series = [{"label": results["policy"], "temperatures": results["temperatures"]}]
     for other in others:
         path = os.path.join(other, "results.json") if os.path.isdir(other) else other
@@ -1200,9 +1021,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 def check_config(config: DictConfig) -> None:
-    """Raise ConfigError (one sentence) for a missing policy, an empty or negative temperature
-    list, ``n_prompts`` / ``max_new_tokens`` / ``generate_batch_size`` < 1, ``max_failure_rate``
-    outside [0, 1], ``datasets`` that is not a list (or null), or an unknown ``judge``."""
+    """Raise ConfigError (one sentence) for a missing policy or a bad ``temperatures``, ``n_prompts``,
+    ``max_new_tokens``, ``generate_batch_size``, ``max_failure_rate``, ``datasets`` or ``judge``."""
     if OmegaConf.is_missing(config, "policy") or config.policy is None:
         raise ConfigError("Give the policy to evaluate: policy=<run folder | checkpoint | hf folder | hub id>.")
     temps = config.temperatures
@@ -1226,12 +1046,7 @@ def check_config(config: DictConfig) -> None:
 
 
 def effective_config(config: DictConfig) -> DictConfig:
-    """The config to run: with ``resume=<evaluation folder>``, the config saved there (and the
-    folder as ``output_dir``).
-
-    Raises:
-        ConfigError: if that folder holds no evaluation's config.yaml.
-    """
+    """The config to run: with ``resume=<evaluation folder>``, the one saved there, that folder its ``output_dir``."""
     if config.get("resume") is None:
         return config
     folder = str(config.resume)
@@ -1250,9 +1065,8 @@ DEFAULT_DATASETS = ["hh"]
 
 
 def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
-    """With ``datasets=null``, set ``datasets`` to the policy run's own ``datasets`` and their
-    ``data.*`` settings (its config.yaml: the held-out split is the one that run held out), or to
-    :data:`DEFAULT_DATASETS` with a one-line note for a policy with no run folder; ``say``: print the line."""
+    """With ``datasets=null``, take the policy run's ``datasets`` and ``data.*``, or :data:`DEFAULT_DATASETS` for a
+    policy without a run folder; ``say``: print which."""
     if config.datasets is not None:
         return
     run = policy.run_config
@@ -1284,9 +1098,8 @@ def source_path(source: Source) -> str:
 
 
 def judge_text(config: DictConfig) -> str:
-    """The judge as the plot names it: ``reward_model <its folder>``, ``http_judge <model>``,
-    ``reward_function <names>`` (a folder inside a run named from the run folder, e.g.
-    ``rm_run/step-48/hf``)."""
+    """The judge as the plot names it: ``reward_model <folder>`` (``rm_run/step-48/hf`` in a run), ``http_judge <model>``
+    or ``reward_function <names joined by +>``."""
     kind = config.judge.name
     if kind in ("reward_model", "reward_model_judge"):
         path = checkpoints.local_path(config.reward_model.name_or_path)
@@ -1315,13 +1128,8 @@ def default_output_dir(config: DictConfig, policy: Source, baseline_label: str) 
 
 
 def main(config: DictConfig) -> str:
-    """Run one evaluation (one rank of it under torchrun); returns its output folder.
-
-    Raises:
-        ConfigError, DataError: bad input (one sentence), before any sampling where it can be
-            seen then; also when every judgement failed (after the results are written).
-        Interrupted: on Ctrl-C / SIGTERM, after what was finished is on disk.
-    """
+    """Run one evaluation (one rank of it under torchrun) and return its output folder; Ctrl-C / SIGTERM raise
+    :class:`Interrupted` once what was finished is on disk."""
     config = effective_config(config)
     check_config(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -1398,21 +1206,51 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
     show = rank == 0 and bool(config.get("progress_bar", True))
     a = sample_all(policy, "A", mine, config, samples, device, show, need_tokens=reference is not None)
     b = sample_all(baseline, "B", mine, config, samples, device, show) if baseline is not None else None
-    kl = {}
-    if reference is not None:
-        logps = Cache(out, "logps", rank)
-        tokenizer, ids = [], {}
+    kl = _kl_logps(config, out, rank, device, policy, reference, mine, a, show) if reference is not None else {}
+    rows = _rows(config, mine, a, b, kl)
+    judge.judge_all(rows)
+    errors = judge.errors
+    if world > 1:
+        gathered = utils.all_gather_object((rows, errors[:5]))
+        rows = [r for part, _ in gathered for r in part]
+        errors = [e for _, part in gathered for e in part]
+    rows.sort(key=lambda r: (r["temperature"], r["index"]))
+    results = summarize(rows, config, policy, baseline_label, reference)
+    if rank == 0:
+        _write_and_report(config, out, rows, results, errors, policy, baseline_label)
+    if world > 1:
+        import torch.distributed as dist
 
-        def prompts(k: int) -> list[list[int]]:
-            if not tokenizer:
-                tokenizer.append(models.load_tokenizer(policy.model_config))
-            if k not in ids:
-                ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
-            return ids[k]
+        dist.barrier()
+        dist.destroy_process_group()
+    if rows and all(r["verdict"] == "failed" for r in rows):
+        why = f"; e.g. {errors[0]}" if errors else ""
+        raise ConfigError(
+            f"Every judgement failed ({len(rows)} of {len(rows)}{why}); results.json records it: fix the judge, then "
+            f"python evaluate.py resume={out} asks again without resampling."
+        )
+    return out
 
-        a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
-        ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
-        kl = {k: (a_logps[k], ref_logps[k]) for k in a_logps}
+
+def _kl_logps(config, out, rank, device, policy: Source, reference: Source, mine, a: dict, show: bool) -> dict:
+    """{(item id, temperature): (log pi_A, log pi_ref)} of A's samples ``a``, each in nats, cached in ``logps-rank<r>.jsonl``."""
+    logps = Cache(out, "logps", rank)
+    tokenizer, ids = [], {}
+
+    def prompts(k: int) -> list[list[int]]:
+        if not tokenizer:
+            tokenizer.append(models.load_tokenizer(policy.model_config))
+        if k not in ids:
+            ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
+        return ids[k]
+
+    a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
+    ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
+    return {k: (a_logps[k], ref_logps[k]) for k in a_logps}
+
+
+def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> list[dict]:
+    """One row to judge per item of ``mine`` and temperature: A's response, B's (the chosen one when ``b`` is None), the KL terms."""
     rows = []
     for batch in mine:
         for it in batch:
@@ -1436,61 +1274,46 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
                         **({"fields": it["fields"]} if it["fields"] else {}),
                     }
                 )
-    judge.judge_all(rows)
-    errors = judge.errors
-    if world > 1:
-        gathered = utils.all_gather_object((rows, errors[:5]))
-        rows = [r for part, _ in gathered for r in part]
-        errors = [e for _, part in gathered for e in part]
-    rows.sort(key=lambda r: (r["temperature"], r["index"]))
-    results = summarize(rows, config, policy, baseline_label, reference)
-    if rank == 0:
-        utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
-        with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
-        os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
-        title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
-        write_html(rows, os.path.join(out, "samples.html"), title)
-        plot_win_rates(
-            plot_series(results, list(config.get("plot_with") or [])),
-            os.path.join(out, "win_rates.png"),
-            baseline_label,
-            win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
-        )
-        plot_reward_kl(
-            plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
-        )
-        print(f"{title} ({INTERVAL}):\n{results_table(results)}")
-        print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
-        for t, r in results["temperatures"].items():
-            if r["too_many_failures"]:
-                print(
-                    f"Warning: at temperature {t}, {r['failed']} of {r['failed'] + r['n']} judgements failed "
-                    f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
-                    + (f" (e.g. {errors[0]})." if errors else ".")
-                )
-        print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
-        if not all(r["verdict"] == "failed" for r in rows):
-            update_card(policy, out)
-    if world > 1:
-        import torch.distributed as dist
+    return rows
 
-        dist.barrier()
-        dist.destroy_process_group()
-    if rows and all(r["verdict"] == "failed" for r in rows):
-        why = f"; e.g. {errors[0]}" if errors else ""
-        raise ConfigError(
-            f"Every judgement failed ({len(rows)} of {len(rows)}{why}); results.json records it: fix the judge, then "
-            f"python evaluate.py resume={out} asks again without resampling."
-        )
-    return out
+
+def _write_and_report(
+    config, out: str, rows: list[dict], results: dict, errors: list, policy: Source, baseline_label: str
+) -> None:
+    """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
+    utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
+    with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
+    title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
+    write_html(rows, os.path.join(out, "samples.html"), title)
+    plot_win_rates(
+        plot_series(results, list(config.get("plot_with") or [])),
+        os.path.join(out, "win_rates.png"),
+        baseline_label,
+        win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
+    )
+    plot_reward_kl(
+        plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
+    )
+    print(f"{title} ({INTERVAL}):\n{results_table(results)}")
+    print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
+    for t, r in results["temperatures"].items():
+        if r["too_many_failures"]:
+            print(
+                f"Warning: at temperature {t}, {r['failed']} of {r['failed'] + r['n']} judgements failed "
+                f"({r['failure_rate']:.0%} > max_failure_rate={config.max_failure_rate}); the win rate is over the other {r['n']}"
+                + (f" (e.g. {errors[0]})." if errors else ".")
+            )
+    print(f"Results: {os.path.join(out, 'results.json')}, win_rates.png, reward_kl.png, samples.html")
+    if not all(r["verdict"] == "failed" for r in rows):
+        update_card(policy, out)
 
 
 def update_card(policy: Source, out: str) -> None:
-    """Add this evaluation (``out``) to the model cards of the checkpoint ``policy`` is
-    (:func:`modelcard.add_evaluation`) and print which; nothing for an hf folder, a hub id or a
-    checkpoint without ``hf/``."""
+    """Add this evaluation to the model cards of the checkpoint ``policy`` is (:func:`modelcard.add_evaluation`)
+    and print which; nothing for a policy that is not a run's checkpoint."""
     if policy.weights is None or policy.run_dir is None:
         return
     checkpoint = os.path.dirname(policy.weights)  # the step-N folder resolved when the policy was named
@@ -1510,8 +1333,7 @@ def _stop(signum, frame):
 
 @hydra.main(version_base="1.3", config_path="config", config_name="evaluate")
 def hydra_main(config: DictConfig) -> None:
-    """The command line: run, and turn errors and interrupts into exit codes (2 for bad input,
-    130 Ctrl-C, 143 SIGTERM, after printing how to resume)."""
+    """The command line: exit 2 for bad input, 128 + the signal on Ctrl-C / SIGTERM after printing how to resume."""
     import train
 
     rank = int(os.environ.get("RANK", 0))
