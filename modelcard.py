@@ -68,8 +68,7 @@ def hub_datasets(config: DictConfig) -> list[str]:
 
 
 def eval_metrics(run_dir: str, step: int) -> tuple[int | None, dict]:
-    """The latest held-out record of ``<run_dir>/metrics.jsonl`` at or before ``step`` examples:
-    (its step, {key: value}); (None, {}) when there is none."""
+    """(step, {key: value}) of the latest held-out record in metrics.jsonl at or before ``step`` examples; (None, {}) if none."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None, {}
@@ -138,15 +137,7 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
 
 
 def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: str, curves: list[str] = ()):
-    """The ``huggingface_hub.ModelCard`` of the export of checkpoint ``step-<step>`` of ``run_dir``.
-
-    Args:
-        config: the run's config (its config.yaml).
-        step: examples trained on; ``updates``: optimizer steps.
-        kind: ``model`` (a whole model), ``adapter`` (a LoRA adapter folder) or ``merged``
-            (the base with the adapters merged in).
-        curves: the panels drawn into the export's ``curves/`` (``<panel>.png``).
-    """
+    """The ``huggingface_hub.ModelCard`` of checkpoint ``step-<step>``'s export (``kind``: model, adapter or merged)."""
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     objective = losses.get_objective(config.loss.name)
@@ -243,9 +234,7 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
 
 
 def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, updates: int, adapter: bool) -> None:
-    """Write the card (README.md) and the training curves so far (``curves/``, :data:`CURVE_PANELS`)
-    into the export ``folder``, and into ``folder/merged`` when there is one (a LoRA run's
-    ``model.lora.export_merged``)."""
+    """Write the card (README.md) and the curves so far (``curves/``) into the export ``folder`` and its ``merged/`` if any."""
     saved = os.path.join(run_dir, "config.yaml")
     run_config = OmegaConf.load(saved) if os.path.exists(saved) else config
     curves_dir = os.path.join(folder, "curves")
@@ -262,7 +251,7 @@ def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, update
 
 
 def with_evaluations(text: str, found: list[tuple[str, dict]]) -> str:
-    """The card ``text`` (made by :func:`build_card`) with its evaluations section replaced by one of ``found``, all else as it was."""
+    """The card ``text`` (of :func:`build_card`) with its evaluations section replaced by one of ``found``, all else kept."""
     made = text.find(f"\n\n{MADE_HEADING}\n")
     if made < 0:  # not a card of build_card's: the section goes at its end
         made = len(text.rstrip("\n"))
@@ -273,11 +262,7 @@ def with_evaluations(text: str, found: list[tuple[str, dict]]) -> str:
 
 
 def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
-    """Rewrite the cards of checkpoint folder ``checkpoint`` of ``run_dir`` (``hf/README.md``,
-    ``hf/merged/README.md``) with evaluate.py's results in ``run_dir/eval`` and ``output_dir``
-    (this evaluation's folder), each atomically, then the sizes of ``manifest.json``
-    (``utils.CHECKPOINT_MANIFEST``), so the checkpoint stays whole; returns the cards rewritten
-    (none without ``hf/``)."""
+    """Rewrite ``checkpoint``'s cards and manifest with evaluate.py's results (run_dir, output_dir); returns the cards' paths."""
     found = evaluations(run_dir)
     folder = os.path.realpath(output_dir)
     if not any(os.path.realpath(os.path.join(run_dir, "eval", name)) == folder for name, _ in found):
@@ -304,7 +289,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
 
 
 def export_to_push(checkpoint: str, config: DictConfig) -> str:
-    """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` for a LoRA run with ``model.lora.export_merged``."""
+    """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` with ``model.lora.export_merged``."""
     lora = utils.lora_settings(config.model)
     merged = lora is not None and lora.get("export_merged")
     return os.path.join(os.path.realpath(checkpoint), "hf", "merged" if merged else "")
@@ -318,12 +303,7 @@ def push_command(model_id: str, folder: str, private: bool) -> str:
 
 
 def push(checkpoint: str, config: DictConfig) -> str:
-    """Upload the final export of ``checkpoint`` to the Hub as ``hub.model_id`` (created if absent,
-    ``hub.private``); returns the repository's URL.
-
-    Raises:
-        PushError: when the export is missing or the Hub refused or could not be reached.
-    """
+    """Upload ``checkpoint``'s final export to the Hub as ``hub.model_id``; returns its URL, PushError when it cannot."""
     from huggingface_hub import HfApi
 
     hub = config.hub
@@ -349,11 +329,7 @@ def push(checkpoint: str, config: DictConfig) -> str:
 
 
 def push_final(run_dir: str, config: DictConfig) -> str:
-    """Push the final export of ``run_dir`` (its LATEST checkpoint, :func:`push`); returns the line that says where it went.
-
-    Raises:
-        PushError: as :func:`push`.
-    """
+    """Push the final export of ``run_dir``'s LATEST checkpoint (:func:`push`); returns the line that says where it went."""
     checkpoint = os.path.join(run_dir, "LATEST")
     url = push(checkpoint, config)
     return f"Pushed {export_to_push(checkpoint, config).rstrip(os.sep)} to {url}"
