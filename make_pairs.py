@@ -97,6 +97,21 @@ def main(config: DictConfig) -> dict:
     utils.set_threads(config.num_threads)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     policy = evaluate.resolve_source(config.policy, config, "policy")
+    items, conversational = _prompt_items(config)
+    output = os.path.abspath(os.path.expanduser(str(config.output)))
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+
+    model, tokenizer = evaluate.load_source(policy, device)
+    samples, pairs, counts = _sample_and_pair(config, scorer, model, tokenizer, items)
+    del model
+
+    _write(config, scorer, output, samples, pairs, counts)
+    print(f"Train on them: {train_command(policy, output, conversational.pop())}")
+    return counts
+
+
+def _prompt_items(config: DictConfig) -> tuple[list[dict], set[bool]]:
+    """The prompts of ``split`` and {whether they are conversations}; DataError or ConfigError for prompts it cannot use."""
     items = evaluate.load_items(config, silent=False, split=config.split)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no {config.split} prompts; give a dataset with that split.")
@@ -107,10 +122,11 @@ def main(config: DictConfig) -> dict:
             "make one file per kind (one make_pairs.py run each)."
         )
     rewards.field_columns([it["fields"] for it in items])  # a column the reward functions cannot take: one sentence now
-    output = os.path.abspath(os.path.expanduser(str(config.output)))
-    os.makedirs(os.path.dirname(output), exist_ok=True)
+    return items, conversational
 
-    model, tokenizer = evaluate.load_source(policy, device)
+
+def _sample_and_pair(config: DictConfig, scorer, model, tokenizer, items: list[dict]) -> tuple[list, list, dict]:
+    """(every sample, the pair rows, the counts) of ``k`` scored completions of each of ``items``."""
     stop_ids = preference_datasets.stop_token_ids(tokenizer)
     k, size, limit = int(config.k), int(config.generate_batch_size), config.get("max_pairs_per_prompt")
     samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
@@ -118,51 +134,66 @@ def main(config: DictConfig) -> dict:
         counts["left out by max_pairs_per_prompt"] = 0
     for start in range(0, len(items), size):
         batch = items[start : start + size]
-        ids = evaluate.prompt_ids(batch, tokenizer, config)
-        seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
-        out = evaluate.generate_batch(
-            model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
-        )
-        texts = [
-            evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)
-        ]
-        prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
-        fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
-        scores = scorer.score(prompts, texts, **fields).tolist()
-        errors = iter(scorer.last_errors)  # one sentence per failed completion, in order
+        out, texts, scores, errors = _generate_and_score(config, scorer, model, tokenizer, stop_ids, batch)
         for n, it in enumerate(batch):
             mine = [None if math.isnan(s) else s for s in scores[n * k : (n + 1) * k]]
             completions = texts[n * k : (n + 1) * k]
-            for j, (text, score) in enumerate(zip(completions, mine)):
-                sample = out[n * k + j]
-                samples.append(
-                    {
-                        "id": it["id"],
-                        "prompt": it["prompt"],
-                        "completion": text,
-                        "score": score,
-                        "ended": sample["ended"],
-                        "n_tokens": sample["n_tokens"],
-                        "error": next(errors) if score is None else None,
-                    }
-                )
-            chosen_rejected, ties, failures = make_pairs(completions, mine)
-            if limit is not None and len(chosen_rejected) > limit:
-                counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
-                chosen_rejected = widest_pairs(chosen_rejected, mine, limit)
-            for c, r in chosen_rejected:
-                pairs.append(pair_record(it, completions[c], completions[r], mine[c], mine[r]))
+            samples += _prompt_samples(it, out[n * k : (n + 1) * k], completions, mine, errors)
+            pairs += _prompt_pairs(it, completions, mine, limit, counts)
             counts["prompts"] += 1
             counts["completions"] += k
-            counts["pairs"] += len(chosen_rejected)
-            counts["ties"] += ties
-            counts["failures"] += failures
-    del model
+    return samples, pairs, counts
 
+
+def _generate_and_score(config: DictConfig, scorer, model, tokenizer, stop_ids, batch: list[dict]) -> tuple:
+    """(generate_batch's output, the texts, their scores (NaN: failed), an iterator of the failures' reasons), ``k`` a prompt."""
+    k = int(config.k)
+    ids = evaluate.prompt_ids(batch, tokenizer, config)
+    seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
+    out = evaluate.generate_batch(
+        model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
+    )
+    texts = [evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)]
+    prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
+    fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
+    scores = scorer.score(prompts, texts, **fields).tolist()
+    return out, texts, scores, iter(scorer.last_errors)  # one sentence per failed completion, in order
+
+
+def _prompt_samples(item: dict, out: list[dict], completions: list[str], scores: list, errors) -> list[dict]:
+    """The samples file's rows of one prompt's completions (score None: failed, with the next reason of ``errors``)."""
+    return [
+        {
+            "id": item["id"],
+            "prompt": item["prompt"],
+            "completion": text,
+            "score": score,
+            "ended": sample["ended"],
+            "n_tokens": sample["n_tokens"],
+            "error": next(errors) if score is None else None,
+        }
+        for text, score, sample in zip(completions, scores, out)
+    ]
+
+
+def _prompt_pairs(item: dict, completions: list[str], scores: list, limit: int | None, counts: dict) -> list[dict]:
+    """The pair rows of one prompt's completions (at most ``limit``), counted into ``counts``."""
+    chosen_rejected, ties, failures = make_pairs(completions, scores)
+    if limit is not None and len(chosen_rejected) > limit:
+        counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
+        chosen_rejected = widest_pairs(chosen_rejected, scores, limit)
+    counts["pairs"] += len(chosen_rejected)
+    counts["ties"] += ties
+    counts["failures"] += failures
+    return [pair_record(item, completions[c], completions[r], scores[c], scores[r]) for c, r in chosen_rejected]
+
+
+def _write(config: DictConfig, scorer, output: str, samples: list, pairs: list, counts: dict) -> None:
+    """Write the samples file, print the counts, then write the pairs; DataError (after the samples) when there is none."""
     samples_path = output + ".samples.jsonl"
     utils.write_atomic(samples_path, "".join(json.dumps(s) + "\n" for s in samples))
     summary = ", ".join(f"{v} {name}" for name, v in counts.items())
-    print(f"{summary} (k={k}, temperature={config.temperature}, reward_functions={list(scorer.names)})")
+    print(f"{summary} (k={int(config.k)}, temperature={config.temperature}, reward_functions={list(scorer.names)})")
     if counts["failures"] > config.max_failure_rate * counts["completions"]:
         first = next((s["error"] for s in samples if s["error"]), "")
         print(
@@ -176,8 +207,6 @@ def main(config: DictConfig) -> dict:
         )
     utils.write_atomic(output, "".join(json.dumps(p) + "\n" for p in pairs))
     print(f"Pairs: {output} (every completion: {samples_path})")
-    print(f"Train on them: {train_command(policy, output, conversational.pop())}")
-    return counts
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="make_pairs")

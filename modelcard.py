@@ -138,15 +138,41 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
 
 def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: str, curves: list[str] = ()):
     """The ``huggingface_hub.ModelCard`` of checkpoint ``step-<step>``'s export (``kind``: model, adapter or merged)."""
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    from huggingface_hub import ModelCard, ModelCardData
 
     objective = losses.get_objective(config.loss.name)
     hub_base, base_text = _base(config)
     datasets = hub_datasets(config)
     eval_step, metrics = eval_metrics(run_dir, step)
     run_name = os.path.basename(os.path.normpath(run_dir))
+    results = _eval_results(config, objective, metrics)
+    data = ModelCardData(
+        library_name="peft" if kind == "adapter" else "transformers",
+        base_model=hub_base,
+        tags=list(dict.fromkeys(["dpo", config.loss.name])),
+        datasets=datasets or None,
+        pipeline_tag="text-classification" if objective.score_head else "text-generation",
+        model_name=f"{run_name}/step-{step}" if results else None,
+        eval_results=results or None,
+    )
+    lines = [f"# {run_name} (step-{step})", ""]
+    lines += _intro_lines(config, objective, kind)
+    lines += ["", "## Base model", "", base_text + ".", "", "## Data", ""]
+    lines += _settings_lines(config, objective)
+    lines += _training_lines(config, step, updates)
+    lines += _metrics_lines(config, eval_step, metrics)
+    lines += _curves_lines(curves)
+    lines += evaluations_lines(evaluations(run_dir))
+    lines += _made_lines(config, run_dir)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _eval_results(config: DictConfig, objective, metrics: dict) -> list:
+    """The card metadata's ``EvalResult`` s: the finite held-out metrics, counts left out."""
+    from huggingface_hub import EvalResult
+
     eval_set = "+".join(config.datasets)
-    results = [
+    return [
         EvalResult(
             task_type="text-classification" if objective.score_head else "text-generation",
             dataset_type=eval_set,
@@ -159,21 +185,15 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         for key, value in metrics.items()
         if isinstance(value, (int, float)) and math.isfinite(value) and not key.endswith(COUNT_SUFFIX)
     ]
-    data = ModelCardData(
-        library_name="peft" if kind == "adapter" else "transformers",
-        base_model=hub_base,
-        tags=list(dict.fromkeys(["dpo", config.loss.name])),
-        datasets=datasets or None,
-        pipeline_tag="text-classification" if objective.score_head else "text-generation",
-        model_name=f"{run_name}/step-{step}" if results else None,
-        eval_results=results or None,
-    )
-    lines = [f"# {run_name} (step-{step})", ""]
+
+
+def _intro_lines(config: DictConfig, objective, kind: str) -> list[str]:
+    """The card's opening: what was trained and how the export loads."""
     trained = "a reward model (score head)" if objective.score_head else "a policy"
-    lines.append(
-        f"{trained.capitalize()} trained with `loss={config.loss.name}` ({objective.summary}; {objective.source}) by train.py."
-    )
-    lines.append("")
+    lines = [
+        f"{trained.capitalize()} trained with `loss={config.loss.name}` ({objective.summary}; {objective.source}) by train.py.",
+        "",
+    ]
     lora = utils.lora_settings(config.model)
     if kind == "adapter":
         lines.append(
@@ -187,7 +207,12 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
     else:
         auto = "AutoModelForSequenceClassification" if objective.score_head else "AutoModelForCausalLM"
         lines.append(f"`{auto}.from_pretrained(<this folder>)` loads it, with its tokenizer.")
-    lines += ["", "## Base model", "", base_text + ".", "", "## Data", ""]
+    return lines
+
+
+def _settings_lines(config: DictConfig, objective) -> list[str]:
+    """The card's ``data.*`` of each dataset and the Objective section (``loss.*``, with each key's doc)."""
+    lines = []
     for name in config.datasets:
         options = OmegaConf.to_container(config.data.get(name) or OmegaConf.create({}), resolve=True)
         lines.append(f"- `{name}`: `data.{name}` = `{json.dumps(options)}`")
@@ -196,17 +221,24 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         if key != "name":
             doc = objective.keys[key].doc if key in objective.keys else ""
             lines.append(f"- `loss.{key}` = `{value}`" + (f": {doc}" if doc else ""))
-    lines += [
+    return lines
+
+
+def _training_lines(config: DictConfig, step: int, updates: int) -> list[str]:
+    """The card's Training section (``step``: examples trained on, ``updates``: optimizer steps)."""
+    return [
         "",
         "## Training",
         "",
         f"- examples trained on: {step}",
         f"- optimizer steps: {updates} (batch_size={config.batch_size} pairs a step)",
         f"- lr={config.lr}, optimizer={config.optimizer}, lr_scheduler={config.lr_scheduler}, warmup_steps={config.warmup_steps}, seed={config.seed}",
-        "",
-        "## Held-out metrics",
-        "",
     ]
+
+
+def _metrics_lines(config: DictConfig, eval_step: int | None, metrics: dict) -> list[str]:
+    """The card's Held-out metrics section: the table of the eval at ``eval_step``."""
+    lines = ["", "## Held-out metrics", ""]
     if metrics:
         lines += [
             f"The eval after {eval_step} examples (`n_eval_examples={config.get('n_eval_examples')}` held-out examples at most):",
@@ -216,21 +248,30 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         lines += [f"| {key} | {_number(value)} |" for key, value in metrics.items()]
     else:
         lines.append("No eval had run at or before this step.")
-    lines += ["", "## Training curves", ""]
+    return lines
+
+
+def _curves_lines(curves: list[str]) -> list[str]:
+    """The card's Training curves section: the export's ``curves/<panel>.png``."""
+    lines = ["", "## Training curves", ""]
     if curves:
         lines += [f"![{p}](curves/{p}.png)" for p in curves]
         lines.append("")
         lines.append("Every panel is in the run folder's `curves/` (x axis: examples seen).")
     else:
         lines.append("Not enough points for a curve yet; the run folder's `curves/` has them once training ends.")
-    lines += evaluations_lines(evaluations(run_dir))
+    return lines
+
+
+def _made_lines(config: DictConfig, run_dir: str) -> list[str]:
+    """The card's How it was made section: the recorded command and config.yaml."""
     command = utils.read_command(run_dir)
-    lines += ["", MADE_HEADING, ""]
+    lines = ["", MADE_HEADING, ""]
     if command is not None:
         lines += ["```bash", command, "```", ""]
     lines += ["The run's whole configuration (its `config.yaml`):", "", "<details>", "", "```yaml"]
     lines += [OmegaConf.to_yaml(config).rstrip("\n"), "```", "", "</details>", ""]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return lines
 
 
 def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, updates: int, adapter: bool) -> None:

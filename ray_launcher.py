@@ -126,9 +126,6 @@ def launch(config: DictConfig, main) -> int:
     """
     check_config(config)
     ray = import_ray()
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     config = copy.deepcopy(config)
     ray_cfg = config.ray
     need = required_resources(config)
@@ -139,39 +136,10 @@ def launch(config: DictConfig, main) -> int:
         if config.resume is not None:  # before Ray starts: refused while a live run holds the folder
             held.enter_context(utils.lock_run_dir(config.resume))
         if started:
-            if ray_cfg.address is None:
-                ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
-            else:
-                try:
-                    ray.init(address=ray_cfg.address)
-                except ConnectionError as e:
-                    raise utils.ConfigError(
-                        f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
-                        "or leave ray.address=null for a local cluster."
-                    ) from None
-        have = ray.cluster_resources()
-        short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
-        if short:
-            raise utils.ConfigError(
-                f"The Ray cluster has {have.get(short[0], 0):g} {short[0]}s and this run asks for {need[short[0]]:g} "
-                "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
-            )
-        fresh = config.resume is None
-        run_dir = os.path.abspath(utils.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
-        if fresh:
-            held.enter_context(utils.lock_run_dir(run_dir))
-        ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
-        ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
-        if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
-            OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
-        print(f"Run folder: {run_dir}")
-        reference = scorer = None
-        if ray_cfg.reference_workers > 0:
-            reference = start_reference(config)
-            actors += reference.actors
-        if ray_cfg.reward_workers > 0:
-            scorer = start_scorer(config)
-            actors += scorer.actors
+            _init_ray(ray, ray_cfg, need)
+        _check_cluster(ray, need)
+        run_dir = _open_run_dir(config, held)
+        reference, scorer = _start_remote_models(config, actors)
         payload = {
             "config": OmegaConf.to_container(config, resolve=True),
             "run_dir": run_dir,
@@ -183,21 +151,7 @@ def launch(config: DictConfig, main) -> int:
             "main": main,
         }
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
-        worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
-        keep = config.keep_checkpoints if config.keep_checkpoints and config.keep_checkpoints > 0 else None
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config=payload,
-            scaling_config=ScalingConfig(
-                num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu, resources_per_worker=worker_resources
-            ),
-            run_config=RunConfig(
-                name=ray_cfg.name,
-                storage_path=ray_cfg.storage_path,
-                failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=keep),
-            ),
-        )
+        trainer = _torch_trainer(config, payload)
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, SystemExit):  # Ray Train's Ctrl-C handler aborts the run and exits
@@ -206,21 +160,101 @@ def launch(config: DictConfig, main) -> int:
         except Exception as e:  # Ray's TrainingFailedError and friends: the workers' error is in the text
             print(f"Error: training on Ray failed after ray.max_failures={ray_cfg.max_failures} restarts: {e}")
             return 1
-        where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
-        print(f"Ray run {ray_cfg.name} done: run folder {run_dir}{where}.")
-        if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
-            try:
-                print(modelcard.push_final(run_dir, config))
-            except modelcard.PushError as e:
-                print(f"Error: {e}", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return _finish(config, run_dir, result)
     finally:
         for actor in actors:
             ray.kill(actor)
         if started and ray.is_initialized():
             ray.shutdown()
         held.close()  # after the workers are gone
+
+
+def _init_ray(ray, ray_cfg: DictConfig, need: dict) -> None:
+    """Connect to ``ray.address``, or start a local cluster of ``ray.num_cpus`` CPUs (at least ``need["CPU"]``)."""
+    if ray_cfg.address is None:
+        ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
+    else:
+        try:
+            ray.init(address=ray_cfg.address)
+        except ConnectionError as e:
+            raise utils.ConfigError(
+                f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
+                "or leave ray.address=null for a local cluster."
+            ) from None
+
+
+def _check_cluster(ray, need: dict) -> None:
+    """Raise utils.ConfigError if the cluster has fewer CPUs or GPUs than ``need`` (:func:`required_resources`)."""
+    have = ray.cluster_resources()
+    short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
+    if short:
+        raise utils.ConfigError(
+            f"The Ray cluster has {have.get(short[0], 0):g} {short[0]}s and this run asks for {need[short[0]]:g} "
+            "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
+        )
+
+
+def _open_run_dir(config: DictConfig, held: contextlib.ExitStack) -> str:
+    """The run folder (a new one, locked on ``held``, or ``resume``'s), with ``ray.storage_path`` and ``ray.name`` set."""
+    ray_cfg = config.ray
+    fresh = config.resume is None
+    run_dir = os.path.abspath(utils.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
+    if fresh:
+        held.enter_context(utils.lock_run_dir(run_dir))
+    ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
+    ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
+    if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
+        OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+    print(f"Run folder: {run_dir}")
+    return run_dir
+
+
+def _start_remote_models(config: DictConfig, actors: list) -> tuple:
+    """(remote reference, remote scorer), each None when not asked for; their actors are added to ``actors`` as they start."""
+    reference = scorer = None
+    if config.ray.reference_workers > 0:
+        reference = start_reference(config)
+        actors += reference.actors
+    if config.ray.reward_workers > 0:
+        scorer = start_scorer(config)
+        actors += scorer.actors
+    return reference, scorer
+
+
+def _torch_trainer(config: DictConfig, payload: dict):
+    """The ``TorchTrainer`` that runs :func:`train_worker` on ``ray.num_workers`` workers."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray_cfg = config.ray
+    worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
+    keep = config.keep_checkpoints if config.keep_checkpoints and config.keep_checkpoints > 0 else None
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=payload,
+        scaling_config=ScalingConfig(
+            num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu, resources_per_worker=worker_resources
+        ),
+        run_config=RunConfig(
+            name=ray_cfg.name,
+            storage_path=ray_cfg.storage_path,
+            failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=keep),
+        ),
+    )
+
+
+def _finish(config: DictConfig, run_dir: str, result) -> int:
+    """Say where the finished run is and push its final export if ``hub.push``; the exit status (1: the push failed)."""
+    where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
+    print(f"Ray run {config.ray.name} done: run folder {run_dir}{where}.")
+    if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
+        try:
+            print(modelcard.push_final(run_dir, config))
+        except modelcard.PushError as e:
+            print(f"Error: {e}", file=sys.stderr, flush=True)
+            return 1
+    return 0
 
 
 # ----------------------------------------------------------------------------- the workers
