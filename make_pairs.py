@@ -1,21 +1,7 @@
-"""An offline preference file from a policy's own samples: ``python make_pairs.py policy=... output=pairs.jsonl``.
+"""An offline preference file from a policy's own scored samples: ``python make_pairs.py policy=... output=pairs.jsonl``.
 
-For each of ``n_prompts`` prompts of ``split``, ``k`` completions are sampled from the policy at
-``temperature`` and scored by the reward functions (``reward_functions``, ``reward_weights``: a
-weighted sum, rewards.RewardFunctionScorer). Every two completions of a prompt with different
-scores make a pair, the higher chosen (the DPO paper's IMDb data, Rafailov et al. 2023, section
-6.1: k=4 gives up to 6 pairs); two equal scores are a tie, skipped and counted; a completion
-whose score failed (every function returned None, or one raised) is left out and counted.
-``max_pairs_per_prompt`` keeps a prompt's pairs with the largest score gaps (1: its best
-completion against its worst).
-
-``output`` gets one JSON object a line, ``{prompt, chosen, rejected, chosen_score,
-rejected_score, id}`` after the prompt row's other columns: what ``python train.py datasets=[json]
-data.json.path=<output>`` reads (the extra keys are kept for the reader, and reach reward functions as
-fields); for conversational prompts, the ``hf`` loader's conversational rows (``datasets=[hf]
-data.hf.path=<output>``). ``<output>.samples.jsonl`` beside it holds every completion
-with its score (null: failed) and why it failed. Both are written atomically. This is the data
-step of iterative / semi-online DPO: train on the file, then sample from the new checkpoint.
+Every two of a prompt's ``k`` completions with different reward-function scores make a pair, the higher
+chosen (Rafailov et al. 2023, section 6.1, the IMDb data); see docs/online.md.
 """
 
 from __future__ import annotations
@@ -39,12 +25,7 @@ from utils import ConfigError
 
 
 def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list[tuple[int, int]], int, int]:
-    """The pairs of one prompt's completions: every two with scores that differ, as (chosen
-    index, rejected index) with the higher score chosen, in index order.
-
-    Returns:
-        (pairs, ties: two scored completions with equal scores, failures: completions whose score is None or NaN).
-    """
+    """(pairs (chosen, rejected index), the higher score chosen, in index order; ties; failures: None or NaN scores)."""
     scored = [i for i, s in enumerate(scores) if s is not None and not math.isnan(s)]
     pairs, ties = [], 0
     for i, j in itertools.combinations(scored, 2):
@@ -56,18 +37,13 @@ def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list
 
 
 def widest_pairs(pairs: list[tuple[int, int]], scores: list[float], limit: int) -> list[tuple[int, int]]:
-    """The ``limit`` pairs of ``pairs`` (chosen, rejected indices into ``scores``) with the largest
-    score gaps, in their order; equal gaps: the earlier pair first."""
+    """The ``limit`` pairs of ``pairs`` with the largest score gaps, in their order (equal gaps: the earlier first)."""
     widest = sorted(range(len(pairs)), key=lambda n: scores[pairs[n][1]] - scores[pairs[n][0]])[:limit]
     return [pairs[n] for n in sorted(widest)]
 
 
 def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rejected_score: float) -> dict:
-    """One output row: a text prompt as the ``json`` loader reads it (prompt, chosen, rejected
-    strings); a conversation (a list of messages) as the ``hf`` loader's conversational format
-    (each response one assistant message), since ``json`` reads strings only; the scores and the
-    prompt's id kept beside them, after the prompt row's other columns (its fields: a reference
-    answer stays with its prompt, for the reward functions of a run that trains on the file)."""
+    """One output row after the prompt row's other columns: text as the ``json`` loader reads it, a conversation as ``hf``'s."""
     if item["conversation"]:
         chosen, rejected = ([{"role": "assistant", "content": t.strip()}] for t in (chosen, rejected))
     row = {"prompt": item["prompt"], "chosen": chosen, "rejected": rejected}
@@ -75,10 +51,7 @@ def pair_record(item: dict, chosen: str, rejected: str, chosen_score: float, rej
 
 
 def check_config(config: DictConfig) -> None:
-    """Raise ConfigError (one sentence) for a missing policy or output, ``k`` < 2, ``n_prompts`` /
-    ``max_new_tokens`` / ``generate_batch_size`` < 1, ``max_pairs_per_prompt`` neither null nor >= 1,
-    a negative temperature, a ``split`` other than train or test, ``max_failure_rate`` outside
-    [0, 1] or ``datasets`` that is not a list."""
+    """Raise ConfigError (one sentence) for the first bad key."""
     if OmegaConf.is_missing(config, "policy") or config.policy is None:
         raise ConfigError("Give the policy to sample from: policy=<run folder | checkpoint | hf folder | hub id>.")
     if OmegaConf.is_missing(config, "output") or not config.output:
@@ -104,13 +77,11 @@ def check_config(config: DictConfig) -> None:
 
 
 def train_command(policy: evaluate.Source, output: str, conversational: bool = False) -> str:
-    """The command that trains on ``output`` (``datasets=[hf]`` for conversations), starting from
-    ``policy`` (a run's checkpoint as its ``model.archive`` over the run's ``model.name_or_path``;
-    an hf folder or hub id as the model)."""
+    """The train.py command that trains on ``output``, starting from ``policy``."""
     model = policy.model_config
     name = model.get("name_or_path")
     start = []  # no name: the run's model=tiny, train.py's default
-    if name:  # model=tiny (the default) builds a random model and refuses a name_or_path: the base preset takes one
+    if name:  # model=tiny refuses a name_or_path; the base preset takes one
         start = ["model=blank_model", f"model.name_or_path={name}"]
         start += [f"model.{k}={model[k]}" for k in ("tokenizer_name_or_path", "tokenizer_class", "block_name") if model.get(k)]
     if policy.weights:
@@ -120,17 +91,27 @@ def train_command(policy: evaluate.Source, output: str, conversational: bool = F
 
 
 def main(config: DictConfig) -> dict:
-    """Sample, score, pair and write; returns the summary counts.
-
-    Raises:
-        ConfigError, DataError: bad input (one sentence), before any model loads where it can be
-            seen then; also when no pair could be made (after the samples file is written).
-    """
+    """Sample, score, pair and write; returns the counts; ConfigError or DataError for bad input or no pair."""
     check_config(config)
     scorer = rewards.RewardFunctionScorer.from_config(config)  # an unknown function is refused before any model loads
     utils.set_threads(config.num_threads)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     policy = evaluate.resolve_source(config.policy, config, "policy")
+    items, conversational = _prompt_items(config)
+    output = os.path.abspath(os.path.expanduser(str(config.output)))
+    os.makedirs(os.path.dirname(output), exist_ok=True)
+
+    model, tokenizer = evaluate.load_source(policy, device)
+    samples, pairs, counts = _sample_and_pair(config, scorer, model, tokenizer, items)
+    del model
+
+    _write(config, scorer, output, samples, pairs, counts)
+    print(f"Train on them: {train_command(policy, output, conversational.pop())}")
+    return counts
+
+
+def _prompt_items(config: DictConfig) -> tuple[list[dict], set[bool]]:
+    """The prompts of ``split`` and {whether they are conversations}; DataError or ConfigError for prompts it cannot use."""
     items = evaluate.load_items(config, silent=False, split=config.split)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no {config.split} prompts; give a dataset with that split.")
@@ -141,10 +122,11 @@ def main(config: DictConfig) -> dict:
             "make one file per kind (one make_pairs.py run each)."
         )
     rewards.field_columns([it["fields"] for it in items])  # a column the reward functions cannot take: one sentence now
-    output = os.path.abspath(os.path.expanduser(str(config.output)))
-    os.makedirs(os.path.dirname(output), exist_ok=True)
+    return items, conversational
 
-    model, tokenizer = evaluate.load_source(policy, device)
+
+def _sample_and_pair(config: DictConfig, scorer, model, tokenizer, items: list[dict]) -> tuple[list, list, dict]:
+    """(every sample, the pair rows, the counts) of ``k`` scored completions of each of ``items``."""
     stop_ids = preference_datasets.stop_token_ids(tokenizer)
     k, size, limit = int(config.k), int(config.generate_batch_size), config.get("max_pairs_per_prompt")
     samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
@@ -152,51 +134,66 @@ def main(config: DictConfig) -> dict:
         counts["left out by max_pairs_per_prompt"] = 0
     for start in range(0, len(items), size):
         batch = items[start : start + size]
-        ids = evaluate.prompt_ids(batch, tokenizer, config)
-        seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
-        out = evaluate.generate_batch(
-            model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
-        )
-        texts = [
-            evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)
-        ]
-        prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
-        fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
-        scores = scorer.score(prompts, texts, **fields).tolist()
-        errors = iter(scorer.last_errors)  # one sentence per failed completion, in order
+        out, texts, scores, errors = _generate_and_score(config, scorer, model, tokenizer, stop_ids, batch)
         for n, it in enumerate(batch):
             mine = [None if math.isnan(s) else s for s in scores[n * k : (n + 1) * k]]
             completions = texts[n * k : (n + 1) * k]
-            for j, (text, score) in enumerate(zip(completions, mine)):
-                sample = out[n * k + j]
-                samples.append(
-                    {
-                        "id": it["id"],
-                        "prompt": it["prompt"],
-                        "completion": text,
-                        "score": score,
-                        "ended": sample["ended"],
-                        "n_tokens": sample["n_tokens"],
-                        "error": next(errors) if score is None else None,
-                    }
-                )
-            chosen_rejected, ties, failures = make_pairs(completions, mine)
-            if limit is not None and len(chosen_rejected) > limit:
-                counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
-                chosen_rejected = widest_pairs(chosen_rejected, mine, limit)
-            for c, r in chosen_rejected:
-                pairs.append(pair_record(it, completions[c], completions[r], mine[c], mine[r]))
+            samples += _prompt_samples(it, out[n * k : (n + 1) * k], completions, mine, errors)
+            pairs += _prompt_pairs(it, completions, mine, limit, counts)
             counts["prompts"] += 1
             counts["completions"] += k
-            counts["pairs"] += len(chosen_rejected)
-            counts["ties"] += ties
-            counts["failures"] += failures
-    del model
+    return samples, pairs, counts
 
+
+def _generate_and_score(config: DictConfig, scorer, model, tokenizer, stop_ids, batch: list[dict]) -> tuple:
+    """(generate_batch's output, the texts, their scores (NaN: failed), an iterator of the failures' reasons), ``k`` a prompt."""
+    k = int(config.k)
+    ids = evaluate.prompt_ids(batch, tokenizer, config)
+    seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
+    out = evaluate.generate_batch(
+        model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
+    )
+    texts = [evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)]
+    prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
+    fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
+    scores = scorer.score(prompts, texts, **fields).tolist()
+    return out, texts, scores, iter(scorer.last_errors)  # one sentence per failed completion, in order
+
+
+def _prompt_samples(item: dict, out: list[dict], completions: list[str], scores: list, errors) -> list[dict]:
+    """The samples file's rows of one prompt's completions (score None: failed, with the next reason of ``errors``)."""
+    return [
+        {
+            "id": item["id"],
+            "prompt": item["prompt"],
+            "completion": text,
+            "score": score,
+            "ended": sample["ended"],
+            "n_tokens": sample["n_tokens"],
+            "error": next(errors) if score is None else None,
+        }
+        for text, score, sample in zip(completions, scores, out)
+    ]
+
+
+def _prompt_pairs(item: dict, completions: list[str], scores: list, limit: int | None, counts: dict) -> list[dict]:
+    """The pair rows of one prompt's completions (at most ``limit``), counted into ``counts``."""
+    chosen_rejected, ties, failures = make_pairs(completions, scores)
+    if limit is not None and len(chosen_rejected) > limit:
+        counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
+        chosen_rejected = widest_pairs(chosen_rejected, scores, limit)
+    counts["pairs"] += len(chosen_rejected)
+    counts["ties"] += ties
+    counts["failures"] += failures
+    return [pair_record(item, completions[c], completions[r], scores[c], scores[r]) for c, r in chosen_rejected]
+
+
+def _write(config: DictConfig, scorer, output: str, samples: list, pairs: list, counts: dict) -> None:
+    """Write the samples file, print the counts, then write the pairs; DataError (after the samples) when there is none."""
     samples_path = output + ".samples.jsonl"
     utils.write_atomic(samples_path, "".join(json.dumps(s) + "\n" for s in samples))
     summary = ", ".join(f"{v} {name}" for name, v in counts.items())
-    print(f"{summary} (k={k}, temperature={config.temperature}, reward_functions={list(scorer.names)})")
+    print(f"{summary} (k={int(config.k)}, temperature={config.temperature}, reward_functions={list(scorer.names)})")
     if counts["failures"] > config.max_failure_rate * counts["completions"]:
         first = next((s["error"] for s in samples if s["error"]), "")
         print(
@@ -210,8 +207,6 @@ def main(config: DictConfig) -> dict:
         )
     utils.write_atomic(output, "".join(json.dumps(p) + "\n" for p in pairs))
     print(f"Pairs: {output} (every completion: {samples_path})")
-    print(f"Train on them: {train_command(policy, output, conversational.pop())}")
-    return counts
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="make_pairs")

@@ -71,8 +71,7 @@ def hub_datasets(config: DictConfig) -> list[str]:
 
 
 def eval_metrics(run_dir: str, step: int) -> tuple[int | None, dict]:
-    """The latest held-out record of ``<run_dir>/metrics.jsonl`` at or before ``step`` examples:
-    (its step, {key: value}); (None, {}) when there is none."""
+    """(step, {key: value}) of the latest held-out record in metrics.jsonl at or before ``step`` examples; (None, {}) if none."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return None, {}
@@ -141,24 +140,42 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
 
 
 def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: str, curves: list[str] = ()):
-    """The ``huggingface_hub.ModelCard`` of the export of checkpoint ``step-<step>`` of ``run_dir``.
-
-    Args:
-        config: the run's config (its config.yaml).
-        step: examples trained on; ``updates``: optimizer steps.
-        kind: ``model`` (a whole model), ``adapter`` (a LoRA adapter folder) or ``merged``
-            (the base with the adapters merged in).
-        curves: the panels drawn into the export's ``curves/`` (``<panel>.png``).
-    """
-    from huggingface_hub import EvalResult, ModelCard, ModelCardData
+    """The ``huggingface_hub.ModelCard`` of checkpoint ``step-<step>``'s export (``kind``: model, adapter or merged)."""
+    from huggingface_hub import ModelCard, ModelCardData
 
     objective = losses.get_objective(config.loss.name)
     hub_base, base_text = _base(config)
     datasets = hub_datasets(config)
     eval_step, metrics = eval_metrics(run_dir, step)
     run_name = os.path.basename(os.path.normpath(run_dir))
+    results = _eval_results(config, objective, metrics)
+    data = ModelCardData(
+        library_name="peft" if kind == "adapter" else "transformers",
+        base_model=hub_base,
+        tags=list(dict.fromkeys(["dpo", config.loss.name])),
+        datasets=datasets or None,
+        pipeline_tag="text-classification" if objective.score_head else "text-generation",
+        model_name=f"{run_name}/step-{step}" if results else None,
+        eval_results=results or None,
+    )
+    lines = [f"# {run_name} (step-{step})", ""]
+    lines += _intro_lines(config, objective, kind)
+    lines += ["", "## Base model", "", base_text + ".", "", "## Data", ""]
+    lines += _settings_lines(config, objective)
+    lines += _training_lines(config, step, updates)
+    lines += _metrics_lines(config, eval_step, metrics)
+    lines += _curves_lines(curves)
+    lines += evaluations_lines(evaluations(run_dir))
+    lines += _made_lines(config, run_dir)
+    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+
+
+def _eval_results(config: DictConfig, objective, metrics: dict) -> list:
+    """The card metadata's ``EvalResult`` s: the finite held-out metrics, counts left out."""
+    from huggingface_hub import EvalResult
+
     eval_set = "+".join(config.datasets)
-    results = [
+    return [
         EvalResult(
             task_type="text-classification" if objective.score_head else "text-generation",
             dataset_type=eval_set,
@@ -171,21 +188,15 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         for key, value in metrics.items()
         if isinstance(value, (int, float)) and math.isfinite(value) and not key.endswith(COUNT_SUFFIX)
     ]
-    data = ModelCardData(
-        library_name="peft" if kind == "adapter" else "transformers",
-        base_model=hub_base,
-        tags=list(dict.fromkeys(["dpo", config.loss.name])),
-        datasets=datasets or None,
-        pipeline_tag="text-classification" if objective.score_head else "text-generation",
-        model_name=f"{run_name}/step-{step}" if results else None,
-        eval_results=results or None,
-    )
-    lines = [f"# {run_name} (step-{step})", ""]
+
+
+def _intro_lines(config: DictConfig, objective, kind: str) -> list[str]:
+    """The card's opening: what was trained and how the export loads."""
     trained = "a reward model (score head)" if objective.score_head else "a policy"
-    lines.append(
-        f"{trained.capitalize()} trained with `loss={config.loss.name}` ({objective.summary}; {objective.source}) by train.py."
-    )
-    lines.append("")
+    lines = [
+        f"{trained.capitalize()} trained with `loss={config.loss.name}` ({objective.summary}; {objective.source}) by train.py.",
+        "",
+    ]
     lora = checks.lora_settings(config.model)
     if kind == "adapter":
         lines.append(
@@ -199,7 +210,12 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
     else:
         auto = "AutoModelForSequenceClassification" if objective.score_head else "AutoModelForCausalLM"
         lines.append(f"`{auto}.from_pretrained(<this folder>)` loads it, with its tokenizer.")
-    lines += ["", "## Base model", "", base_text + ".", "", "## Data", ""]
+    return lines
+
+
+def _settings_lines(config: DictConfig, objective) -> list[str]:
+    """The card's ``data.*`` of each dataset and the Objective section (``loss.*``, with each key's doc)."""
+    lines = []
     for name in config.datasets:
         options = OmegaConf.to_container(config.data.get(name) or OmegaConf.create({}), resolve=True)
         lines.append(f"- `{name}`: `data.{name}` = `{json.dumps(options)}`")
@@ -208,17 +224,24 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         if key != "name":
             doc = objective.keys[key].doc if key in objective.keys else ""
             lines.append(f"- `loss.{key}` = `{value}`" + (f": {doc}" if doc else ""))
-    lines += [
+    return lines
+
+
+def _training_lines(config: DictConfig, step: int, updates: int) -> list[str]:
+    """The card's Training section (``step``: examples trained on, ``updates``: optimizer steps)."""
+    return [
         "",
         "## Training",
         "",
         f"- examples trained on: {step}",
         f"- optimizer steps: {updates} (batch_size={config.batch_size} pairs a step)",
         f"- lr={config.lr}, optimizer={config.optimizer}, lr_scheduler={config.lr_scheduler}, warmup_steps={config.warmup_steps}, seed={config.seed}",
-        "",
-        "## Held-out metrics",
-        "",
     ]
+
+
+def _metrics_lines(config: DictConfig, eval_step: int | None, metrics: dict) -> list[str]:
+    """The card's Held-out metrics section: the table of the eval at ``eval_step``."""
+    lines = ["", "## Held-out metrics", ""]
     if metrics:
         lines += [
             f"The eval after {eval_step} examples (`n_eval_examples={config.get('n_eval_examples')}` held-out examples at most):",
@@ -228,27 +251,34 @@ def build_card(config: DictConfig, run_dir: str, step: int, updates: int, kind: 
         lines += [f"| {key} | {_number(value)} |" for key, value in metrics.items()]
     else:
         lines.append("No eval had run at or before this step.")
-    lines += ["", "## Training curves", ""]
+    return lines
+
+
+def _curves_lines(curves: list[str]) -> list[str]:
+    """The card's Training curves section: the export's ``curves/<panel>.png``."""
+    lines = ["", "## Training curves", ""]
     if curves:
         lines += [f"![{p}](curves/{p}.png)" for p in curves]
         lines.append("")
         lines.append("Every panel is in the run folder's `curves/` (x axis: examples seen).")
     else:
         lines.append("Not enough points for a curve yet; the run folder's `curves/` has them once training ends.")
-    lines += evaluations_lines(evaluations(run_dir))
+    return lines
+
+
+def _made_lines(config: DictConfig, run_dir: str) -> list[str]:
+    """The card's How it was made section: the recorded command and config.yaml."""
     command = checkpoints.read_command(run_dir)
-    lines += ["", MADE_HEADING, ""]
+    lines = ["", MADE_HEADING, ""]
     if command is not None:
         lines += ["```bash", command, "```", ""]
     lines += ["The run's whole configuration (its `config.yaml`):", "", "<details>", "", "```yaml"]
     lines += [OmegaConf.to_yaml(config).rstrip("\n"), "```", "", "</details>", ""]
-    return ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines))
+    return lines
 
 
 def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, updates: int, adapter: bool) -> None:
-    """Write the card (README.md) and the training curves so far (``curves/``, :data:`CURVE_PANELS`)
-    into the export ``folder``, and into ``folder/merged`` when there is one (a LoRA run's
-    ``model.lora.export_merged``)."""
+    """Write the card (README.md) and the curves so far (``curves/``) into the export ``folder`` and its ``merged/`` if any."""
     saved = os.path.join(run_dir, "config.yaml")
     run_config = OmegaConf.load(saved) if os.path.exists(saved) else config
     curves_dir = os.path.join(folder, "curves")
@@ -265,7 +295,7 @@ def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, update
 
 
 def with_evaluations(text: str, found: list[tuple[str, dict]]) -> str:
-    """The card ``text`` (made by :func:`build_card`) with its evaluations section replaced by one of ``found``, all else as it was."""
+    """The card ``text`` (of :func:`build_card`) with its evaluations section replaced by one of ``found``, all else kept."""
     made = text.find(f"\n\n{MADE_HEADING}\n")
     if made < 0:  # not a card of build_card's: the section goes at its end
         made = len(text.rstrip("\n"))
@@ -276,11 +306,7 @@ def with_evaluations(text: str, found: list[tuple[str, dict]]) -> str:
 
 
 def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
-    """Rewrite the cards of checkpoint folder ``checkpoint`` of ``run_dir`` (``hf/README.md``,
-    ``hf/merged/README.md``) with evaluate.py's results in ``run_dir/eval`` and ``output_dir``
-    (this evaluation's folder), each atomically, then the sizes of ``manifest.json``
-    (``checkpoints.CHECKPOINT_MANIFEST``), so the checkpoint stays whole; returns the cards rewritten
-    (none without ``hf/``)."""
+    """Rewrite ``checkpoint``'s cards and manifest with evaluate.py's results (run_dir, output_dir); returns the cards' paths."""
     found = evaluations(run_dir)
     folder = os.path.realpath(output_dir)
     if not any(os.path.realpath(os.path.join(run_dir, "eval", name)) == folder for name, _ in found):
@@ -307,7 +333,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
 
 
 def export_to_push(checkpoint: str, config: DictConfig) -> str:
-    """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` for a LoRA run with ``model.lora.export_merged``."""
+    """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` with ``model.lora.export_merged``."""
     lora = checks.lora_settings(config.model)
     merged = lora is not None and lora.get("export_merged")
     return os.path.join(os.path.realpath(checkpoint), "hf", "merged" if merged else "")
@@ -321,12 +347,7 @@ def push_command(model_id: str, folder: str, private: bool) -> str:
 
 
 def push(checkpoint: str, config: DictConfig) -> str:
-    """Upload the final export of ``checkpoint`` to the Hub as ``hub.model_id`` (created if absent,
-    ``hub.private``); returns the repository's URL.
-
-    Raises:
-        PushError: when the export is missing or the Hub refused or could not be reached.
-    """
+    """Upload ``checkpoint``'s final export to the Hub as ``hub.model_id``; returns its URL, PushError when it cannot."""
     from huggingface_hub import HfApi
 
     hub = config.hub
@@ -352,11 +373,7 @@ def push(checkpoint: str, config: DictConfig) -> str:
 
 
 def push_final(run_dir: str, config: DictConfig) -> str:
-    """Push the final export of ``run_dir`` (its LATEST checkpoint, :func:`push`); returns the line that says where it went.
-
-    Raises:
-        PushError: as :func:`push`.
-    """
+    """Push the final export of ``run_dir``'s LATEST checkpoint (:func:`push`); returns the line that says where it went."""
     checkpoint = os.path.join(run_dir, "LATEST")
     url = push(checkpoint, config)
     return f"Pushed {export_to_push(checkpoint, config).rstrip(os.sep)} to {url}"

@@ -1,19 +1,7 @@
-"""Ray: the same training worker on a Ray cluster, and the reference and reward models on
-Ray actors of their own.
+"""Ray: ``train.main`` on N Ray Train workers, the reference and reward models on Ray actors of their own.
 
-``python train.py launcher=ray ray.num_workers=N trainer=FSDPTrainer ...`` runs ``train.main``
-(what each torchrun rank runs) on N Ray Train workers (``TorchTrainer``). Ray Train sets up the
-process group (gloo on CPU, NCCL on GPUs) and ``train.main`` joins it. Each checkpoint the
-trainer saves is reported with ``ray.train.report``; after a worker failure Ray restarts the
-workers (``ray.max_failures`` times) and they continue from the last one Ray registered
-(``ray.train.get_checkpoint``; from scratch when there is none), as does a resubmitted run
-(``resume=<run folder>``), with what was logged after it dropped as ``resume=`` drops it.
-
-With ``ray.reference_workers=K`` the frozen reference lives on K actors (:class:`ReferenceActor`)
-instead of in every policy worker, and the trainer's ``reference_logps`` seam asks them
-(:class:`RemoteReference`); with ``ray.reward_workers=K`` online DPO's reward model or judge
-lives on K actors (:class:`RemoteScorer`, :class:`RemoteJudge`). Ray is imported only here and
-only on this path: the core install does not need it (``pip install -r requirements-ray.txt``).
+``python train.py launcher=ray ray.num_workers=N ...``; see docs/ray.md. Ray is imported only here
+and only on this path (``pip install -r requirements-ray.txt``).
 """
 
 from __future__ import annotations
@@ -54,11 +42,7 @@ workers from scratch."""
 
 
 def check_config(config: DictConfig) -> None:
-    """Check the ``ray:`` section with the rest of the config, before Ray starts.
-
-    Raises:
-        utils.ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check the ``ray:`` section with the rest of the config before Ray starts; utils.ConfigError names the first bad key."""
     ray_cfg = config.ray
     n = ray_cfg.num_workers
     if not isinstance(n, int) or n < 1:
@@ -98,11 +82,7 @@ def check_config(config: DictConfig) -> None:
 
 
 def import_ray():
-    """The ``ray`` module (with Ray Train).
-
-    Raises:
-        utils.ConfigError: if Ray is not installed.
-    """
+    """The ``ray`` module (with Ray Train); utils.ConfigError if Ray is not installed."""
     try:
         import ray
         import ray.train.torch  # noqa: F401
@@ -140,35 +120,15 @@ def required_resources(config: DictConfig) -> dict:
 
 
 def launch(config: DictConfig, main) -> int:
-    """Run the job on Ray: ``python train.py launcher=ray ...`` ends here.
+    """Run ``main`` (``train.main``, passed in as train.py imports this module) on Ray; returns the exit status.
 
-    Connects to ``ray.address`` (or starts a local cluster of ``ray.num_cpus`` CPUs, by default
-    this machine's or what the run asks for if more), makes the run folder, starts the reference
-    and reward actors, then ``ray.num_workers`` Ray Train workers that each run ``train.main``.
-    Uses a cluster this process is already connected to (``ray.init`` called before, as the
-    tests do) and leaves it running; a cluster it started, it shuts down. This process holds the
-    run folder (``checkpoints.lock_run_dir``) until it returns; the workers, which write into it, are
-    Ray's, and Ray ends a job's workers and actors when the job's driver (this process) dies.
-
-    Args:
-        config: the composed config (``launcher=ray``).
-        main: what each worker runs as one rank, ``train.main`` (passed in, so that this module
-            does not import train.py, which imports it); Ray sends it to the workers by name.
-
-    Returns:
-        The exit status: 0 when training finished, 1 when it failed after ``ray.max_failures``
-        restarts (the error is printed), 130 after Ctrl-C (the workers stop where they are;
-        ``resume=<run folder>`` continues from the last reported checkpoint).
-
-    Raises:
-        utils.ConfigError: a bad config value, Ray missing, a cluster too small for the run, or
-            ``resume=`` of a run folder a live run holds (before any worker starts).
+    A cluster this process is already connected to is used and left running; one it starts, it
+    shuts down. Ray ends the workers and actors if this process dies. The status: 0 done, 1 failed
+    after ``ray.max_failures`` restarts, 130 after Ctrl-C. utils.ConfigError (before any worker
+    starts): a bad config, Ray missing, a cluster too small, or ``resume=`` of a folder a live run holds.
     """
     check_config(config)
     ray = import_ray()
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
     config = copy.deepcopy(config)
     ray_cfg = config.ray
     need = required_resources(config)
@@ -179,39 +139,10 @@ def launch(config: DictConfig, main) -> int:
         if config.resume is not None:  # before Ray starts: refused while a live run holds the folder
             held.enter_context(checkpoints.lock_run_dir(config.resume))
         if started:
-            if ray_cfg.address is None:
-                ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
-            else:
-                try:
-                    ray.init(address=ray_cfg.address)
-                except ConnectionError as e:
-                    raise utils.ConfigError(
-                        f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
-                        "or leave ray.address=null for a local cluster."
-                    ) from None
-        have = ray.cluster_resources()
-        short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
-        if short:
-            raise utils.ConfigError(
-                f"The Ray cluster has {have.get(short[0], 0):g} {short[0]}s and this run asks for {need[short[0]]:g} "
-                "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
-            )
-        fresh = config.resume is None
-        run_dir = os.path.abspath(checkpoints.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
-        if fresh:
-            held.enter_context(checkpoints.lock_run_dir(run_dir))
-        ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
-        ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
-        if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
-            OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
-        print(f"Run folder: {run_dir}")
-        reference = scorer = None
-        if ray_cfg.reference_workers > 0:
-            reference = start_reference(config)
-            actors += reference.actors
-        if ray_cfg.reward_workers > 0:
-            scorer = start_scorer(config)
-            actors += scorer.actors
+            _init_ray(ray, ray_cfg, need)
+        _check_cluster(ray, need)
+        run_dir = _open_run_dir(config, held)
+        reference, scorer = _start_remote_models(config, actors)
         payload = {
             "config": OmegaConf.to_container(config, resolve=True),
             "run_dir": run_dir,
@@ -223,21 +154,7 @@ def launch(config: DictConfig, main) -> int:
             "main": main,
         }
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
-        worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
-        keep = config.keep_checkpoints if config.keep_checkpoints and config.keep_checkpoints > 0 else None
-        trainer = TorchTrainer(
-            train_worker,
-            train_loop_config=payload,
-            scaling_config=ScalingConfig(
-                num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu, resources_per_worker=worker_resources
-            ),
-            run_config=RunConfig(
-                name=ray_cfg.name,
-                storage_path=ray_cfg.storage_path,
-                failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
-                checkpoint_config=CheckpointConfig(num_to_keep=keep),
-            ),
-        )
+        trainer = _torch_trainer(config, payload)
         try:
             result = trainer.fit()
         except (KeyboardInterrupt, SystemExit):  # Ray Train's Ctrl-C handler aborts the run and exits
@@ -246,15 +163,7 @@ def launch(config: DictConfig, main) -> int:
         except Exception as e:  # Ray's TrainingFailedError and friends: the workers' error is in the text
             print(f"Error: training on Ray failed after ray.max_failures={ray_cfg.max_failures} restarts: {e}")
             return 1
-        where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
-        print(f"Ray run {ray_cfg.name} done: run folder {run_dir}{where}.")
-        if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
-            try:
-                print(modelcard.push_final(run_dir, config))
-            except modelcard.PushError as e:
-                print(f"Error: {e}", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return _finish(config, run_dir, result)
     finally:
         for actor in actors:
             ray.kill(actor)
@@ -263,33 +172,106 @@ def launch(config: DictConfig, main) -> int:
         held.close()  # after the workers are gone
 
 
+def _init_ray(ray, ray_cfg: DictConfig, need: dict) -> None:
+    """Connect to ``ray.address``, or start a local cluster of ``ray.num_cpus`` CPUs (at least ``need["CPU"]``)."""
+    if ray_cfg.address is None:
+        ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
+    else:
+        try:
+            ray.init(address=ray_cfg.address)
+        except ConnectionError as e:
+            raise utils.ConfigError(
+                f"No Ray cluster at ray.address={ray_cfg.address} ({e}); start one with `ray start --head`, "
+                "or leave ray.address=null for a local cluster."
+            ) from None
+
+
+def _check_cluster(ray, need: dict) -> None:
+    """Raise utils.ConfigError if the cluster has fewer CPUs or GPUs than ``need`` (:func:`required_resources`)."""
+    have = ray.cluster_resources()
+    short = [k for k in ("CPU", "GPU") if need[k] > have.get(k, 0)]
+    if short:
+        raise utils.ConfigError(
+            f"The Ray cluster has {have.get(short[0], 0):g} {short[0]}s and this run asks for {need[short[0]]:g} "
+            "(ray.num_workers, ray.cpus_per_worker, ray.use_gpu and the actors' resources); ask for less or add nodes."
+        )
+
+
+def _open_run_dir(config: DictConfig, held: contextlib.ExitStack) -> str:
+    """The run folder (a new one, locked on ``held``, or ``resume``'s), with ``ray.storage_path`` and ``ray.name`` set."""
+    ray_cfg = config.ray
+    fresh = config.resume is None
+    run_dir = os.path.abspath(checkpoints.make_run_dir(config.output_root, config.exp_name) if fresh else config.resume)
+    if fresh:
+        held.enter_context(checkpoints.lock_run_dir(run_dir))
+    ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
+    ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
+    if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
+        OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+    print(f"Run folder: {run_dir}")
+    return run_dir
+
+
+def _start_remote_models(config: DictConfig, actors: list) -> tuple:
+    """(remote reference, remote scorer), each None when not asked for; their actors are added to ``actors`` as they start."""
+    reference = scorer = None
+    if config.ray.reference_workers > 0:
+        reference = start_reference(config)
+        actors += reference.actors
+    if config.ray.reward_workers > 0:
+        scorer = start_scorer(config)
+        actors += scorer.actors
+    return reference, scorer
+
+
+def _torch_trainer(config: DictConfig, payload: dict):
+    """The ``TorchTrainer`` that runs :func:`train_worker` on ``ray.num_workers`` workers."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    ray_cfg = config.ray
+    worker_resources = {"CPU": ray_cfg.cpus_per_worker, **({"GPU": 1} if ray_cfg.use_gpu else {})}
+    keep = config.keep_checkpoints if config.keep_checkpoints and config.keep_checkpoints > 0 else None
+    return TorchTrainer(
+        train_worker,
+        train_loop_config=payload,
+        scaling_config=ScalingConfig(
+            num_workers=ray_cfg.num_workers, use_gpu=ray_cfg.use_gpu, resources_per_worker=worker_resources
+        ),
+        run_config=RunConfig(
+            name=ray_cfg.name,
+            storage_path=ray_cfg.storage_path,
+            failure_config=FailureConfig(max_failures=ray_cfg.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=keep),
+        ),
+    )
+
+
+def _finish(config: DictConfig, run_dir: str, result) -> int:
+    """Say where the finished run is and push its final export if ``hub.push``; the exit status (1: the push failed)."""
+    where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
+    print(f"Ray run {config.ray.name} done: run folder {run_dir}{where}.")
+    if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
+        try:
+            print(modelcard.push_final(run_dir, config))
+        except modelcard.PushError as e:
+            print(f"Error: {e}", file=sys.stderr, flush=True)
+            return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- the workers
 
 
 def train_worker(payload: dict) -> None:
-    """What each Ray Train worker runs: ``payload["main"]`` (``train.main``) as one rank of the job.
-
-    Ray Train has set up the process group and RANK / WORLD_SIZE / LOCAL_RANK, so ``main`` joins
-    it instead of starting one. The run folder is the one the driver made; the checkpoint to
-    continue from is Ray's latest reported one (after a worker failure or for a resubmitted
-    run), else ``resume``'s LATEST. Every checkpoint the trainer saves is then reported.
-
-    Args:
-        payload: from :func:`launch`: ``config`` (a plain dict), ``run_dir``, ``cwd`` (the
-            driver's, for relative paths in the config), ``reference`` (a
-            :class:`RemoteReference` or None), ``scorer`` (a :class:`RemoteScorer` /
-            :class:`RemoteJudge` or None), ``exit_once`` and ``exit_before_save`` (test hooks:
-            :data:`EXIT_ONCE_ENV`, :data:`EXIT_BEFORE_SAVE_ENV`) and ``main``, the function each
-            rank runs.
-    """
+    """What each Ray Train worker runs: ``payload["main"]`` as one rank, from Ray's latest checkpoint if any."""
     import ray.train
     import ray.train.torch
 
     if os.path.isdir(payload["cwd"]):
         os.chdir(payload["cwd"])  # Ray starts workers in a folder of its own
     if torch.cuda.is_available():
-        # Ray gives each worker its GPU as an index among the node's visible ones, which need not
-        # be the local rank; LOCAL_RANK is what the trainers read as the CUDA device.
+        # Ray's GPU index need not be the local rank; the trainers read LOCAL_RANK as the CUDA device
         os.environ["LOCAL_RANK"] = str(ray.train.torch.get_device().index)
     config = OmegaConf.create(payload["config"])
     checkpoint = ray.train.get_checkpoint()
@@ -300,14 +282,11 @@ def train_worker(payload: dict) -> None:
 
 
 def _attach(payload: dict, from_scratch: bool, trainer) -> None:
-    """Put the remote reference and scorer behind the trainer's seams, and report each checkpoint
-    it saves to Ray (rank 0 reports the folder, which holds every rank's shard; the others
-    report with no checkpoint, since ``ray.train.report`` is a barrier over all workers).
+    """Put the remote reference and scorer behind the trainer's seams and report each checkpoint it saves to Ray.
 
-    A run that starts ``from_scratch`` (no checkpoint from Ray or ``resume=``) drops whatever an
-    earlier attempt logged in the run folder (``trainer.rewind_logs``): Ray restarts the workers
-    from scratch when they fail before a checkpoint is registered. One that continues from a
-    checkpoint is rewound to it when the trainer loads it, as with ``resume=``."""
+    Rank 0 reports the folder (every rank's shard); the others report none, as ``ray.train.report``
+    is a barrier. ``from_scratch``: an earlier attempt's logs in the run folder are dropped.
+    """
     import ray.train
 
     dropped = trainer.rewind_logs(-1) if from_scratch else 0
@@ -345,13 +324,7 @@ def _attach(payload: dict, from_scratch: bool, trainer) -> None:
 
 
 class ReferenceActor:
-    """A Ray actor holding the frozen reference, loaded from the config as ``train.main`` loads a
-    colocated one (``models.load_reference``: ``model.*``, ``seed``, ``model.archive``), on this
-    actor's GPU if Ray gave it one, else the CPU.
-
-    Args:
-        config: the run's config as a plain dict.
-    """
+    """A Ray actor holding the frozen reference (``models.load_reference`` of the config as a plain dict), on its GPU if any."""
 
     def __init__(self, config: dict):
         config = OmegaConf.create(config)
@@ -373,16 +346,8 @@ class ReferenceActor:
 
     @torch.inference_mode()
     def logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference log-probs of a (slice of a) batch, as ``BasicTrainer.reference_logps``.
-
-        Args:
-            batch: ``chosen_*`` / ``rejected_*`` ``input_ids``, ``attention_mask``, ``labels``
-                tensors of shape (B, T_c) / (B, T_r).
-
-        Returns:
-            (chosen, rejected): (B,) float32 on the CPU.
-        """
-        # The trainer's own log-prob code, so the remote reference computes what a colocated one would.
+        """(chosen, rejected) reference log-probs, each (B,) float32 on the CPU, of ``REFERENCE_KEYS`` tensors (B, T)."""
+        # the trainer's own code, so a remote reference computes what a colocated one would
         chosen, rejected, _ = trainers.BasicTrainer.concatenated_forward(self, self.model, batch)
         return chosen.float().cpu(), rejected.float().cpu()
 
@@ -404,18 +369,7 @@ def _unreachable(what: str, error: Exception) -> RuntimeError:
 
 
 class RemoteReference:
-    """Reference log-probs from K :class:`ReferenceActor` s: ``reference(batch) -> (chosen, rejected)``.
-
-    The batch is cut into K contiguous slices (sizes differ by at most one), one per actor, all
-    computed at once; the results are concatenated in the batch's order.
-
-    Args:
-        actors: handles of running :class:`ReferenceActor` s.
-
-    Raises:
-        RuntimeError: when there are no actors; when called, if an actor has died or cannot be
-            reached. A policy worker never uses the policy in the reference's place.
-    """
+    """Reference log-probs from K :class:`ReferenceActor` s, one contiguous slice of the batch each, concatenated in order."""
 
     def __init__(self, actors: list):
         if not actors:
@@ -439,15 +393,7 @@ class RemoteReference:
 
 
 def _start_actors(config: DictConfig, cls: type, count: int, resources, probe: str, *args) -> tuple[list, list]:
-    """Start ``count`` Ray actors ``cls(config as a dict, *args)`` with ``resources`` each (restarted
-    up to ``ray.max_failures`` times if a process dies) and wait for each one's ``probe()``.
-
-    Returns:
-        (actor handles, the probe's answers).
-
-    Raises:
-        RuntimeError: if an actor fails to start (the actor's error is in the message).
-    """
+    """Start ``count`` actors ``cls(config as a dict, *args)`` and wait for each one's ``probe()``; returns (actors, answers)."""
     import ray
 
     restarts = max(config.ray.max_failures, 0)
@@ -465,12 +411,7 @@ def _start_actors(config: DictConfig, cls: type, count: int, resources, probe: s
 
 
 def start_reference(config: DictConfig) -> RemoteReference:
-    """Start ``ray.reference_workers`` :class:`ReferenceActor` s with ``ray.reference_resources``
-    each, and wait until every one has loaded the reference.
-
-    Raises:
-        RuntimeError: if an actor fails to load the model (the actor's error is in the message).
-    """
+    """Start ``ray.reference_workers`` :class:`ReferenceActor` s and wait until each has loaded the reference."""
     actors, _ = _start_actors(config, ReferenceActor, config.ray.reference_workers, config.ray.reference_resources, "ready")
     return RemoteReference(actors)
 
@@ -479,14 +420,7 @@ def start_reference(config: DictConfig) -> RemoteReference:
 
 
 class ScorerActor:
-    """A Ray actor holding online DPO's scorer or pairwise judge, built inside the actor by
-    ``build(config, device=...)`` (default ``rewards.build_scorer``) on this actor's GPU if Ray
-    gave it one, else the CPU.
-
-    Args:
-        config: the run's config as a plain dict.
-        build: ``"module.function"`` that builds the scorer (tests pass a stub).
-    """
+    """A Ray actor holding online DPO's scorer or judge, built by ``build`` ("module.function") on its GPU if any."""
 
     def __init__(self, config: dict, build: str = "rewards.build_scorer"):
         module, name = build.rsplit(".", 1)
@@ -497,15 +431,13 @@ class ScorerActor:
         self.scorer = getattr(importlib.import_module(module), name)(config, device=device)
 
     def kind(self) -> tuple[str, bool]:
-        """("score", _) for a scorer, ("judge", has_scorer) for a judge; has_scorer: the judge
-        wraps a scorer (``.scorer``, e.g. ``rewards.RewardModelJudge``) whose scores can be asked."""
+        """("score", True) for a scorer, ("judge", whether it wraps a ``.scorer``) for a judge."""
         if hasattr(self.scorer, "score"):
             return "score", True
         return "judge", hasattr(self.scorer, "scorer")
 
     def score(self, prompts: list[str], completions: list[str], fields: list[dict] | None = None) -> torch.Tensor:
-        """The scorer's (or the judge's inner scorer's) ``score``, given ``fields`` (one dict per
-        text, see ``rewards.field_columns``): (N,) float32 on the CPU."""
+        """The scorer's (or the judge's inner scorer's) scores, (N,) float32 on the CPU; ``fields``: one dict per text."""
         scorer = self.scorer if hasattr(self.scorer, "score") else self.scorer.scorer
         return scorer.score(prompts, completions, **rewards.field_columns(fields or [])).float().cpu()
 
@@ -549,23 +481,10 @@ class _RemoteScoring:
 
 
 class RemoteScorer(_RemoteScoring):
-    """A scorer on K :class:`ScorerActor` s, used as a local ``rewards`` scorer is.
-
-    Args:
-        actors: handles of running :class:`ScorerActor` s.
-
-    Raises:
-        RuntimeError: when there are no actors; when called, if an actor died or is unreachable.
-    """
+    """A scorer on K :class:`ScorerActor` s, used as a local ``rewards`` scorer is."""
 
     def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
-        """Reward of each ``prompts[i] + completions[i]`` (``fields``: the rows' other columns, for
-        reward functions): (N,) float32 on the CPU, in input order; the N texts are cut into K
-        contiguous slices, one per actor.
-
-        Raises:
-            ValueError: if the lists differ in length.
-        """
+        """Reward of each ``prompts[i] + completions[i]``: (N,) float32 on the CPU, in input order."""
         if len(prompts) != len(completions) or any(len(v) != len(prompts) for v in fields.values()):
             raise ValueError(f"score() got {len(prompts)} prompts and {len(completions)} completions; pass one of each per text.")
         if not prompts:
@@ -575,17 +494,7 @@ class RemoteScorer(_RemoteScoring):
 
 
 class RemoteJudge(_RemoteScoring):
-    """A pairwise judge on K :class:`ScorerActor` s, used as a local ``rewards`` judge is.
-
-    Attributes:
-        failures: judgements that failed (None), over all actors and calls.
-        last_errors: why each judgement of the last call failed.
-        scorer: a :class:`RemoteScorer` over the same actors when the judge wraps a scorer
-            (``rewards.RewardModelJudge``), else None.
-
-    Raises:
-        RuntimeError: when there are no actors; when called, if an actor died or is unreachable.
-    """
+    """A pairwise judge on K :class:`ScorerActor` s, used as a local ``rewards`` judge is."""
 
     def __init__(self, actors: list, has_scorer: bool = False):
         super().__init__(actors)
@@ -594,12 +503,7 @@ class RemoteJudge(_RemoteScoring):
         self.scorer = RemoteScorer(actors) if has_scorer else None
 
     def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
-        """One judgement per (prompt, pair), in input order: 0, 1, a tie, or None (failed, counted
-        in ``failures``); the pairs are cut into K contiguous slices, one per actor.
-
-        Raises:
-            ValueError: if the two lists differ in length.
-        """
+        """One judgement per (prompt, pair), in input order: 0, 1, a tie, or None (failed, counted in ``failures``)."""
         if len(prompts) != len(pairs):
             raise ValueError(f"judge() got {len(prompts)} prompts and {len(pairs)} pairs; pass one pair per prompt.")
         self.last_errors = []
@@ -628,15 +532,7 @@ class RemoteJudge(_RemoteScoring):
 
 
 def start_scorer(config: DictConfig, build: str = "rewards.build_scorer") -> RemoteScorer | RemoteJudge:
-    """Start ``ray.reward_workers`` :class:`ScorerActor` s with ``ray.reward_resources`` each,
-    each building ``build(config, device=...)``, and wait until all are built.
-
-    Returns:
-        A :class:`RemoteScorer` if the built object has ``.score``, else a :class:`RemoteJudge`.
-
-    Raises:
-        RuntimeError: if an actor fails to build its scorer (the actor's error is in the message).
-    """
+    """Start ``ray.reward_workers`` :class:`ScorerActor` s: a :class:`RemoteScorer`, or a :class:`RemoteJudge` for a judge."""
     actors, kinds = _start_actors(config, ScorerActor, config.ray.reward_workers, config.ray.reward_resources, "kind", build)
     kind, has_scorer = kinds[0]
     return RemoteScorer(actors) if kind == "score" else RemoteJudge(actors, has_scorer)
