@@ -1,8 +1,5 @@
-"""Entry point: ``python train.py [key=value ...]`` (Hydra). See README.md.
-
-Checks the config, loads the data, then the policy and (for DPO/IPO) the frozen
-reference, and hands off to the trainer named by ``config.trainer``.
-"""
+"""Entry point: ``python train.py [key=value ...]`` (Hydra): check the config, load the data, the policy and reference, and hand
+off to ``config.trainer``."""
 
 from __future__ import annotations
 
@@ -39,11 +36,8 @@ from utils import (
 
 
 def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
-    """Where the reference log-probs of ``examples`` are cached (``trainers.reference_cache_path``),
-    and what that file holds when an earlier run wrote it (None: the trainer computes them,
-    ``BasicTrainer.precompute_reference``). Rank 0, the only rank holding the reference's whole
-    weights before they are sharded, hashes them and reads the file; under FSDP/TP the other
-    ranks receive both from it."""
+    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
+    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
     found = None
     if rank == 0:
         path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
@@ -64,8 +58,8 @@ check across ranks to say so when the ranks found different folders."""
 
 
 def says_once() -> bool:
-    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the
-    process the user started (not the ranks train.py's own launcher starts)."""
+    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the process the user started (not a rank
+    of train.py's own launcher)."""
     return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
@@ -78,21 +72,9 @@ EXTENSIONS_LOG = "extensions.log"
 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
-    """The config to run: with ``resume=<run folder>``, that run's saved config, with ``budget``'s
-    values of :data:`BUDGET_KEYS` set on it (:func:`budget_given`: the run is extended).
-
-    ``resume=auto`` is first resolved (the same way on every rank, from the folders and the
-    config alone): the newest of :func:`utils.resumable_runs` of ``output_root`` and
-    ``exp_name`` (run folders of this experiment with a LATEST checkpoint and config.yaml and no
-    FINISHED) whose saved config equals ``config`` resolved (:func:`utils.config_differences`:
-    all keys but :data:`utils.RUN_FOLDER_KEYS`), continued as with ``resume=<that folder>``;
-    when there is none, a fresh run of ``config`` (``resume=null``). One line says which, and
-    names the first keys that kept the newest unfinished run from being continued
-    (:func:`says_once`).
-
-    Raises:
-        utils.ConfigError: if the resume folder has no LATEST checkpoint or config.yaml.
-    """
+    """The config to run: ``resume=auto`` resolved (:func:`auto_resume_run`, said in one line) and, with ``resume=<run folder>``,
+    that run's saved config with ``budget`` set on it; raises utils.ConfigError for a folder without a LATEST checkpoint or
+    config.yaml."""
     global AUTO_RESUMED
     if config.resume == "auto":
         AUTO_RESUMED = True
@@ -137,9 +119,8 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
 
 
 def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
-    """What ``resume=auto`` finds for ``config``: (the newest unfinished run of its ``exp_name``
-    whose saved config equals it, or None; (the newest unfinished run, its
-    :func:`utils.config_differences`) when that one differs, else None)."""
+    """What ``resume=auto`` finds: (the newest unfinished run of ``exp_name`` whose saved config equals ``config``, or None; (the
+    newest unfinished run, its :func:`utils.config_differences`) when it differs, else None)."""
     new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     newest_other = None
     for run in utils.resumable_runs(config.output_root, config.exp_name):
@@ -156,10 +137,8 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
 
 
 def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
-    """With ``resume=<run folder>``: one sentence when the command line's other keys ``given``
-    (:func:`utils.given_keys`) set values that differ from the run's saved config (which the
-    resumed run uses), :data:`BUDGET_KEYS` left out (:func:`budget_given`), else None (also when the folder has no config.yaml: :func:`effective_config`
-    says so)."""
+    """With ``resume=<run folder>``: one sentence when the command line's keys ``given`` (:data:`BUDGET_KEYS` aside) differ from
+    the run's saved config, else None."""
     saved = os.path.join(str(config.resume), "config.yaml")
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
@@ -176,9 +155,8 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
 
 
 def budget_given(config: DictConfig, given: set[str]) -> dict | None:
-    """With ``resume=<run folder>``: the training length the command line's ``n_examples`` /
-    ``n_epochs`` set (as :func:`utils.settle_given` reads them: ``n_epochs`` alone makes
-    ``n_examples`` null), else None."""
+    """With ``resume=<run folder>``: the training length the command line's ``n_examples``/``n_epochs`` set (``n_epochs`` alone
+    makes ``n_examples`` null), else None."""
     if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
         return None
     budget = {k: config.get(k) for k in BUDGET_KEYS if k in given}
@@ -198,13 +176,8 @@ def total_examples(config, n_train: int) -> int:
 
 
 def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -> dict | None:
-    """When ``config`` (``resume=<resume_dir>``'s) asks for another training length than the run's
-    saved config.yaml: ``{"old": saved config, "old_total", "new_total", "trained"}`` (examples),
-    else None.
-
-    Raises:
-        utils.ConfigError: when the new length is not beyond the ``trained`` examples of the checkpoint.
-    """
+    """When ``config`` asks for another training length than ``resume_dir``'s config.yaml: ``{"old": saved config, "old_total",
+    "new_total", "trained"}`` (examples), else None; raises utils.ConfigError when the new length is not beyond ``trained``."""
     saved = OmegaConf.load(os.path.join(resume_dir, "config.yaml"))
     if all(saved.get(k) == config.get(k) for k in BUDGET_KEYS):
         return None
@@ -218,8 +191,8 @@ def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -
 
 
 def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int) -> str:
-    """The one line saying what an extension from ``old_steps`` to ``new_steps`` optimizer steps,
-    after ``steps_done``, does to the learning-rate schedule (``trainers.lr_multiplier``)."""
+    """The line saying what extending from ``old_steps`` to ``new_steps`` optimizer steps, after ``steps_done``, does to the
+    learning-rate schedule."""
     schedule, warmup = config.lr_scheduler, config.warmup_steps
     before = config.lr * trainers.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
     after = config.lr * trainers.lr_multiplier(steps_done, warmup, new_steps, schedule)
@@ -235,9 +208,8 @@ def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int)
 
 
 def scheduled_lr(trainer) -> None:
-    """Set the learning rate of the next step of ``trainer``, which has just loaded a checkpoint, from
-    its own scheduler: the loaded optimizer holds the lr the run's saved length gave that step, which
-    an extension changes (the same value otherwise)."""
+    """Set the lr of ``trainer``'s next step from its scheduler after a checkpoint load (the loaded optimizer holds the lr of the
+    run's saved length, which an extension changes)."""
     scheduler = trainer.scheduler
     lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(trainer.optimizer.param_groups, lrs):
@@ -246,11 +218,8 @@ def scheduled_lr(trainer) -> None:
 
 
 def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: str, rank: int) -> None:
-    """Continue the run ``trainer`` has just loaded to ``config``'s new length (``found``:
-    :func:`extension`; :func:`scheduled_lr` set the next step's lr): an eval the run's last
-    checkpoint already holds is not repeated, and rank 0 says so in two lines,
-    writes the new length into config.yaml, appends a line to :data:`EXTENSIONS_LOG` and removes
-    ``FINISHED`` (written again at the new end)."""
+    """Continue the just-loaded run to ``config``'s new length (``found``: :func:`extension`): skip an eval its last checkpoint
+    holds and, on rank 0, say so, rewrite config.yaml, log to :data:`EXTENSIONS_LOG` and remove ``FINISHED``."""
     run_dir, steps_done = trainer.run_dir, trainer.scheduler.last_epoch  # optimizer steps taken
     while trainer.next_eval_at <= trainer.example_counter:  # a run's end (saved before this was advanced there) evaluated here
         trainer.next_eval_at += config.eval_every
@@ -278,12 +247,8 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
-    """Load ``state`` (a policy.pt's weights) into ``model``.
-
-    Raises:
-        utils.ConfigError: naming the first missing/unexpected/mismatched key when the weights
-            are another model's.
-    """
+    """Load ``state`` (a policy.pt's weights) into ``model``; raises utils.ConfigError naming the first mismatched key when they
+    are another model's."""
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -295,23 +260,8 @@ def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
 
 
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The policy (a reward model for ``loss=reward``) and, for DPO/IPO with a local reference,
-    the frozen reference, both with ``model.archive``'s weights when set (read once).
-
-    With ``model.lora.r`` set the policy is a ``peft.PeftModel``: LoRA adapters on the frozen
-    base (``model.name_or_path`` or ``model.config``, then ``model.archive``'s weights), and no
-    reference is loaded: the reference is that base, the policy with its adapters off
-    (``trainers.BasicTrainer.reference_logps``).
-
-    Under FSDP/TP only rank 0 reads weights; the other ranks get the architecture on the meta
-    device and receive their shards when the trainer shards the models (``utils.rank0_model``);
-    every rank adds the same adapters.
-
-    Raises:
-        utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, holds only a
-            LoRA run's adapters, or does not fit a reward model's body, or when
-            ``model.lora.target_modules`` matches no module (on every rank under FSDP/TP).
-    """
+    """The policy (a reward model for ``loss=reward``) and the frozen reference (None without one, or with LoRA: the base is the
+    reference), with ``model.archive``'s weights; under FSDP/TP only rank 0 reads weights (``utils.rank0_model``)."""
     objective = losses.get_objective(config.loss.name)
     reward_head = objective.score_head
     lora = utils.lora_settings(config.model)
@@ -374,8 +324,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
 
 
 class StoppedDuringSetup(Exception):
-    """SIGINT, SIGTERM or SIGUSR1 arrived during a job's setup (data, models, run folder, reference
-    log-probs), before the training loop could save a checkpoint on it (:class:`SetupStops`)."""
+    """SIGINT, SIGTERM or SIGUSR1 arrived during setup, before the training loop could save a checkpoint (:class:`SetupStops`)."""
 
     def __init__(self, signum: int):
         super().__init__(f"Stopped by {signal.Signals(signum).name} during setup, before the first training step")
@@ -383,11 +332,8 @@ class StoppedDuringSetup(Exception):
 
 
 class SetupStops:
-    """While a job sets up, a stop signal raises :class:`StoppedDuringSetup` (once: schedulers send
-    SIGTERM more than once); :meth:`hand_over` passes the signals to the trainer's handler (which
-    saves a checkpoint after the step under way), and leaving restores the handlers there were.
-    Without it a stop during setup killed the process without a word and left a run folder
-    holding only config.yaml and ``.lock``. Does nothing outside the main thread (Ray Train)."""
+    """During setup the first stop signal raises :class:`StoppedDuringSetup`; :meth:`hand_over` passes signals to the trainer and
+    leaving restores the old handlers (main thread only: not under Ray Train)."""
 
     def __init__(self):
         self.previous: dict = {}
@@ -414,8 +360,8 @@ class SetupStops:
 
 
 def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir: str | None) -> str:
-    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it
-    holds no checkpoint (nothing was trained: no empty folder is left for ``resume=auto`` to meet)."""
+    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it holds no checkpoint (no
+    empty folder for ``resume=auto`` to meet)."""
     if resume_dir is not None:
         return f"{error}: nothing was trained since its checkpoint; continue with: python train.py resume={resume_dir}"
     removed = ""
@@ -428,38 +374,9 @@ def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir
 def main(
     config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None, budget: dict | None = None
 ) -> tuple[str, int | None]:
-    """Run one training job (one rank of it under FSDP/TP, torchrun or Ray).
-
-    Args:
-        config: the composed config.
-        run_dir: the run folder when a launcher made it already (Ray); else ``resume``'s or a new one.
-        checkpoint_dir: the checkpoint to continue from (Ray's latest reported one); default
-            ``<resume>/LATEST`` with ``resume=``, else none.
-        attach: called with the trainer before it loads that checkpoint and trains (Ray: the
-            remote reference and scorer, checkpoint reports).
-        budget: with ``resume=``, a new training length (:func:`budget_given`): the run is
-            extended to it (:func:`apply_extension`).
-
-    Returns:
-        (run folder, None) when training finished (rank 0 has written ``<run folder>/FINISHED``),
-        or (run folder, signal number) when SIGINT/SIGTERM/SIGUSR1 stopped it after saving a
-        checkpoint.
-
-    Under FSDP/TP every rank first checks, once the process group is up, that all ranks were
-    given the same config and code (``utils.check_same_run``) and see the same ``output_root``
-    (``utils.check_shared_output_root``).
-
-    The run folder is held (``utils.lock_run_dir``) from before any model loads until this
-    returns, when this process made it or resumes it (under FSDP/TP rank 0 holds it, or takes
-    over the lock of the launcher that started it); a folder a launcher made (Ray) is held there.
-
-    Raises:
-        utils.ConfigError, DataError: a bad config value or data file, ``resume=`` of a run
-            folder a live run holds, or ranks that differ in config, code or ``output_root``
-            (before any model loads).
-        modelcard.PushError: ``hub.push=true`` and the final export could not be pushed (the
-            run is finished and kept; the message says how to push it later).
-    """
+    """Run one training job (one rank under FSDP/TP, torchrun or Ray) in ``run_dir`` (a launcher's, else resume's or a new one,
+    locked until this returns) from ``checkpoint_dir`` (default ``<resume>/LATEST``), calling ``attach(trainer)`` before
+    loading and extending to ``budget``; returns (run folder, None when finished or the stop signal's number)."""
     utils.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     made: list[str] = []  # the run folder this job makes
     with SetupStops() as stops, contextlib.ExitStack() as held:
@@ -471,8 +388,8 @@ def main(
 
 
 def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str], budget=None):
-    """main()'s work; ``held`` keeps the run folder's lock until main() returns; ``stops`` turns stop
-    signals into :class:`StoppedDuringSetup` until training starts; ``made`` gets the run folder made here."""
+    """main()'s work; ``held`` keeps the run folder's lock until main() returns, ``stops`` turns stop signals into
+    :class:`StoppedDuringSetup` until training starts, ``made`` gets the run folder made here."""
     global RUN_FOLDER
     config = effective_config(config, budget)
     resume_dir = config.resume
@@ -659,25 +576,8 @@ run folder's config.yaml begins with the command (``utils.RUN_COMMAND_LINE``), w
 
 
 def die_with_launcher(poll_s: float = 0.5) -> str | None:
-    """In a rank that :func:`launch` or torchrun started: be killed when that launcher dies, however
-    it dies. Returns ``"train.py"`` or ``"torchrun"`` (which started this process), else None.
-
-    :func:`launch` names itself (``DPO_LAUNCHER_PID``); torchrun's agent starts its ranks itself
-    and gives them ``TORCHELASTIC_RUN_ID``, so there the parent is the launcher. On Linux the
-    kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before that was set,
-    so the parent pid is checked after it (torchrun names no pid, so a rank it started and that
-    lost it before getting here is not caught: it then fails at the rendezvous). Elsewhere (or if
-    prctl fails) a daemon thread checks every ``poll_s`` seconds whether the parent is still the
-    launcher. Does nothing in a process no launcher started.
-
-    The signal is SIGKILL, not SIGTERM (which makes a rank save a checkpoint and stop): with the
-    launcher gone nobody forwards signals any more, nor kills a rank left waiting in a collective
-    for a rank that is gone, so a rank told to save could hang for ever, still holding the run
-    folder; and a launcher killed with SIGKILL was asked to stop now (a launcher that stops
-    normally forwards SIGTERM itself). SIGKILL loses nothing already saved: checkpoints are
-    written atomically (``utils.save_checkpoint_dir``), ``LATEST`` always names a whole one,
-    and the run folder's lock is free again the moment the last rank is gone.
-    """
+    """In a rank that :func:`launch` or torchrun started, be SIGKILLed when that launcher dies (``prctl(PR_SET_DEATHSIG)`` on
+    Linux, else a thread polling every ``poll_s`` s); returns ``"train.py"``, ``"torchrun"`` or None (no launcher)."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     if launcher is not None:
         started_by, launcher = "train.py", int(launcher)
@@ -685,7 +585,7 @@ def die_with_launcher(poll_s: float = 0.5) -> str | None:
         started_by, launcher = "torchrun", os.getppid()
     else:
         return None
-    kill = getattr(signal, "SIGKILL", None)
+    kill = getattr(signal, "SIGKILL", None)  # not SIGTERM: nobody forwards signals now; checkpoints are atomic
     armed = False
     if sys.platform.startswith("linux") and kill is not None:
         import ctypes
@@ -717,10 +617,8 @@ PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 
 
 def lost_peer(error: BaseException) -> str | None:
-    """Why a collective failed when ``error`` (or an exception it was raised from) says another rank
-    is gone: gloo's ``RuntimeError`` when a peer's socket closed (its :data:`PEER_GONE` phrase,
-    e.g. "Connection reset by peer"), or a ``torch.distributed.DistError`` (its first line). None
-    otherwise."""
+    """Why a collective failed when ``error`` or its causes say another rank is gone (gloo's :data:`PEER_GONE` phrase, a
+    ``torch.distributed.DistError``'s first line), else None."""
     import torch.distributed as dist
 
     seen = set()
@@ -736,8 +634,8 @@ def lost_peer(error: BaseException) -> str | None:
 
 
 def how_to_continue(run_dir: str | None, command: str) -> str:
-    """The end of a sentence saying how to go on after a run stopped: ``<command> resume=<run_dir>``
-    when the run folder has a checkpoint, else that there is none yet to continue from."""
+    """The end of a sentence on how to go on after a run stopped: ``<command> resume=<run_dir>`` when it has a checkpoint, else
+    that there is none yet."""
     if run_dir is not None and os.path.lexists(os.path.join(run_dir, "LATEST")):
         return f"continue the run with {command} resume={run_dir}"
     if run_dir is not None:
@@ -746,8 +644,7 @@ def how_to_continue(run_dir: str | None, command: str) -> str:
 
 
 def tell_launcher(run_dir: str) -> None:
-    """Write ``run_dir`` into the pipe :func:`launch` gave this rank (``DPO_RUN_FOLDER_FD``), if any,
-    and keep it as this command's run folder (:data:`RUN_FOLDER_TOLD`)."""
+    """Write ``run_dir`` into :func:`launch`'s pipe (``DPO_RUN_FOLDER_FD``), if any, and keep it as :data:`RUN_FOLDER_TOLD`."""
     global RUN_FOLDER_TOLD
     RUN_FOLDER_TOLD = run_dir
     fd = os.environ.pop(RUN_FOLDER_FD_ENV, None)
@@ -758,26 +655,8 @@ def tell_launcher(run_dir: str) -> None:
 
 
 def launch(config: DictConfig) -> int | None:
-    """Start one process per GPU (``world_size`` of them on CPU) when FSDP or tensor
-    parallelism is asked for and this process was not started by torchrun.
-
-    Each process runs this script with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    ...) and loads what it needs: no model is passed between processes. Each runs in its own
-    session, so a Ctrl-C, SIGTERM or SIGUSR1 reaches them once, forwarded from here; they save a
-    checkpoint and stop, and this process waits for them. If one fails, the others are stopped;
-    if this process dies (even by SIGKILL), they are killed (:func:`die_with_launcher`).
-
-    With ``resume=`` this process holds the run folder's lock (``utils.lock_run_dir``) from
-    before the processes start until it returns, and passes it to them, so the lock lasts as
-    long as any of them lives.
-
-    Returns:
-        The exit code to leave with, or None when this process should train itself.
-
-    Raises:
-        utils.ConfigError: a bad config value, more processes than this machine has GPUs, or
-            ``resume=`` of a folder a live run holds (before any process starts).
-    """
+    """For FSDP/TP not under torchrun, start one process per GPU (``world_size`` on CPU), holding ``resume``'s run-folder lock
+    for them, and forward signals and wait; returns the exit code, or None when this process trains itself."""
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
@@ -852,13 +731,9 @@ def _run_processes(config: DictConfig, n: int, lock: utils.RunLock) -> int:
 
 
 def rank_failure(codes: dict[int, int], killed: set[int], stopped: set[int], run_dir: str | None) -> int:
-    """The launcher's exit code from its ranks' (``codes``: rank to ``Popen.returncode``, in the order
-    they ended; ``killed``: ranks it killed after another failed): 0 when all finished; else the
-    first rank that failed by itself gives it, as a shell reports it (128 + N for signal N, e.g.
-    137 for SIGKILL), and when it died without a word (a signal, or a code other than 1 and 2,
-    which follow a sentence or traceback of its own) one ``Error:`` line names it and how to go on
-    (:func:`how_to_continue`); else a stop signal's 128 + N (the ranks saved and stopped), else
-    ``PEER_LOST_EXIT``."""
+    """The launcher's exit code from its ranks' ``codes`` (in the order they ended; ``killed``: ranks it killed): 0 when all
+    finished, else the first self-failed rank's (128 + N for signal N, with an ``Error:`` line when it died without a word),
+    else a stop's 128 + N, else ``PEER_LOST_EXIT``."""
     first = next(((r, c) for r, c in codes.items() if r not in killed and c not in (0, PEER_LOST_EXIT, *stopped)), None)
     if first is not None:
         rank, code = first
@@ -887,23 +762,8 @@ def _keys(node: DictConfig, top: bool) -> str:
 
 
 def override_error(overrides: list[str], config_name: str = "config") -> str | None:
-    """One sentence when a command-line override names what the config does not have, else None.
-
-    - a key that is not in the config (``batch_szie=8``, nested: ``loss.betaa=0.1``,
-      ``data.hh.subset=...``): "batch_szie is not a config key; did you mean batch_size? (keys: ...)";
-    - ``+key=value`` adding a top-level key that is a near-miss of an existing one
-      (``+batch_szie=8``: Hydra accepts it and nothing would read it). Other additions
-      (``+data.mine.path=...``, ``+model.config.foo=...``, ``+loss.beta=...``, which
-      ``utils.validate_config`` judges) are left alone;
-    - a config-group option that does not exist (``loss=ipoo``).
-
-    ``config_name`` is the primary config (``evaluate`` for evaluate.py's command line).
-
-    The config is composed as ``hydra_main``'s is (Hydra's override parser and compose API, the
-    same overrides, ``CONFIG_DIR``); the missing key and its siblings come from the error
-    OmegaConf raised. Overrides that fail for any other reason (bad syntax, a sweep) give None:
-    Hydra reports those itself.
-    """
+    """One sentence when a command-line override names what ``config_name``'s config lacks (an unknown key, a near-miss ``+key``,
+    a missing group option, a folder as ``model=``), else None (Hydra reports other failures)."""
     import difflib
 
     from hydra import compose, initialize_config_dir
@@ -948,7 +808,7 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
             text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
             add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
             return f"{typed} is not a config key{where}{add}."
-        added = [
+        added = [  # +key near-misses of top-level keys; nested additions are validate_config's
             (text, o)
             for text, o in zip(overrides, parsed)
             if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
@@ -968,12 +828,8 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
 
 
 def command_line_error(argv: list[str]) -> str | None:
-    """:func:`override_error` of the command line's overrides (``sys.argv[1:]``); None when any
-    argument is another Hydra flag (``--cfg``, ``--config-name``, ...): Hydra handles those.
-
-    With ``-m``/``--multirun`` (and no other flag) every job of the sweep is checked before the
-    first one starts (:func:`sweep_error`), so a mistake in the 7th job does not stop the sweep
-    after 6 runs."""
+    """:func:`override_error` of ``argv``'s overrides, or with ``-m`` :func:`sweep_error` of every job before the first starts;
+    None when another Hydra flag is given."""
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     overrides = [a for a in argv if a not in multirun]
     if not overrides or any(a.startswith("-") for a in overrides):
@@ -982,11 +838,8 @@ def command_line_error(argv: list[str]) -> str | None:
 
 
 def sweep_error(overrides: list[str]) -> str | None:
-    """One sentence for the first job of the sweep ``overrides`` (``loss=dpo,ipo lr=1e-3``:
-    one job per combination, as Hydra's basic sweeper makes them) whose overrides
-    :func:`override_error` rejects or whose composed config ``utils.validate_config`` rejects
-    (the sentence starts with the job's swept values, e.g. "In the job loss=ipoo: ..."); None
-    when all pass or the overrides do not parse (Hydra reports that itself)."""
+    """One sentence, led by the job's swept values, for the first job of the sweep ``overrides`` that :func:`override_error` or
+    ``utils.validate_config`` rejects; None when all pass or they do not parse."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -1019,12 +872,8 @@ def sweep_error(overrides: list[str]) -> str | None:
 
 
 def exit_rank(run) -> None:
-    """Run ``run()`` (``hydra_main``) in an FSDP/TP rank, then leave with its exit code without
-    the interpreter's teardown (``os._exit`` after flushing): gloo's worker threads may still
-    hold the last collective's tensors, and freeing them during teardown aborts the process
-    ("terminate called without an active exception", exit 250 or SIGABRT) after the run has
-    finished, about once in 10 two-rank CPU runs on a loaded machine, so a finished run looked failed.
-    Everything a run writes is closed before ``run()`` returns (checkpoints, metrics, W&B)."""
+    """Run ``run()`` in an FSDP/TP rank, then leave with its exit code by ``os._exit`` after flushing, without the interpreter's
+    teardown."""
     code = 0
     try:
         run()
@@ -1037,12 +886,11 @@ def exit_rank(run) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code)  # gloo threads freeing tensors in teardown could abort a finished run
 
 
 def say_once_per_node(error: Exception, rank: int) -> None:
-    """Print ``Error: <error>`` on each node's first process; every rank raises the same
-    sentence, and the others wait 1 s so that it is said before torchrun stops the group."""
+    """Print ``Error: <error>`` on each node's first process; the others wait 1 s so it is said before torchrun stops the group."""
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
         print(f"Error: {error}", file=sys.stderr, flush=True)
     else:
@@ -1055,16 +903,9 @@ STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "
 
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
-    """Whether this command runs ``sft_first``'s SFT stage before itself: ``sft_first.n_examples``
-    is set, and the run starts a preference objective offline from the model's own weights.
-
-    A preset's ``sft_first`` (model=tiny's) that does not apply (``model.archive`` or ``resume=``
-    given, ``loss=sft``, a reward model, online DPO) is left out with a note.
-
-    Raises:
-        utils.ConfigError: when the command line itself sets ``sft_first.n_examples`` for a run
-            it cannot apply to, or combines it with ``resume=auto``.
-    """
+    """Whether ``sft_first``'s SFT stage runs first (``sft_first.n_examples`` set, a preference objective offline from the
+    model's own weights); a preset's stage that cannot apply steps aside with a note, a command line's raises
+    utils.ConfigError."""
     stage = config.get("sft_first") or {}
     if stage.get("n_examples") is None or "RANK" in os.environ:
         return False
@@ -1094,10 +935,8 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
 
 
 def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """The two command lines (overrides) of ``sft_first``: the SFT stage (``loss=sft``,
-    ``n_examples=sft_first.n_examples``, ``lr=sft_first.lr`` if set, ``exp_name=<exp_name>_sft``
-    if one was given; the command's other overrides kept), and this run with
-    ``model.archive`` left to be appended once the first has finished."""
+    """The overrides of ``sft_first``'s two stages: the SFT stage (``loss=sft``, its ``n_examples`` and ``lr``,
+    ``exp_name=<exp_name>_sft``), and this run, to which ``model.archive`` is appended once the first finishes."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
@@ -1114,9 +953,8 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:
-    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py``
-    in its own session (the reference repository's two commands, printed as they run); a Ctrl-C or
-    SIGTERM is forwarded once to the stage running. Returns the exit code."""
+    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py`` in its own session with
+    Ctrl-C/SIGTERM forwarded once; returns the exit code."""
     script = os.path.relpath(SCRIPT)
     sft, dpo = stage_commands(config, overrides)
     child: list[subprocess.Popen] = []
@@ -1173,8 +1011,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
 
 
 def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
-    """Lines comparing the two stages' evals: each ``answers_eval/<name>`` at the SFT stage's first
-    eval, its last (= the second stage's first) and the second stage's last, and the second
+    """Lines comparing the stages' evals: each ``answers_eval/<name>`` at the start, after SFT and at the end, and the second
     stage's reward accuracy at its first and last eval."""
 
     def evals(folder):
@@ -1205,8 +1042,8 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 
 def submitit_job() -> bool:
-    """Whether this process is a job of Hydra's submitit launcher (``-m hydra/launcher=slurm``,
-    ``submitit_slurm`` or ``submitit_local``): one job of the sweep, pickled into a process of its own."""
+    """Whether this process is a job of Hydra's submitit launcher (``hydra/launcher=slurm``, ``submitit_slurm`` or
+    ``submitit_local``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -1217,8 +1054,8 @@ def submitit_job() -> bool:
 
 
 def this_command() -> list[str]:
-    """The script and arguments that run this command again (for FSDP/TP ranks): ``sys.argv``, or in
-    a submitit job (whose ``sys.argv`` is submitit's) train.py with the job's overrides."""
+    """The script and arguments that run this command again for FSDP/TP ranks: ``sys.argv``, or in a submitit job train.py with
+    the job's overrides."""
     if not submitit_job():
         return sys.argv
     from hydra.core.hydra_config import HydraConfig
@@ -1227,9 +1064,8 @@ def this_command() -> list[str]:
 
 
 def job_failure(code: int) -> str:
-    """The sentence for a submitit job that ended with exit code ``code``: the last line it wrote to
-    stderr (train.py's one-sentence error), or to stdout when a signal stopped it (the resume
-    command), and where its whole output is."""
+    """The sentence for a submitit job that ended with exit code ``code``: its last line on stderr (stdout when a signal stopped
+    it) and where its output is."""
     import submitit
 
     sys.stdout.flush()
@@ -1244,10 +1080,8 @@ def job_failure(code: int) -> str:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> dict | None:
-    """The command line (:func:`run_command`). A job of a sweep (``-m``) returns its
-    :func:`sweeps.job_result` for the sweep's summary; in a job of Hydra's submitit launcher an exit
-    code other than 0 is returned too (the summary, then its sentence, ends the sweep), with the
-    basic launcher it ends the sweep there (a Ctrl-C stops the whole sweep)."""
+    """The command line (:func:`run_command`); a sweep job returns its :func:`sweeps.job_result` (under submitit with a nonzero
+    exit code too; the basic launcher ends the sweep there)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -1271,7 +1105,8 @@ def hydra_main(config: DictConfig) -> dict | None:
 
 
 def run_command(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 1 for a failed step, checkpoint or full disk, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and exit 2 (config/data error), 1 (failed step,
+    checkpoint, full disk), 128 + signal when stopped, or :data:`PEER_LOST_EXIT` in a rank whose peer died."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
