@@ -397,10 +397,64 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
-        checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
-        if note is not None and says_once():
-            print(f"Note: {note}")
+        checkpoint_dir = _checkpoint_to_resume(resume_dir)
     distributed = config.trainer != "BasicTrainer"
+    answer_functions = _check_config(config)
+    rank = _start_ranks(config) if distributed else 0
+    if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
+        _hold_run_dir(resume_dir, rank, distributed, held)
+    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
+        utils.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+    _set_process_state(config)
+
+    tokenizer = utils.load_tokenizer(config.model)
+    train_examples, eval_examples = _load_splits(config, tokenizer, rank, answer_functions)
+    fingerprint = {"train": utils.examples_fingerprint(train_examples), "eval": utils.examples_fingerprint(eval_examples)}
+    resume_state, extended = _resume_state(config, checkpoint_dir, fingerprint, len(train_examples), rank)
+    if rank == 0:
+        print(utils.training_length(config, len(train_examples)))
+    scorer = _local_scorer(config)  # before the run folder: a wrong reward model fails fast
+
+    recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
+    policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
+    run_dir = _run_folder(config, run_dir or resume_dir, recorded, rank, distributed, held, made)
+    RUN_FOLDER = run_dir
+    _describe_run(config, run_dir, policy, len(train_examples), len(eval_examples), rank)
+
+    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
+    trainer_cls = getattr(trainers, config.trainer)
+    precompute, cache_path, reference_cache = _reference_cache(
+        config, policy, reference, train_examples + eval_examples, tokenizer, distributed, rank
+    )
+    if reference_cache is not None:
+        reference = None  # an earlier run's log-probs: the reference is not needed
+    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
+        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
+        trainer.reference_model = reference = None
+    trainer.reference_cache = reference_cache
+    trainer.scorer = scorer
+    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
+    if attach is not None:
+        attach(trainer)
+    if checkpoint_dir is not None:
+        _continue_from(trainer, config, checkpoint_dir, extended, rank)
+    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
+    stop_signal = trainer.train()
+    _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
+    return run_dir, stop_signal
+
+
+def _checkpoint_to_resume(resume_dir: str) -> str | None:
+    """The checkpoint of ``resume_dir`` to continue from (``utils.checkpoint_to_resume``), its note said once."""
+    checkpoint_dir, note = utils.checkpoint_to_resume(resume_dir)
+    if note is not None and says_once():
+        print(f"Note: {note}")
+    return checkpoint_dir
+
+
+def _check_config(config: DictConfig) -> list:
+    """Check ``config`` for this process's ``WORLD_SIZE`` and say its notes; returns the eval reward functions it names."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     utils.validate_config(config, world_size)
     declared = preference_datasets.declared_reward_functions(config.datasets)
@@ -413,33 +467,44 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     utils.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
-    rank = 0
-    if distributed:
-        rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
-        utils.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
-        utils.check_shared_output_root(config.output_root, rank)
-        if rank != 0:
-            import transformers
+    return answer_functions
 
-            transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
-    if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
-        refusal = None
-        if rank == 0:
-            try:
-                held.enter_context(utils.lock_run_dir(resume_dir))
-            except utils.ConfigError as e:
-                refusal = str(e)
-        if distributed:
-            refusal = utils.broadcast_object(refusal)
-        if refusal is not None:
-            raise utils.ConfigError(refusal)
-    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
-        utils.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+
+def _start_ranks(config: DictConfig) -> int:
+    """Join the FSDP/TP process group and check that every rank runs the same config and code; returns this rank."""
+    rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
+    utils.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
+    utils.check_shared_output_root(config.output_root, rank)
+    if rank != 0:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
+    return rank
+
+
+def _hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextlib.ExitStack) -> None:
+    """Lock ``resume_dir`` on rank 0 into ``held``; every rank raises utils.ConfigError when a live run holds it."""
+    refusal = None
+    if rank == 0:
+        try:
+            held.enter_context(utils.lock_run_dir(resume_dir))
+        except utils.ConfigError as e:
+            refusal = str(e)
+    if distributed:
+        refusal = utils.broadcast_object(refusal)
+    if refusal is not None:
+        raise utils.ConfigError(refusal)
+
+
+def _set_process_state(config: DictConfig) -> None:
+    """Set the seed, the number of threads and malloc's mmap threshold from ``config``."""
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
-    tokenizer = utils.load_tokenizer(config.model)
+
+def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
+    """The train and eval examples, checked, rendered through the chat template and screened for length."""
     sft_mode = losses.get_objective(config.loss.name).sft_data
     online = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
@@ -466,7 +531,13 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     utils.check_eval_size(config, len(eval_examples))
     if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
-    fingerprint = {"train": utils.examples_fingerprint(train_examples), "eval": utils.examples_fingerprint(eval_examples)}
+    return train_examples, eval_examples
+
+
+def _resume_state(
+    config: DictConfig, checkpoint_dir: str | None, fingerprint: dict, n_train: int, rank: int
+) -> tuple[dict | None, dict | None]:
+    """The checkpoint's trainer_state.pt, checked against this data's ``fingerprint``, and the run's :func:`extension`."""
     resume_state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
         resume_state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
@@ -476,22 +547,29 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         if resume_state.get("data") is None and rank == 0:
             print(f"Note: {checkpoint_dir} predates data fingerprints, so resume cannot check that the data is unchanged.")
     extended = None
-    if resume_dir is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
-        extended = extension(config, resume_dir, resume_state["example_counter"], len(train_examples))
-    if rank == 0:
-        print(utils.training_length(config, len(train_examples)))
+    if config.resume is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
+        extended = extension(config, config.resume, resume_state["example_counter"], n_train)
+    return resume_state, extended
 
-    scorer = None
+
+def _local_scorer(config: DictConfig):
+    """Online DPO's scorer when it runs in this process (not on Ray actors), else None."""
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if online and not remote_scorer:  # before the run folder: a wrong reward model fails fast
-        scorer = rewards.build_scorer(
-            config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        )
+    if config.online.enabled and not remote_scorer:
+        return rewards.build_scorer(config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    return None
 
-    recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
-    policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
 
-    run_dir = run_dir or resume_dir
+def _run_folder(
+    config: DictConfig,
+    run_dir: str | None,
+    recorded: DictConfig,
+    rank: int,
+    distributed: bool,
+    held: contextlib.ExitStack,
+    made: list[str],
+) -> str:
+    """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``), as every rank sees it."""
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
         run_dir, lock = utils.new_run_dir(config.output_root, config.exp_name, recorded, command)  # locked before config.yaml
@@ -499,50 +577,53 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         held.enter_context(lock)
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
-    RUN_FOLDER = run_dir
+    return run_dir
+
+
+def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval_examples: int, rank: int) -> None:
+    """On rank 0: name the run folder (also to the launcher) and say the model's size in parameters and the examples used."""
     if rank == 0:
         print(f"Run folder: {run_dir}")
         tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
-    n_eval = utils.n_eval_used(config, len(eval_examples))
+    n_eval = utils.n_eval_used(config, n_eval_examples)
     if rank == 0:
         trainable = ""
         if utils.is_lora_model(policy):
             n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
         print(
-            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {len(train_examples)} train / {n_eval} eval examples."
+            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples."
         )
 
-    logger = utils.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
-    trainer_cls = getattr(trainers, config.trainer)
-    reference_cache = None
+
+def _reference_cache(
+    config: DictConfig, policy, reference, examples: list[dict], tokenizer, distributed: bool, rank: int
+) -> tuple[bool, str | None, dict | None]:
+    """(whether reference log-probs are precomputed, their cache file, an earlier run's log-probs or None)."""
     lora_reference = utils.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
     precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
-    if precompute:  # LoRA: the reference is the policy's base (utils.base_state_dict names its weights)
-        cache_path, reference_cache = cached_reference(
-            policy if lora_reference else reference, train_examples + eval_examples, tokenizer, config, distributed, rank
-        )
-        if reference_cache is not None:
-            reference = None  # an earlier run's log-probs: the reference is not needed
-    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
-    if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
-        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
-        trainer.reference_model = reference = None
-    trainer.reference_cache = reference_cache
-    trainer.scorer = scorer
-    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
-    if attach is not None:
-        attach(trainer)
-    if checkpoint_dir is not None:
-        trainer.load(checkpoint_dir)
-        if rank == 0:
-            print(f"Resuming after {trainer.example_counter} examples.")
-        scheduled_lr(trainer)
-        if extended is not None:
-            apply_extension(trainer, config, extended, checkpoint_dir, rank)
-    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
-    stop_signal = trainer.train()
+    if not precompute:
+        return precompute, None, None
+    # LoRA: the reference is the policy's base (utils.base_state_dict names its weights)
+    cache_path, reference_cache = cached_reference(
+        policy if lora_reference else reference, examples, tokenizer, config, distributed, rank
+    )
+    return precompute, cache_path, reference_cache
+
+
+def _continue_from(trainer, config: DictConfig, checkpoint_dir: str, extended: dict | None, rank: int) -> None:
+    """Load ``checkpoint_dir`` into ``trainer``, set the next step's lr and apply an ``extended`` length."""
+    trainer.load(checkpoint_dir)
+    if rank == 0:
+        print(f"Resuming after {trainer.example_counter} examples.")
+    scheduled_lr(trainer)
+    if extended is not None:
+        apply_extension(trainer, config, extended, checkpoint_dir, rank)
+
+
+def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int, distributed: bool, owns_folder: bool) -> None:
+    """Leave the process group, and push a finished run's export when ``hub.push`` asks and no launcher owns the folder."""
     if distributed:
         import torch.distributed as dist
 
@@ -550,7 +631,6 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
     if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
         print(modelcard.push_final(run_dir, config))
-    return run_dir, stop_signal
 
 
 LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
