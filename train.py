@@ -1,8 +1,5 @@
-"""Entry point: ``python train.py [key=value ...]`` (Hydra). See README.md.
-
-Checks the config, loads the data, then the policy and (for DPO/IPO) the frozen
-reference, and hands off to the trainer named by ``config.trainer``.
-"""
+"""Entry point: ``python train.py [key=value ...]`` (Hydra): check the config, load the data, the policy and reference, and hand
+off to ``config.trainer``."""
 
 from __future__ import annotations
 
@@ -41,11 +38,8 @@ from utils import shell_line
 
 
 def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
-    """Where the reference log-probs of ``examples`` are cached (``trainers.reference_cache_path``),
-    and what that file holds when an earlier run wrote it (None: the trainer computes them,
-    ``BasicTrainer.precompute_reference``). Rank 0, the only rank holding the reference's whole
-    weights before they are sharded, hashes them and reads the file; under FSDP/TP the other
-    ranks receive both from it."""
+    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
+    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
     found = None
     if rank == 0:
         path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
@@ -66,8 +60,8 @@ check across ranks to say so when the ranks found different folders."""
 
 
 def says_once() -> bool:
-    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the
-    process the user started (not the ranks train.py's own launcher starts)."""
+    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the process the user started (not a rank
+    of train.py's own launcher)."""
     return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
@@ -80,21 +74,9 @@ EXTENSIONS_LOG = "extensions.log"
 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
-    """The config to run: with ``resume=<run folder>``, that run's saved config, with ``budget``'s
-    values of :data:`BUDGET_KEYS` set on it (:func:`budget_given`: the run is extended).
-
-    ``resume=auto`` is first resolved (the same way on every rank, from the folders and the
-    config alone): the newest of :func:`checkpoints.resumable_runs` of ``output_root`` and
-    ``exp_name`` (run folders of this experiment with a LATEST checkpoint and config.yaml and no
-    FINISHED) whose saved config equals ``config`` resolved (:func:`checks.config_differences`:
-    all keys but :data:`checks.RUN_FOLDER_KEYS`), continued as with ``resume=<that folder>``;
-    when there is none, a fresh run of ``config`` (``resume=null``). One line says which, and
-    names the first keys that kept the newest unfinished run from being continued
-    (:func:`says_once`).
-
-    Raises:
-        utils.ConfigError: if the resume folder has no LATEST checkpoint or config.yaml.
-    """
+    """The config to run: ``resume=auto`` resolved (:func:`auto_resume_run`, said in one line) and, with ``resume=<run folder>``,
+    that run's saved config with ``budget`` set on it; raises utils.ConfigError for a folder without a LATEST checkpoint or
+    config.yaml."""
     global AUTO_RESUMED
     if config.resume == "auto":
         AUTO_RESUMED = True
@@ -139,9 +121,8 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
 
 
 def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
-    """What ``resume=auto`` finds for ``config``: (the newest unfinished run of its ``exp_name``
-    whose saved config equals it, or None; (the newest unfinished run, its
-    :func:`checks.config_differences`) when that one differs, else None)."""
+    """What ``resume=auto`` finds: (the newest unfinished run of ``exp_name`` whose saved config equals ``config``, or None; (the
+    newest unfinished run, its :func:`checks.config_differences`) when it differs, else None)."""
     new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     newest_other = None
     for run in checkpoints.resumable_runs(config.output_root, config.exp_name):
@@ -158,10 +139,8 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
 
 
 def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
-    """With ``resume=<run folder>``: one sentence when the command line's other keys ``given``
-    (:func:`checks.given_keys`) set values that differ from the run's saved config (which the
-    resumed run uses), :data:`BUDGET_KEYS` left out (:func:`budget_given`), else None (also when the folder has no config.yaml: :func:`effective_config`
-    says so)."""
+    """With ``resume=<run folder>``: one sentence when the command line's keys ``given`` (:data:`BUDGET_KEYS` aside) differ from
+    the run's saved config, else None."""
     saved = os.path.join(str(config.resume), "config.yaml")
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
@@ -178,9 +157,8 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
 
 
 def budget_given(config: DictConfig, given: set[str]) -> dict | None:
-    """With ``resume=<run folder>``: the training length the command line's ``n_examples`` /
-    ``n_epochs`` set (as :func:`checks.settle_given` reads them: ``n_epochs`` alone makes
-    ``n_examples`` null), else None."""
+    """With ``resume=<run folder>``: the training length the command line's ``n_examples``/``n_epochs`` set (``n_epochs`` alone
+    makes ``n_examples`` null), else None."""
     if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
         return None
     budget = {k: config.get(k) for k in BUDGET_KEYS if k in given}
@@ -200,13 +178,8 @@ def total_examples(config, n_train: int) -> int:
 
 
 def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -> dict | None:
-    """When ``config`` (``resume=<resume_dir>``'s) asks for another training length than the run's
-    saved config.yaml: ``{"old": saved config, "old_total", "new_total", "trained"}`` (examples),
-    else None.
-
-    Raises:
-        utils.ConfigError: when the new length is not beyond the ``trained`` examples of the checkpoint.
-    """
+    """When ``config`` asks for another training length than ``resume_dir``'s config.yaml: ``{"old": saved config, "old_total",
+    "new_total", "trained"}`` (examples), else None; raises utils.ConfigError when the new length is not beyond ``trained``."""
     saved = OmegaConf.load(os.path.join(resume_dir, "config.yaml"))
     if all(saved.get(k) == config.get(k) for k in BUDGET_KEYS):
         return None
@@ -220,8 +193,8 @@ def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -
 
 
 def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int) -> str:
-    """The one line saying what an extension from ``old_steps`` to ``new_steps`` optimizer steps,
-    after ``steps_done``, does to the learning-rate schedule (``trainers.lr_multiplier``)."""
+    """The line saying what extending from ``old_steps`` to ``new_steps`` optimizer steps, after ``steps_done``, does to the
+    learning-rate schedule."""
     schedule, warmup = config.lr_scheduler, config.warmup_steps
     before = config.lr * trainers.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
     after = config.lr * trainers.lr_multiplier(steps_done, warmup, new_steps, schedule)
@@ -237,9 +210,8 @@ def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int)
 
 
 def scheduled_lr(trainer) -> None:
-    """Set the learning rate of the next step of ``trainer``, which has just loaded a checkpoint, from
-    its own scheduler: the loaded optimizer holds the lr the run's saved length gave that step, which
-    an extension changes (the same value otherwise)."""
+    """Set the lr of ``trainer``'s next step from its scheduler after a checkpoint load (the loaded optimizer holds the lr of the
+    run's saved length, which an extension changes)."""
     scheduler = trainer.scheduler
     lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(trainer.optimizer.param_groups, lrs):
@@ -248,11 +220,8 @@ def scheduled_lr(trainer) -> None:
 
 
 def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: str, rank: int) -> None:
-    """Continue the run ``trainer`` has just loaded to ``config``'s new length (``found``:
-    :func:`extension`; :func:`scheduled_lr` set the next step's lr): an eval the run's last
-    checkpoint already holds is not repeated, and rank 0 says so in two lines,
-    writes the new length into config.yaml, appends a line to :data:`EXTENSIONS_LOG` and removes
-    ``FINISHED`` (written again at the new end)."""
+    """Continue the just-loaded run to ``config``'s new length (``found``: :func:`extension`): skip an eval its last checkpoint
+    holds and, on rank 0, say so, rewrite config.yaml, log to :data:`EXTENSIONS_LOG` and remove ``FINISHED``."""
     run_dir, steps_done = trainer.run_dir, trainer.scheduler.last_epoch  # optimizer steps taken
     while trainer.next_eval_at <= trainer.example_counter:  # a run's end (saved before this was advanced there) evaluated here
         trainer.next_eval_at += config.eval_every
@@ -280,12 +249,8 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
-    """Load ``state`` (a policy.pt's weights) into ``model``.
-
-    Raises:
-        utils.ConfigError: naming the first missing/unexpected/mismatched key when the weights
-            are another model's.
-    """
+    """Load ``state`` (a policy.pt's weights) into ``model``; raises utils.ConfigError naming the first mismatched key when they
+    are another model's."""
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -297,23 +262,8 @@ def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
 
 
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The policy (a reward model for ``loss=reward``) and, for DPO/IPO with a local reference,
-    the frozen reference, both with ``model.archive``'s weights when set (read once).
-
-    With ``model.lora.r`` set the policy is a ``peft.PeftModel``: LoRA adapters on the frozen
-    base (``model.name_or_path`` or ``model.config``, then ``model.archive``'s weights), and no
-    reference is loaded: the reference is that base, the policy with its adapters off
-    (``trainers.BasicTrainer.reference_logps``).
-
-    Under FSDP/TP only rank 0 reads weights; the other ranks get the architecture on the meta
-    device and receive their shards when the trainer shards the models (``models.rank0_model``);
-    every rank adds the same adapters.
-
-    Raises:
-        utils.ConfigError: if ``model.archive`` cannot be read, holds no weights, holds only a
-            LoRA run's adapters, or does not fit a reward model's body, or when
-            ``model.lora.target_modules`` matches no module (on every rank under FSDP/TP).
-    """
+    """The policy (a reward model for ``loss=reward``) and the frozen reference (None without one, or with LoRA: the base is the
+    reference), with ``model.archive``'s weights; under FSDP/TP only rank 0 reads weights (``models.rank0_model``)."""
     objective = losses.get_objective(config.loss.name)
     reward_head = objective.score_head
     lora = checks.lora_settings(config.model)
@@ -376,8 +326,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
 
 
 class StoppedDuringSetup(Exception):
-    """SIGINT, SIGTERM or SIGUSR1 arrived during a job's setup (data, models, run folder, reference
-    log-probs), before the training loop could save a checkpoint on it (:class:`SetupStops`)."""
+    """SIGINT, SIGTERM or SIGUSR1 arrived during setup, before the training loop could save a checkpoint (:class:`SetupStops`)."""
 
     def __init__(self, signum: int):
         super().__init__(f"Stopped by {signal.Signals(signum).name} during setup, before the first training step")
@@ -385,11 +334,8 @@ class StoppedDuringSetup(Exception):
 
 
 class SetupStops:
-    """While a job sets up, a stop signal raises :class:`StoppedDuringSetup` (once: schedulers send
-    SIGTERM more than once); :meth:`hand_over` passes the signals to the trainer's handler (which
-    saves a checkpoint after the step under way), and leaving restores the handlers there were.
-    Without it a stop during setup killed the process without a word and left a run folder
-    holding only config.yaml and ``.lock``. Does nothing outside the main thread (Ray Train)."""
+    """During setup the first stop signal raises :class:`StoppedDuringSetup`; :meth:`hand_over` passes signals to the trainer and
+    leaving restores the old handlers (main thread only: not under Ray Train)."""
 
     def __init__(self):
         self.previous: dict = {}
@@ -416,8 +362,8 @@ class SetupStops:
 
 
 def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir: str | None) -> str:
-    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it
-    holds no checkpoint (nothing was trained: no empty folder is left for ``resume=auto`` to meet)."""
+    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it holds no checkpoint (no
+    empty folder for ``resume=auto`` to meet)."""
     if resume_dir is not None:
         return f"{error}: nothing was trained since its checkpoint; continue with: python train.py resume={resume_dir}"
     removed = ""
@@ -430,38 +376,9 @@ def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir
 def main(
     config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None, budget: dict | None = None
 ) -> tuple[str, int | None]:
-    """Run one training job (one rank of it under FSDP/TP, torchrun or Ray).
-
-    Args:
-        config: the composed config.
-        run_dir: the run folder when a launcher made it already (Ray); else ``resume``'s or a new one.
-        checkpoint_dir: the checkpoint to continue from (Ray's latest reported one); default
-            ``<resume>/LATEST`` with ``resume=``, else none.
-        attach: called with the trainer before it loads that checkpoint and trains (Ray: the
-            remote reference and scorer, checkpoint reports).
-        budget: with ``resume=``, a new training length (:func:`budget_given`): the run is
-            extended to it (:func:`apply_extension`).
-
-    Returns:
-        (run folder, None) when training finished (rank 0 has written ``<run folder>/FINISHED``),
-        or (run folder, signal number) when SIGINT/SIGTERM/SIGUSR1 stopped it after saving a
-        checkpoint.
-
-    Under FSDP/TP every rank first checks, once the process group is up, that all ranks were
-    given the same config and code (``checks.check_same_run``) and see the same ``output_root``
-    (``checks.check_shared_output_root``).
-
-    The run folder is held (``checkpoints.lock_run_dir``) from before any model loads until this
-    returns, when this process made it or resumes it (under FSDP/TP rank 0 holds it, or takes
-    over the lock of the launcher that started it); a folder a launcher made (Ray) is held there.
-
-    Raises:
-        utils.ConfigError, DataError: a bad config value or data file, ``resume=`` of a run
-            folder a live run holds, or ranks that differ in config, code or ``output_root``
-            (before any model loads).
-        modelcard.PushError: ``hub.push=true`` and the final export could not be pushed (the
-            run is finished and kept; the message says how to push it later).
-    """
+    """Run one training job (one rank under FSDP/TP, torchrun or Ray) in ``run_dir`` (a launcher's, else resume's or a new one,
+    locked until this returns) from ``checkpoint_dir`` (default ``<resume>/LATEST``), calling ``attach(trainer)`` before
+    loading and extending to ``budget``; returns (run folder, None when finished or the stop signal's number)."""
     tracking.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     made: list[str] = []  # the run folder this job makes
     with SetupStops() as stops, contextlib.ExitStack() as held:
@@ -473,8 +390,8 @@ def main(
 
 
 def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str], budget=None):
-    """main()'s work; ``held`` keeps the run folder's lock until main() returns; ``stops`` turns stop
-    signals into :class:`StoppedDuringSetup` until training starts; ``made`` gets the run folder made here."""
+    """main()'s work; ``held`` keeps the run folder's lock until main() returns, ``stops`` turns stop signals into
+    :class:`StoppedDuringSetup` until training starts, ``made`` gets the run folder made here."""
     global RUN_FOLDER
     config = effective_config(config, budget)
     resume_dir = config.resume
@@ -482,10 +399,67 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
-        checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
-        if note is not None and says_once():
-            print(f"Note: {note}")
+        checkpoint_dir = _checkpoint_to_resume(resume_dir)
     distributed = config.trainer != "BasicTrainer"
+    answer_functions = _check_config(config)
+    rank = _start_ranks(config) if distributed else 0
+    if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
+        _hold_run_dir(resume_dir, rank, distributed, held)
+    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
+        checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+    _set_process_state(config)
+
+    tokenizer = models.load_tokenizer(config.model)
+    train_examples, eval_examples = _load_splits(config, tokenizer, rank, answer_functions)
+    fingerprint = {
+        "train": checkpoints.examples_fingerprint(train_examples),
+        "eval": checkpoints.examples_fingerprint(eval_examples),
+    }
+    resume_state, extended = _resume_state(config, checkpoint_dir, fingerprint, len(train_examples), rank)
+    if rank == 0:
+        print(checks.training_length(config, len(train_examples)))
+    scorer = _local_scorer(config)  # before the run folder: a wrong reward model fails fast
+
+    recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
+    policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
+    run_dir = _run_folder(config, run_dir or resume_dir, recorded, rank, distributed, held, made)
+    RUN_FOLDER = run_dir
+    _describe_run(config, run_dir, policy, len(train_examples), len(eval_examples), rank)
+
+    logger = tracking.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
+    trainer_cls = getattr(trainers, config.trainer)
+    precompute, cache_path, reference_cache = _reference_cache(
+        config, policy, reference, train_examples + eval_examples, tokenizer, distributed, rank
+    )
+    if reference_cache is not None:
+        reference = None  # an earlier run's log-probs: the reference is not needed
+    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
+        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
+        trainer.reference_model = reference = None
+    trainer.reference_cache = reference_cache
+    trainer.scorer = scorer
+    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
+    if attach is not None:
+        attach(trainer)
+    if checkpoint_dir is not None:
+        _continue_from(trainer, config, checkpoint_dir, extended, rank)
+    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
+    stop_signal = trainer.train()
+    _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
+    return run_dir, stop_signal
+
+
+def _checkpoint_to_resume(resume_dir: str) -> str | None:
+    """The checkpoint of ``resume_dir`` to continue from (``checkpoints.checkpoint_to_resume``), its note said once."""
+    checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
+    if note is not None and says_once():
+        print(f"Note: {note}")
+    return checkpoint_dir
+
+
+def _check_config(config: DictConfig) -> list:
+    """Check ``config`` for this process's ``WORLD_SIZE`` and say its notes; returns the eval reward functions it names."""
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     checks.validate_config(config, world_size)
     declared = preference_datasets.declared_reward_functions(config.datasets)
@@ -498,33 +472,44 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     models.check_parallel_model(config, world_size)  # under torchrun too: before the run folder
     if config.trainer == "BasicTrainer" and (config.world_size or 1) > 1:
         print(f"Note: world_size={config.world_size} is for FSDPTrainer/TensorParallelTrainer; BasicTrainer uses one process.")
-    rank = 0
-    if distributed:
-        rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
-        checks.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
-        checks.check_shared_output_root(config.output_root, rank)
-        if rank != 0:
-            import transformers
+    return answer_functions
 
-            transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
-    if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
-        refusal = None
-        if rank == 0:
-            try:
-                held.enter_context(checkpoints.lock_run_dir(resume_dir))
-            except utils.ConfigError as e:
-                refusal = str(e)
-        if distributed:
-            refusal = utils.broadcast_object(refusal)
-        if refusal is not None:
-            raise utils.ConfigError(refusal)
-    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
-        checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+
+def _start_ranks(config: DictConfig) -> int:
+    """Join the FSDP/TP process group and check that every rank runs the same config and code; returns this rank."""
+    rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
+    checks.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
+    checks.check_shared_output_root(config.output_root, rank)
+    if rank != 0:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()  # one set of loading bars, not one per rank
+    return rank
+
+
+def _hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextlib.ExitStack) -> None:
+    """Lock ``resume_dir`` on rank 0 into ``held``; every rank raises utils.ConfigError when a live run holds it."""
+    refusal = None
+    if rank == 0:
+        try:
+            held.enter_context(checkpoints.lock_run_dir(resume_dir))
+        except utils.ConfigError as e:
+            refusal = str(e)
+    if distributed:
+        refusal = utils.broadcast_object(refusal)
+    if refusal is not None:
+        raise utils.ConfigError(refusal)
+
+
+def _set_process_state(config: DictConfig) -> None:
+    """Set the seed, the number of threads and malloc's mmap threshold from ``config``."""
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
-    tokenizer = models.load_tokenizer(config.model)
+
+def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
+    """The train and eval examples, checked, rendered through the chat template and screened for length."""
     sft_mode = losses.get_objective(config.loss.name).sft_data
     online = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
@@ -551,10 +536,13 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     checks.check_eval_size(config, len(eval_examples))
     if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
-    fingerprint = {
-        "train": checkpoints.examples_fingerprint(train_examples),
-        "eval": checkpoints.examples_fingerprint(eval_examples),
-    }
+    return train_examples, eval_examples
+
+
+def _resume_state(
+    config: DictConfig, checkpoint_dir: str | None, fingerprint: dict, n_train: int, rank: int
+) -> tuple[dict | None, dict | None]:
+    """The checkpoint's trainer_state.pt, checked against this data's ``fingerprint``, and the run's :func:`extension`."""
     resume_state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
         resume_state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
@@ -564,22 +552,29 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         if resume_state.get("data") is None and rank == 0:
             print(f"Note: {checkpoint_dir} predates data fingerprints, so resume cannot check that the data is unchanged.")
     extended = None
-    if resume_dir is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
-        extended = extension(config, resume_dir, resume_state["example_counter"], len(train_examples))
-    if rank == 0:
-        print(checks.training_length(config, len(train_examples)))
+    if config.resume is not None and resume_state is not None:  # a new n_examples / n_epochs: checked before models load
+        extended = extension(config, config.resume, resume_state["example_counter"], n_train)
+    return resume_state, extended
 
-    scorer = None
+
+def _local_scorer(config: DictConfig):
+    """Online DPO's scorer when it runs in this process (not on Ray actors), else None."""
     remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if online and not remote_scorer:  # before the run folder: a wrong reward model fails fast
-        scorer = rewards.build_scorer(
-            config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        )
+    if config.online.enabled and not remote_scorer:
+        return rewards.build_scorer(config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+    return None
 
-    recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
-    policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
 
-    run_dir = run_dir or resume_dir
+def _run_folder(
+    config: DictConfig,
+    run_dir: str | None,
+    recorded: DictConfig,
+    rank: int,
+    distributed: bool,
+    held: contextlib.ExitStack,
+    made: list[str],
+) -> str:
+    """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``), as every rank sees it."""
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
         run_dir, lock = checkpoints.new_run_dir(
@@ -589,50 +584,53 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         held.enter_context(lock)
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
-    RUN_FOLDER = run_dir
+    return run_dir
+
+
+def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval_examples: int, rank: int) -> None:
+    """On rank 0: name the run folder (also to the launcher) and say the model's size in parameters and the examples used."""
     if rank == 0:
         print(f"Run folder: {run_dir}")
         tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
-    n_eval = checks.n_eval_used(config, len(eval_examples))
+    n_eval = checks.n_eval_used(config, n_eval_examples)
     if rank == 0:
         trainable = ""
         if models.is_lora_model(policy):
             n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
             trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
         print(
-            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {len(train_examples)} train / {n_eval} eval examples."
+            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples."
         )
 
-    logger = tracking.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
-    trainer_cls = getattr(trainers, config.trainer)
-    reference_cache = None
+
+def _reference_cache(
+    config: DictConfig, policy, reference, examples: list[dict], tokenizer, distributed: bool, rank: int
+) -> tuple[bool, str | None, dict | None]:
+    """(whether reference log-probs are precomputed, their cache file, an earlier run's log-probs or None)."""
     lora_reference = models.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
     precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
-    if precompute:  # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
-        cache_path, reference_cache = cached_reference(
-            policy if lora_reference else reference, train_examples + eval_examples, tokenizer, config, distributed, rank
-        )
-        if reference_cache is not None:
-            reference = None  # an earlier run's log-probs: the reference is not needed
-    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
-    if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
-        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
-        trainer.reference_model = reference = None
-    trainer.reference_cache = reference_cache
-    trainer.scorer = scorer
-    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
-    if attach is not None:
-        attach(trainer)
-    if checkpoint_dir is not None:
-        trainer.load(checkpoint_dir)
-        if rank == 0:
-            print(f"Resuming after {trainer.example_counter} examples.")
-        scheduled_lr(trainer)
-        if extended is not None:
-            apply_extension(trainer, config, extended, checkpoint_dir, rank)
-    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
-    stop_signal = trainer.train()
+    if not precompute:
+        return precompute, None, None
+    # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
+    cache_path, reference_cache = cached_reference(
+        policy if lora_reference else reference, examples, tokenizer, config, distributed, rank
+    )
+    return precompute, cache_path, reference_cache
+
+
+def _continue_from(trainer, config: DictConfig, checkpoint_dir: str, extended: dict | None, rank: int) -> None:
+    """Load ``checkpoint_dir`` into ``trainer``, set the next step's lr and apply an ``extended`` length."""
+    trainer.load(checkpoint_dir)
+    if rank == 0:
+        print(f"Resuming after {trainer.example_counter} examples.")
+    scheduled_lr(trainer)
+    if extended is not None:
+        apply_extension(trainer, config, extended, checkpoint_dir, rank)
+
+
+def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int, distributed: bool, owns_folder: bool) -> None:
+    """Leave the process group, and push a finished run's export when ``hub.push`` asks and no launcher owns the folder."""
     if distributed:
         import torch.distributed as dist
 
@@ -640,7 +638,6 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
     if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
         print(modelcard.push_final(run_dir, config))
-    return run_dir, stop_signal
 
 
 LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
@@ -666,25 +663,8 @@ run folder's config.yaml begins with the command (``checkpoints.RUN_COMMAND_LINE
 
 
 def die_with_launcher(poll_s: float = 0.5) -> str | None:
-    """In a rank that :func:`launch` or torchrun started: be killed when that launcher dies, however
-    it dies. Returns ``"train.py"`` or ``"torchrun"`` (which started this process), else None.
-
-    :func:`launch` names itself (``DPO_LAUNCHER_PID``); torchrun's agent starts its ranks itself
-    and gives them ``TORCHELASTIC_RUN_ID``, so there the parent is the launcher. On Linux the
-    kernel does it (``prctl(PR_SET_DEATHSIG)``); the launcher may have died before that was set,
-    so the parent pid is checked after it (torchrun names no pid, so a rank it started and that
-    lost it before getting here is not caught: it then fails at the rendezvous). Elsewhere (or if
-    prctl fails) a daemon thread checks every ``poll_s`` seconds whether the parent is still the
-    launcher. Does nothing in a process no launcher started.
-
-    The signal is SIGKILL, not SIGTERM (which makes a rank save a checkpoint and stop): with the
-    launcher gone nobody forwards signals any more, nor kills a rank left waiting in a collective
-    for a rank that is gone, so a rank told to save could hang for ever, still holding the run
-    folder; and a launcher killed with SIGKILL was asked to stop now (a launcher that stops
-    normally forwards SIGTERM itself). SIGKILL loses nothing already saved: checkpoints are
-    written atomically (``checkpoints.save_checkpoint_dir``), ``LATEST`` always names a whole one,
-    and the run folder's lock is free again the moment the last rank is gone.
-    """
+    """In a rank that :func:`launch` or torchrun started, be SIGKILLed when that launcher dies (``prctl(PR_SET_DEATHSIG)`` on
+    Linux, else a thread polling every ``poll_s`` s); returns ``"train.py"``, ``"torchrun"`` or None (no launcher)."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     if launcher is not None:
         started_by, launcher = "train.py", int(launcher)
@@ -692,7 +672,7 @@ def die_with_launcher(poll_s: float = 0.5) -> str | None:
         started_by, launcher = "torchrun", os.getppid()
     else:
         return None
-    kill = getattr(signal, "SIGKILL", None)
+    kill = getattr(signal, "SIGKILL", None)  # not SIGTERM: nobody forwards signals now; checkpoints are atomic
     armed = False
     if sys.platform.startswith("linux") and kill is not None:
         import ctypes
@@ -724,10 +704,8 @@ PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
 
 
 def lost_peer(error: BaseException) -> str | None:
-    """Why a collective failed when ``error`` (or an exception it was raised from) says another rank
-    is gone: gloo's ``RuntimeError`` when a peer's socket closed (its :data:`PEER_GONE` phrase,
-    e.g. "Connection reset by peer"), or a ``torch.distributed.DistError`` (its first line). None
-    otherwise."""
+    """Why a collective failed when ``error`` or its causes say another rank is gone (gloo's :data:`PEER_GONE` phrase, a
+    ``torch.distributed.DistError``'s first line), else None."""
     import torch.distributed as dist
 
     seen = set()
@@ -743,8 +721,8 @@ def lost_peer(error: BaseException) -> str | None:
 
 
 def how_to_continue(run_dir: str | None, command: str) -> str:
-    """The end of a sentence saying how to go on after a run stopped: ``<command> resume=<run_dir>``
-    when the run folder has a checkpoint, else that there is none yet to continue from."""
+    """The end of a sentence on how to go on after a run stopped: ``<command> resume=<run_dir>`` when it has a checkpoint, else
+    that there is none yet."""
     if run_dir is not None and os.path.lexists(os.path.join(run_dir, "LATEST")):
         return f"continue the run with {command} resume={run_dir}"
     if run_dir is not None:
@@ -753,8 +731,7 @@ def how_to_continue(run_dir: str | None, command: str) -> str:
 
 
 def tell_launcher(run_dir: str) -> None:
-    """Write ``run_dir`` into the pipe :func:`launch` gave this rank (``DPO_RUN_FOLDER_FD``), if any,
-    and keep it as this command's run folder (:data:`RUN_FOLDER_TOLD`)."""
+    """Write ``run_dir`` into :func:`launch`'s pipe (``DPO_RUN_FOLDER_FD``), if any, and keep it as :data:`RUN_FOLDER_TOLD`."""
     global RUN_FOLDER_TOLD
     RUN_FOLDER_TOLD = run_dir
     fd = os.environ.pop(RUN_FOLDER_FD_ENV, None)
@@ -765,26 +742,8 @@ def tell_launcher(run_dir: str) -> None:
 
 
 def launch(config: DictConfig) -> int | None:
-    """Start one process per GPU (``world_size`` of them on CPU) when FSDP or tensor
-    parallelism is asked for and this process was not started by torchrun.
-
-    Each process runs this script with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR,
-    ...) and loads what it needs: no model is passed between processes. Each runs in its own
-    session, so a Ctrl-C, SIGTERM or SIGUSR1 reaches them once, forwarded from here; they save a
-    checkpoint and stop, and this process waits for them. If one fails, the others are stopped;
-    if this process dies (even by SIGKILL), they are killed (:func:`die_with_launcher`).
-
-    With ``resume=`` this process holds the run folder's lock (``checkpoints.lock_run_dir``) from
-    before the processes start until it returns, and passes it to them, so the lock lasts as
-    long as any of them lives.
-
-    Returns:
-        The exit code to leave with, or None when this process should train itself.
-
-    Raises:
-        utils.ConfigError: a bad config value, more processes than this machine has GPUs, or
-            ``resume=`` of a folder a live run holds (before any process starts).
-    """
+    """For FSDP/TP not under torchrun, start one process per GPU (``world_size`` on CPU), holding ``resume``'s run-folder lock
+    for them, and forward signals and wait; returns the exit code, or None when this process trains itself."""
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
@@ -859,13 +818,9 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
 
 
 def rank_failure(codes: dict[int, int], killed: set[int], stopped: set[int], run_dir: str | None) -> int:
-    """The launcher's exit code from its ranks' (``codes``: rank to ``Popen.returncode``, in the order
-    they ended; ``killed``: ranks it killed after another failed): 0 when all finished; else the
-    first rank that failed by itself gives it, as a shell reports it (128 + N for signal N, e.g.
-    137 for SIGKILL), and when it died without a word (a signal, or a code other than 1 and 2,
-    which follow a sentence or traceback of its own) one ``Error:`` line names it and how to go on
-    (:func:`how_to_continue`); else a stop signal's 128 + N (the ranks saved and stopped), else
-    ``PEER_LOST_EXIT``."""
+    """The launcher's exit code from its ranks' ``codes`` (in the order they ended; ``killed``: ranks it killed): 0 when all
+    finished, else the first self-failed rank's (128 + N for signal N, with an ``Error:`` line when it died without a word),
+    else a stop's 128 + N, else ``PEER_LOST_EXIT``."""
     first = next(((r, c) for r, c in codes.items() if r not in killed and c not in (0, PEER_LOST_EXIT, *stopped)), None)
     if first is not None:
         rank, code = first
@@ -894,23 +849,8 @@ def _keys(node: DictConfig, top: bool) -> str:
 
 
 def override_error(overrides: list[str], config_name: str = "config") -> str | None:
-    """One sentence when a command-line override names what the config does not have, else None.
-
-    - a key that is not in the config (``batch_szie=8``, nested: ``loss.betaa=0.1``,
-      ``data.hh.subset=...``): "batch_szie is not a config key; did you mean batch_size? (keys: ...)";
-    - ``+key=value`` adding a top-level key that is a near-miss of an existing one
-      (``+batch_szie=8``: Hydra accepts it and nothing would read it). Other additions
-      (``+data.mine.path=...``, ``+model.config.foo=...``, ``+loss.beta=...``, which
-      ``checks.validate_config`` judges) are left alone;
-    - a config-group option that does not exist (``loss=ipoo``).
-
-    ``config_name`` is the primary config (``evaluate`` for evaluate.py's command line).
-
-    The config is composed as ``hydra_main``'s is (Hydra's override parser and compose API, the
-    same overrides, ``CONFIG_DIR``); the missing key and its siblings come from the error
-    OmegaConf raised. Overrides that fail for any other reason (bad syntax, a sweep) give None:
-    Hydra reports those itself.
-    """
+    """One sentence when a command-line override names what ``config_name``'s config lacks (an unknown key, a near-miss ``+key``,
+    a missing group option, a folder as ``model=``), else None (Hydra reports other failures)."""
     import difflib
 
     from hydra import compose, initialize_config_dir
@@ -955,7 +895,7 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
             text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
             add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
             return f"{typed} is not a config key{where}{add}."
-        added = [
+        added = [  # +key near-misses of top-level keys; nested additions are validate_config's
             (text, o)
             for text, o in zip(overrides, parsed)
             if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
@@ -975,12 +915,8 @@ def override_error(overrides: list[str], config_name: str = "config") -> str | N
 
 
 def command_line_error(argv: list[str]) -> str | None:
-    """:func:`override_error` of the command line's overrides (``sys.argv[1:]``); None when any
-    argument is another Hydra flag (``--cfg``, ``--config-name``, ...): Hydra handles those.
-
-    With ``-m``/``--multirun`` (and no other flag) every job of the sweep is checked before the
-    first one starts (:func:`sweep_error`), so a mistake in the 7th job does not stop the sweep
-    after 6 runs."""
+    """:func:`override_error` of ``argv``'s overrides, or with ``-m`` :func:`sweep_error` of every job before the first starts;
+    None when another Hydra flag is given."""
     multirun = [a for a in argv if a in ("-m", "--multirun")]
     overrides = [a for a in argv if a not in multirun]
     if not overrides or any(a.startswith("-") for a in overrides):
@@ -989,11 +925,8 @@ def command_line_error(argv: list[str]) -> str | None:
 
 
 def sweep_error(overrides: list[str]) -> str | None:
-    """One sentence for the first job of the sweep ``overrides`` (``loss=dpo,ipo lr=1e-3``:
-    one job per combination, as Hydra's basic sweeper makes them) whose overrides
-    :func:`override_error` rejects or whose composed config ``checks.validate_config`` rejects
-    (the sentence starts with the job's swept values, e.g. "In the job loss=ipoo: ..."); None
-    when all pass or the overrides do not parse (Hydra reports that itself)."""
+    """One sentence, led by the job's swept values, for the first job of the sweep ``overrides`` that :func:`override_error` or
+    ``checks.validate_config`` rejects; None when all pass or they do not parse."""
     from hydra import compose, initialize_config_dir
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -1026,12 +959,8 @@ def sweep_error(overrides: list[str]) -> str | None:
 
 
 def exit_rank(run) -> None:
-    """Run ``run()`` (``hydra_main``) in an FSDP/TP rank, then leave with its exit code without
-    the interpreter's teardown (``os._exit`` after flushing): gloo's worker threads may still
-    hold the last collective's tensors, and freeing them during teardown aborts the process
-    ("terminate called without an active exception", exit 250 or SIGABRT) after the run has
-    finished, about once in 10 two-rank CPU runs on a loaded machine, so a finished run looked failed.
-    Everything a run writes is closed before ``run()`` returns (checkpoints, metrics, W&B)."""
+    """Run ``run()`` in an FSDP/TP rank, then leave with its exit code by ``os._exit`` after flushing, without the interpreter's
+    teardown."""
     code = 0
     try:
         run()
@@ -1044,12 +973,11 @@ def exit_rank(run) -> None:
         code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(code)  # gloo threads freeing tensors in teardown could abort a finished run
 
 
 def say_once_per_node(error: Exception, rank: int) -> None:
-    """Print ``Error: <error>`` on each node's first process; every rank raises the same
-    sentence, and the others wait 1 s so that it is said before torchrun stops the group."""
+    """Print ``Error: <error>`` on each node's first process; the others wait 1 s so it is said before torchrun stops the group."""
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
         print(f"Error: {error}", file=sys.stderr, flush=True)
     else:
@@ -1062,16 +990,9 @@ STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "
 
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
-    """Whether this command runs ``sft_first``'s SFT stage before itself: ``sft_first.n_examples``
-    is set, and the run starts a preference objective offline from the model's own weights.
-
-    A preset's ``sft_first`` (model=tiny's) that does not apply (``model.archive`` or ``resume=``
-    given, ``loss=sft``, a reward model, online DPO) is left out with a note.
-
-    Raises:
-        utils.ConfigError: when the command line itself sets ``sft_first.n_examples`` for a run
-            it cannot apply to, or combines it with ``resume=auto``.
-    """
+    """Whether ``sft_first``'s SFT stage runs first (``sft_first.n_examples`` set, a preference objective offline from the
+    model's own weights); a preset's stage that cannot apply steps aside with a note, a command line's raises
+    utils.ConfigError."""
     stage = config.get("sft_first") or {}
     if stage.get("n_examples") is None or "RANK" in os.environ:
         return False
@@ -1101,10 +1022,8 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
 
 
 def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """The two command lines (overrides) of ``sft_first``: the SFT stage (``loss=sft``,
-    ``n_examples=sft_first.n_examples``, ``lr=sft_first.lr`` if set, ``exp_name=<exp_name>_sft``
-    if one was given; the command's other overrides kept), and this run with
-    ``model.archive`` left to be appended once the first has finished."""
+    """The overrides of ``sft_first``'s two stages: the SFT stage (``loss=sft``, its ``n_examples`` and ``lr``,
+    ``exp_name=<exp_name>_sft``), and this run, to which ``model.archive`` is appended once the first finishes."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
@@ -1121,9 +1040,8 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:
-    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py``
-    in its own session (the reference repository's two commands, printed as they run); a Ctrl-C or
-    SIGTERM is forwarded once to the stage running. Returns the exit code."""
+    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py`` in its own session with
+    Ctrl-C/SIGTERM forwarded once; returns the exit code."""
     script = os.path.relpath(SCRIPT)
     sft, dpo = stage_commands(config, overrides)
     child: list[subprocess.Popen] = []
@@ -1180,8 +1098,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
 
 
 def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
-    """Lines comparing the two stages' evals: each ``answers_eval/<name>`` at the SFT stage's first
-    eval, its last (= the second stage's first) and the second stage's last, and the second
+    """Lines comparing the stages' evals: each ``answers_eval/<name>`` at the start, after SFT and at the end, and the second
     stage's reward accuracy at its first and last eval."""
 
     def evals(folder):
@@ -1212,8 +1129,8 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 
 def submitit_job() -> bool:
-    """Whether this process is a job of Hydra's submitit launcher (``-m hydra/launcher=slurm``,
-    ``submitit_slurm`` or ``submitit_local``): one job of the sweep, pickled into a process of its own."""
+    """Whether this process is a job of Hydra's submitit launcher (``hydra/launcher=slurm``, ``submitit_slurm`` or
+    ``submitit_local``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -1224,8 +1141,8 @@ def submitit_job() -> bool:
 
 
 def this_command() -> list[str]:
-    """The script and arguments that run this command again (for FSDP/TP ranks): ``sys.argv``, or in
-    a submitit job (whose ``sys.argv`` is submitit's) train.py with the job's overrides."""
+    """The script and arguments that run this command again for FSDP/TP ranks: ``sys.argv``, or in a submitit job train.py with
+    the job's overrides."""
     if not submitit_job():
         return sys.argv
     from hydra.core.hydra_config import HydraConfig
@@ -1234,9 +1151,8 @@ def this_command() -> list[str]:
 
 
 def job_failure(code: int) -> str:
-    """The sentence for a submitit job that ended with exit code ``code``: the last line it wrote to
-    stderr (train.py's one-sentence error), or to stdout when a signal stopped it (the resume
-    command), and where its whole output is."""
+    """The sentence for a submitit job that ended with exit code ``code``: its last line on stderr (stdout when a signal stopped
+    it) and where its output is."""
     import submitit
 
     sys.stdout.flush()
@@ -1251,10 +1167,8 @@ def job_failure(code: int) -> str:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> dict | None:
-    """The command line (:func:`run_command`). A job of a sweep (``-m``) returns its
-    :func:`sweeps.job_result` for the sweep's summary; in a job of Hydra's submitit launcher an exit
-    code other than 0 is returned too (the summary, then its sentence, ends the sweep), with the
-    basic launcher it ends the sweep there (a Ctrl-C stops the whole sweep)."""
+    """The command line (:func:`run_command`); a sweep job returns its :func:`sweeps.job_result` (under submitit with a nonzero
+    exit code too; the basic launcher ends the sweep there)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -1278,7 +1192,8 @@ def hydra_main(config: DictConfig) -> dict | None:
 
 
 def run_command(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and turn errors and signals into exit codes (2 for a config/data error, 1 for a failed step, checkpoint or full disk, 128 + signal when interrupted: 130 SIGINT, 143 SIGTERM, 138 SIGUSR1; in an FSDP/TP rank, 3 when another rank died, said in one line; train.py's launcher then exits with the dead rank's code, 128 + signal: 137 for SIGKILL)."""
+    """The command line: compose the config, start ranks or Ray if asked, run, and exit 2 (config/data error), 1 (failed step,
+    checkpoint, full disk), 128 + signal when stopped, or :data:`PEER_LOST_EXIT` in a rank whose peer died."""
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
