@@ -1,13 +1,5 @@
-"""Preference-learning losses and batch log-probabilities.
-
-Every function here is pure: tensors in, tensors out, no model and no config.
-The trainers call them; a new loss never touches a trainer's sharding code.
-
-Notation (shared by all functions):
-    B  number of preference pairs (or SFT sequences) in the batch
-    T  sequence length (tokens), V vocabulary size
-    logps  log-probability of a whole response, log pi(y | x), in nats
-"""
+"""Preference-learning losses and batch log-probabilities as pure tensor functions (B pairs, T tokens, V vocabulary;
+log-probs log pi(y | x) in nats)."""
 
 from __future__ import annotations
 
@@ -29,20 +21,9 @@ IGNORE_INDEX = -100
 def get_batch_logps(
     logits: torch.Tensor, labels: torch.Tensor, average_log_prob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probability of each sequence's labelled tokens (position t of ``logits`` predicts label t + 1).
-
-    Args:
-        logits: (B, T, V) unnormalised scores from a causal LM.
-        labels: (B, T) token ids, ``IGNORE_INDEX`` (prompt, padding) where no loss is wanted.
-        average_log_prob: return the mean log-prob per labelled token instead of the sum.
-
-    Returns:
-        (logps, n_tokens), each (B,): logps in nats, float32 (float64 for float64 logits);
-        n_tokens the labelled-token counts, float32.
-
-    Raises:
-        ValueError: if logits and labels disagree in batch size or length.
-    """
+    """(logps, n_tokens), each (B,), of each sequence's labelled tokens from (B, T, V) ``logits`` and (B, T) ``labels``
+    (position t predicts label t + 1): logps in nats, float32 (float64 for float64 logits), summed or, with
+    ``average_log_prob``, per token; n_tokens float32; ValueError if the shapes disagree."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must share (B, T).")
     labels = labels[:, 1:]
@@ -67,19 +48,8 @@ def _logp_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits[rows[k]])[targets[k]] for every k, for ``packing.packed_sequence_logps``.
-
-    Args:
-        logits: (M, V) unnormalised scores, any float dtype.
-        rows: (N,) long, which row of ``logits`` predicts each target (a row may predict several).
-        targets: (N,) long token ids (no ``IGNORE_INDEX``).
-
-    Returns:
-        (N,) float32 (float64 for float64 logits) log-probabilities in nats.
-
-    Raises:
-        ValueError: if ``logits`` is not 2-D or ``rows`` and ``targets`` differ in shape.
-    """
+    """(N,) log softmax(logits[rows[k]])[targets[k]] in nats, float32 (float64 for float64 logits), from (M, V)
+    ``logits`` and (N,) long ``rows`` and ``targets``; ValueError for other shapes."""
     if logits.dim() != 2 or rows.shape != targets.shape or rows.dim() != 1:
         raise ValueError(
             f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
@@ -92,17 +62,8 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
 def sum_by_sequence(
     token_logps: torch.Tensor, sequence: torch.Tensor, n_sequences: int, average_log_prob: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence sums (or means) of per-token log-probs, the reduction of :func:`get_batch_logps`.
-
-    Args:
-        token_logps: (N,) log-probs of the labelled tokens of all sequences.
-        sequence: (N,) long, which sequence each token belongs to (values in [0, n_sequences)).
-        n_sequences: S (a sequence with no token gets 0 and a count of 0).
-        average_log_prob: the mean per labelled token instead of the sum.
-
-    Returns:
-        (logps, n_tokens), each (S,): logps in nats, float32 (float64 for float64 input); n_tokens float32.
-    """
+    """(logps, n_tokens), each (S = ``n_sequences``,), the sums (or means) of (N,) ``token_logps`` per (N,) ``sequence``:
+    logps in nats, float32 (float64 for float64 input), n_tokens float32; a sequence without tokens gets 0."""
     total = torch.zeros(n_sequences, dtype=_logp_dtype(token_logps), device=token_logps.device)
     total = total.index_add(0, sequence, token_logps.to(total.dtype))
     zeros = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device)
@@ -121,25 +82,10 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO loss, and conservative DPO when ``label_smoothing`` > 0.
-
-    DPO (Rafailov et al. 2023, "Direct Preference Optimization", Eq. 7):
-        h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) - log ref(y_l|x))
-        loss = -log sigmoid(beta * h)
-    Conservative DPO (Mitchell 2023, "A note on DPO with noisy preferences"):
-    the label is flipped with probability eps = ``label_smoothing``,
-        loss = -(1 - eps) log sigmoid(beta * h) - eps log sigmoid(-beta * h).
-    With ``reference_free`` the reference terms are taken as 0 (a uniform reference).
-
-    Args:
-        policy_chosen_logps, policy_rejected_logps: (B,) log pi(y_w | x), log pi(y_l | x).
-        reference_chosen_logps, reference_rejected_logps: (B,) log ref(y_w | x), log ref(y_l | x).
-        beta: KL-penalty strength, > 0.
-        label_smoothing: assumed probability that a label is wrong, in [0, 0.5).
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards), each (B,); rewards beta * (log pi - log ref), detached.
-    """
+    """DPO (Rafailov et al. 2023, Eq. 7), -log sigmoid(beta h) with h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) -
+    log ref(y_l|x)), or conservative DPO (Mitchell 2023) -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h), eps =
+    ``label_smoothing`` in [0, 0.5), reference 0 with ``reference_free``: (B,) log-probs in, (losses, chosen_rewards,
+    rejected_rewards) out, each (B,) in nats, rewards beta * (log pi - log ref) detached."""
     pi_logratios = policy_chosen_logps - policy_rejected_logps
     ref_logratios = reference_chosen_logps - reference_rejected_logps
     if reference_free:
@@ -164,15 +110,8 @@ def ipo_loss(
     reference_rejected_logps: torch.Tensor,
     beta: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """IPO loss (Azar et al. 2023, "A General Theoretical Paradigm to Understand
-    Learning from Human Preferences", Eq. 17, empirical form):
-
-        h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) - log ref(y_l|x))
-        loss = (h - 1 / (2 * beta)) ** 2
-
-    ``beta`` is the paper's tau, > 0. Inputs (B,) as in :func:`dpo_loss`; returns
-    (losses, chosen_rewards, rejected_rewards), each (B,), rewards as in DPO.
-    """
+    """IPO (Azar et al. 2023, Eq. 17, empirical form), (h - 1 / (2 beta))^2 on DPO's log-ratio gap h, ``beta`` the paper's
+    tau > 0: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, each (B,), rewards as DPO's."""
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = (h - 1 / (2 * beta)) ** 2
     chosen_rewards, rejected_rewards = implicit_rewards(
@@ -193,10 +132,8 @@ def implicit_rewards(
     beta: float,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's implicit rewards beta * (log pi(y|x) - log ref(y|x)), detached (Rafailov et al. 2023, Eq. 5, without the partition function).
-
-    Shapes: all inputs (B,); returns (chosen_rewards, rejected_rewards), each (B,). ``reference_free``: reference 0.
-    """
+    """DPO's implicit rewards beta * (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5, without the partition
+    function), detached: (B,) inputs, (chosen_rewards, rejected_rewards) each (B,); ``reference_free``: reference 0."""
     if reference_free:
         reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
@@ -206,34 +143,21 @@ def implicit_rewards(
 
 
 def sft_loss(policy_logps_sum: torch.Tensor, n_tokens_total: float | torch.Tensor) -> torch.Tensor:
-    """Supervised fine-tuning loss: scalar negative log-likelihood in nats per target token.
-
-    Args:
-        policy_logps_sum: (B,) summed log pi(y | x) of each sequence's target tokens.
-        n_tokens_total: number of target tokens in the full batch (all micro-batches).
-    """
+    """Scalar SFT negative log-likelihood in nats per target token: -sum of (B,) ``policy_logps_sum`` / ``n_tokens_total``
+    (the target tokens of the whole batch, all micro-batches)."""
     # divided by the whole batch's tokens: independent of sequence length and of the micro-batch split
     return -policy_logps_sum.sum() / n_tokens_total
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
-    """Bradley–Terry reward-model loss ``-log sigmoid(r_c - r_r)`` per pair (Bradley & Terry 1952; Ouyang et al. 2022, Eq. 1).
-
-    Shapes: chosen_scores, rejected_scores (B,); returns (B,) float32 losses in nats.
-    """
+    """Bradley-Terry reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022, Eq. 1):
+    (B,) scores in, (B,) float32 losses in nats out."""
     return -F.logsigmoid(chosen_scores.float() - rejected_scores.float())
 
 
 def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(N,) float32 score of each right-padded sequence at its last real token, from a one-label
-    ``*ForSequenceClassification`` model's ``score`` head (gradients flow).
-
-    Args:
-        input_ids, attention_mask: (N, T) long, right-padded, each row with at least one real token.
-
-    Raises:
-        ValueError: if the model has no ``score`` head with one output.
-    """
+    """(N,) float32 scores of right-padded (N, T) sequences at their last real token, from a one-label
+    ``*ForSequenceClassification`` model's ``score`` head, gradients flowing (ValueError without such a head)."""
     head = getattr(model, "score", None)
     if head is None or getattr(head, "out_features", 1) != 1:
         raise ValueError(f"{type(model).__name__} has no one-output `score` head; load it with num_labels=1.")
@@ -250,79 +174,44 @@ def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
 
 # ============================================================================ the objectives registry
-#
-# One objective is one registered declaration: what it needs from the trainer, its config keys
-# (defaults and valid ranges), and one pure function from those inputs to per-example losses
-# and the rewards its metrics report. The trainer computes what the declaration asks for and
-# names no objective; train.py, ray_launcher.py, the config checks and docs/objectives.md's table read
-# the declarations. Adding one: a function below with ``@objective(...)``, a
-# ``config/loss/<name>.yaml`` whose keys are the declared ones, and its tests.
+# One declaration per objective (inputs, loss.* keys, pure function); the trainer names no objective.
+# Adding one: docs/objectives.md.
 
 
 class ObjectiveConfigError(ValueError):
-    """A ``loss.*`` value is wrong; the message is one sentence naming the key and the fix
-    (train.py reports it as ``utils.ConfigError``)."""
+    """A wrong ``loss.*`` value, in one sentence naming the key and the fix (train.py reports it as ``utils.ConfigError``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """One ``loss.<key>`` an objective accepts.
+    """One ``loss.<key>`` an objective accepts."""
 
-    Attributes:
-        default: the value in ``config/loss/<name>.yaml`` (a test checks they agree).
-        valid: a predicate the value must satisfy (None: any value of the default's type).
-        rule: the valid range in words, for the error sentence (e.g. "> 0", "in [0, 0.5)").
-        doc: what the key means, one line.
-    """
-
-    default: object
-    valid: Callable[[object], bool] | None = None
-    rule: str = ""
-    doc: str = ""
+    default: object  # the value in config/loss/<name>.yaml (a test checks they agree)
+    valid: Callable[[object], bool] | None = None  # None: any value of the default's type
+    rule: str = ""  # the valid range in words, for the error sentence ("> 0", "in [0, 0.5)")
+    doc: str = ""  # what the key means, one line
 
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The declaration of one training objective (see the module's registry notes).
+    """The declaration of one training objective ``loss=<name>``: its pure loss function, keys and what the trainer
+    computes for it."""
 
-    Attributes:
-        name: ``loss=<name>`` (TRL's ``loss_type`` name where TRL has the objective).
-        fn: the pure loss function; arguments named after :class:`ObjectiveInputs` fields and keys;
-            returns ``(losses, chosen_rewards, rejected_rewards)``, each (B,), rewards detached,
-            optionally followed by a dict of extra per-example metric tensors.
-        keys: the ``loss.*`` keys besides ``name``.
-        source: paper and equation.
-        summary: one line for docs/objectives.md's table.
-        reference: uses the frozen reference's log-probs (False: reference-free). A key name
-            (e.g. ``"reference_free"``) means: uses it unless that boolean key is true.
-        average_log_prob: the log-probs it is given are length-normalised (mean per response
-            token) rather than summed; None: as the key ``average_log_prob`` says.
-        nll: uses the chosen responses' NLL per token (``policy_chosen_nll``).
-        unpaired: also trains on unpaired rows ``{prompt, completion, label}``.
-        mismatched_kl: uses log-probs of mismatched prompt-completion pairs (KTO's reference point).
-        score_head: trains a one-output score head (a reward model) instead of a policy.
-        sft_data: trains on each prompt's ``sft_target`` alone (no pairs).
-        per_token: the batch loss is the sum of the losses over the batch's target tokens
-            (SFT's per-token mean) instead of over its examples.
-        reward_metric: metric name prefix of the rewards (``rewards`` or ``scores``).
-        unit: the loss's unit, for plot axes.
-    """
-
-    name: str
-    fn: Callable
-    keys: dict
-    source: str
-    summary: str
-    reference: bool | str = True
-    average_log_prob: bool | None = None
-    nll: bool = False
-    unpaired: bool = False
-    mismatched_kl: bool = False
-    score_head: bool = False
-    sft_data: bool = False
-    per_token: bool = False
-    reward_metric: str = "rewards"
-    unit: str = "nats per example"
+    name: str  # loss=<name> (TRL's loss_type name where TRL has it)
+    fn: Callable  # args named after ObjectiveInputs fields and keys; returns (losses, chosen, rejected[, metrics]), (B,) each
+    keys: dict  # the loss.* keys besides name
+    source: str  # paper and equation
+    summary: str  # one line for docs/objectives.md's table
+    reference: bool | str = True  # a key name: uses the reference unless that boolean key is true
+    average_log_prob: bool | None = None  # log-probs are means per response token; None: as loss.average_log_prob says
+    nll: bool = False  # uses the chosen NLL per token (policy_chosen_nll)
+    unpaired: bool = False  # also trains on unpaired rows {prompt, completion, label}
+    mismatched_kl: bool = False  # uses log-probs of mismatched prompt-completion pairs (KTO's reference point)
+    score_head: bool = False  # trains a one-output score head (a reward model), not a policy
+    sft_data: bool = False  # trains on each prompt's sft_target alone (no pairs)
+    per_token: bool = False  # the batch loss sums over target tokens (SFT's per-token mean), not examples
+    reward_metric: str = "rewards"  # metric name prefix of the rewards (rewards or scores)
+    unit: str = "nats per example"  # the loss's unit, for plot axes
 
     def uses_reference(self, loss_config) -> bool:
         """True if, with ``loss_config`` (the ``loss`` section), the reference's log-probs are needed."""
@@ -337,11 +226,8 @@ class Objective:
         return bool(_get(loss_config, "average_log_prob", self.keys.get("average_log_prob", Key(False)).default))
 
     def keys_for(self, loss_config) -> dict:
-        """The ``loss.*`` keys (name -> :class:`Key`) that ``loss_config`` may set (a ``mix``'s depend on its components).
-
-        Raises:
-            ObjectiveConfigError: if a value the keys depend on is wrong (a ``mix``'s ``losses``/``weights``).
-        """
+        """The ``loss.*`` keys (name -> :class:`Key`) ``loss_config`` may set (a ``mix``'s depend on its components;
+        ObjectiveConfigError for bad ``losses``/``weights``)."""
         return self.keys
 
     def uses_nll(self, loss_config) -> bool:
@@ -354,15 +240,9 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """Call :attr:`fn` with the inputs and keys it names, plus ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1).
-
-        Args:
-            loss_config: the ``loss`` section (a mapping; missing keys take their defaults).
-            overrides: key values that win over ``loss_config`` (e.g. this epoch's ``beta``).
-
-        Raises:
-            ValueError: if the function needs an input the trainer did not provide.
-        """
+        """Call :attr:`fn` with the inputs and keys it names (``overrides`` win over ``loss_config``, e.g. this epoch's
+        ``beta``), plus ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1); ValueError for an input
+        the trainer did not compute."""
         kwargs = {}
         parameters = self._signature
         for name in parameters:
@@ -404,35 +284,21 @@ class Objective:
 
 @dataclasses.dataclass
 class ObjectiveInputs:
-    """What the trainer computed for one micro-batch of B examples (None where not asked for).
+    """What the trainer computed for one micro-batch of B examples, None where not asked for: (B,) float32 log-probs in
+    nats, summed per response or, when the objective averages (:meth:`Objective.averages`), per token."""
 
-    Log-probs are float32, in nats, summed over each response's tokens or, when the objective
-    averages (:meth:`Objective.averages`), their mean per token.
-
-    Attributes:
-        policy_chosen_logps, policy_rejected_logps: (B,) log pi(y_w | x), log pi(y_l | x). For
-            unpaired rows, ``policy_chosen_logps`` holds each completion's and ``label`` says
-            whether it is desirable.
-        reference_chosen_logps, reference_rejected_logps: (B,) the same under the reference.
-        chosen_n_tokens, rejected_n_tokens: (B,) float32 response-token counts.
-        policy_chosen_nll: (B,) -log pi(y_w | x) / |y_w|, the chosen NLL per token.
-        chosen_scores, rejected_scores: (B,) a score head's outputs (reward models).
-        policy_kl_logps, reference_kl_logps: (B,) log-probs of mismatched pairs (x_i, y_{i+1}).
-        label: (B,) bool, unpaired rows only: the completion is desirable.
-    """
-
-    policy_chosen_logps: torch.Tensor | None = None
-    policy_rejected_logps: torch.Tensor | None = None
-    reference_chosen_logps: torch.Tensor | None = None
+    policy_chosen_logps: torch.Tensor | None = None  # log pi(y_w | x); unpaired rows: each completion's
+    policy_rejected_logps: torch.Tensor | None = None  # log pi(y_l | x)
+    reference_chosen_logps: torch.Tensor | None = None  # the same under the reference
     reference_rejected_logps: torch.Tensor | None = None
-    chosen_n_tokens: torch.Tensor | None = None
+    chosen_n_tokens: torch.Tensor | None = None  # response-token counts, float32
     rejected_n_tokens: torch.Tensor | None = None
-    policy_chosen_nll: torch.Tensor | None = None
-    chosen_scores: torch.Tensor | None = None
+    policy_chosen_nll: torch.Tensor | None = None  # -log pi(y_w | x) / |y_w|, the chosen NLL per token
+    chosen_scores: torch.Tensor | None = None  # a score head's outputs (reward models)
     rejected_scores: torch.Tensor | None = None
-    policy_kl_logps: torch.Tensor | None = None
+    policy_kl_logps: torch.Tensor | None = None  # log-probs of mismatched pairs (x_i, y_{i+1})
     reference_kl_logps: torch.Tensor | None = None
-    label: torch.Tensor | None = None
+    label: torch.Tensor | None = None  # bool, unpaired rows only: the completion is desirable
 
 
 class ObjectiveOutput(NamedTuple):
@@ -450,13 +316,8 @@ OBJECTIVES: dict[str, Objective] = {}
 
 
 def objective(name: str, **declaration) -> Callable:
-    """Register the decorated function as objective ``name`` (the other arguments are
-    :class:`Objective`'s fields) and return the function unchanged.
-
-    Raises:
-        ValueError: if ``name`` is taken, or the function names an argument that is neither an
-            input field nor a declared key.
-    """
+    """Register the decorated function as objective ``name`` (the other arguments: :class:`Objective`'s fields) and return
+    it unchanged; ValueError for a taken name or an argument that is neither an input field nor a declared key."""
 
     def register(fn: Callable) -> Callable:
         if name in OBJECTIVES:
@@ -473,11 +334,7 @@ def objective(name: str, **declaration) -> Callable:
 
 
 def get_objective(name: str) -> Objective:
-    """The registered objective ``name``.
-
-    Raises:
-        ObjectiveConfigError: one sentence listing the registered names (with "did you mean").
-    """
+    """The registered objective ``name``, else ObjectiveConfigError listing the registered names (with "did you mean")."""
     if name in OBJECTIVES:
         return OBJECTIVES[name]
     close = difflib.get_close_matches(str(name), list(OBJECTIVES), n=1)
@@ -486,11 +343,8 @@ def get_objective(name: str) -> Objective:
 
 
 def validate_loss_config(loss_config) -> Objective:
-    """Check the ``loss`` section against its objective's declaration and return the objective.
-
-    Raises:
-        ObjectiveConfigError: naming the first bad key and how to fix it.
-    """
+    """Check the ``loss`` section against its objective's declaration and return the objective (ObjectiveConfigError
+    names the first bad key and the fix)."""
     decl = get_objective(loss_config["name"])
     keys = decl.keys_for(loss_config)
     allowed = {"name", *keys}
@@ -621,11 +475,8 @@ def ipo_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_l
 
 
 # ---------------------------------------------------------------------------- TRL's pairwise family
-# (DPOTrainer's loss_types beyond sigmoid and ipo, and weighted combinations of objectives)
-#
-# Notation in the docstrings: h_w = log pi(y_w|x) - log ref(y_w|x), h_l likewise for y_l, and
-# the DPO gap d = h_w - h_l, all with log-probs summed over the response tokens (TRL's
-# convention for these losses). Every objective reports TRL's rewards beta * h_w, beta * h_l.
+# DPOTrainer's loss_types beyond sigmoid and ipo, and loss=mix. Notation: h_w = log pi(y_w|x) - log ref(y_w|x),
+# h_l likewise, d = h_w - h_l, on summed log-probs (TRL's convention); rewards beta * h_w, beta * h_l.
 
 
 def _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps):
@@ -675,8 +526,8 @@ def _pairwise(name: str, *, source: str, summary: str, unit: str, **keys) -> Cal
     unit="margin units, relu(1 − β·log-ratio gap)",
 )
 def hinge_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """SLiC-HF's calibration loss ``max(0, 1 - beta * d)`` on the reference-corrected gap (Zhao et al. 2023,
-    arXiv:2305.10425; TRL's ``hinge``), 1/beta the paper's margin delta; (B,) in and out."""
+    """SLiC-HF's calibration loss max(0, 1 - beta d) on the reference-corrected gap (Zhao et al. 2023, arXiv:2305.10425;
+    TRL's ``hinge``), 1/beta the paper's margin delta: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     return torch.relu(1 - beta * (h_w - h_l)), *_pair_rewards(beta, h_w, h_l)
 
@@ -691,13 +542,9 @@ def hinge_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen
 def exo_pair_objective(
     policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
 ):
-    """EXO for pairs (Ji et al. 2024, "Towards Efficient Exact Optimization of Language Model
-    Alignment", arXiv:2402.00856, Eq. 16 with K = 2): with q = softmax(beta h_w, beta h_l) =
-    (sigmoid(beta d), sigmoid(-beta d)) and the target p = (1 - eps, eps), eps = ``label_smoothing``,
-
-        loss = KL(q || p) = q_w (log q_w - log(1 - eps)) + q_l (log q_l - log eps).
-
-    eps in (0, 1) (at 0 the loss is infinite; the paper uses 1e-3). Shapes: (B,) in and out."""
+    """EXO for pairs (Ji et al. 2024, arXiv:2402.00856, Eq. 16, K = 2), KL(q || p) = q_w (log q_w - log(1 - eps)) +
+    q_l (log q_l - log eps) with q = (sigmoid(beta d), sigmoid(-beta d)) and eps = ``label_smoothing`` in (0, 1): (B,) in and
+    out, in nats."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     log_q_w, log_q_l = F.logsigmoid(z), F.logsigmoid(-z)
@@ -712,12 +559,8 @@ def exo_pair_objective(
     unit="nats",
 )
 def nca_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """Noise-contrastive alignment for pairs (Chen et al. 2024, "Noise Contrastive Alignment of
-    Language Models with Explicit Rewards", arXiv:2402.05369), TRL's ``nca_pair``: with r = beta h,
-
-        loss = -log sigmoid(r_w) - 1/2 log sigmoid(-r_w) - 1/2 log sigmoid(-r_l).
-
-    Shapes: (B,) in and out."""
+    """NCA for pairs (Chen et al. 2024, arXiv:2402.05369; TRL's ``nca_pair``), -log sigmoid(r_w) - 1/2 log sigmoid(-r_w)
+    - 1/2 log sigmoid(-r_l) with r = beta h: (B,) in and out, in nats."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     r_w, r_l = beta * h_w, beta * h_l
     losses = -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
@@ -734,13 +577,9 @@ def nca_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
 def robust_objective(
     policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
 ):
-    """Provably robust DPO (Chowdhury et al. 2024, "Provably Robust DPO: Aligning Language Models
-    with Noisy Feedback", arXiv:2403.00409): an unbiased estimate of the clean DPO loss when each
-    label is flipped with probability eps = ``label_smoothing`` in [0, 0.5),
-
-        loss = ((1 - eps) (-log sigmoid(beta d)) - eps (-log sigmoid(-beta d))) / (1 - 2 eps).
-
-    Unbounded below for eps > 0; eps = 0 is DPO. Shapes: (B,) in and out."""
+    """Robust DPO (Chowdhury et al. 2024, arXiv:2403.00409), ((1 - eps)(-log sigmoid(beta d)) - eps (-log sigmoid(-beta d)))
+    / (1 - 2 eps), unbiased for labels flipped with probability eps = ``label_smoothing`` (unbounded below for eps > 0):
+    (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     eps = label_smoothing
@@ -755,12 +594,8 @@ def robust_objective(
     unit="nats",
 )
 def bco_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """Binary classifier optimisation on pairs (Jung et al. 2024, "Binary Classifier Optimization
-    for Large Language Model Alignment", arXiv:2404.04656), TRL's ``bco_pair``:
-
-        loss = -log sigmoid(beta h_w) - log sigmoid(-beta h_l),
-
-    with the paper's reward shift delta = 0, as in TRL. Shapes: (B,) in and out."""
+    """BCO on pairs (Jung et al. 2024, arXiv:2404.04656; TRL's ``bco_pair``), -log sigmoid(beta h_w) - log sigmoid(-beta h_l)
+    with the reward shift delta = 0 as in TRL: (B,) in and out, in nats."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -773,13 +608,8 @@ def bco_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
     unit="nats², squared log-ratio errors",
 )
 def sppo_hard_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """Self-play preference optimisation (Wu et al. 2024, "Self-Play Preference Optimization for
-    Language Model Alignment", arXiv:2405.00675), Eq. 4.7 with the winner's probability P set to 1
-    and the loser's to 0 and eta = 1 / beta, TRL's ``sppo_hard``:
-
-        loss = (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2,
-
-    on summed log-ratios, as in TRL. Shapes: (B,) in and out."""
+    """SPPO (Wu et al. 2024, arXiv:2405.00675, Eq. 4.7 with P = 1 / 0 and eta = 1 / beta; TRL's ``sppo_hard``),
+    (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2 on summed log-ratios: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -795,15 +625,9 @@ def sppo_hard_objective(policy_chosen_logps, policy_rejected_logps, reference_ch
 def aot_objective(
     policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
 ):
-    """Alignment via optimal transport, paired form (Melnyk et al. 2024, "Distributional Preference
-    Alignment of LLMs via Optimal Transport", arXiv:2406.05882), TRL's ``aot``: sort the policy
-    margins m = log pi(y_w) - log pi(y_l) and, separately, the reference margins over the
-    (micro-)batch, and apply (conservative) DPO to the i-th smallest of each:
-
-        loss_i = -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i),
-        delta = sort(m_policy) - sort(m_reference).
-
-    Loss i belongs to a rank, not to example i. Shapes: (B,) in and out; rewards per example."""
+    """AOT, paired (Melnyk et al. 2024, arXiv:2406.05882; TRL's ``aot``), -(1 - eps) log sigmoid(beta delta_i) - eps log
+    sigmoid(-beta delta_i) with delta = sort(m_policy) - sort(m_reference) over the micro-batch, m = log pi(y_w) - log pi(y_l):
+    (B,) in and out, loss i belonging to a rank, not to example i."""
     margins = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
     reference_margins = torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0).values
     losses = _smoothed_logistic(beta * (margins - reference_margins), label_smoothing)
@@ -821,14 +645,8 @@ def aot_objective(
 def aot_unpaired_objective(
     policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
 ):
-    """Alignment via optimal transport, unpaired form (Melnyk et al. 2024, arXiv:2406.05882), TRL's
-    ``aot_unpaired``: the chosen log-ratios h_w and the rejected ones h_l are sorted separately
-    over the (micro-)batch, so that the distribution of h_w dominates that of h_l:
-
-        loss_i = -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i),
-        delta = sort(h_w) - sort(h_l).
-
-    Loss i belongs to a rank, not to example i. Shapes: (B,) in and out."""
+    """AOT, unpaired (Melnyk et al. 2024, arXiv:2406.05882; TRL's ``aot_unpaired``), as :func:`aot_objective` with
+    delta = sort(h_w) - sort(h_l): (B,) in and out, loss i belonging to a rank."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     delta = torch.sort(h_w, dim=0).values - torch.sort(h_l, dim=0).values
     return _smoothed_logistic(beta * delta, label_smoothing), *_pair_rewards(beta, h_w, h_l)
@@ -841,10 +659,8 @@ def aot_unpaired_objective(
     unit="probability units, in [0, 2]",
 )
 def apo_zero_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """Anchored preference optimisation, APO-zero (D'Oosterlinck et al. 2024, "Anchored Preference
-    Optimization and Contrastive Revisions", arXiv:2408.06266, Eq. 7), for chosen responses better
-    than the model's own: ``loss = (1 - sigmoid(beta h_w)) + sigmoid(beta h_l)``.
-    Shapes: (B,) in and out."""
+    """APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 7), (1 - sigmoid(beta h_w)) + sigmoid(beta h_l), for
+    chosen responses better than the model's own: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = (1 - torch.sigmoid(beta * h_w)) + torch.sigmoid(beta * h_l)
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -857,9 +673,8 @@ def apo_zero_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
     unit="probability units, in [0, 2]",
 )
 def apo_down_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """Anchored preference optimisation, APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266,
-    Eq. 8), for chosen responses worse than the model's own:
-    ``loss = sigmoid(beta h_w) + (1 - sigmoid(beta (h_w - h_l)))``. Shapes: (B,) in and out."""
+    """APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8), sigmoid(beta h_w) + (1 - sigmoid(beta (h_w - h_l))),
+    for chosen responses worse than the model's own: (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     losses = torch.sigmoid(beta * h_w) + (1 - torch.sigmoid(beta * (h_w - h_l)))
     return losses, *_pair_rewards(beta, h_w, h_l)
@@ -875,13 +690,8 @@ def apo_down_objective(policy_chosen_logps, policy_rejected_logps, reference_cho
 def discopop_objective(
     policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, discopop_tau
 ):
-    """DiscoPOP's log-ratio modulated loss (Chris Lu et al. 2024, "Discovering Preference
-    Optimization Algorithms with and for Large Language Models", arXiv:2406.08414, Eq. 5), TRL's
-    ``discopop``: with z = beta d and m = sigmoid(z / tau), tau = ``discopop_tau``,
-
-        loss = (1 - m) (-log sigmoid(z)) + m exp(-z).
-
-    Shapes: (B,) in and out."""
+    """DiscoPOP (Chris Lu et al. 2024, arXiv:2406.08414, Eq. 5; TRL's ``discopop``), (1 - m)(-log sigmoid(z)) + m exp(-z)
+    with z = beta d and m = sigmoid(z / ``discopop_tau``): (B,) in and out."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     # m exp(-z) as exp(log sigmoid(z / tau) - z): finite for any z, where the product would be inf * 0 = nan
@@ -904,23 +714,16 @@ def sigmoid_norm_objective(
     rejected_n_tokens,
     beta,
 ):
-    """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios, TRL's ``sigmoid_norm``:
-
-        loss = -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)),
-
-    |y| the response-token counts (at least 1); takes summed log-probs, rewards beta * h on sums. Shapes: (B,) each."""
+    """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios (TRL's ``sigmoid_norm``),
+    -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)) with |y| >= 1 the response-token counts: (B,) summed log-probs in,
+    (B,) losses out, rewards beta * h on sums."""
     h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     gap = h_w / chosen_n_tokens.clamp(min=1.0) - h_l / rejected_n_tokens.clamp(min=1.0)
     return -F.logsigmoid(beta * gap), *_pair_rewards(beta, h_w, h_l)
 
 
-# ---- weighted combinations: loss=mix
-#
-# ``loss: {name: mix, losses: [dpo, bco_pair, nll], weights: [0.8, 0.2, 1.0], beta: ...}`` is
-# sum_k weights[k] * (per-example loss of losses[k]). The component ``nll`` is the chosen
-# responses' NLL per token (TRL's loss_type "sft"; our ``loss=sft`` trains on SFT targets alone,
-# hence another name). The other keys are the union of the components' keys (beta,
-# label_smoothing, ...), one value shared by every component that has the key, as in TRL.
+# ---- loss=mix: sum_k weights[k] * (per-example loss of losses[k]); component nll is the chosen NLL per token
+# (TRL's loss_type "sft"); the other keys are the components' keys, one value shared by all that have it, as in TRL.
 
 MIX_NLL = "nll"
 
@@ -936,12 +739,9 @@ def _is_list(value) -> bool:
 
 
 def _mix_keys(loss_config) -> dict:
-    """The keys of a ``mix`` with ``loss_config``'s ``losses``: ``losses``, ``weights``, the
-    components' keys in order (the first component's default; the value must satisfy every
-    component's range; ``average_log_prob`` excluded: each component keeps its own), ``nll_weight``.
-
-    Raises:
-        ObjectiveConfigError: a malformed ``losses`` or ``weights`` (one sentence)."""
+    """The keys of a ``mix`` of ``loss_config``'s ``losses``: ``losses``, ``weights``, each component's keys (the first's
+    default, every component's range; not ``average_log_prob``), ``nll_weight``; ObjectiveConfigError for bad
+    ``losses``/``weights``."""
     names = _get(loss_config, "losses", MIX_LOSSES.default)
     choices = sorted([n for n, d in OBJECTIVES.items() if _mixable(d)] + [MIX_NLL])
     if not _is_list(names) or not list(names) or not all(isinstance(n, str) for n in names):
@@ -1037,13 +837,8 @@ class MixObjective(Objective):
         return MIX_NLL in values["losses"] or values["nll_weight"] > 0 or any(c.uses_nll(values) for c in self.components(values))
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """The weighted sum of the components' (B,) losses plus ``loss.nll_weight`` times the chosen NLL, as :meth:`Objective.compute`.
-
-        Metrics ``loss_<component>`` are unweighted; rewards beta * (log pi - log ref) on sums (None without ``beta``).
-
-        Raises:
-            ValueError: if a component needs an input the trainer did not provide.
-        """
+        """The weighted sum of the components' (B,) losses (metrics ``loss_<component>``, unweighted) plus ``loss.nll_weight``
+        times the chosen NLL, as :meth:`Objective.compute`; rewards beta * (log pi - log ref) on sums, None without ``beta``."""
         values = self.resolved(loss_config, overrides)
         inner = {**values, "nll_weight": 0.0}
         parts, metrics = [], {}
@@ -1115,8 +910,7 @@ OBJECTIVES["mix"] = MixObjective(
 # ---------------------------------------------------------------------------- end of the pairwise family
 
 
-# ---------------------------------------------------------------------------- reference-free objectives and KTO
-# (SimPO, CPO, ORPO, KTO)
+# ---------------------------------------------------------------- reference-free objectives (SimPO, CPO, ORPO) and KTO
 
 LABEL_SMOOTHING = Key(
     0.0, lambda v: _non_negative(v) and v < 0.5, "in [0, 0.5)", "assumed label-flip rate (conservative loss, as TRL's CPO)"
@@ -1143,15 +937,9 @@ def _smoothed_sigmoid_loss(margin: torch.Tensor, label_smoothing: float) -> torc
     unit="nats, −log σ(β·avg log-prob gap − γ)",
 )
 def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, label_smoothing):
-    """SimPO (Meng et al. 2024, "SimPO: Simple Preference Optimization with a Reference-Free
-    Reward", Eq. 6), with TRL CPOTrainer's label smoothing (``loss_type="simpo"``):
-
-        r(y) = beta * mean_t log pi(y_t | x, y_<t)          (length-normalised, no reference)
-        loss = -(1 - eps) log sigmoid(r(y_w) - r(y_l) - gamma) - eps log sigmoid(-(...))
-
-    Inputs (B,) mean log-probs per response token; gamma is TRL's ``simpo_gamma``. Returns
-    (losses, chosen_rewards, rejected_rewards), each (B,), rewards r(y) detached.
-    """
+    """SimPO (Meng et al. 2024, Eq. 6; TRL CPOTrainer's ``simpo`` with label smoothing), -(1 - eps) log sigmoid(r_w - r_l -
+    gamma) - eps log sigmoid(-(r_w - r_l - gamma)) with r = beta * mean_t log pi(y_t | x, y_<t) (no reference), gamma TRL's
+    ``simpo_gamma``: (B,) per-token log-probs in, (losses, rewards r detached) each (B,) out."""
     chosen_rewards = beta * policy_chosen_logps
     rejected_rewards = beta * policy_rejected_logps
     losses = _smoothed_sigmoid_loss(chosen_rewards - rejected_rewards - gamma, label_smoothing)
@@ -1173,15 +961,9 @@ def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, lab
     unit="nats, −log σ(β·log-prob gap) + α·NLL per token",
 )
 def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta, label_smoothing, cpo_alpha):
-    """CPO (Xu et al. 2024, "Contrastive Preference Optimization", Eq. 3 plus the NLL term of
-    the CPO loss), TRL CPOTrainer's ``loss_type="sigmoid"``:
-
-        loss = -(1 - eps) log sigmoid(beta * (log pi(y_w|x) - log pi(y_l|x))) - eps log sigmoid(-...)
-               + cpo_alpha * NLL(y_w)
-
-    Inputs (B,) summed log-probs and NLL per token. Returns (losses, chosen_rewards, rejected_rewards,
-    {"nll"}), each (B,), rewards beta * log pi(y|x) detached.
-    """
+    """CPO (Xu et al. 2024, Eq. 3 plus the NLL term; TRL CPOTrainer's ``sigmoid``), -(1 - eps) log sigmoid(beta (log pi(y_w|x)
+    - log pi(y_l|x))) - eps log sigmoid(-...) + cpo_alpha * NLL(y_w): (B,) summed log-probs and NLL per token in, (B,) losses,
+    rewards beta * log pi(y|x) detached and metric ``nll`` out."""
     losses = _smoothed_sigmoid_loss(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
     losses = losses + cpo_alpha * policy_chosen_nll
     chosen_rewards = beta * policy_chosen_logps.detach()
@@ -1208,17 +990,9 @@ def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
     unit="nats, NLL per token + λ·(−log σ(log odds ratio))",
 )
 def orpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta):
-    """ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference
-    Model", Eqs. 6-7), trained in one stage from the base model:
-
-        odds(y) = p / (1 - p),  p = exp(mean_t log pi(y_t | x, y_<t))        (see :func:`log_odds`)
-        loss = NLL(y_w) - lambda * log sigmoid(log odds(y_w) - log odds(y_l))
-
-    Inputs (B,) mean log-probs per response token and NLL per token; ``beta`` is lambda. Returns
-    (losses, chosen_rewards, rejected_rewards, metrics), each (B,): rewards beta * mean log-prob,
-    detached; metrics ``nll``, ``log_odds_ratio`` (log sigmoid of the log odds ratio) and
-    ``log_odds_chosen`` (the log odds ratio), TRL's names.
-    """
+    """ORPO (Hong et al. 2024, Eqs. 6-7), NLL(y_w) - lambda log sigmoid(log odds(y_w) - log odds(y_l)) with odds(y) = p / (1 - p),
+    p = exp(mean_t log pi(y_t | x, y_<t)), lambda = ``beta``: (B,) in and out, rewards beta * mean log-prob, TRL's metrics
+    ``nll``, ``log_odds_ratio`` (log sigmoid of the log odds ratio) and ``log_odds_chosen`` (the log odds ratio)."""
     ratio = log_odds(policy_chosen_logps) - log_odds(policy_rejected_logps)
     log_sigmoid_ratio = F.logsigmoid(ratio)
     losses = policy_chosen_nll - beta * log_sigmoid_ratio
@@ -1257,33 +1031,13 @@ def kto_objective(
     reference_rejected_logps=None,
     label=None,
 ):
-    """KTO (Ethayarajh et al. 2024, "KTO: Model Alignment as Prospect Theoretic Optimization",
-    Eq. 8), TRL KTOTrainer's ``loss_type="kto"``:
+    """KTO (Ethayarajh et al. 2024, Eq. 8; TRL KTOTrainer's ``kto``), desirable lambda_D (1 - sigmoid(beta (r - z0))) and
+    undesirable lambda_U (1 - sigmoid(beta (z0 - r))) with r = log pi(y|x) - log ref(y|x) and z0 = max(0, mean r over the
+    (N,) mismatched pairs (x_i, y_{i+1})) detached: (B,) summed log-probs in, (B,) losses and metric ``kl`` (z0) out.
 
-        r(x, y) = log pi(y|x) - log ref(y|x)
-        z0 = max(0, mean over the batch of log pi(y'|x) - log ref(y'|x)), detached, on
-             mismatched pairs (x_i, y_{i+1})  (the paper's KL estimate)
-        desirable:   lambda_D * (1 - sigmoid(beta * (r - z0)))
-        undesirable: lambda_U * (1 - sigmoid(beta * (z0 - r)))
-
-    Paired (``label`` None): a pair's loss is the mean of its chosen (desirable) and rejected
-    (undesirable) completions' losses. Unpaired (``label`` given, no rejected inputs): row i is the
-    completion in ``policy_chosen_logps[i]``, desirable where ``label[i]``.
-
-    Args:
-        policy_chosen_logps, reference_chosen_logps: (B,) summed log-probs.
-        policy_kl_logps, reference_kl_logps: (N,) summed log-probs of the mismatched pairs (any N >= 1;
-            pass them gathered from all processes for TRL's estimate of z0).
-        policy_rejected_logps, reference_rejected_logps: (B,), paired form only.
-        label: (B,) bool, unpaired form only.
-
-    Returns:
-        (losses, chosen_rewards, rejected_rewards, metrics), losses (B,); metrics ``kl`` (z0, (B,)).
-        Paired: rewards beta * r, (B,) each, detached. Unpaired: rewards None; metrics
-        ``rewards_desirable`` and ``rewards_undesirable``, beta * r of those rows (left out when empty).
-
-    Raises:
-        ValueError: if both or neither of ``label`` and the rejected log-probs are given.
+    Paired (rejected log-probs, ``label`` None): a pair's loss is the mean of its two, rewards beta * r. Unpaired ((B,) bool
+    ``label``): row i is desirable where ``label[i]``, rewards None, metrics ``rewards_desirable`` / ``rewards_undesirable``
+    (left out when empty). ValueError for both or neither form.
     """
     paired = policy_rejected_logps is not None and reference_rejected_logps is not None
     if paired == (label is not None):

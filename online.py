@@ -1,12 +1,5 @@
-"""Online DPO's data step: sampling completions from the policy, labelling them with a reward
-model or a judge, and its statistics (Guo et al. 2024, "Direct Language Model Alignment from
-Online AI Feedback", Algorithm 1; TRL's OnlineDPOTrainer metric names).
-
-:class:`OnlineSampling` is a mixin of ``trainers.BasicTrainer``: its methods use the trainer's
-policy, tokenizer, config and the parallel hooks (``local_batch``, ``gather_metrics``,
-``generate_kwargs``), so online DPO runs under every trainer without its own sharding code.
-The objective the pairs are trained with is any paired one with a reference (losses.py).
-"""
+"""Online DPO's data step (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback",
+Algorithm 1): sample completions from the policy, label them with a scorer or judge, log TRL's metrics."""
 
 from __future__ import annotations
 
@@ -30,8 +23,8 @@ class JudgeFailureError(RuntimeError):
 
 
 class OnlineSampling:
-    """Online DPO's sampling, labelling and evaluation, mixed into ``trainers.BasicTrainer``
-    (which sets ``policy``, ``tokenizer``, ``config``, ``stop_ids``, ``device``, ...)."""
+    """Online DPO's sampling, labelling and evaluation, a mixin of ``trainers.BasicTrainer`` (its ``policy``,
+    ``tokenizer``, ``config``, ``stop_ids`` and parallel hooks), so it runs under every trainer."""
 
     scorer = None
     """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
@@ -47,10 +40,8 @@ class OnlineSampling:
     """Every rank's :meth:`rank_state`, in rank order, gathered by :meth:`collect_rank_states` for trainer_state.pt."""
 
     def rank_state(self) -> dict:
-        """What differs between ranks and a resume needs: ``judge``, the judge's ``state_dict``
-        (failures and the HTTP judge's order-shuffling RNG, plain types; None when the scorer
-        keeps none), and ``torch_rng`` / ``cuda_rng``, the RNG this rank samples completions
-        with (ranks draw apart: ``generate`` stops drawing on a rank whose samples are done)."""
+        """This rank's resume state: ``judge`` (the judge's ``state_dict`` or None) and ``torch_rng`` /
+        ``cuda_rng`` (ranks' sampling RNGs drift apart, so each is kept)."""
         state_dict = getattr(self.scorer, "state_dict", None)
         return {
             "judge": state_dict() if callable(state_dict) else None,
@@ -63,8 +54,7 @@ class OnlineSampling:
         self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"] if self.online else None
 
     def online_state(self) -> dict | None:
-        """What trainer_state.pt keeps of online DPO: ``ranks`` (:meth:`rank_state` of each rank)
-        and the failure counts since the last eval; None for an offline run."""
+        """What trainer_state.pt keeps of online DPO (every rank's :meth:`rank_state`, the failure counts); None offline."""
         if not self.online:
             return None
         return {
@@ -74,7 +64,7 @@ class OnlineSampling:
         }
 
     def restore_online_state(self, state: dict | None) -> None:
-        """Restore :meth:`online_state`'s saving: this rank's judge and sampling RNG, and the counts (absent in older checkpoints)."""
+        """Restore :meth:`online_state`'s saving: this rank's judge and sampling RNG, and the counts."""
         if not self.online or not state:
             return
         self.judged_since_eval, self.failed_since_eval = int(state["judged_since_eval"]), int(state["failed_since_eval"])
@@ -95,10 +85,9 @@ class OnlineSampling:
         self.failed_since_eval += int(sum(failed))
 
     def judge_report(self) -> str | None:
-        """At an eval: print the share of judgements that failed since the last one (main rank),
-        start a new count, and return the stop sentence (a ``{checkpoint}`` field left to fill)
-        when no pair could be labelled or the share is above ``online.max_failure_rate``
-        (failures / judged pairs, as evaluate.py's ``max_failure_rate``), else None."""
+        """At an eval: print the share of failed judgements since the last one, reset the counts, and return
+        the stop sentence (a ``{checkpoint}`` field to fill) when none was labelled or the share exceeds
+        ``online.max_failure_rate``."""
         failed, judged = self.failed_since_eval, self.judged_since_eval
         self.failed_since_eval = self.judged_since_eval = 0
         if not self.online or not judged:
@@ -125,17 +114,9 @@ class OnlineSampling:
 
     @torch.no_grad()
     def sample_completions(self, batch: dict, n_per_prompt: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample ``n_per_prompt`` completions per prompt from the policy with ``online.*``
-        (temperature, top_k, top_p, max_new_tokens), in eval mode.
-
-        Prompts are left-padded; ``generate`` derives the position ids from the attention mask,
-        so a padded prompt continues exactly as it would alone (absolute-position models too).
-
-        Returns:
-            (prompt_ids, prompt_mask, completions): (B, P), (B, P) with the unused left-padding
-            columns dropped, and (B * n_per_prompt, T) generated tokens on the CPU, rows
-            ``i * n_per_prompt + j`` answering prompt i (padded after EOS).
-        """
+        """Sample ``n_per_prompt`` completions per left-padded prompt with ``online.*`` in eval mode: returns
+        (prompt_ids (B, P), prompt_mask (B, P), completions (B * n_per_prompt, T) on the CPU), row i * n_per_prompt + j
+        answering prompt i."""
         from transformers import GenerationConfig
 
         cfg = self.config.online
@@ -166,17 +147,9 @@ class OnlineSampling:
         return ids, mask, out[:, width:].cpu()
 
     def online_pairs(self, batch: dict) -> tuple[dict, dict]:
-        """Online DPO's data step (Guo et al. 2024, Algorithm 1): two completions per prompt from
-        the current policy, labelled by the scorer; the better one is chosen.
-
-        Ties are counted and, with ``online.ties=skip``, weigh 0 in the loss (``random``: a
-        seeded coin picks); failed judgements are counted and weigh 0. Nothing is dropped, so
-        every rank runs the same forward and backward passes (FSDP's collectives match).
-
-        Returns:
-            (pairs, metrics): a collated DPO batch of B pairs (right-padded, as the offline
-            pipeline's) plus ``weight`` (B,), and per-completion/per-pair metric lists.
-        """
+        """Two completions per prompt labelled by the scorer (Guo et al. 2024, Algorithm 1): returns a collated
+        batch of B pairs with ``weight`` (B,) (0 for a failed judgement or a skipped tie; none dropped, so FSDP ranks match)
+        and metric lists."""
         from preference_datasets import collate
 
         cfg = self.config.online
@@ -234,11 +207,9 @@ class OnlineSampling:
         return pairs, metrics
 
     def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta: float) -> dict:
-        """TRL's OnlineDPOTrainer statistics over the sampled completions, each a list with one
-        value per completion (chosen rows, then rejected): ``objective/kl`` (sum over completion
-        tokens of log pi - log ref), ``objective/entropy`` (-log pi of the sample),
-        ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward`` (score - beta kl) and
-        ``beta``. Log-probs are summed per sequence even when the loss averages them."""
+        """TRL's OnlineDPOTrainer statistics, one value per completion (chosen, then rejected):
+        ``objective/kl``, ``objective/entropy``, ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward``, in nats
+        on summed log-probs."""
         policy = torch.cat([policy_chosen, policy_rejected]).detach().float()
         reference = torch.cat([ref_chosen, ref_rejected]).float()
         if self.average_log_prob:
@@ -257,11 +228,8 @@ class OnlineSampling:
 
     @torch.no_grad()
     def evaluate_online(self) -> dict:
-        """Sample one completion for each eval prompt, score it with the reward model (when the
-        labeller has one), and log ``eval/scores``, ``eval/contain_eos_token`` and
-        ``eval/completion_length``; the first ``online.n_log_completions`` rows go to
-        ``completions.jsonl`` / ``completions.html`` and a W&B table. Sampling is seeded and
-        does not disturb the training RNG. Every rank generates its part (no deadlock)."""
+        """Sample one completion per eval prompt (seeded, training RNG untouched), log ``eval/scores``,
+        ``eval/contain_eos_token`` and ``eval/completion_length``, and write the first ``online.n_log_completions``."""
         scorer = self.scorer if hasattr(self.scorer, "score") else getattr(self.scorer, "scorer", None)
         eos = self.stop_ids
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
@@ -318,29 +286,15 @@ class OnlineSampling:
 
 
 def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
-    """Which generated tokens belong to each completion: those up to and including its first
-    EOS (all of them when it has none); what ``generate`` pads after EOS is excluded.
-
-    Args:
-        completions: (N, T) long, generated tokens only (the prompt removed).
-        eos_token_id: the EOS id, or the ids generation stops at (EOS and a chat template's
-            end-of-turn token, ``BasicTrainer.stop_ids``): the first of any ends a completion.
-
-    Returns:
-        (N, T) bool.
-    """
+    """(N, T) bool: the tokens of each (N, T) completion up to and including its first stop token in
+    ``eos_token_id`` (all when none)."""
     is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
     return (is_eos.cumsum(1) - is_eos) == 0
 
 
 def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
-    """The text of each generated row up to its first stop token (:func:`completion_mask`),
-    special tokens skipped, with the stop token's own text at the end when it stopped at one
-    (so a chat model's samples show ``<|im_end|>``).
-
-    Args:
-        completions: (N, T) long, generated tokens only.
-    """
+    """Each (N, T) row's text up to its first stop token, special tokens skipped, ending with the stop token's
+    own text when it stopped at one (a chat model's ``<|im_end|>``)."""
     mask = completion_mask(completions, stop_ids)
     texts = []
     for row, m in zip(completions, mask):
@@ -361,21 +315,8 @@ def label_pairs(
     missing_eos_penalty: float | None,
     fields: list[dict] | None = None,
 ) -> tuple[list[int | None], torch.Tensor | None]:
-    """Which completion of each pair is better, by a reward model's scores or a pairwise judge.
-
-    Args:
-        scorer: a ``rewards`` scorer (``.score(prompts, completions, **fields) -> (N,)``) or pairwise
-            judge (``.judge(prompts, pairs) -> [0 | 1 | rewards.TIE | None]``).
-        prompts: B prompts; texts: 2B decoded completions, rows 2i and 2i+1 answering prompt i.
-        completions, mask: (2B, T) generated token ids and :func:`completion_mask`, for the EOS penalty.
-        missing_eos_penalty: subtracted from the score of a completion with no EOS (scores only).
-        fields: B dicts, prompt i's row's other columns, given to both its completions' scores
-            (``rewards.field_columns``; a judge gets none); None: no fields.
-
-    Returns:
-        (preferences, scores): per pair 0 (first better), 1 (second), ``rewards.TIE`` or None
-        (a failed judgement, or a NaN score); scores (B, 2) float32 after the penalty, or None for a judge.
-    """
+    """Per pair of ``texts`` (rows 2i, 2i+1 answer prompt i) 0, 1, ``rewards.TIE`` or None (failed), by a judge or by
+    scores after ``missing_eos_penalty``; returns (preferences, scores (B, 2) float32 or None for a judge)."""
     pairs = [(texts[2 * i], texts[2 * i + 1]) for i in range(len(prompts))]
     if not hasattr(scorer, "score"):
         return list(scorer.judge(prompts, pairs)), None
@@ -389,9 +330,7 @@ def label_pairs(
 
 
 def write_completions(run_dir: str, rows: list[dict]) -> None:
-    """Append rows of (step, prompt, completion, score) to ``completions.jsonl`` in the run folder
-    and rewrite ``completions.html``, a table of all of them that a browser opens (a full disk:
-    utils.DiskFullError)."""
+    """Append (step, prompt, completion, score) rows to the run's ``completions.jsonl`` and rewrite ``completions.html``."""
     import html
 
     path = os.path.join(run_dir, "completions.jsonl")

@@ -1,18 +1,6 @@
-"""The packed DPO forward: no padding computed, each prompt forwarded once per pair.
-
-Each pair becomes one row: the shared prefix (the prompt, and any first response tokens both
-sides share), then the rest of chosen, then the rest of rejected, which attends to the prefix but
-not to chosen (a 4-D attention mask, position ids continuing from the prefix on both sides). Rows
-are grouped by length into a few forward calls, each padded only to its own longest row, and the
-output layer runs only at positions that predict a labelled token. The log-probs equal those of
-each sequence forwarded alone (tests/test_packed.py); ``BasicTrainer.concatenated_forward`` and
-the reference precompute use it, and fall back to the padded forward when it does not apply.
-
-The output layer itself runs in chunks of ``output_layer_chunk`` positions
-(:func:`output_layer_logps`): each chunk's ``[positions, vocab]`` logits exist only while its
-log-probs are taken, and the backward recomputes them, so no tensor of the size of the whole
-batch's logits is ever held.
-"""
+"""The packed DPO forward: each pair one unpadded row (shared prompt, chosen's rest, rejected's rest masked from
+chosen's), the output layer run in chunks only where a token is predicted; the padded forward's log-probs
+(tests/test_packed.py)."""
 
 from __future__ import annotations
 
@@ -36,18 +24,9 @@ matrices). On 2 CPU cores, 2-4 calls per DPO batch of 8 pairs were fastest; 8 we
 
 @dataclasses.dataclass
 class PackedRow:
-    """One row of a packed forward: a single sequence, or a pair's shared prefix (the prompt, and
-    any first response tokens both sides share) followed by the rest of chosen, then the rest of
-    rejected, which attends to the prefix but not to chosen.
-
-    Attributes:
-        ids: the row's tokens, no padding.
-        positions: position id of each token (None: 0, 1, ... for a single sequence).
-        branch: per token 0 (shared prefix), 1 (chosen's rest) or 2 (rejected's rest); None for
-            a single sequence.
-        target_cols, target_ids, target_seqs: for each labelled token of the row's sequences,
-            the column that predicts it, its label, and its sequence (0..2B-1, chosen first).
-    """
+    """One row of a packed forward, a single sequence or a pair's shared prefix, chosen's rest, rejected's rest:
+    ``branch`` per token 0 / 1 / 2 (None: single), ``positions`` (None: 0, 1, ...), and per labelled token its
+    predicting column, label and sequence (0..2B-1, chosen first)."""
 
     ids: list[int]
     positions: list[int] | None
@@ -75,19 +54,8 @@ def _unpadded(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> li
 
 
 def pack_preference_rows(batch: dict, share_prompt: bool = True) -> list[PackedRow] | None:
-    """The rows of a packed forward for a DPO batch: padding removed and, with ``share_prompt``,
-    each pair's common prefix (at least the prompt) in one row with both responses after it.
-
-    Args:
-        batch: ``chosen_*`` and ``rejected_*`` ``input_ids``, ``attention_mask``, ``labels``,
-            each (B, T_c) / (B, T_r), right-padded (as ``preference_datasets.collate`` makes them).
-        share_prompt: put chosen and rejected of a pair in one row when their first tokens agree.
-
-    Returns:
-        The rows (B of them when every pair shares a prefix, else up to 2B), or None when a
-        sequence is not right-padded or has a label under attention mask 0 (the caller then
-        uses the plain padded forward, which handles such batches as before).
-    """
+    """The packed rows of a DPO batch (``chosen_*`` / ``rejected_*`` (B, T), right-padded): B with a prefix
+    shared per pair (``share_prompt``), else up to 2B; None when a sequence is not right-padded or has a label under mask 0."""
     n = batch["chosen_input_ids"].shape[0]
     sides = [
         _unpadded(*(batch[f"{side}_{k}"] for k in ("input_ids", "attention_mask", "labels"))) for side in ("chosen", "rejected")
@@ -122,24 +90,9 @@ def pack_preference_rows(batch: dict, share_prompt: bool = True) -> list[PackedR
 
 
 def plan_chunks(lengths: list[int], max_chunks: int | None = None, chunk_cost: float = PACKED_CHUNK_COST) -> list[list[int]]:
-    """Group rows into forward calls of similar lengths, each padded only to its own longest row.
-
-    Rows are sorted by length and cut into contiguous groups minimising
-    ``sum(rows_in_group * longest_in_group) + n_groups * chunk_cost * len(lengths) * max(lengths)``
-    (positions computed, plus a fixed cost per call), by dynamic programming.
-
-    Args:
-        lengths: each row's length in tokens (>= 0).
-        max_chunks: at most this many groups (None: as many as pay off; 1: one call, as FSDP
-            needs, whose ranks must make the same number of calls).
-        chunk_cost: the per-call cost as a fraction of the fully padded batch.
-
-    Returns:
-        Lists of row indices, shortest rows first, every index exactly once.
-
-    Raises:
-        ValueError: if ``max_chunks`` < 1.
-    """
+    """Row indices grouped by dynamic programming into forward calls, shortest first, minimising
+    ``sum(rows * longest) + n_groups * chunk_cost * len(lengths) * max(lengths)`` positions, at most ``max_chunks``
+    (1 under FSDP, whose ranks must make as many calls; ValueError if < 1)."""
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"max_chunks must be >= 1, not {max_chunks}.")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -177,16 +130,8 @@ def _family_module(model):
 
 
 def packed_forward_support(model) -> tuple[bool, bool]:
-    """What of the packed forward ``model`` supports: (per-position ``logits_to_keep``,
-    a shared prompt).
-
-    A 2-D boolean ``logits_to_keep`` (transformers >= 5) applies the output layer only where a
-    token is predicted; without it, the output layer covers a suffix of each call. Sharing the
-    prompt needs a custom 4-D mask and position ids, which transformers' ``create_causal_mask``
-    passes through unchanged for SDPA and eager attention, and no sliding window. A peft
-    model is judged by the model it wraps (``get_base_model()``), to which it passes these
-    arguments through.
-    """
+    """(per-position boolean ``logits_to_keep``: transformers >= 5, shared prompt: custom 4-D mask and position
+    ids with SDPA or eager attention, no sliding window) as ``model`` (a peft model: its base model) supports them."""
     if hasattr(model, "get_base_model"):  # peft's PeftModel: forward(*args, **kwargs)
         model = model.get_base_model()
     module = _family_module(model)
@@ -205,10 +150,8 @@ def packed_forward_support(model) -> tuple[bool, bool]:
 
 
 def keep_mask_device(model, device) -> torch.device:
-    """Where the boolean ``logits_to_keep`` mask goes: the model indexes its last hidden states
-    with it, which for a model split over several GPUs by ``model.device_map`` (accelerate's
-    ``hf_device_map``) end on the last one, not on ``device`` (where the inputs go). A CPU index
-    may index a tensor on any device, so a split model gets it on the CPU; others on ``device``."""
+    """Where the boolean ``logits_to_keep`` mask goes: the CPU for a model split over GPUs (``hf_device_map``;
+    its last hidden states end on the last GPU), else ``device``."""
     placed = getattr(model, "hf_device_map", None) or {}
     return torch.device("cpu") if len({str(d) for d in placed.values()}) > 1 else torch.device(device)
 
@@ -253,28 +196,9 @@ def _refuse_chunking(model, reason: str) -> None:
 
 
 class ChunkedOutputLayer(torch.nn.Module):
-    """Stands in for a causal LM's output layer (``get_output_embeddings()``) during one forward
-    call and returns, instead of logits, the log-prob of each target token.
-
-    It calls the original output layer on ``chunk`` distinct positions at a time, each call
-    inside ``torch.utils.checkpoint`` (non-reentrant) when gradients are on, so a chunk's
-    ``[chunk, vocab]`` logits live only while its log-probs are taken and are recomputed by the
-    backward. The original layer is called from inside the model's own forward, so FSDP2's
-    unsharded parameters, accelerate's device hooks and tied weights are all as they are for
-    the plain call. A position that predicts several targets (a shared prompt's last one) goes
-    through the layer once.
-
-    Args:
-        head: the model's output layer (maps (..., H) to (..., V)).
-        rows: (N,) long, for each target the index of the position that predicts it among the
-            hidden states the layer receives, flattened to (M, H) in row-major order.
-        targets: (N,) long token ids.
-        chunk: at most this many positions per call of ``head`` (>= 1).
-        n_positions: M, checked against what the layer receives (None: not checked).
-
-    Attributes:
-        result: the (N,) float32 log-probs of the last call (None before it).
-    """
+    """Stands in for a causal LM's output layer during one forward call and returns the (N,) float32 log-prob of each
+    target, calling the real layer (inside the model's forward, so FSDP2, accelerate hooks and tied weights apply) on
+    ``chunk`` positions at a time under non-reentrant checkpointing; ``rows`` (N,) index the (M, H) flattened hidden states."""
 
     def __init__(self, head, rows: torch.Tensor, targets: torch.Tensor, chunk: int, n_positions: int | None = None):
         super().__init__()
@@ -293,12 +217,8 @@ class ChunkedOutputLayer(torch.nn.Module):
         return losses.gathered_token_logps(logits, rows.to(logits.device), targets.to(logits.device))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N,) float32 log-probs of the targets, in the order given, from ``hidden`` (..., H).
-
-        Raises:
-            RuntimeError: if ``hidden`` holds other than ``n_positions`` positions (the model
-                ignored ``logits_to_keep``).
-        """
+        """(N,) float32 log-probs of the targets from ``hidden`` (..., H); RuntimeError if it holds other than
+        ``n_positions`` positions (the model ignored ``logits_to_keep``)."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.n_positions is not None and flat.shape[0] != self.n_positions:
             raise RuntimeError(
@@ -340,34 +260,13 @@ def output_layer_logps(
     chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
     n_positions: int | None = None,
 ) -> torch.Tensor:
-    """One forward call of ``model`` and the log-prob of each target token, never holding the
-    logits of all kept positions at once when ``chunk`` is set.
-
-    With ``chunk``, the model's output layer is replaced for this call by a
-    :class:`ChunkedOutputLayer` (restored afterwards, also when the forward raises). A model
-    whose own forward changes the logits after its output layer (see :data:`LOGIT_TRANSFORMS`;
-    detected also when the returned ``logits`` is not the stand-in's output) or that has no
-    ``get_output_embeddings()`` module takes the unchunked path, with a one-line note the first
-    time.
+    """One forward call of ``model`` and the (N,) float32 log-prob in nats of each target, with the output layer a
+    :class:`ChunkedOutputLayer` when ``chunk`` is set (unchunked, noted once, for a model that transforms its logits).
 
     Args:
-        model: a Hugging Face causal LM (plain, FSDP2- or tensor-parallel-wrapped, or split
-            over GPUs by ``device_map``).
-        kwargs: the forward's arguments (``input_ids``, masks, ...) without ``logits_to_keep``.
-        logits_to_keep: passed to the forward: an int (the last positions of each row) or a
-            2-D bool mask (exactly the positions kept, flattened row-major).
-        rows: (N,) long, for each target the row of the kept positions, flattened to (M, V)
-            in row-major order, that predicts it.
-        targets: (N,) long token ids.
-        chunk: positions per call of the output layer; None or 0: one call over all kept
-            positions (the previous path).
-        n_positions: M, the number of kept positions; checked when given.
-
-    Returns:
-        (N,) float32 log-probs in nats, on the device of the output layer's output.
-
-    Raises:
-        RuntimeError: if the model ignored ``logits_to_keep`` (other than ``n_positions`` kept).
+        logits_to_keep: an int (the last positions of each row) or a 2-D bool mask (exactly those kept, row-major).
+        rows: (N,) long, each target's row among the (M, V) kept positions, row-major; ``targets``: (N,) long.
+        n_positions: M, checked when given (RuntimeError if the model ignored ``logits_to_keep``).
     """
     prefer_masked_gqa(kwargs["input_ids"].device)
     place = None
@@ -416,13 +315,8 @@ GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def prefer_masked_gqa(device) -> None:
-    """On the CPU, let transformers' SDPA attention hand grouped key/value heads to PyTorch with
-    a mask (``enable_gqa``; PyTorch's CPU flash kernel takes both) instead of first repeating
-    them for every query head, which keeps keys and values as large as the queries in every
-    layer for the backward. transformers reads ``TRANSFORMERS_SDPA_FORCE_GQA`` at each call; it
-    is set for the rest of the process (an activation-checkpointed layer's recompute in the
-    backward must take the path its forward took), and never on a GPU, whose kernels fall back
-    to the math path for masked GQA, nor over a value the user set."""
+    """On the CPU, set ``TRANSFORMERS_SDPA_FORCE_GQA`` for the process (unless the user set it) so SDPA takes grouped
+    key/value heads with a mask instead of repeating them per query head; never on a GPU, whose masked GQA is slow."""
     if torch.device(device).type == "cpu":
         os.environ.setdefault(GQA_SWITCH, "1")
 
@@ -442,11 +336,8 @@ def _packed_chunk_logps(
     if any(r.branch is not None for r in rows):
         positions = [r.positions if r.positions is not None else list(range(len(r.ids))) for r in rows]
         branch = _row_matrix([r.branch if r.branch is not None else [0] * len(r.ids) for r in rows], width, 3)
-        # causal, except that rejected's rest (2) does not see chosen's rest (1); padding (3)
-        # sees what precedes it, so no row is empty (no NaN), and nothing real sees padding.
-        # Additive (0 / dtype min) in the compute dtype, built once per call: create_causal_mask
-        # passes a 4-D mask through to every layer, and SDPA would turn a boolean one into such
-        # a float copy in every layer, each kept for the backward.
+        # causal, but rejected's rest (2) does not see chosen's rest (1); padding (3) sees what precedes it (no NaN row).
+        # Additive in the compute dtype, built once: SDPA would make a float copy of a boolean mask in every layer.
         allowed = torch.ones(width, width, dtype=torch.bool).tril() & ~((branch[:, :, None] == 2) & (branch[:, None, :] == 1))
         dtype = compute_dtype(model)
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
@@ -485,16 +376,8 @@ def _packed_logps(
 
 
 def pack_single_rows(inputs: dict) -> list[PackedRow] | None:
-    """The rows of a packed forward for single sequences (SFT targets, KTO completions): each
-    sequence one row without its padding.
-
-    Args:
-        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T), right-padded.
-
-    Returns:
-        B rows (sequence k's targets carry id k), or None when a sequence is not right-padded
-        or has a label under attention mask 0 (the caller then takes the padded forward).
-    """
+    """The packed rows of single (B, T) right-padded sequences (SFT targets, KTO completions), row k's targets of id k;
+    None when one is not right-padded or has a label under mask 0."""
     sequences = _unpadded(inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
     if sequences is None:
         return None
@@ -509,20 +392,8 @@ def packed_single_logps(
     max_chunks: int | None = None,
     chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Log-probs of single right-padded sequences (:func:`pack_single_rows`) without computing
-    their padding; the same values as ``losses.get_batch_logps`` over the padded forward.
-
-    Args:
-        model: a Hugging Face causal LM (plain, FSDP- or tensor-parallel-wrapped).
-        inputs: ``input_ids``, ``attention_mask``, ``labels``, each (B, T).
-        average_log_prob: mean per labelled token instead of the sum.
-        device: where the model's inputs go.
-        max_chunks: at most this many forward calls (1 under FSDP).
-        chunk: positions per call of the output layer (:func:`output_layer_logps`).
-
-    Returns:
-        (logps, n_tokens), each (B,) float32; None when a sequence is not right-padded.
-    """
+    """(logps, n_tokens), each (B,) float32, of single right-padded sequences forwarded packed (``losses.get_batch_logps``'s
+    values on the padded forward); None when one is not right-padded."""
     rows = pack_single_rows(inputs)
     if rows is None:
         return None
@@ -538,31 +409,9 @@ def packed_sequence_logps(
     share_prompt: bool = True,
     chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Chosen and rejected log-probs of a DPO batch without computing padding or a second copy
-    of each prompt; the same values as the plain padded forward, within float tolerance.
-
-    The rows of :func:`pack_preference_rows` are forwarded in the groups of :func:`plan_chunks`,
-    each trimmed to its own longest row: rows without a shared prefix need no attention mask
-    at all (right padding is invisible to a causal model), rows with one get a 4-D mask in which
-    rejected does not see chosen, and position ids that continue the prompt on both sides. The
-    output layer is applied only where a token is predicted (when the model supports it). All
-    calls stay in one autograd graph, so one backward gives the gradient of the whole batch.
-
-    Args:
-        model: a Hugging Face causal LM (plain, FSDP- or tensor-parallel-wrapped).
-        batch: a collated DPO batch (B pairs), see :func:`pack_preference_rows`.
-        average_log_prob: mean per response token instead of the sum.
-        device: where the model's inputs go.
-        max_chunks: at most this many forward calls (1 under FSDP).
-        share_prompt: forward each pair's prompt once (if the model supports it).
-        chunk: positions per call of the output layer (:func:`output_layer_logps`; None or 0:
-            all of a forward call's at once).
-
-    Returns:
-        (logps, n_tokens), each (2B,) float32, chosen rows first, as ``losses.get_batch_logps``
-        over ``concatenated_inputs``; None when the batch is not right-padded (see
-        :func:`pack_preference_rows`).
-    """
+    """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed in :func:`plan_chunks`'s groups
+    in one autograd graph, the padded forward's within float tolerance; None when not right-padded; ``max_chunks``: 1 under
+    FSDP; ``chunk``: positions per output-layer call (None or 0: all)."""
     _, can_share = packed_forward_support(model)
     rows = pack_preference_rows(batch, share_prompt and can_share)
     if rows is None:

@@ -1,18 +1,5 @@
-"""Reward functions: Python callables that score completions, named in the config.
-
-A reward function is ``fn(prompts, completions, **fields) -> list[float | None]``: one score per
-completion, ``prompts[i]`` the prompt that ``completions[i]`` answers, ``fields`` the rows' other
-columns as lists of the same length (a reference answer, ...: the columns the ``json`` and ``hf``
-loaders keep, see ``preference_datasets.add_fields``; a function without ``**kwargs`` is given
-only the fields it names); None says a completion cannot be scored (counted as a failure
-when no other function scores it). ``reward_functions=[...]`` names them, each a registered name
-(:data:`REWARD_FUNCTIONS`) or ``module:function``; ``reward_weights`` weighs them (TRL's
-``reward_funcs`` / ``reward_weights``). ``rewards.RewardFunctionScorer`` turns them into a scorer
-for online DPO (``online.scorer=reward_function``) and evaluate.py (``judge=reward_function``).
-
-Write your own as :func:`length` is written, in a module of yours, and name it
-``reward_functions=[my_rewards:brevity]``.
-"""
+"""Reward functions ``fn(prompts, completions, **fields) -> list[float | None]`` (one score per completion,
+None: not scored), named by ``reward_functions=[...]`` as a registered name or ``module:function`` (docs/online.md)."""
 
 from __future__ import annotations
 
@@ -38,8 +25,8 @@ REQUIRES: dict[str, str] = {}
 
 
 def register_reward_function(name: str, requires: str | None = None):
-    """A decorator adding the function to :data:`REWARD_FUNCTIONS` under ``name``; ``requires``:
-    the module it imports when called, checked by :func:`resolve`."""
+    """A decorator adding the function to :data:`REWARD_FUNCTIONS` as ``name``; ``requires``: the module it
+    imports when called."""
 
     def register(fn: Callable) -> Callable:
         REWARD_FUNCTIONS[name] = fn
@@ -87,8 +74,7 @@ def _vader():
 
 @register_reward_function("sentiment", requires="vaderSentiment")
 def sentiment(prompts: list[str], completions: list[str], **fields) -> list[float | None]:
-    """VADER's compound score of the completion alone, in [-1, 1] (Hutto & Gilbert 2014; the
-    ``vaderSentiment`` package): positive for positive sentiment, 0.0 for none."""
+    """VADER's compound score of the completion alone, in [-1, 1] (Hutto & Gilbert 2014; ``vaderSentiment``)."""
     analyzer = _vader()
     return [float(analyzer.polarity_scores(c)["compound"]) for c in completions]
 
@@ -102,13 +88,8 @@ def registered_names() -> str:
 
 
 def resolve(spec: str, key: str = "reward_functions") -> Callable:
-    """The reward function ``spec`` names: a registered name or ``module:function``; ``key``: the
-    config key that named it (error sentences name it).
-
-    Raises:
-        ConfigError: if the name is not registered, the module does not import, it has no such
-            attribute, or the attribute is not callable with (prompts, completions).
-    """
+    """The reward function ``spec`` (a registered name or ``module:function``) names; ``key`` is the config key
+    for error sentences; raises ConfigError for an unknown name, a failed import, or a non-callable."""
     spec = str(spec)
     choose = f"give a registered name ({registered_names()}) or module:function"
     if ":" not in spec:
@@ -148,13 +129,7 @@ def resolve(spec: str, key: str = "reward_functions") -> Callable:
 
 
 def resolve_all(specs, weights) -> tuple[list[str], list[Callable], list[float]]:
-    """The names, functions and weights that ``reward_functions`` / ``reward_weights`` give
-    (``weights`` None: 1.0 each).
-
-    Raises:
-        ConfigError: for an empty or non-list ``reward_functions``, a spec :func:`resolve`
-            refuses, or ``reward_weights`` that is not one number per function.
-    """
+    """The names, functions and weights of ``reward_functions`` / ``reward_weights`` (None: 1.0 each); raises ConfigError."""
     if isinstance(specs, str) or not specs or not all(isinstance(s, str) for s in specs):
         raise ConfigError(
             f"reward_functions must be a non-empty list of names, e.g. reward_functions=[sentiment], got {specs!r}."
@@ -175,13 +150,8 @@ def resolve_all(specs, weights) -> tuple[list[str], list[Callable], list[float]]
 
 
 def eval_functions(spec, declared: list[str]) -> list[tuple[str, Callable]]:
-    """The reward functions each eval applies to the policy's greedy answers (``eval_reward_functions``):
-    ``auto`` gives ``declared`` (what the datasets register as checking their answers exactly, e.g.
-    ``arithmetic``), a list names them as ``reward_functions`` does, null or [] none.
-
-    Raises:
-        ConfigError: for a value that is none of these, or a name :func:`resolve` refuses.
-    """
+    """The ``(name, function)`` pairs of ``eval_reward_functions``: ``auto`` gives ``declared`` (the datasets'
+    own answer checks), a list names them, null or [] none; raises ConfigError."""
     if spec is None:
         return []
     if isinstance(spec, str):

@@ -1,21 +1,5 @@
-"""Reward models and judges: the scoring side of online DPO.
-
-Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback",
-https://arxiv.org/abs/2402.04792) samples two completions per prompt from the policy and asks
-an annotator which is better. The annotator is one of:
-
-- :class:`RewardModelScorer`: a sequence-classification reward model; one float per text.
-- :class:`RewardModelJudge`: the same model used pairwise (the higher score wins).
-- :class:`HTTPJudge`: an LLM judge behind an OpenAI-compatible chat-completions endpoint,
-  as the paper's AI feedback (TRL's ``OnlineDPOTrainer`` and its judges are the peer).
-- :class:`RewardFunctionScorer`: Python reward functions (reward_functions.py), weighted; one
-  float per text, as a reward model gives.
-
-Pairwise judges answer 0 (the first completion is better), 1 (the second), :data:`TIE`, or
-None when the judgement failed; the caller counts a None and skips that pair, it never labels
-it. :func:`build_scorer` picks one from the ``online``, ``reward_model``, ``judge`` and
-``reward_functions`` config sections.
-"""
+"""Reward models, reward functions and pairwise judges that label online DPO's pairs (Guo et al. 2024,
+arXiv:2402.04792) and evaluate.py's; :func:`build_scorer` picks one from the config."""
 
 from __future__ import annotations
 
@@ -118,36 +102,9 @@ NAMED_TEMPLATE_MAX_TOKENS = 256
 
 
 class RewardModelScorer:
-    """Scores prompt + completion texts with a sequence-classification reward model.
-
-    Any ``AutoModelForSequenceClassification`` checkpoint of a decoder model with one output
-    (num_labels 1) and a ``score`` head: Llama, Qwen2, Mistral, Gemma, GPT-2, GPT-NeoX, ...
-    (e.g. Skywork-Reward, or TRL's reward-trained Pythia). The text ``prompt + completion`` is
-    tokenized with the reward model's own tokenizer, so policy and reward model may have
-    different vocabularies.
-
-    The score is the head's output at the last real token of each sequence. Hugging Face's
-    own pooling takes the rightmost token that is not ``pad_token_id``, which is wrong when pad
-    == eos and the text ends with EOS (it scores the token before). Here sequences are
-    left-padded, get position ids counted from their first real token (so absolute-position
-    models like GPT-2 see the same positions as unpadded), and the head is applied to the
-    backbone's hidden state at position -1: a sequence scores the same alone or in any batch.
-
-    Args:
-        name_or_path: a local folder or hub id. A checkpoint whose score head loading left
-            random (a causal LM: its head is among transformers' missing keys) is refused.
-        device: where the model runs ("cpu", "cuda", "cuda:1").
-        batch_size: texts per forward pass.
-        max_length: tokens per text; a longer text keeps its end (and its BOS, if any).
-        dtype: a torch dtype or its name ("bfloat16"); None loads the checkpoint's default.
-        allow_untrained_head: load a checkpoint whose head is random all the same, with a
-            warning (``reward_model.allow_untrained_head``; tests only).
-
-    Raises:
-        ValueError: if the checkpoint's head has more than one output, or the model has no
-            ``score`` head (an encoder classifier such as DeBERTa pools its first token).
-        ConfigError: if the head's weights are not in the checkpoint and ``allow_untrained_head`` is false.
-    """
+    """Scores ``prompt + completion`` texts with a one-output decoder ``AutoModelForSequenceClassification``
+    (its own tokenizer) at each text's last real token, so a text scores the same alone or in any batch;
+    the constructor raises ValueError for a head without one output and ConfigError for an untrained one."""
 
     def __init__(
         self,
@@ -179,12 +136,7 @@ class RewardModelScorer:
 
     @classmethod
     def from_model(cls, model, tokenizer, device=None, batch_size: int = 16, max_length: int = 1024) -> RewardModelScorer:
-        """A scorer over an already loaded ``model`` and its ``tokenizer`` (e.g. a tiny random
-        model built from a config in tests). ``device`` None leaves the model where it is.
-
-        Raises:
-            ValueError: as the constructor.
-        """
+        """A scorer over an already loaded ``model`` and ``tokenizer`` (``device`` None: left where it is)."""
         scorer = cls.__new__(cls)
         scorer._attach(model, tokenizer, device, batch_size, max_length)
         return scorer
@@ -211,20 +163,14 @@ class RewardModelScorer:
         ids = self.tokenizer(text)["input_ids"]
         if len(ids) <= self.max_length:
             return ids
-        bos = self.tokenizer.bos_token_id
+        bos = self.tokenizer.bos_token_id  # too long: keep the end, and the BOS if any
         if bos is not None and ids[0] == bos and self.max_length > 1:
             return [bos] + ids[len(ids) - self.max_length + 1 :]
         return ids[len(ids) - self.max_length :]
 
     def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
-        """Reward of each ``prompts[i] + completions[i]`` (the model reads the text alone: ``fields`` are not used).
-
-        Returns:
-            (N,) float32 tensor on the CPU, in the reward model's units (unnormalized logits).
-
-        Raises:
-            ValueError: if the two lists differ in length.
-        """
+        """(N,) float32 CPU rewards of each ``prompts[i] + completions[i]`` in the reward model's units (logits);
+        ``fields`` are not used."""
         if len(prompts) != len(completions):
             raise ValueError(f"score() got {len(prompts)} prompts and {len(completions)} completions; pass one of each per text.")
         encoded = [self._encode(p + c) for p, c in zip(prompts, completions)]
@@ -240,18 +186,16 @@ class RewardModelScorer:
                 width = max(len(s) for s in seqs)
                 ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=self.device)
                 mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=self.device)
-                positions = (mask.cumsum(-1) - 1).clamp(min=0)
+                positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as unpadded, also for absolute positions (GPT-2)
                 hidden = backbone(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)[0]
+                # left-padded, so -1 is the last real token (HF's own pooling misses it when pad == eos)
                 scores[chunk] = self.model.score(hidden[:, -1]).float().cpu()[:, 0]
         return scores
 
 
 def untrained_head(model, loading_info: dict) -> list[str]:
-    """The head's parameters that ``from_pretrained(..., output_loading_info=True)`` left at their
-    random start (missing from the checkpoint, or of another shape), by name; [] when it was trained.
-
-    The head is every parameter outside the backbone (``model.base_model_prefix``): ``score.*``
-    of a decoder reward model, ``classifier.*`` of an encoder one."""
+    """Names of the head's parameters (those outside ``model.base_model_prefix``) that
+    ``from_pretrained(..., output_loading_info=True)`` left random; [] when the head was trained."""
     mismatched = {k if isinstance(k, str) else k[0] for k in loading_info.get("mismatched_keys", [])}
     untouched = set(loading_info.get("missing_keys", [])) | mismatched
     backbone = model.base_model_prefix + "."
@@ -268,13 +212,8 @@ def untrained_head_error(name_or_path: str, why: str) -> str:
 
 
 def check_reward_model_config(name_or_path: str, allow_untrained_head: bool = False) -> None:
-    """Refuse a local reward model folder whose config.json names no sequence-classification
-    architecture (a causal LM: its head would be random), before any weight is read; hub ids and
-    folders with no ``architectures`` are checked when loaded (:class:`RewardModelScorer`).
-
-    Raises:
-        ConfigError: :func:`untrained_head_error`'s sentence.
-    """
+    """Raise ConfigError for a local reward model folder whose config.json names no
+    ``*ForSequenceClassification`` architecture, before any weight is read (hub ids are checked on load)."""
     import transformers
 
     path = os.path.expanduser(name_or_path)
@@ -292,31 +231,8 @@ def apply_missing_eos_penalty(
     penalty: float | None,
     completion_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Subtract ``penalty`` from the score of every completion that has no EOS token (nor any
-    other stop token, e.g. a chat template's end-of-turn token, when ``eos_token_id`` is a list).
-
-    A completion cut off at ``max_new_tokens`` (no EOS) is penalised, so the policy learns to
-    finish its answers (TRL's ``missing_eos_penalty``). Only completion tokens are passed: the
-    caller strips the prompt, so an EOS inside the prompt never counts.
-
-    With a pad == eos tokenizer, padding after a completion's first EOS is harmless, but a
-    completion that ended without EOS and was then padded with pad == eos would look as if it
-    had one: pass ``completion_mask`` (True on the real generated tokens, the EOS included) and
-    only those tokens are looked at.
-
-    Args:
-        scores: (N,) rewards, one per completion.
-        completion_ids: (N, T) long, the generated tokens only.
-        eos_token_id: the policy tokenizer's EOS id, or the list of ids generation stops at.
-        penalty: in reward units; None (or 0) returns ``scores`` unchanged.
-        completion_mask: (N, T) bool or 0/1, or None to look at every token.
-
-    Returns:
-        (N,) a new tensor, ``scores`` minus ``penalty`` where no EOS was found.
-
-    Raises:
-        ValueError: if the shapes do not agree.
-    """
+    """(N,) ``scores`` minus ``penalty`` (reward units; None or 0: unchanged) for each (N, T) completion with
+    no ``eos_token_id`` among its real tokens (``completion_mask``, needed when pad == eos); TRL's ``missing_eos_penalty``."""
     if not penalty:
         return scores
     if completion_ids.dim() != 2 or scores.shape != completion_ids.shape[:1]:
@@ -410,14 +326,8 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
 
 
 def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
-    """POST ``data`` to ``url`` with ``headers`` and return the response's body, all within
-    ``timeout`` seconds (connect and every read together); redirects are not followed.
-
-    Raises:
-        urllib.error.HTTPError: for a response that is not 2xx (a 3xx too, with its ``Location``).
-        TimeoutError: when the whole request took longer than ``timeout``.
-        OSError, http.client.HTTPException: when the connection fails.
-    """
+    """POST ``data`` to ``url`` and return the body, connect and every read within ``timeout`` seconds, redirects not
+    followed; raises HTTPError (not 2xx), TimeoutError, OSError or HTTPException."""
     deadline = RequestDeadline(timeout)
 
     class HTTPHandler(urllib.request.HTTPHandler):
@@ -448,13 +358,8 @@ def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
 
 
 def field_columns(fields: list[dict | None]) -> dict[str, list]:
-    """The keyword arguments a scorer's ``score(prompts, completions, **fields)`` gets from one dict
-    of fields per text (a data row's other columns): a list per column any text has, None where a
-    text has none; {} when no text has any.
-
-    Raises:
-        DataError: for a column named as a reward function's own parameter (prompts, completions).
-    """
+    """``score``'s ``**fields`` from one dict per text: a list per column (None where a text lacks it); raises
+    DataError for a column named ``prompts`` or ``completions``."""
     columns = list(dict.fromkeys(c for f in fields if f for c in f))
     for column in columns:
         if column in ("prompts", "completions"):
@@ -471,26 +376,9 @@ def _shown(text: str, limit: int = 60) -> str:
 
 
 class RewardFunctionScorer:
-    """Scores completions with Python reward functions (reward_functions.py): the weighted sum,
-    over the functions that scored a completion, of weight * score (a None is skipped, as TRL's
-    ``reward_weights`` sum does); one float per text, as :class:`RewardModelScorer` gives.
-
-    A completion fails (NaN score, its reason in ``last_errors``) when every function returned
-    None for it, or when any function raised on it or gave it something that is not a number;
-    a function that returns a list of the wrong length fails the whole call. When a function
-    raises on a call, it is asked again one completion at a time, so the rows that raise are
-    named and the others are scored. Nothing raises for a failure: online DPO and evaluate.py
-    count failures against their ``max_failure_rate``.
-
-    Args:
-        names: how each function is named in the config (error sentences name it so).
-        functions: the callables, ``fn(prompts, completions, **fields) -> list[float | None]``.
-        weights: one per function.
-
-    Attributes:
-        last_errors: why each completion of the last :meth:`score` call failed, one sentence each.
-        failures: failed completions over the scorer's lifetime.
-    """
+    """The weighted sum of Python reward functions' scores per completion (a None skipped, as TRL's
+    ``reward_weights``); a completion fails (NaN, its sentence in ``last_errors``, counted in ``failures``) when every
+    function returns None for it or one raises on it or returns a non-number."""
 
     def __init__(self, names: list[str], functions: list, weights: list[float]):
         if not len(names) == len(functions) == len(weights):
@@ -504,11 +392,7 @@ class RewardFunctionScorer:
 
     @classmethod
     def from_config(cls, config) -> RewardFunctionScorer:
-        """The scorer over ``config.reward_functions`` and ``config.reward_weights``.
-
-        Raises:
-            ConfigError: as ``reward_functions.resolve_all`` (one sentence).
-        """
+        """The scorer over ``config.reward_functions`` and ``config.reward_weights``; raises ConfigError."""
         specs = config.get("reward_functions")
         specs = list(specs) if specs is not None and not isinstance(specs, str) else specs
         weights = config.get("reward_weights")
@@ -526,15 +410,8 @@ class RewardFunctionScorer:
         return {p.name for p in parameters}
 
     def score(self, prompts: list[str], completions: list[str], **fields) -> torch.Tensor:
-        """The weighted reward of each ``completions[i]`` answering ``prompts[i]``; ``fields`` are
-        the rows' other columns, each a list of the same length.
-
-        Returns:
-            (N,) float32 on the CPU; NaN for a completion that failed (see the class).
-
-        Raises:
-            ValueError: if the lists differ in length.
-        """
+        """(N,) float32 CPU weighted rewards of each ``completions[i]`` answering ``prompts[i]`` (``fields``: the
+        rows' other columns, lists of length N); NaN where it failed."""
         n = len(prompts)
         if len(completions) != n or any(len(v) != n for v in fields.values()):
             raise ValueError(
@@ -613,12 +490,7 @@ class RewardFunctionScorer:
 
 
 class PairwiseJudge:
-    """Says which of two completions of a prompt is better.
-
-    Attributes:
-        failures: judgements that failed (None), counted over the judge's lifetime.
-        last_errors: why each judgement of the last :meth:`judge` call failed.
-    """
+    """Says which of two completions of a prompt is better; ``failures`` counts failed judgements, ``last_errors`` says why."""
 
     def __init__(self):
         self.failures = 0
@@ -643,12 +515,8 @@ class PairwiseJudge:
 
 
 class RewardModelJudge(PairwiseJudge):
-    """A pairwise judge from any scorer with ``score(prompts, completions) -> (N,)``: the
-    completion with the higher score wins, equal scores are a :data:`TIE`, a NaN score fails.
-
-    Attributes:
-        last_scores: (N, 2) float32, the scores behind the last call's judgements.
-    """
+    """A pairwise judge over a scorer: the higher score wins, equal scores are a :data:`TIE`, a NaN fails;
+    ``last_scores``: (N, 2) float32, the last call's scores."""
 
     def __init__(self, scorer):
         super().__init__()
@@ -673,35 +541,10 @@ class RewardModelJudge(PairwiseJudge):
 
 
 class HTTPJudge(PairwiseJudge):
-    """An LLM judge behind an OpenAI-compatible chat-completions endpoint (OpenAI, vLLM,
-    llama.cpp, TGI, ...): the paper's AI feedback, and TRL's ``OpenAIPairwiseJudge``.
-
-    Each pair is one request ``POST {base_url}/chat/completions`` with the ``template`` filled
-    in as the user message, ``max_tokens`` 1 and temperature 0; the answer's first non-space
-    character must be "0" or "1". With ``shuffle_order`` a seeded RNG swaps the pair before
-    asking (LLM judges favour one position) and the answer is mapped back. Requests of a batch
-    run on up to :data:`JUDGE_THREADS` threads.
-
-    A judgement never raises: malformed JSON, missing fields or any other answer fail (None)
-    at once; HTTP 429 and 5xx, connection errors and timeouts are retried ``max_retries``
-    times, waiting ``backoff * 2**k`` seconds before retry k; other 4xx fail at once.
-
-    Args:
-        base_url: e.g. ``http://127.0.0.1:8000/v1``.
-        model: the model name the endpoint serves.
-        template: a string with {prompt}, {response0}, {response1}; None uses
-            :data:`DEFAULT_JUDGE_TEMPLATE`; a name in :data:`JUDGE_TEMPLATES` (the DPO paper's
-            prompts) is asked with :data:`NAMED_TEMPLATE_MAX_TOKENS` and its answer read from
-            the last "More helpful: A" / "Preferred: B" line.
-        timeout: seconds per request.
-        api_key_env: the environment variable holding the key, sent as ``Authorization:
-            Bearer <key>`` when set (read once, here).
-        seed: of the order-shuffling RNG.
-
-    Raises:
-        ConfigError: if base_url or model is missing, base_url is not http(s), the
-            template lacks a placeholder, max_retries < 0 or timeout <= 0.
-    """
+    """An LLM judge behind an OpenAI-compatible ``{base_url}/chat/completions`` (TRL's ``OpenAIPairwiseJudge``): one
+    temperature-0 request per pair (seeded random order with ``shuffle_order``, key from ``$api_key_env``) answered "0" or
+    "1" (or a :data:`JUDGE_TEMPLATES` verdict line), 429, 5xx and connection errors retried ``max_retries`` times after
+    ``backoff * 2**k`` s, a failure None, never raised (the constructor raises ConfigError for bad settings)."""
 
     def __init__(
         self,
@@ -754,11 +597,7 @@ class HTTPJudge(PairwiseJudge):
         self._lock = threading.Lock()
 
     def judge(self, prompts: list[str], pairs: list[tuple[str, str]]) -> list[int | None]:
-        """See :meth:`PairwiseJudge.judge`; never raises for a failed judgement.
-
-        Raises:
-            ValueError: if the two lists differ in length.
-        """
+        """See :meth:`PairwiseJudge.judge`; a failed judgement never raises (ValueError for lists of different lengths)."""
         if len(prompts) != len(pairs):
             raise ValueError(f"judge() got {len(prompts)} prompts and {len(pairs)} pairs; pass one pair per prompt.")
         self.last_errors = []
@@ -835,23 +674,8 @@ class HTTPJudge(PairwiseJudge):
 
 
 def build_scorer(config, device=None):
-    """The scorer ``online.scorer`` names, from the composed Hydra config.
-
-    - ``reward_model``: a :class:`RewardModelScorer` over ``reward_model.*``.
-    - ``reward_model_judge``: a :class:`RewardModelJudge` over that scorer.
-    - ``http_judge``: an :class:`HTTPJudge` over ``judge.*`` (seeded by ``config.seed``).
-    - ``reward_function``: a :class:`RewardFunctionScorer` over ``reward_functions`` and
-      ``reward_weights`` (no model is loaded).
-
-    ``device`` (None: "cuda" when available, else "cpu") is where a reward model runs;
-    ``reward_model.dtype``, if the config has it, is its dtype.
-
-    Raises:
-        ConfigError: if ``online.scorer`` is unknown, ``reward_model.name_or_path`` is null,
-            a local path that is not a folder or a model whose score head was never trained
-            (unless ``reward_model.allow_untrained_head``), ``judge.base_url``/``judge.model`` is null,
-            or a reward function that does not import or weights that do not match them.
-    """
+    """The scorer or judge ``online.scorer`` names (:data:`SCORERS`) from the Hydra config, a reward model on
+    ``device`` (None: cuda when available); raises ConfigError for a missing or bad setting."""
     kind = config.online.scorer
     if kind not in SCORERS:
         close = difflib.get_close_matches(str(kind), SCORERS, n=1)

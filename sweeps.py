@@ -21,8 +21,8 @@ STOP_CODES = (130, 138, 143)
 
 
 def job_result(run_dir: str | None, code: int, failure: str | None) -> dict:
-    """What a sweep job's function returns: its run folder, its exit code and, if not 0, the
-    sentence the sweep ends with (train.job_failure)."""
+    """A sweep job's return value: its run folder, exit code and, if not 0, the sentence the sweep ends with
+    (train.job_failure)."""
     return {"run_dir": run_dir, "code": code, "failure": failure}
 
 
@@ -43,9 +43,8 @@ def state(code: int | None) -> str:
 
 
 class SweepSummary(Callback):
-    """Each job leaves a record in ``<sweep dir>/.jobs`` (on_job_end runs where the job runs: in its own
-    process under submitit); at the end of the sweep the launching process prints one line per job,
-    then ends with the first failed (or stopped) job's sentence and exit code 1."""
+    """Records each job in ``<sweep dir>/.jobs`` (on_job_end runs in the job's own process), then prints
+    one line per job and exits 1 with the first failed (or stopped) job's sentence."""
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode.name != "MULTIRUN":
@@ -78,8 +77,7 @@ class SweepSummary(Callback):
 
 
 def summary(records: list[dict], swept: set[str], sweep_dir: str, submitit: bool) -> list[str]:
-    """The lines printed at the end of a sweep: the number of jobs, then per job its swept overrides,
-    its state and its run folder."""
+    """The lines printed at a sweep's end: the job count, then per job its swept overrides, state and run folder."""
     where = "; each job's output under .submitit/" if submitit else ""
     lines = [f"Sweep done: {len(records)} job{'s' if len(records) != 1 else ''} ({sweep_dir}{where})."]
     names = [" ".join(o for o in r["overrides"] if o.split("=", 1)[0].lstrip("+~") in swept) or f"#{r['num']}" for r in records]
