@@ -7,6 +7,7 @@ import difflib
 import os
 import socket
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
@@ -680,3 +681,121 @@ def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -
             f"output_root={root} is not shared: rank {blind} (host {where}{there}) does not see the file "
             f"rank 0 (host {seen[0][1]}) wrote there; put output_root on a file system every node mounts at the same path."
         )
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+
+
+def _keys(node: DictConfig, top: bool) -> str:
+    """``node``'s keys, sorted and comma-separated (Hydra's own node left out at the top)."""
+    return ", ".join(sorted(str(k) for k in node.keys() if not (top and k == "hydra")))
+
+
+def override_error(overrides: list[str], config_name: str = "config") -> str | None:
+    """One sentence when a command-line override names what ``config_name``'s config lacks (an unknown key, a near-miss ``+key``,
+    a missing group option, a folder as ``model=``), else None (Hydra reports other failures)."""
+    import difflib
+
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return None
+    for text, o in zip(overrides, parsed):  # model=<a folder or hub id>: a preset name was expected
+        value = o.value() if o.key_or_group == "model" and not o.is_sweep_override() else None
+        if isinstance(value, str) and ("/" in value or os.path.isdir(value)):
+            return (
+                f"{text}: model= takes a preset of config/model/ (e.g. tiny, pythia28); to load a folder or hub id, "
+                f"give model=blank_model model.name_or_path={value}."
+            )
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        try:
+            config = compose(config_name=config_name, overrides=overrides)
+        except MissingConfigException as e:  # a group option: e.missing_cfg_file is "<group>/<option>"
+            group, _, option = (e.missing_cfg_file or "").rpartition("/")
+            if not e.options or not any(o.key_or_group == group for o in parsed):
+                return None
+            close = difflib.get_close_matches(option, e.options, n=1)
+            hint = f"; did you mean {group}={close[0]}?" if close else ""
+            return f"{group}={option} is not an option of {group}{hint} (options: {', '.join(e.options)})."
+        except ConfigCompositionException as e:
+            cause = e.__cause__
+            if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not isinstance(cause.parent_node, DictConfig):
+                return None
+            missing, name, parent = str(cause.full_key), str(cause.key), cause.parent_node
+            typed = next((o.key_or_group for o in parsed if f"{o.key_or_group}.".startswith(f"{missing}.")), missing)
+            prefix = missing[: len(missing) - len(name)]  # "loss." for loss.betaa, "" at the top
+            where = f" (keys of {prefix[:-1]}: {_keys(parent, False)})" if prefix else f" (keys: {_keys(parent, True)})"
+            close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
+            if close:
+                return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
+            if prefix == "loss." and parent.get("name"):  # a loss has the keys its formula uses: adding one is no fix
+                return f"loss={parent.name} has no key {name!r}{where}; remove it."
+            text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
+            add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
+            return f"{typed} is not a config key{where}{add}."
+        added = [  # +key near-misses of top-level keys; nested additions are validate_config's
+            (text, o)
+            for text, o in zip(overrides, parsed)
+            if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
+        ]
+        if not added:
+            return None
+        base = compose(config_name=config_name, overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
+    for text, o in added:
+        if o.key_or_group not in base:
+            close = difflib.get_close_matches(o.key_or_group, [str(k) for k in base.keys()], n=1, cutoff=0.8)
+            if close:
+                return (
+                    f"{o.key_or_group} is not a config key; did you mean {close[0]}? "
+                    f"({text} would add a key nothing reads; keys: {_keys(base, True)})"
+                )
+    return None
+
+
+def command_line_error(argv: list[str]) -> str | None:
+    """:func:`override_error` of ``argv``'s overrides, or with ``-m`` :func:`sweep_error` of every job before the first starts;
+    None when another Hydra flag is given."""
+    multirun = [a for a in argv if a in ("-m", "--multirun")]
+    overrides = [a for a in argv if a not in multirun]
+    if not overrides or any(a.startswith("-") for a in overrides):
+        return None
+    return sweep_error(overrides) if multirun else override_error(overrides)
+
+
+def sweep_error(overrides: list[str]) -> str | None:
+    """One sentence, led by the job's swept values, for the first job of the sweep ``overrides`` that :func:`override_error` or
+    ``validate_config`` rejects; None when all pass or they do not parse."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except HydraException:
+        return None
+    swept = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
+    for job in jobs:
+        problem = override_error(job)
+        if problem is None:
+            with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+                try:
+                    config = compose(config_name="config", overrides=job)
+                except HydraException:
+                    return None
+            try:
+                settle_given(config, given_keys(job))  # as hydra_main does
+                if config.resume is None:  # resume= runs the saved config, checked when it starts
+                    n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
+                    validate_config(config, n)
+            except utils.ConfigError as e:
+                problem = str(e)
+        if problem is not None:
+            return f"In the job {' '.join(job[i] for i in swept)}: {problem}" if swept else problem
+    return None

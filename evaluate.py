@@ -1334,7 +1334,7 @@ def _stop(signum, frame):
 @hydra.main(version_base="1.3", config_path="config", config_name="evaluate")
 def hydra_main(config: DictConfig) -> None:
     """The command line: exit 2 for bad input, 128 + the signal on Ctrl-C / SIGTERM after printing how to resume."""
-    import train
+    import processes
 
     rank = int(os.environ.get("RANK", 0))
     got = {}
@@ -1342,7 +1342,7 @@ def hydra_main(config: DictConfig) -> None:
     try:
         main(config)
     except (ConfigError, DataError) as e:
-        train.say_once_per_node(e, rank)
+        processes.say_once_per_node(e, rank)
         sys.exit(2)
     except Interrupted as e:
         if rank == 0:
@@ -1354,11 +1354,12 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    import train
+    import checks
+    import processes
 
-    train.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9
+    processes.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9
     overrides = sys.argv[1:]
-    problem = None if any(a.startswith("-") for a in overrides) else train.override_error(overrides, config_name="evaluate")
+    problem = None if any(a.startswith("-") for a in overrides) else checks.override_error(overrides, config_name="evaluate")
     if problem is not None:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"Error: {problem}", file=sys.stderr, flush=True)
@@ -1366,4 +1367,4 @@ if __name__ == "__main__":
     if "RANK" not in os.environ:
         hydra_main()
     else:
-        train.exit_rank(hydra_main)
+        processes.exit_rank(hydra_main)

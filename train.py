@@ -27,6 +27,7 @@ import losses
 import modelcard
 import models
 import preference_datasets
+import processes
 import reward_functions
 import rewards
 import tracking
@@ -640,15 +641,9 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
         print(modelcard.push_final(run_dir, config))
 
 
-LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
-"""Set by :func:`launch` in each process it starts: the launcher's pid (see :func:`die_with_launcher`)."""
-
 RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"
 """Set by :func:`launch` in rank 0: a pipe's write end, into which :func:`main` writes the run folder
 once it is known, so that the launcher can name it when a rank dies."""
-
-PEER_LOST_EXIT = 3
-"""A rank's exit code when another rank of its run stopped answering (:func:`lost_peer`)."""
 
 RUN_FOLDER: str | None = None
 """This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
@@ -660,74 +655,6 @@ its last stage's, for FSDP/TP rank 0's; a sweep's summary names it."""
 COMMAND: list[str] | None = None
 """The command line's overrides when train.py was started from it (set by :func:`hydra_main`); a new
 run folder's config.yaml begins with the command (``checkpoints.RUN_COMMAND_LINE``), which model cards quote."""
-
-
-def die_with_launcher(poll_s: float = 0.5) -> str | None:
-    """In a rank that :func:`launch` or torchrun started, be SIGKILLed when that launcher dies (``prctl(PR_SET_DEATHSIG)`` on
-    Linux, else a thread polling every ``poll_s`` s); returns ``"train.py"``, ``"torchrun"`` or None (no launcher)."""
-    launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
-    if launcher is not None:
-        started_by, launcher = "train.py", int(launcher)
-    elif "TORCHELASTIC_RUN_ID" in os.environ:
-        started_by, launcher = "torchrun", os.getppid()
-    else:
-        return None
-    kill = getattr(signal, "SIGKILL", None)  # not SIGTERM: nobody forwards signals now; checkpoints are atomic
-    armed = False
-    if sys.platform.startswith("linux") and kill is not None:
-        import ctypes
-
-        PR_SET_DEATHSIG = 1  # <linux/prctl.h>
-        with contextlib.suppress(OSError, AttributeError):
-            armed = ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DEATHSIG, int(kill), 0, 0, 0) == 0
-
-    def gone() -> None:
-        if kill is not None:
-            os.kill(os.getpid(), kill)
-        os._exit(137)
-
-    if os.getppid() != launcher:  # it died before the death signal was set (or this is not its child)
-        gone()
-    if not armed:
-
-        def watch() -> None:
-            while os.getppid() == launcher:
-                time.sleep(poll_s)
-            gone()
-
-        threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-    return started_by
-
-
-PEER_GONE = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe")
-"""What gloo's error says when another rank's end of the connection closed (the rank died)."""
-
-
-def lost_peer(error: BaseException) -> str | None:
-    """Why a collective failed when ``error`` or its causes say another rank is gone (gloo's :data:`PEER_GONE` phrase, a
-    ``torch.distributed.DistError``'s first line), else None."""
-    import torch.distributed as dist
-
-    seen = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found = PEER_GONE.search(str(error)) if isinstance(error, RuntimeError) else None
-        if found is not None:
-            return found.group(0)
-        if isinstance(error, dist.DistError):
-            return utils.failure_reason(error)
-        error = error.__cause__ or error.__context__
-    return None
-
-
-def how_to_continue(run_dir: str | None, command: str) -> str:
-    """The end of a sentence on how to go on after a run stopped: ``<command> resume=<run_dir>`` when it has a checkpoint, else
-    that there is none yet."""
-    if run_dir is not None and os.path.lexists(os.path.join(run_dir, "LATEST")):
-        return f"continue the run with {command} resume={run_dir}"
-    if run_dir is not None:
-        return f"the run saved no checkpoint in {run_dir} yet, so start it again"
-    return "the run had made no run folder yet, so start it again"
 
 
 def tell_launcher(run_dir: str) -> None:
@@ -768,7 +695,7 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
     for rank in range(n):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), **shared}
         env |= {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env |= {LAUNCHER_PID_ENV: str(os.getpid())}
+        env |= {processes.LAUNCHER_PID_ENV: str(os.getpid())}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
         fds = (lock.fd,) if lock.fd is not None else ()
         if rank == 0:
@@ -795,7 +722,7 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
             for rank, p in enumerate(procs):
                 if rank not in codes and p.poll() is not None:
                     codes[rank] = p.returncode
-                    if p.returncode == PEER_LOST_EXIT:  # the rank that died is about to be seen: let it
+                    if p.returncode == processes.PEER_LOST_EXIT:  # the rank that died is about to be seen: let it
                         deadline = deadline or time.time() + 5
                     elif p.returncode != 0 and p.returncode not in stopped:
                         deadline = time.time()
@@ -814,174 +741,11 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
         os.close(folder_pipe[0])
     if run_dir is not None:
         tell_launcher(run_dir)  # sft_first's run_stages started this launcher: it names the stage's folder
-    return rank_failure(codes, killed, stopped, config.resume or run_dir)
-
-
-def rank_failure(codes: dict[int, int], killed: set[int], stopped: set[int], run_dir: str | None) -> int:
-    """The launcher's exit code from its ranks' ``codes`` (in the order they ended; ``killed``: ranks it killed): 0 when all
-    finished, else the first self-failed rank's (128 + N for signal N, with an ``Error:`` line when it died without a word),
-    else a stop's 128 + N, else ``PEER_LOST_EXIT``."""
-    first = next(((r, c) for r, c in codes.items() if r not in killed and c not in (0, PEER_LOST_EXIT, *stopped)), None)
-    if first is not None:
-        rank, code = first
-        if code < 0 or code not in (1, 2):
-            name = next((s.name for s in signal.Signals if s == -code), f"signal {-code}")
-            how = f"was killed by {name}" if code < 0 else f"exited with code {code}"
-            print(
-                f"Error: rank {rank} {how}, so the run stopped; {how_to_continue(run_dir, 'python train.py')}.",
-                file=sys.stderr,
-                flush=True,
-            )
-        return 128 - code if code < 0 else code
-    failed = [c for c in codes.values() if c != 0]
-    return next((c for c in failed if c in stopped), PEER_LOST_EXIT if failed else 0)
+    return processes.rank_failure(codes, killed, stopped, config.resume or run_dir)
 
 
 SCRIPT = os.path.abspath(__file__)
 """This file (a submitit job's ``sys.argv[0]`` is submitit's, not train.py)."""
-
-CONFIG_DIR = os.path.join(os.path.dirname(SCRIPT), "config")
-
-
-def _keys(node: DictConfig, top: bool) -> str:
-    """``node``'s keys, sorted and comma-separated (Hydra's own node left out at the top)."""
-    return ", ".join(sorted(str(k) for k in node.keys() if not (top and k == "hydra")))
-
-
-def override_error(overrides: list[str], config_name: str = "config") -> str | None:
-    """One sentence when a command-line override names what ``config_name``'s config lacks (an unknown key, a near-miss ``+key``,
-    a missing group option, a folder as ``model=``), else None (Hydra reports other failures)."""
-    import difflib
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return None
-    for text, o in zip(overrides, parsed):  # model=<a folder or hub id>: a preset name was expected
-        value = o.value() if o.key_or_group == "model" and not o.is_sweep_override() else None
-        if isinstance(value, str) and ("/" in value or os.path.isdir(value)):
-            return (
-                f"{text}: model= takes a preset of config/model/ (e.g. tiny, pythia28); to load a folder or hub id, "
-                f"give model=blank_model model.name_or_path={value}."
-            )
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        try:
-            config = compose(config_name=config_name, overrides=overrides)
-        except MissingConfigException as e:  # a group option: e.missing_cfg_file is "<group>/<option>"
-            group, _, option = (e.missing_cfg_file or "").rpartition("/")
-            if not e.options or not any(o.key_or_group == group for o in parsed):
-                return None
-            close = difflib.get_close_matches(option, e.options, n=1)
-            hint = f"; did you mean {group}={close[0]}?" if close else ""
-            return f"{group}={option} is not an option of {group}{hint} (options: {', '.join(e.options)})."
-        except ConfigCompositionException as e:
-            cause = e.__cause__
-            if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not isinstance(cause.parent_node, DictConfig):
-                return None
-            missing, name, parent = str(cause.full_key), str(cause.key), cause.parent_node
-            typed = next((o.key_or_group for o in parsed if f"{o.key_or_group}.".startswith(f"{missing}.")), missing)
-            prefix = missing[: len(missing) - len(name)]  # "loss." for loss.betaa, "" at the top
-            where = f" (keys of {prefix[:-1]}: {_keys(parent, False)})" if prefix else f" (keys: {_keys(parent, True)})"
-            close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
-            if close:
-                return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
-            if prefix == "loss." and parent.get("name"):  # a loss has the keys its formula uses: adding one is no fix
-                return f"loss={parent.name} has no key {name!r}{where}; remove it."
-            text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
-            add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
-            return f"{typed} is not a config key{where}{add}."
-        added = [  # +key near-misses of top-level keys; nested additions are validate_config's
-            (text, o)
-            for text, o in zip(overrides, parsed)
-            if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
-        ]
-        if not added:
-            return None
-        base = compose(config_name=config_name, overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
-    for text, o in added:
-        if o.key_or_group not in base:
-            close = difflib.get_close_matches(o.key_or_group, [str(k) for k in base.keys()], n=1, cutoff=0.8)
-            if close:
-                return (
-                    f"{o.key_or_group} is not a config key; did you mean {close[0]}? "
-                    f"({text} would add a key nothing reads; keys: {_keys(base, True)})"
-                )
-    return None
-
-
-def command_line_error(argv: list[str]) -> str | None:
-    """:func:`override_error` of ``argv``'s overrides, or with ``-m`` :func:`sweep_error` of every job before the first starts;
-    None when another Hydra flag is given."""
-    multirun = [a for a in argv if a in ("-m", "--multirun")]
-    overrides = [a for a in argv if a not in multirun]
-    if not overrides or any(a.startswith("-") for a in overrides):
-        return None
-    return sweep_error(overrides) if multirun else override_error(overrides)
-
-
-def sweep_error(overrides: list[str]) -> str | None:
-    """One sentence, led by the job's swept values, for the first job of the sweep ``overrides`` that :func:`override_error` or
-    ``checks.validate_config`` rejects; None when all pass or they do not parse."""
-    from hydra import compose, initialize_config_dir
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
-    except HydraException:
-        return None
-    swept = [i for i, o in enumerate(parsed) if o.is_sweep_override()]
-    for job in jobs:
-        problem = override_error(job)
-        if problem is None:
-            with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-                try:
-                    config = compose(config_name="config", overrides=job)
-                except HydraException:
-                    return None
-            try:
-                checks.settle_given(config, checks.given_keys(job))  # as hydra_main does
-                if config.resume is None:  # resume= runs the saved config, checked when it starts
-                    n = 1 if config.trainer == "BasicTrainer" else (config.world_size or torch.cuda.device_count() or 1)
-                    checks.validate_config(config, n)
-            except utils.ConfigError as e:
-                problem = str(e)
-        if problem is not None:
-            return f"In the job {' '.join(job[i] for i in swept)}: {problem}" if swept else problem
-    return None
-
-
-def exit_rank(run) -> None:
-    """Run ``run()`` in an FSDP/TP rank, then leave with its exit code by ``os._exit`` after flushing, without the interpreter's
-    teardown."""
-    code = 0
-    try:
-        run()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # gloo threads freeing tensors in teardown could abort a finished run
-
-
-def say_once_per_node(error: Exception, rank: int) -> None:
-    """Print ``Error: <error>`` on each node's first process; the others wait 1 s so it is said before torchrun stops the group."""
-    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-        print(f"Error: {error}", file=sys.stderr, flush=True)
-    else:
-        time.sleep(1)
 
 
 STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "hub")
@@ -1227,7 +991,7 @@ def run_command(config: DictConfig) -> None:
             sys.exit(code)
         _, stop_signal = main(config, budget=budget)
     except (utils.ConfigError, DataError) as e:
-        say_once_per_node(e, rank)
+        processes.say_once_per_node(e, rank)
         sys.exit(2)
     except (
         trainers.NonFiniteLossError,
@@ -1236,7 +1000,7 @@ def run_command(config: DictConfig) -> None:
         utils.DiskFullError,
         modelcard.PushError,
     ) as e:
-        say_once_per_node(e, rank)  # finished work is kept
+        processes.say_once_per_node(e, rank)  # finished work is kept
         sys.exit(1)  # a rank leaves without interpreter teardown (exit_rank)
     except StoppedDuringSetup as e:  # a stop during setup: nothing trained, nothing half-made left
         if rank == 0:
@@ -1247,17 +1011,19 @@ def run_command(config: DictConfig) -> None:
             print("\nStopped by a second interrupt before the checkpoint was complete.", file=sys.stderr)
         sys.exit(130)
     except Exception as e:  # a rank that lost another rank, or a full disk a writer did not name: one line
-        reason = lost_peer(e) if "RANK" in os.environ else None
+        reason = processes.lost_peer(e) if "RANK" in os.environ else None
         if reason is not None:  # its collective failed because another rank died: not gloo's traceback
             line = f"rank {rank}: another rank stopped answering ({reason}); stopping"
             if "TORCHELASTIC_RUN_ID" in os.environ:  # train.py's launcher names the rank and the folder itself
-                line += f"; {how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
+                line += f"; {processes.how_to_continue(RUN_FOLDER, 'torchrun <the same options> train.py')}"
             print(f"\n{line}.", file=sys.stderr, flush=True)  # below the progress bar, not glued to it
-            sys.exit(PEER_LOST_EXIT)
+            sys.exit(processes.PEER_LOST_EXIT)
         path = getattr(e, "filename", None) or config.output_root
         if not utils.disk_full(e, path):
             raise
-        say_once_per_node(f"Could not write {path}: {utils.no_space(path)}; free space on that disk and try again.", rank)
+        processes.say_once_per_node(
+            f"Could not write {path}: {utils.no_space(path)}; free space on that disk and try again.", rank
+        )
         sys.exit(1)
     if stop_signal is not None:
         sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1, as a shell reports them
@@ -1266,8 +1032,8 @@ def run_command(config: DictConfig) -> None:
 if __name__ == "__main__":
     # a job of Hydra's submitit launcher imports this folder's modules (utils, ...) to unpickle hydra_main
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(SCRIPT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    if die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
-        problem = command_line_error(sys.argv[1:])
+    if processes.die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
+        problem = checks.command_line_error(sys.argv[1:])
         if problem is not None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun
                 print(f"Error: {problem}", file=sys.stderr, flush=True)
@@ -1277,4 +1043,4 @@ if __name__ == "__main__":
     if "RANK" not in os.environ:
         hydra_main()
     else:
-        exit_rank(hydra_main)
+        processes.exit_rank(hydra_main)

@@ -81,8 +81,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    # leave without the interpreter's teardown, as training ranks do (train.exit_rank): freeing
+    # leave without the interpreter's teardown, as training ranks do (processes.exit_rank): freeing
     # gloo's last collective during teardown sometimes aborts a rank that has finished its work
-    import train  # noqa: E402
+    import processes
 
-    train.exit_rank(main)
+    processes.exit_rank(main)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY
 
-import train
+import checks
 from bench import compare_objectives as co
 
 T0 = 1_700_000_000.0  # the config.yaml's modification time in the hand-written runs
@@ -141,13 +141,13 @@ def test_labels_units_and_a_path_without_runs(tmp_path, capsys):
 )
 def test_a_multirun_checks_every_job_before_the_first_starts(argv, sentence):
     # regression: with -m nothing was checked, so a mistake in a later job stopped the sweep after the earlier runs
-    problem = train.command_line_error(argv)
+    problem = checks.command_line_error(argv)
     assert problem is not None and problem.startswith(sentence), problem
 
 
 def test_a_valid_multirun_or_other_flags_pass_the_check():
-    assert train.command_line_error(["-m", "loss=dpo,ipo,simpo", "lr=1e-3,2e-3"]) is None
-    assert train.command_line_error(["-m", "loss=dpo,ipo", "--cfg", "job"]) is None  # Hydra's own flags: Hydra's business
+    assert checks.command_line_error(["-m", "loss=dpo,ipo,simpo", "lr=1e-3,2e-3"]) is None
+    assert checks.command_line_error(["-m", "loss=dpo,ipo", "--cfg", "job"]) is None  # Hydra's own flags: Hydra's business
 
 
 @pytest.mark.timeout(120)

@@ -369,7 +369,7 @@ def reshard_worker(out: str) -> None:
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
-    os._exit(code)  # as train.exit_rank: no interpreter teardown under gloo's threads
+    os._exit(code)  # as processes.exit_rank: no interpreter teardown under gloo's threads
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def lora_run(tmp_path_factory) -> Path:
 
 
 def test_the_lora_block_composes_with_every_model_yaml_and_from_the_command_line():
-    for yaml in sorted(p.stem for p in (Path(train.CONFIG_DIR) / "model").glob("*.yaml")):
+    for yaml in sorted(p.stem for p in (Path(checks.CONFIG_DIR) / "model").glob("*.yaml")):
         extra = ["model.name_or_path=some/model"] if yaml == "blank_model" else []
         lora = compose_config([f"model={yaml}", *extra]).model.lora
         assert OmegaConf.to_container(lora) == {
@@ -131,12 +131,12 @@ def test_the_lora_block_composes_with_every_model_yaml_and_from_the_command_line
             "export_merged": False,
         }, yaml
     overrides = ["model.lora.r=16", "model.lora.target_modules=[q_proj,v_proj]"]
-    assert train.override_error(overrides) is None
+    assert checks.override_error(overrides) is None
     config = compose_config(overrides)
     assert config.model.lora.r == 16 and list(config.model.lora.target_modules) == ["q_proj", "v_proj"]
     assert config.model.config.model_type == "llama"  # the tiny model's own keys are still there
     checks.validate_config(config)
-    assert "did you mean model.lora.r?" in train.override_error(["model.lora.rr=16"])
+    assert "did you mean model.lora.r?" in checks.override_error(["model.lora.rr=16"])
 
 
 # ----------------------------------------------------------------------------- the reference is the base

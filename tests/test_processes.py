@@ -20,6 +20,8 @@ from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 
 import checkpoints
+import checks
+import processes
 import train
 import trainers
 import utils
@@ -195,8 +197,8 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
 def test_a_torchrun_rank_arms_its_death_signal_and_says_so():
     # die_with_launcher under torchrun (TORCHELASTIC_RUN_ID, no launcher pid) reports torchrun; in a
     # process no launcher started it does nothing.
-    code = "import train; print(train.die_with_launcher(), flush=True)"
-    env = {k: v for k, v in ENV.items() if k not in (train.LAUNCHER_PID_ENV, "TORCHELASTIC_RUN_ID")}
+    code = "import train; print(processes.die_with_launcher(), flush=True)"
+    env = {k: v for k, v in ENV.items() if k not in (processes.LAUNCHER_PID_ENV, "TORCHELASTIC_RUN_ID")}
     for extra, said in (({"TORCHELASTIC_RUN_ID": "none"}, "torchrun"), ({}, "None")):
         done = subprocess.run(
             [sys.executable, "-c", code], cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=120
@@ -274,56 +276,58 @@ def test_a_lost_peer_is_recognised_through_the_exceptions_it_caused():
         "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:35518: "
         "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!"
     )
-    assert train.lost_peer(gloo) == "Connection reset by peer"
+    assert processes.lost_peer(gloo) == "Connection reset by peer"
     try:
         try:
             raise gloo
         except RuntimeError as e:
             raise ValueError("while saving") from e
     except ValueError as wrapped:
-        assert train.lost_peer(wrapped) == "Connection reset by peer"
-    assert train.lost_peer(dist.DistNetworkError("connect() timed out.\nmore")) == "DistNetworkError: connect() timed out"
-    assert train.lost_peer(RuntimeError("CUDA out of memory")) is None
-    assert train.lost_peer(OSError("Connection reset by peer")) is None  # not a collective's error
+        assert processes.lost_peer(wrapped) == "Connection reset by peer"
+    assert processes.lost_peer(dist.DistNetworkError("connect() timed out.\nmore")) == "DistNetworkError: connect() timed out"
+    assert processes.lost_peer(RuntimeError("CUDA out of memory")) is None
+    assert processes.lost_peer(OSError("Connection reset by peer")) is None  # not a collective's error
 
 
 @pytest.mark.parametrize(
     "codes, killed, code, said",
     [
         ({0: 0, 1: 0}, set(), 0, None),
-        ({0: train.PEER_LOST_EXIT, 1: -9}, set(), 137, "rank 1 was killed by SIGKILL"),  # the survivor ended first
+        ({0: processes.PEER_LOST_EXIT, 1: -9}, set(), 137, "rank 1 was killed by SIGKILL"),  # the survivor ended first
         ({1: -11, 0: -9}, {0}, 139, "rank 1 was killed by SIGSEGV"),  # rank 0 killed by the launcher afterwards
         ({1: 7, 0: -9}, {0}, 7, "rank 1 exited with code 7"),
         ({0: 1, 1: -9}, {1}, 1, None),  # a traceback or an error sentence of its own: nothing to add
         ({0: 2, 1: 2}, set(), 2, None),  # a config mistake, said once
         ({0: 143, 1: 143}, set(), 143, None),  # SIGTERM: saved and stopped
-        ({0: train.PEER_LOST_EXIT, 1: -9}, {1}, train.PEER_LOST_EXIT, None),  # nobody seen to die by itself
+        ({0: processes.PEER_LOST_EXIT, 1: -9}, {1}, processes.PEER_LOST_EXIT, None),  # nobody seen to die by itself
     ],
 )
 def test_the_launcher_names_the_rank_that_failed_first_and_exits_with_its_code(tmp_path, capsys, codes, killed, code, said):
     (tmp_path / "LATEST").symlink_to("step-8")
     stopped = {128 + s for s in trainers.STOP_SIGNALS}
-    assert train.rank_failure(codes, killed, stopped, str(tmp_path)) == code
+    assert processes.rank_failure(codes, killed, stopped, str(tmp_path)) == code
     err = capsys.readouterr().err
     expected = f"Error: {said}, so the run stopped; continue the run with python train.py resume={tmp_path}.\n"
     assert err == (expected if said else "")
 
 
 def test_how_to_continue_names_the_resume_command_only_when_there_is_a_checkpoint(tmp_path):
-    assert train.how_to_continue(None, "python train.py") == "the run had made no run folder yet, so start it again"
-    assert train.how_to_continue(str(tmp_path), "x") == f"the run saved no checkpoint in {tmp_path} yet, so start it again"
+    assert processes.how_to_continue(None, "python train.py") == "the run had made no run folder yet, so start it again"
+    assert processes.how_to_continue(str(tmp_path), "x") == f"the run saved no checkpoint in {tmp_path} yet, so start it again"
     (tmp_path / "LATEST").symlink_to("step-8")
-    assert train.how_to_continue(str(tmp_path), "python train.py") == f"continue the run with python train.py resume={tmp_path}"
+    assert (
+        processes.how_to_continue(str(tmp_path), "python train.py") == f"continue the run with python train.py resume={tmp_path}"
+    )
 
 
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     # The race: the launcher dies between starting the rank and the rank arming its death signal.
     # Here the "launcher" pid is not this process's parent at all.
-    code = "import train; train.die_with_launcher(); print('still alive', flush=True)"
+    code = "import train; processes.die_with_launcher(); print('still alive', flush=True)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
-        env={**ENV, train.LAUNCHER_PID_ENV: "1"},
+        env={**ENV, processes.LAUNCHER_PID_ENV: "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -337,7 +341,7 @@ def test_an_evaluate_py_rank_dies_with_its_launcher_too():
     done = subprocess.run(
         [sys.executable, "evaluate.py", "policy=/no/such/run"],
         cwd=REPO,
-        env={**ENV, train.LAUNCHER_PID_ENV: "1"},
+        env={**ENV, processes.LAUNCHER_PID_ENV: "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -348,10 +352,10 @@ def test_an_evaluate_py_rank_dies_with_its_launcher_too():
 @pytest.mark.timeout(180)
 def test_without_prctl_a_watch_thread_kills_the_rank_when_its_launcher_dies():
     # What other OSes get (no PR_SET_DEATHSIG): a thread that notices the parent is gone.
-    rank = "import sys, time, train; sys.platform = 'darwin'; train.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
+    rank = "import sys, time, train; sys.platform = 'darwin'; processes.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
     parent = (
         "import os, subprocess, sys, time\n"
-        f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, {train.LAUNCHER_PID_ENV!r}: str(os.getpid())}})\n"
+        f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, {processes.LAUNCHER_PID_ENV!r}: str(os.getpid())}})\n"
         "print(child.pid, flush=True)\n"
         "time.sleep(300)\n"
     )
@@ -472,7 +476,7 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
         f"    with open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK']), 'w') as f:\n"
         "        f.write(str(e))\n"
         "sys.stdout.flush(); sys.stderr.flush()\n"
-        "os._exit(0)  # no interpreter teardown, as train.exit_rank: gloo's threads can abort it (seen in CI)\n"
+        "os._exit(0)  # no interpreter teardown, as processes.exit_rank: gloo's threads can abort it (seen in CI)\n"
     )
     proc = holder(folder)
     try:
@@ -530,13 +534,13 @@ LOSS_OPTIONS = ", ".join(sorted(p.stem for p in (REPO / "config" / "loss").glob(
     ],
 )
 def test_a_mistyped_nested_key_names_the_closest_one(overrides, sentence):
-    assert train.override_error(overrides) == sentence
+    assert checks.override_error(overrides) == sentence
 
 
 def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
     top = sorted(set(compose_config([]).keys()))
     for typed in ("batch_szie=8", "+batch_szie=8", "++batch_szie=8"):
-        message = train.override_error([typed])
+        message = checks.override_error([typed])
         assert message.startswith("batch_szie is not a config key; did you mean batch_size? ("), message
         assert message.endswith(f"keys: {', '.join(top)})")
 
@@ -555,7 +559,7 @@ def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
     ],
 )
 def test_legitimate_overrides_and_other_mistakes_are_left_alone(overrides):
-    assert train.override_error(overrides) is None
+    assert checks.override_error(overrides) is None
 
 
 @pytest.mark.timeout(120)
@@ -602,11 +606,13 @@ def test_a_rank_leaves_with_its_code_and_without_interpreter_teardown(body, code
         import atexit, sys
         sys.path.insert(0, {str(REPO)!r})
         import train
+        import checks
+        import processes
         atexit.register(lambda: print("teardown ran"))
         def run():
             print("trained", flush=False)
             {body}
-        train.exit_rank(run)
+        processes.exit_rank(run)
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
