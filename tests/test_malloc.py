@@ -22,8 +22,6 @@ import ctypes, sys
 sys.path.insert(0, {repo!r})
 import torch
 import utils
-import checks
-import models
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in

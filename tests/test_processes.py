@@ -82,7 +82,7 @@ def holder(folder: Path) -> subprocess.Popen:
     """A process holding ``folder``'s lock (``checkpoints.lock_run_dir``) until it is killed; returns
     once it holds it."""
     code = (
-        f"import sys, time, utils; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
+        f"import sys, time, checkpoints; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
     )
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
@@ -197,7 +197,7 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
 def test_a_torchrun_rank_arms_its_death_signal_and_says_so():
     # die_with_launcher under torchrun (TORCHELASTIC_RUN_ID, no launcher pid) reports torchrun; in a
     # process no launcher started it does nothing.
-    code = "import train; print(processes.die_with_launcher(), flush=True)"
+    code = "import processes; print(processes.die_with_launcher(), flush=True)"
     env = {k: v for k, v in ENV.items() if k not in (processes.LAUNCHER_PID_ENV, "TORCHELASTIC_RUN_ID")}
     for extra, said in (({"TORCHELASTIC_RUN_ID": "none"}, "torchrun"), ({}, "None")):
         done = subprocess.run(
@@ -467,7 +467,7 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
     folder = fake_run_folder(tmp_path, ["trainer=FSDPTrainer"])
     script = tmp_path / "rank.py"
     script.write_text(
-        "import os, sys, train, utils\n"
+        "import os, sys, models, train, utils\n"
         "from conftest import compose_config\n"
         "train.load_tokenizer = models.load_tokenizer = None  # loading anything fails loudly\n"
         "try:\n"
