@@ -15,8 +15,6 @@ from omegaconf import DictConfig, OmegaConf
 
 import utils
 
-# ----------------------------------------------------------------------------- run folders
-
 
 def make_run_dir(root: str, exp_name: str) -> str:
     """Create and return ``<root>/<exp_name>_<timestamp>`` (unique)."""
@@ -26,11 +24,9 @@ def make_run_dir(root: str, exp_name: str) -> str:
     return path
 
 
-RUN_DIR_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d{6}"
-"""The timestamp :func:`make_run_dir` puts after ``<exp_name>_`` (sorts as it was made)."""
+RUN_DIR_STAMP = r"\d{4}-\d{2}-\d{2}_\d{2}-\d{2}-\d{2}_\d{6}"  # make_run_dir's timestamp; sorts as made
 
-FINISHED = "FINISHED"
-"""The file rank 0 writes into a run folder when training ends normally, holding the number of examples trained on."""
+FINISHED = "FINISHED"  # written into a run folder when training ends normally, holding the examples trained on
 
 
 def resume_hint(run_dir: str) -> str:
@@ -41,8 +37,7 @@ def resume_hint(run_dir: str) -> str:
     return f"continue with resume={run_dir} (from {os.path.basename(os.path.realpath(checkpoint))})"
 
 
-RUN_COMMAND_LINE = "# Made by: "
-"""How a run folder's config.yaml begins when the command line that made the run is known (:func:`new_run_dir`)."""
+RUN_COMMAND_LINE = "# Made by: "  # how config.yaml begins when the command that made the run is known
 
 
 def read_command(run_dir: str) -> str | None:
@@ -66,14 +61,13 @@ def save_run_config(config: DictConfig, path: str, command: str | None = None) -
 
 
 def local_path(path) -> str:
-    """``path`` with its links resolved (a run's ``LATEST`` becomes the ``step-N`` it named) when it exists here; a hub id as it is."""
+    """``path`` with links resolved (a run's ``LATEST`` becomes its ``step-N``) if it exists here, else as it is (a hub id)."""
     expanded = os.path.expanduser(str(path))
     return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
 
 
 def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
-    """A new, locked run folder with ``config`` saved as config.yaml (first line ``# Made by: <command>`` when
-    known), removed again if any of that fails; returns the folder and its lock."""
+    """A new, locked run folder with ``config`` saved as config.yaml (removed again if that fails), and its lock."""
     run_dir, lock = make_run_dir(root, exp_name), None
     try:
         lock = lock_run_dir(run_dir)
@@ -136,8 +130,7 @@ def checkpoint_to_resume(run_dir: str) -> tuple[str | None, str | None]:
 
 
 def examples_fingerprint(examples: list[dict]) -> dict:
-    """``{"n": number of examples, "sha256": hex digest of them in order}``, identifying a split's data on resume
-    (an example's ``fields`` left out)."""
+    """``{"n": count, "sha256": hex digest in order}`` of a split's examples (less ``fields``), checked on resume."""
     import hashlib
 
     h = hashlib.sha256()
@@ -167,28 +160,20 @@ def data_change(saved: dict | None, now: dict, checkpoint_dir: str, auto: bool =
     return None
 
 
-RUN_LOCK = ".lock"
-"""The lock file in every run folder (see :func:`lock_run_dir`)."""
+RUN_LOCK = ".lock"  # the lock file in every run folder (lock_run_dir)
 
-RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"
-"""Set by ``train.launch`` in the processes it starts: the file descriptor of the run folder's lock it holds."""
+RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"  # set by train.launch in its children: the descriptor of the run lock it holds
 
 
 class RunLock:
-    """An open, locked ``<run folder>/.lock`` (see :func:`lock_run_dir`); a context manager.
-
-    Attributes:
-        fd: the file descriptor holding the lock (pass it to child processes to share the lock).
-        path: the lock file.
-    """
+    """An open, locked ``<run folder>/.lock`` (``fd``, shared with child processes; ``path``); a context manager."""
 
     def __init__(self, fd: int | None, path: str):
         self.fd = fd
         self.path = path
 
     def release(self) -> None:
-        """Close the descriptor (the lock ends once no process holds one); never ``LOCK_UN``, which would unlock
-        it for the processes sharing it too."""
+        """Close the descriptor (never ``LOCK_UN``, which would unlock it for the processes sharing it too)."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -201,12 +186,8 @@ class RunLock:
 
 
 def lock_run_dir(run_dir: str) -> RunLock:
-    """Hold ``run_dir`` with an exclusive ``flock`` on ``<run_dir>/.lock`` (holding the pid and host), or take
-    over the launcher's lock (:data:`RUN_LOCK_FD_ENV`); nothing is locked without ``fcntl``.
-
-    Raises:
-        ConfigError: if a live process holds the folder.
-    """
+    """Hold ``run_dir`` with an exclusive ``flock`` on its ``.lock`` (or the launcher's, :data:`RUN_LOCK_FD_ENV`),
+    raising ConfigError if a live process holds it; nothing is locked without ``fcntl``."""
     try:
         import fcntl
     except ImportError:  # no flock: nothing to hold
@@ -243,13 +224,11 @@ def lock_run_dir(run_dir: str) -> RunLock:
     return RunLock(fd, path)
 
 
+# writers' temporary folders: .step-N.tmp-XXXXXXXX (save_checkpoint_dir), .step-N.tmp (FSDP), .step-N.old-XXXXXXXX (publish)
 LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
-"""Temporary folders of writers in a run folder: ``.step-N.tmp-XXXXXXXX`` (:func:`save_checkpoint_dir`),
-``.step-N.tmp`` (FSDPTrainer's save), ``.step-N.old-XXXXXXXX`` (:func:`publish_checkpoint`)."""
 
+# writers' temporary files: <name>.tmp-<pid> (utils.replacing), .LATEST.tmp (point_latest), completions.html.tmp
 LEFTOVER_FILE = re.compile(r".+\.tmp-(?P<pid>\d+)|\..+\.tmp|completions\.html\.tmp")
-"""Temporary files of writers in a run folder: ``<name>.tmp-<pid>`` (:func:`replacing`), ``.LATEST.tmp``
-(:func:`point_latest`), ``completions.html.tmp``."""
 
 
 def pid_alive(pid: int) -> bool:
@@ -264,8 +243,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_leftovers(run_dir: str) -> None:
-    """Remove the temporary files and folders (:data:`LEFTOVER_FOLDER`, :data:`LEFTOVER_FILE`) killed writers left
-    in ``run_dir``, printing how many and how big; call it holding the folder's lock."""
+    """Remove (and report) the temporary files and folders killed writers left in ``run_dir``; hold its lock."""
     latest = os.path.realpath(os.path.join(run_dir, "LATEST")) + os.sep
     removed, size = [], 0
     for name in sorted(os.listdir(run_dir)):
@@ -292,14 +270,12 @@ def remove_leftovers(run_dir: str) -> None:
 
 
 class CheckpointError(OSError):
-    """A checkpoint could not be written (disk full, an I/O error); the message is one sentence
-    saying why, that the partial folder was removed and where ``LATEST`` still points."""
+    """A checkpoint could not be written; the message says why and where ``LATEST`` still points."""
 
 
 def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
-    """The sentence for checkpoint ``name`` of ``run_dir`` that could not be written: why
-    (``reason``; :data:`NO_SPACE` for a full disk, :func:`write_failure`), the disk's free space,
-    where ``LATEST`` still points, and how to continue."""
+    """The sentence for unwritten checkpoint ``name`` of ``run_dir``: ``reason`` (:func:`write_failure`), the free
+    space, where ``LATEST`` still points, and how to continue."""
     latest = os.path.join(run_dir, "LATEST")
     full = reason == utils.NO_SPACE
     if full:
@@ -321,13 +297,8 @@ def checkpoint_error_message(run_dir: str, name: str, reason: str) -> str:
 
 
 def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
-    """Atomically write checkpoint folder ``<run_dir>/<name>`` (filled by ``write(tmp_dir)``) and point ``LATEST``
-    at it; returns its path.
-
-    Raises:
-        CheckpointError: when writing or publishing raised an ``Exception`` (``LATEST`` untouched); others
-            (KeyboardInterrupt) propagate as they are.
-    """
+    """Atomically write ``<run_dir>/<name>`` (filled by ``write(tmp_dir)``), point ``LATEST`` at it and return its
+    path; an ``Exception`` becomes a CheckpointError with ``LATEST`` untouched."""
     tmp = None
     try:
         tmp = make_folder(run_dir, f".{name}.tmp-")
@@ -343,14 +314,13 @@ def save_checkpoint_dir(run_dir: str, name: str, write) -> str:
 
 
 def write_failure(error: Exception, path: str) -> str:
-    """Why writing under ``path`` failed, for a sentence: :data:`NO_SPACE` when its disk is full
-    (:func:`disk_full`; call it before removing what was written), else :func:`failure_reason`."""
+    """Why writing under ``path`` failed: ``utils.NO_SPACE`` for a full disk (ask before removing what was written),
+    else ``utils.failure_reason``."""
     return utils.NO_SPACE if utils.disk_full(error, path) else utils.failure_reason(error)
 
 
 def make_folder(parent: str, prefix: str) -> str:
-    """A new folder ``<parent>/<prefix><random hex>`` with the mode ``mkdir`` gives (0o777 less the
-    umask), unlike ``tempfile.mkdtemp``'s 0o700, so a checkpoint's folder is as shared as any other."""
+    """A new folder ``<parent>/<prefix><random hex>`` with ``mkdir``'s mode (not ``mkdtemp``'s private 0o700)."""
     import secrets
 
     while True:
@@ -363,8 +333,8 @@ def make_folder(parent: str, prefix: str) -> str:
 
 
 def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
-    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap ``LATEST`` to it, ``LATEST`` naming a
-    complete checkpoint at every moment; returns its path."""
+    """Rename the complete folder ``tmp`` to ``<run_dir>/<name>`` and swap ``LATEST`` to it (always naming a complete
+    checkpoint); returns its path."""
     write_checkpoint_manifest(tmp)  # last into the folder: what resume checks (checkpoint_damage)
     final = os.path.join(run_dir, name)
     if os.path.exists(final):  # LATEST: the new folder, the old one moved aside, then the new one in place
@@ -381,9 +351,7 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     return final
 
 
-CHECKPOINT_MANIFEST = "manifest.json"
-"""In each checkpoint folder, written last before it is published: ``{relative path: bytes}`` of
-every other file, which :func:`checkpoint_damage` compares with the folder before a resume loads anything."""
+CHECKPOINT_MANIFEST = "manifest.json"  # {relative path: bytes} of a checkpoint's files, written last, checked on resume
 
 
 def write_checkpoint_manifest(folder: str) -> None:
@@ -398,8 +366,7 @@ def write_checkpoint_manifest(folder: str) -> None:
 
 
 def cut_torch_archive(path: str) -> bool:
-    """Whether the ``torch.save`` file ``path`` (a zip archive) was cut short (an interrupted copy,
-    a full disk): it begins as a zip archive but has lost the central directory at its end."""
+    """Whether the ``torch.save`` zip archive ``path`` was cut short (it lost the central directory at its end)."""
     import zipfile
 
     with open(path, "rb") as f:
@@ -413,9 +380,8 @@ def cut_torch_archive(path: str) -> bool:
 
 
 def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
-    """What is wrong with file ``name`` of checkpoint ``folder`` (``is missing``, ``is empty``, ``is cut short
-    ...``), or None; ``size``: bytes the manifest recorded (``.pt``/``.metadata`` are judged by their zip
-    directory instead)."""
+    """What is wrong with file ``name`` of checkpoint ``folder`` (``is missing``, ``is cut short ...``), or None;
+    ``size``: the manifest's bytes (``.pt``/``.metadata`` are judged by their zip directory)."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return "is missing"
@@ -431,8 +397,8 @@ def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> 
 
 
 def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
-    """The damaged files of checkpoint ``folder`` as (path inside it, what is wrong): those
-    :data:`CHECKPOINT_MANIFEST` lists but ``hf/``, or without a manifest those every resume reads."""
+    """(path, what is wrong) for each damaged file of checkpoint ``folder`` its manifest lists (but ``hf/``), or
+    without one, of the files every resume reads."""
     manifest = os.path.join(folder, CHECKPOINT_MANIFEST)
     if os.path.exists(manifest):
         try:
@@ -450,8 +416,7 @@ def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
 
 
 def intact_checkpoint(run_dir: str, but: str | None = None) -> str | None:
-    """The newest ``step-N`` folder of ``run_dir`` (other than ``but``) whose files are whole
-    (:func:`checkpoint_damage`), or None."""
+    """The newest ``step-N`` folder of ``run_dir`` (other than ``but``) whose files are whole, or None."""
     steps = []
     for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
         match = re.fullmatch(r"step-(\d+)", name)
@@ -461,8 +426,7 @@ def intact_checkpoint(run_dir: str, but: str | None = None) -> str | None:
 
 
 def damaged_checkpoint_message(folder: str, damage: list[tuple[str, str]]) -> str:
-    """The sentence for the checkpoint ``folder`` whose files ``damage`` (:func:`checkpoint_damage`)
-    are not whole: the first, and how to resume from the newest intact ``step-N`` of its run."""
+    """The sentence for checkpoint ``folder`` naming its first ``damage`` and how to resume from an intact one."""
     path = os.path.realpath(folder)
     run_dir, step = os.path.split(path)
     name, problem = damage[0]
@@ -478,11 +442,7 @@ def damaged_checkpoint_message(folder: str, damage: list[tuple[str, str]]) -> st
 
 
 def check_checkpoint(folder: str) -> None:
-    """Check, before anything is loaded from it, that the checkpoint ``folder``'s files are whole.
-
-    Raises:
-        ConfigError: :func:`damaged_checkpoint_message` when one is missing or cut short.
-    """
+    """Raise ConfigError unless the checkpoint ``folder``'s files are whole (call it before loading anything)."""
     damage = checkpoint_damage(folder)
     if damage:
         raise utils.ConfigError(damaged_checkpoint_message(folder, damage))

@@ -30,8 +30,7 @@ from preference_datasets import DataError
 from trainers import response_logps
 from utils import ConfigError
 
-CONFIDENCE = 0.95
-"""The level of the interval around each win rate."""
+CONFIDENCE = 0.95  # the level of the interval around each win rate
 
 INTERVAL = (
     "Wilson score interval (95%) of wins / n over the n judged prompts (one sample per prompt); "
@@ -52,16 +51,13 @@ KL_OF = (
 )
 """What ``kl_mean`` is (written in results.json as ``kl_of``)."""
 
-VERDICTS = ("win", "tie", "loss", "failed")
-"""A judged pair's outcome, from A's side."""
+VERDICTS = ("win", "tie", "loss", "failed")  # a judged pair's outcome, from A's side
 
-JUDGE_CHUNK = 32
-"""Judge requests (or texts to score) asked at a time; each chunk's answers are cached before the next."""
+JUDGE_CHUNK = 32  # judge requests (or texts to score) at a time; each chunk's answers are cached before the next
 
 SUMMARY_TEMPLATE = "dpo_summarization_concise"
 DIALOGUE_TEMPLATE = "dpo_dialogue"
-SUMMARY_DATASETS = ("tldr",)
-"""Datasets whose prompts are summarisation tasks: judged with the paper's summarisation prompt."""
+SUMMARY_DATASETS = ("tldr",)  # summarisation prompts, judged with the paper's summarisation prompt
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -1060,8 +1056,7 @@ def effective_config(config: DictConfig) -> DictConfig:
     return config
 
 
-DEFAULT_DATASETS = ["hh"]
-"""The prompts' datasets with ``datasets=null`` for a policy that has no run folder to name its own."""
+DEFAULT_DATASETS = ["hh"]  # datasets=null's prompts for a policy without a run folder to name its own
 
 
 def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:

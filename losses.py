@@ -14,8 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-IGNORE_INDEX = -100
-"""Label value marking a position that carries no loss (prompt or padding)."""
+IGNORE_INDEX = -100  # the label of a position that carries no loss (prompt or padding)
 
 
 def get_batch_logps(
@@ -311,8 +310,7 @@ class ObjectiveOutput(NamedTuple):
     metrics: dict
 
 
-OBJECTIVES: dict[str, Objective] = {}
-"""Every registered objective by name (``loss=<name>``)."""
+OBJECTIVES: dict[str, Objective] = {}  # every registered objective by name (loss=<name>)
 
 
 def objective(name: str, **declaration) -> Callable:

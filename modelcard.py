@@ -18,8 +18,7 @@ import losses
 import tracking
 import utils
 
-CURVE_PANELS = ("loss", "accuracy")
-"""The panels of ``tracking.plot_curves`` copied into each export (``curves/<panel>.png``)."""
+CURVE_PANELS = ("loss", "accuracy")  # tracking.plot_curves panels copied into each export (curves/<panel>.png)
 
 HUB_DATASETS = {
     "hh": ("Anthropic/hh-rlhf", "local_dir"),
@@ -29,11 +28,9 @@ HUB_DATASETS = {
 }
 """Registered datasets read from the hub: name -> (hub id, the ``data.<name>`` key that reads local files instead)."""
 
-COUNT_SUFFIX = "/n"
-"""A metric key that is a count (``answers_eval/n``: the prompts answered), not a result: in the card's table only."""
+COUNT_SUFFIX = "/n"  # a count, not a result (answers_eval/n: the prompts answered): in the card's table only
 
-EVAL_KEY = re.compile(r"_eval/|/eval$|^eval/")
-"""A key of a held-out (eval) record in metrics.jsonl."""
+EVAL_KEY = re.compile(r"_eval/|/eval$|^eval/")  # a key of a held-out (eval) record in metrics.jsonl
 
 
 class PushError(RuntimeError):
@@ -95,11 +92,9 @@ def evaluations(run_dir: str) -> list[tuple[str, dict]]:
     return found
 
 
-EVALUATIONS_HEADING = "## Evaluations (evaluate.py)"
-"""The card's section of evaluate.py's win rates (:func:`evaluations_lines`)."""
+EVALUATIONS_HEADING = "## Evaluations (evaluate.py)"  # the card's section of evaluate.py's win rates (evaluations_lines)
 
-MADE_HEADING = "## How it was made"
-"""The card's section after the evaluations: the command and config.yaml."""
+MADE_HEADING = "## How it was made"  # the card's section after the evaluations: the command and config.yaml
 
 
 def evaluations_lines(found: list[tuple[str, dict]]) -> list[str]:

@@ -14,14 +14,8 @@ _LOAD_HINT = "Check model.name_or_path (a hub id, which needs the internet or th
 
 
 def load_tokenizer(model_config: DictConfig):
-    """The tokenizer of ``model.tokenizer_name_or_path``, else built by ``model.tokenizer_class``, else
-    ``model.name_or_path``'s, with pad set to EOS if absent and ``model.chat_template`` (a file or Jinja
-    string) applied.
-
-    Raises:
-        ConfigError: when the tokenizer cannot be loaded, or ``model.chat_template`` is neither a file nor a Jinja
-            template.
-    """
+    """The tokenizer of ``model.tokenizer_name_or_path`` (else built by ``model.tokenizer_class``, else
+    ``model.name_or_path``'s) with pad set to EOS if absent and ``model.chat_template`` applied; ConfigError if it fails."""
     import transformers
 
     path = model_config.get("tokenizer_name_or_path")
@@ -44,11 +38,7 @@ def load_tokenizer(model_config: DictConfig):
 
 
 def read_chat_template(value: str) -> str:
-    """``model.chat_template``: the text of the file it names, or the Jinja string itself.
-
-    Raises:
-        ConfigError: if it is neither an existing file nor text with ``{{`` or ``{%``.
-    """
+    """``model.chat_template``: the text of the file it names, or the Jinja string itself (ConfigError if neither)."""
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
@@ -61,12 +51,8 @@ def read_chat_template(value: str) -> str:
 
 
 def transformers_config(model_config: DictConfig, tokenizer=None):
-    """The transformers config of the model ``model.*`` describes, without weights (a random model's vocab_size
-    and pad/BOS/EOS ids default to the tokenizer's).
-
-    Raises:
-        ConfigError: if ``model.config.vocab_size`` is smaller than the tokenizer's vocabulary.
-    """
+    """The transformers config ``model.*`` describes, without weights; a random model's vocab_size (ConfigError if
+    below the tokenizer's) and pad/BOS/EOS ids default to the tokenizer's."""
     import transformers
 
     if model_config.get("config") is not None:
@@ -86,12 +72,8 @@ def transformers_config(model_config: DictConfig, tokenizer=None):
 
 
 def check_parallel_model(config: DictConfig, world_size: int) -> None:
-    """Check that tensor parallelism can split this model (TensorParallelTrainer over ``world_size`` processes, or
-    FSDPTrainer's ``tensor_parallel_size``).
-
-    Raises:
-        ConfigError: for an unsupported family or a head count not divisible by the TP size.
-    """
+    """Raise ConfigError unless tensor parallelism (TensorParallelTrainer over ``world_size`` processes, or
+    FSDPTrainer's ``tensor_parallel_size``) can split this model."""
     if config.trainer == "TensorParallelTrainer":
         tp, key = world_size, "world_size"
     else:
@@ -102,9 +84,8 @@ def check_parallel_model(config: DictConfig, world_size: int) -> None:
 
 
 def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) -> torch.nn.Module:
-    """The frozen reference of ``model.*`` (a random one seeded by ``seed``, equal to the policy's start) in
-    ``model.reference_dtype`` (null: the policy's), with ``model.archive``'s weights when set and
-    ``apply_archive``."""
+    """The frozen reference of ``model.*`` (a random one equals the policy's start) in ``model.reference_dtype``
+    (null: the policy's), with ``model.archive``'s weights when set and ``apply_archive``."""
     dtype = utils.get_dtype(config.model.reference_dtype) or utils.get_dtype(config.model.policy_dtype)
     reference = load_model(config.model, tokenizer, dtype, config.seed)
     if apply_archive and config.model.archive is not None:
@@ -141,13 +122,8 @@ def check_tensor_parallel(cfg, world_size: int, key: str = "world_size") -> None
 def load_model(
     model_config: DictConfig, tokenizer, dtype: torch.dtype | None, seed: int, reward_head: bool = False
 ) -> torch.nn.Module:
-    """A causal LM from ``model.name_or_path``, or a random one built from ``model.config``, with dropout
-    disabled; with ``reward_head``, a one-output sequence-classification model (``loss=reward``; the head
-    starts random).
-
-    Raises:
-        ConfigError: when the weights cannot be loaded.
-    """
+    """A causal LM from ``model.name_or_path`` (or random from ``model.config``) with dropout disabled, or with
+    ``reward_head`` a one-output sequence-classification model whose head starts random; ConfigError if it fails."""
     import transformers
 
     auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
@@ -175,18 +151,8 @@ def load_model(
 
 
 def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
-    """``build()`` on rank 0; on the other ranks the same architecture on the meta device (from rank 0's configs),
-    for the trainers to fill from rank 0.
-
-    Args:
-        build: returns the loaded model; called on rank 0 only.
-        rank: this process's rank (every rank must call this, in the same order).
-        reward_head: the model is a reward model (``AutoModelForSequenceClassification``).
-
-    Raises:
-        ConfigError: on every rank, when ``build`` raised a ConfigError or DataError on rank 0.
-        RuntimeError: on the other ranks, when ``build`` raised anything else on rank 0.
-    """
+    """``build()`` on rank 0 and the same architecture on the meta device elsewhere (every rank calls it), rank 0's
+    ConfigError/DataError raised on every rank as ConfigError and anything else as RuntimeError."""
     import transformers
 
     model, spec = None, None
@@ -260,12 +226,8 @@ def lora_peft_config(lora: DictConfig):
 
 
 def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
-    """``model`` with LoRA adapters injected in place (``peft.get_peft_model``): a ``PeftModel`` with frozen base
-    weights and adapters starting as the identity, in the base's dtype and device.
-
-    Raises:
-        ConfigError: when ``model.lora.target_modules`` matches no module of ``model`` (naming its linear layers).
-    """
+    """``model`` as a ``PeftModel`` with frozen base weights and identity-initialised adapters in the base's dtype
+    and device (ConfigError naming its linear layers when ``model.lora.target_modules`` matches none)."""
     import warnings
 
     import peft
@@ -312,9 +274,8 @@ def base_state_dict(model: torch.nn.Module) -> dict:
 
 
 def lora_base_path(config: DictConfig) -> str | None:
-    """The base a LoRA run's adapter folder names (``base_model_name_or_path``): the ``hf/`` export beside
-    ``model.archive`` if any, else ``model.name_or_path`` (absolute if local); None for a random model or an
-    archive without export."""
+    """A LoRA export's ``base_model_name_or_path``: the ``hf/`` beside ``model.archive``, else ``model.name_or_path``
+    (absolute if local); None for a random model or an archive without export."""
     model = config.model
     if model.get("archive") is not None:
         beside = os.path.join(os.path.dirname(os.path.realpath(model.archive)), "hf")  # step-N/hf, not LATEST/hf
@@ -326,17 +287,8 @@ def lora_base_path(config: DictConfig) -> str | None:
 
 
 def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str | None = None) -> torch.nn.Module:
-    """A meta-device ``PeftModel`` of ``hf_config`` with ``model.lora``'s adapters, holding ``state`` without
-    copying (``assign``), for writing a LoRA run's export.
-
-    Args:
-        state: the adapters alone (for ``save_pretrained``) or the whole model (for ``merge_and_unload``), named as
-            ``get_base_model().state_dict()``.
-        base_path: written into the adapter config.
-
-    Raises:
-        ValueError: if ``state`` has names the model does not have, or lacks an adapter weight.
-    """
+    """A meta-device ``PeftModel`` of ``hf_config`` holding ``state`` (adapters alone, or the whole model, named as
+    ``get_base_model().state_dict()``) without copying, for a LoRA export; ValueError if ``state`` does not fit."""
     import transformers
 
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # building draws random numbers: resume stays exact
@@ -352,12 +304,8 @@ def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str |
 
 
 def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
-    """``torch.load`` of ``path`` onto the CPU with ``weights_only=True``: tensors, plain values and
-    ``safe_globals`` only, so nothing in the file can run code.
-
-    Raises:
-        ConfigError: naming the file (``label``) and the fix (``fix``) when it cannot be read or holds anything else.
-    """
+    """``torch.load`` of ``path`` onto the CPU, tensors, plain values and ``safe_globals`` only (so nothing in it
+    runs code), else a ConfigError naming the file (``label``) and the fix."""
     import pickle
 
     try:

@@ -26,18 +26,12 @@ class OnlineSampling:
     """Online DPO's sampling, labelling and evaluation, a mixin of ``trainers.BasicTrainer`` (its ``policy``,
     ``tokenizer``, ``config``, ``stop_ids`` and parallel hooks), so it runs under every trainer."""
 
-    scorer = None
-    """Online DPO's labeller, set by train.py: a ``rewards`` scorer (``.score``) or pairwise judge
-    (``.judge``), colocated or on remote workers."""
+    scorer = None  # set by train.py: a rewards scorer (.score) or pairwise judge (.judge), local or on remote workers
 
-    judged_since_eval = 0
-    """Pairs sent to the scorer or judge since the last eval, over all ranks."""
-    failed_since_eval = 0
-    """Of those, the judgements that failed (an error, an answer neither 0 nor 1, a NaN score)."""
-    judge_error: str | None = None
-    """Why this rank's latest failed judgement failed (an example for the stop sentence)."""
-    rank_states: list | None = None
-    """Every rank's :meth:`rank_state`, in rank order, gathered by :meth:`collect_rank_states` for trainer_state.pt."""
+    judged_since_eval = 0  # pairs sent to the scorer or judge since the last eval, over all ranks
+    failed_since_eval = 0  # of those, failed judgements (an error, an answer neither 0 nor 1, a NaN score)
+    judge_error: str | None = None  # why this rank's latest judgement failed (an example for the stop sentence)
+    rank_states: list | None = None  # every rank's rank_state in rank order (collect_rank_states), for trainer_state.pt
 
     def rank_state(self) -> dict:
         """This rank's resume state: ``judge`` (the judge's ``state_dict`` or None) and ``torch_rng`` /

@@ -16,10 +16,7 @@ import torch.utils.checkpoint
 
 import losses
 
-PACKED_CHUNK_COST = 0.05
-"""The cost of one more forward call in :func:`plan_chunks`, as a fraction of the positions of the
-whole batch padded to its longest row (a call's fixed overhead: Python, kernel launches, smaller
-matrices). On 2 CPU cores, 2-4 calls per DPO batch of 8 pairs were fastest; 8 were slower."""
+PACKED_CHUNK_COST = 0.05  # plan_chunks' cost of one more forward call, as a fraction of the batch's padded positions
 
 
 @dataclasses.dataclass
@@ -156,15 +153,10 @@ def keep_mask_device(model, device) -> torch.device:
     return torch.device("cpu") if len({str(d) for d in placed.values()}) > 1 else torch.device(device)
 
 
-DEFAULT_OUTPUT_LAYER_CHUNK = 1024
-"""``output_layer_chunk``'s default: positions per chunk of the output layer. At SmolLM2's
-49,152-entry vocabulary one chunk's float32 logits are 0.2 GB (and the backward's few
-temporaries of that size), against 1.6 GB for all 8,000 labelled positions of a DPO batch of
-8 pairs at 512 tokens."""
+DEFAULT_OUTPUT_LAYER_CHUNK = 1024  # output_layer_chunk's default: labelled positions per call of the output layer
 
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
-"""Config attributes of families that change the logits after the output layer (Gemma 2-4's
-soft-capping, Cohere's scale, Granite's divisor): their log-probs take the unchunked path."""
+"""Config attributes that change the logits after the output layer (Gemma, Cohere, Granite): the unchunked path."""
 
 _UNCHUNKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why it takes the unchunked path
 

@@ -26,16 +26,9 @@ import rewards
 import trainers
 import utils
 
-EXIT_ONCE_ENV = "DPO_RAY_TEST_EXIT_ONCE"
-"""Test hook: a marker file's path. When set in the launching process, rank 1 exits (status 1)
-right after the first checkpoint it reports, unless the marker exists; it creates the marker
-first, so it happens once, and the restarted worker trains on."""
+EXIT_ONCE_ENV = "DPO_RAY_TEST_EXIT_ONCE"  # test hook, a marker file: rank 1 exits after its first reported checkpoint, once
 
-EXIT_BEFORE_SAVE_ENV = "DPO_RAY_TEST_EXIT_BEFORE_SAVE"
-"""Test hook: a marker file's path. When set in the launching process, rank 0 exits (status 1) as
-it is about to write its first checkpoint, having logged what came before, unless the marker
-exists (it creates it first, so it happens once); with no checkpoint reported, Ray restarts the
-workers from scratch."""
+EXIT_BEFORE_SAVE_ENV = "DPO_RAY_TEST_EXIT_BEFORE_SAVE"  # test hook, a marker file: rank 0 exits before its first checkpoint, once
 
 
 # ----------------------------------------------------------------------------- config

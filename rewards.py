@@ -26,14 +26,11 @@ from checks import looks_local
 from preference_datasets import DataError
 from utils import ConfigError, get_dtype
 
-TIE = -1
-"""A pairwise judgement saying neither completion is better."""
+TIE = -1  # a pairwise judgement saying neither completion is better
 
-SCORERS = ("reward_model", "reward_model_judge", "http_judge", "reward_function")
-"""The values of ``online.scorer``."""
+SCORERS = ("reward_model", "reward_model_judge", "http_judge", "reward_function")  # the values of online.scorer
 
-JUDGE_THREADS = 8
-"""Requests :class:`HTTPJudge` keeps in flight at once."""
+JUDGE_THREADS = 8  # requests HTTPJudge keeps in flight at once
 
 DEFAULT_JUDGE_TEMPLATE = """Two AI assistant responses to the same user prompt follow. Decide which one serves the user better: more helpful, more accurate, and harmless.
 
@@ -78,8 +75,7 @@ Summary B:
 FIRST provide a one-sentence comparison of the two summaries, explaining which you prefer and why. SECOND, on a new line, state only "A" or "B" to indicate your choice. Your response should use the format:
 Comparison: <one-sentence comparison and explanation>
 Preferred: <"A" or "B">"""
-DPO_SUMMARIZATION_TEMPLATE = _DPO_SUMMARY.format(extra="?")
-"""The DPO paper's summarisation win-rate prompt (S) (appendix C.2)."""
+DPO_SUMMARIZATION_TEMPLATE = _DPO_SUMMARY.format(extra="?")  # the DPO paper's summarisation win-rate prompt (S), appendix C.2
 DPO_SUMMARIZATION_CONCISE_TEMPLATE = _DPO_SUMMARY.format(
     extra=", without including unimportant or irrelevant details? A good summary is both precise and concise."
 )
@@ -90,12 +86,9 @@ JUDGE_TEMPLATES = {
     "dpo_summarization": (DPO_SUMMARIZATION_TEMPLATE, r"Preferred:\W*([AB])\b"),
     "dpo_summarization_concise": (DPO_SUMMARIZATION_CONCISE_TEMPLATE, r"Preferred:\W*([AB])\b"),
 }
-"""Named ``judge.template`` values: (the prompt, the regex whose last match's group is "A" or "B").
-The judge writes a sentence before its verdict, so these are asked with
-:data:`NAMED_TEMPLATE_MAX_TOKENS` tokens; "A" means ``response0`` is better."""
+"""Named ``judge.template`` values: (the prompt, the regex whose last match's group is "A" (``response0`` better) or "B")."""
 
-NAMED_TEMPLATE_MAX_TOKENS = 256
-"""``max_tokens`` of a request with a named template (one comparison sentence and the verdict line)."""
+NAMED_TEMPLATE_MAX_TOKENS = 256  # max_tokens with a named template: a comparison sentence, then the verdict line
 
 
 # ----------------------------------------------------------------------------- reward models

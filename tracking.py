@@ -16,13 +16,11 @@ import checkpoints
 import losses
 import utils
 
-_PEAK = {"reset": False, "jobs": 0}
-"""Whether :func:`reset_peak_memory` could reset this process's resident peak, and how many jobs it started."""
+_PEAK = {"reset": False, "jobs": 0}  # whether reset_peak_memory could reset the resident peak; jobs it started
 
 
 def reset_peak_memory() -> None:
-    """Reset this job's peak-memory counters (the kernel's resident high-water mark via ``/proc/self/clear_refs``,
-    and CUDA's), so each job of a Hydra multirun reports its own peak."""
+    """Reset the kernel's resident high-water mark and CUDA's peak, so each job of a Hydra multirun reports its own."""
     _PEAK["jobs"] += 1
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -35,8 +33,7 @@ def reset_peak_memory() -> None:
 
 
 def peak_rss_mib() -> float:
-    """This job's peak resident memory, MiB: ``VmHWM`` since :func:`reset_peak_memory` on Linux, else the
-    process's peak (``ru_maxrss``)."""
+    """This job's peak resident memory in MiB (``VmHWM`` on Linux, else the process's ``ru_maxrss``)."""
     with contextlib.suppress(OSError):
         with open("/proc/self/status") as f:
             for line in f:
@@ -56,12 +53,8 @@ def peak_is_the_processes() -> bool:
 
 
 def rewind_jsonl(path: str, step: int) -> int:
-    """Drop the records of JSON-lines file ``path`` whose ``"step"`` is above ``step`` (and a line cut short),
-    rewriting it atomically; returns how many lines were dropped.
-
-    Raises:
-        DiskFullError: when the disk is full (the file is left as it was).
-    """
+    """Atomically drop the lines of JSON-lines file ``path`` cut short or with ``"step"`` above ``step``; returns how
+    many were dropped."""
     if not os.path.exists(path):
         return 0
     kept, dropped = [], 0
@@ -95,8 +88,7 @@ def jsonl_records(path: str) -> list[dict]:
 
 
 class MetricsLogger:
-    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to Weights & Biases; a resumed run
-    (``resume_id``) continues its W&B run, opened by :meth:`rewind`."""
+    """Append metrics to ``<run_dir>/metrics.jsonl`` and, if enabled, to W&B (run ``resume_id`` when resumed)."""
 
     def __init__(self, run_dir: str, config: DictConfig, resume_id: str | None = None, enabled: bool = True):
         self.path = os.path.join(run_dir, "metrics.jsonl")
@@ -117,8 +109,7 @@ class MetricsLogger:
                 self._open_wandb()
 
     def _open_wandb(self, rewind_to: int | None = None) -> None:
-        """Open the W&B run: a new one, else run ``run_id`` rewound to step ``rewind_to`` (``resume_from``), else
-        continued (``resume="allow"``; W&B ignores steps it already has)."""
+        """Open a new W&B run, or run ``run_id`` rewound to step ``rewind_to`` where W&B allows, else continued."""
         import wandb
 
         kwargs, self._wandb_init = self._wandb_init, None
@@ -139,8 +130,7 @@ class MetricsLogger:
         self.run_id = run.id
 
     def rewind(self, step: int) -> int:
-        """Drop the metrics.jsonl records logged after a checkpoint of ``step`` examples and open the resumed W&B
-        run rewound to ``step``; returns how many were dropped."""
+        """Drop the metrics.jsonl records after step ``step`` (examples) and rewind the W&B run there; returns how many."""
         if not self.enabled:
             return 0
         dropped = rewind_jsonl(self.path, step)
@@ -149,7 +139,7 @@ class MetricsLogger:
         return dropped
 
     def log(self, metrics: dict, step: int) -> None:
-        """Write one record; ``step`` is the example counter (a full disk: :class:`DiskFullError`)."""
+        """Write one record at ``step`` (examples seen)."""
         if not self.enabled:
             return
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
@@ -180,8 +170,7 @@ class MetricsLogger:
 
 
 def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
-    """(key pattern, panel, title, y label, y limits) in panel order; panel None: not plotted.
-    Units: log-probabilities, rewards (β·log-ratio), KL and DPO/SFT losses are in nats."""
+    """(key pattern, panel or None for not plotted, title, y label, y limits) in panel order."""
     objective = losses.OBJECTIVES.get(loss) if loss is not None else None
     loss_unit = objective.unit if objective is not None else "nats, −log σ(β·log-ratio gap)"
     logp_unit = "nats per token, mean over response tokens" if average_log_prob else "nats, summed over response tokens"
@@ -228,18 +217,8 @@ def _curve_rules(loss: str | None, average_log_prob: bool) -> list[tuple]:
 
 
 def curve_panels(series: dict[str, list], loss: str | None = None, average_log_prob: bool = False) -> list[dict]:
-    """The plan of :func:`plot_curves`: which panel each metric goes to, with its title and y label (one unit per
-    panel).
-
-    Args:
-        series: metric key -> its (step, value) points.
-        loss: ``loss.name`` (the loss's unit), None if unknown.
-        average_log_prob: log-probabilities are per-token means (``loss.average_log_prob``).
-
-    Returns:
-        [{"name": file stem, "title", "ylabel", "ylim": (lo, hi) or None, "keys": sorted}], in panel order,
-        leaving out panels with no series of two points or more.
-    """
+    """The panels of ``series`` ({key: [(step, value)]}) with two points or more, in order, as ``{"name": file stem,
+    "title", "ylabel", "ylim": (lo, hi) or None, "keys"}`` (one unit per panel)."""
     import re
 
     rules = _curve_rules(loss, average_log_prob)
@@ -263,9 +242,8 @@ def curve_panels(series: dict[str, list], loss: str | None = None, average_log_p
 
 
 def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...] | None = None) -> list[str]:
-    """Write one PNG per :func:`curve_panels` panel (x axis: examples seen) from ``metrics.jsonl`` into
-    ``out_dir`` (default ``<run_dir>/curves/``), removing stale PNGs; ``panels``: only these; returns the files
-    written."""
+    """Write one PNG per panel of ``metrics.jsonl`` (x: examples seen; ``panels``: only these) into ``out_dir``
+    (default ``<run_dir>/curves/``), removing stale ones; returns the files."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -55,9 +55,7 @@ def cached_reference(reference, examples: list[dict], tokenizer, config, distrib
     return found
 
 
-AUTO_RESUMED = False
-"""Whether this process's ``resume=auto`` was resolved (:func:`effective_config`), for the config
-check across ranks to say so when the ranks found different folders."""
+AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config), for the cross-rank config check to say
 
 
 def says_once() -> bool:
@@ -66,12 +64,9 @@ def says_once() -> bool:
     return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
-BUDGET_KEYS = ("n_examples", "n_epochs")
-"""The keys a command with ``resume=<run folder>`` may change: the run is extended to the new
-training length (:func:`budget_given`, :func:`extension`)."""
+BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
 
-EXTENSIONS_LOG = "extensions.log"
-"""The file in a run folder with one line per extension of its training length (:func:`apply_extension`)."""
+EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of its training length (apply_extension)
 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
@@ -641,20 +636,13 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
         print(modelcard.push_final(run_dir, config))
 
 
-RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"
-"""Set by :func:`launch` in rank 0: a pipe's write end, into which :func:`main` writes the run folder
-once it is known, so that the launcher can name it when a rank dies."""
+RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"  # set by launch in rank 0: a pipe main writes the run folder into, named if a rank dies
 
-RUN_FOLDER: str | None = None
-"""This process's run folder once :func:`main` knows it, for the line a rank says when another rank died."""
+RUN_FOLDER: str | None = None  # this process's run folder once main knows it, named when another rank dies
 
-RUN_FOLDER_TOLD: str | None = None
-"""The run folder this command made or continued, once known (:func:`tell_launcher`): for sft_first
-its last stage's, for FSDP/TP rank 0's; a sweep's summary names it."""
+RUN_FOLDER_TOLD: str | None = None  # the run folder this command made or continued (tell_launcher), for a sweep's summary
 
-COMMAND: list[str] | None = None
-"""The command line's overrides when train.py was started from it (set by :func:`hydra_main`); a new
-run folder's config.yaml begins with the command (``checkpoints.RUN_COMMAND_LINE``), which model cards quote."""
+COMMAND: list[str] | None = None  # the overrides train.py was started with (hydra_main), atop a new run's config.yaml
 
 
 def tell_launcher(run_dir: str) -> None:
@@ -744,13 +732,11 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
     return processes.rank_failure(codes, killed, stopped, config.resume or run_dir)
 
 
-SCRIPT = os.path.abspath(__file__)
-"""This file (a submitit job's ``sys.argv[0]`` is submitit's, not train.py)."""
+SCRIPT = os.path.abspath(__file__)  # not sys.argv[0], which is submitit's in a submitit job
 
 
 STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "hub")
-"""Keys (and their sub-keys) of a command line that its SFT stage sets itself (:func:`stage_commands`);
-``hub``: only the second stage's export is pushed."""
+"""Keys (with sub-keys) the SFT stage sets itself (:func:`stage_commands`); ``hub``: only the second stage pushes."""
 
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:

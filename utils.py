@@ -1,4 +1,4 @@
-"""Small helpers that import no project module: errors, threads and malloc, seeds, dtypes, atomic writes, disk space, distributed objects."""
+"""Leaf helpers (no project imports): errors, threads and malloc, seeds, dtypes, atomic writes, disk space, distributed."""
 
 from __future__ import annotations
 
