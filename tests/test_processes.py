@@ -81,9 +81,7 @@ def kill_all(procs: list[subprocess.Popen], pids: list[int] = ()) -> None:
 def holder(folder: Path) -> subprocess.Popen:
     """A process holding ``folder``'s lock (``checkpoints.lock_run_dir``) until it is killed; returns
     once it holds it."""
-    code = (
-        f"import sys, time, checkpoints; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
-    )
+    code = f"import sys, time, checkpoints; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
