@@ -26,11 +26,6 @@ import rewards
 import trainers
 import utils
 
-EXIT_ONCE_ENV = "DPO_RAY_TEST_EXIT_ONCE"  # test hook, a marker file: rank 1 exits after its first reported checkpoint, once
-
-EXIT_BEFORE_SAVE_ENV = "DPO_RAY_TEST_EXIT_BEFORE_SAVE"  # test hook, a marker file: rank 0 exits before its first checkpoint, once
-
-
 # ----------------------------------------------------------------------------- config
 
 
@@ -142,8 +137,6 @@ def launch(config: DictConfig, main) -> int:
             "cwd": os.getcwd(),
             "reference": reference,
             "scorer": scorer,
-            "exit_once": os.environ.get(EXIT_ONCE_ENV),
-            "exit_before_save": os.environ.get(EXIT_BEFORE_SAVE_ENV),
             "main": main,
         }
         os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")  # else Ray Train prints each worker line twice
@@ -292,22 +285,9 @@ def _attach(payload: dict, from_scratch: bool, trainer) -> None:
     save = trainer.save
 
     def save_and_report() -> str:
-        marker = payload["exit_before_save"]
-        if marker and trainer.rank == 0 and not os.path.exists(marker):
-            open(marker, "w").close()
-            print(f"[test hook] rank 0 exits before its checkpoint of {trainer.example_counter} examples.", flush=True)
-            os._exit(1)
         path = save()
         checkpoint = ray.train.Checkpoint.from_directory(path) if trainer.is_main else None
         ray.train.report({"examples": trainer.example_counter, "updates": trainer.batch_counter}, checkpoint=checkpoint)
-        marker = payload["exit_once"]
-        if marker and trainer.rank == 1 and not os.path.exists(marker):
-            # once Ray has registered the checkpoint (a worker dying right after a report can
-            # otherwise beat its registration, and the restart would begin from the one before)
-            ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
-            open(marker, "w").close()
-            print(f"[test hook] rank 1 exits after the checkpoint of {trainer.example_counter} examples.", flush=True)
-            os._exit(1)
         return path
 
     trainer.save = save_and_report

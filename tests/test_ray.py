@@ -10,6 +10,7 @@ shut down by its fixture.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
@@ -28,6 +29,7 @@ pytest.importorskip("ray", reason="Ray is optional (launcher=ray): pip install -
 pytest.importorskip("ray.train.torch", reason="launcher=ray needs Ray Train: pip install -r requirements-ray.txt")
 
 import ray  # noqa: E402
+import ray_faults  # noqa: E402
 import torch  # noqa: E402
 from conftest import REPO, compose_config  # noqa: E402
 from test_distributed import COMMON, assert_same_run, cli, evals, weights  # noqa: E402
@@ -110,15 +112,15 @@ def test_two_ray_workers_match_the_launch_run(launch_run, tmp_path_factory, monk
 
 @pytest.mark.timeout(400)
 def test_reference_on_actors_and_a_killed_worker_restarted_from_its_checkpoint_end_as_colocated(
-    cluster, launch_run, tmp_path, monkeypatch, capfd
+    cluster, launch_run, tmp_path, capfd
 ):
     # One Ray run shows both (each Ray Train run costs ~20 s of start-up here): the reference on 2
     # actors of its own, and rank 1 exiting after the first checkpoint; the actors outlive it.
     marker = tmp_path / "rank1-exited"
-    monkeypatch.setenv(ray_launcher.EXIT_ONCE_ENV, str(marker))  # rank 1: os._exit(1) after the first checkpoint
     on_actors = ["ray.reference_workers=2", "ray.reference_resources={CPU: 0.5, GPU: 0}", "ray.cpus_per_worker=0.5"]
     config = compose_config([*ON_RAY, *on_actors, "ray.max_failures=1", f"output_root={tmp_path / 'out'}"])
-    assert ray_launcher.launch(config, train.main) == 0
+    exiting = functools.partial(ray_faults.exit_after_first_report, str(marker))  # rank 1: os._exit(1) after the first checkpoint
+    assert ray_launcher.launch(config, exiting) == 0
     assert "ReferenceActor: 2 Ray actor(s)" in capfd.readouterr().out
     assert marker.exists()
     run_dir = run_folder(tmp_path / "out")
@@ -167,16 +169,16 @@ def kinds(run_dir: Path) -> list[tuple[int, str]]:
 
 
 @pytest.mark.timeout(300)
-def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged(cluster, tmp_path, monkeypatch):
+def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged(cluster, tmp_path):
     # Rank 0 exits once as it is about to write its first checkpoint, having logged the evals (and
     # 2 samples each) at 0 and 8 examples and the train record between them; no checkpoint was
     # reported, so Ray restarts the worker from scratch in the same run folder.
     marker = tmp_path / "exited"
-    monkeypatch.setenv(ray_launcher.EXIT_BEFORE_SAVE_ENV, str(marker))
     run = ["n_examples=16", "eval_every=8", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "n_eval_model_samples=2"]
     run += ["progress_bar=false", "minimum_log_interval_secs=0", "data.arithmetic.n_train=16", "data.arithmetic.n_test=8"]
     run += ["launcher=ray", "ray.num_workers=1", "ray.max_failures=1", "ray.cpus_per_worker=1"]
-    assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), train.main) == 0
+    exiting = functools.partial(ray_faults.exit_before_first_save, str(marker))
+    assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), exiting) == 0
     assert marker.exists()
     run_dir = run_folder(tmp_path / "out")
     # What an uninterrupted run logs, each once: the eval at 0 examples, then for each batch of 8
