@@ -1,10 +1,5 @@
-"""The training loop: BasicTrainer (one process: CPU, one GPU, or one model split over local GPUs).
-
-The objective lives in losses.py, a registered declaration chosen by ``config.loss.name``; the
-trainer computes what the declaration asks for (log-probs, the reference's, scores), calls its
-function, and steps; it names no objective.
-The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
-"""
+"""The training loop: BasicTrainer (one process) and its FSDP and tensor-parallel subclasses, computing what the
+objective of ``config.loss.name`` (losses.py) declares, the reference's side through :meth:`BasicTrainer.reference_logps`."""
 
 from __future__ import annotations
 
@@ -76,10 +71,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def concatenated_inputs(batch: dict) -> dict:
-    """Chosen stacked over rejected, right-padded to one length, for one forward pass.
-
-    Returns ``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)) from (B, T_c) and (B, T_r);
-    rows [0, B) are chosen, rows [B, 2B) rejected."""
+    """``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)): chosen (B, T_c) in rows [0, B)
+    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass."""
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     out = {}
     for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", losses.IGNORE_INDEX)):
@@ -113,16 +106,9 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def response_logps(
     model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``losses.get_batch_logps`` of the padded forward, the output layer in chunks of ``chunk`` positions
-    where a token is predicted (``packing.output_layer_logps``); inputs (B, T), padded on either side.
-
-    Args:
-        average_log_prob: mean per labelled token instead of the sum.
-        chunk: positions per output-layer call; None or 0: all at once (:func:`response_logits`).
-
-    Returns:
-        (logps, n_tokens): each (B,) float32, on the device of the model's output.
-    """
+    """(logps, n_tokens), each (B,) float32 on the model's output device: ``losses.get_batch_logps`` of the padded
+    forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
+    (``packing.output_layer_logps``; None or 0: all at once)."""
     if not chunk:
         logits, labels = response_logits(model, inputs)
         return losses.get_batch_logps(logits, labels, average_log_prob)
@@ -161,15 +147,9 @@ def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 class BasicTrainer(OnlineSampling):
-    """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
-
-    Args:
-        policy: the causal LM; a ``peft.PeftModel`` (``model.lora``) trains its adapters and is its own
-            reference with them off.
-        train_examples, eval_examples: from ``preference_datasets.load_examples``.
-        reference_model: the frozen reference (None for SFT or reference_free DPO).
-        logger: a ``tracking.MetricsLogger``.
-    """
+    """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
+    a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
+    ``reference_model`` is the frozen reference (None when the objective needs none)."""
 
     def __init__(self, policy, config, run_dir, tokenizer, train_examples, eval_examples, reference_model=None, logger=None):
         self.config = config
@@ -337,14 +317,9 @@ class BasicTrainer(OnlineSampling):
         return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chosen and rejected log-probs of ``model`` as one padded forward of chosen over rejected gives them,
-        computed without padding and with each prompt once (:func:`packed_sequence_logps`), or, for a batch
-        that is not right-padded, by :func:`response_logps`.
-
-        Returns:
-            (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) response-token counts
-            (chosen rows first).
-        """
+        """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen
+        first) of ``model``, packed without padding (:func:`packed_sequence_logps`), or padded (:func:`response_logps`)
+        for a batch that is not right-padded."""
         n = batch["chosen_input_ids"].shape[0]
         # a default: ray_launcher's reference actors pass themselves as self
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
@@ -361,12 +336,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32: the one seam to the reference
-        (a live module, a precomputed cache or remote workers).
-
-        Raises:
-            RuntimeError: if the loss needs a reference and none was given, or the remote one is unreachable.
-        """
+        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32, from a live module, a precomputed
+        cache or remote workers: the one seam to the reference (RuntimeError when there is none)."""
         if self.remote_reference is not None:
             chosen, rejected = self.remote_reference(batch)
             return chosen.to(self.device), rejected.to(self.device)
@@ -392,12 +363,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's,
-        or a LoRA policy's with its adapters off (:meth:`adapters_off`).
-
-        Raises:
-            RuntimeError: if there is neither.
-        """
+        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's, or a
+        LoRA policy's with its adapters off (:meth:`adapters_off`); RuntimeError when there is neither."""
         if self.peft_model is not None:
             with self.adapters_off() as base:
                 chosen, rejected, _ = self.concatenated_forward(base, batch)
@@ -449,14 +416,8 @@ class BasicTrainer(OnlineSampling):
         return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
-        """Loss of one micro-batch, scaled so that the micro-batches' losses sum to the batch's, and its
-        metrics (name -> list of floats).
-
-        Args:
-            n_batch_examples: examples in the whole batch.
-            n_batch_tokens: chosen target tokens in the whole batch (a per-token objective's mean).
-            split: "train" or "eval" (for metric names).
-        """
+        """Loss of one micro-batch divided by the whole batch's ``n_batch_examples`` (a per-token objective: its
+        ``n_batch_tokens`` chosen target tokens), so micro-batches sum to the batch's, and its ``split`` metrics."""
         objective = self.objective
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
@@ -545,13 +506,8 @@ class BasicTrainer(OnlineSampling):
         return inputs
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of single right-padded sequences (``input_ids``, ``attention_mask``, ``labels``, each
-        (B, T); SFT targets, KTO completions), each packed without padding (:func:`packed_single_logps`), or,
-        when not right-padded, by :func:`response_logps`.
-
-        Returns:
-            ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
-        """
+        """(logps, n_tokens), each (B,), of single sequences ``rows`` (B, T) (SFT targets, KTO completions), packed
+        without padding (:func:`packed_single_logps`), or padded (:func:`response_logps`) when not right-padded."""
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         packed = packed_single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
         if packed is not None:
@@ -580,11 +536,7 @@ class BasicTrainer(OnlineSampling):
 
     def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
         """Objective inputs for unpaired rows (``chosen_*``: each row's completion; ``label`` (B,) bool: desirable):
-        the completions' log-probs (policy with gradient, reference), the mismatched pairs' and the label.
-
-        Raises:
-            ValueError: if the objective trains on pairs.
-        """
+        the completions' log-probs, the mismatched pairs' and the label (ValueError for a paired objective)."""
         objective = self.objective
         if not objective.unpaired:
             raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
@@ -756,11 +708,8 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: dict) -> dict:
-        """One optimizer step on one batch (gradient accumulation over micro-batches).
-
-        Raises:
-            NonFiniteLossError: if a loss or the gradient norm is NaN or inf (before the optimizer step).
-        """
+        """One optimizer step on one batch, accumulated over micro-batches; NonFiniteLossError before it
+        when a loss or the gradient norm is NaN or inf."""
         n_examples = len(batch["prompt"])
         self.step_tokens = count_tokens(batch)
         batch, weight = self.local_batch(batch)
@@ -803,13 +752,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def update_reference(self, mode: str, alpha: float) -> None:
-        """TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
-        Alignment", Sec. 3), every ``reference_update.every`` steps (the paper's tau): ``soft``
-        theta_ref <- alpha * theta + (1 - alpha) * theta_ref; ``hard`` theta_ref <- theta.
-
-        Raises:
-            RuntimeError: if no live reference module is loaded in this process.
-        """
+        """TR-DPO's reference update (Gorbatovski et al. 2024, Sec. 3; every tau = ``reference_update.every`` steps):
+        ``soft`` theta_ref <- alpha * theta + (1 - alpha) * theta_ref, ``hard`` theta_ref <- theta."""
         if self.reference_model is None:
             raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
         for model in (self.policy, self.reference_model):
@@ -843,13 +787,8 @@ class BasicTrainer(OnlineSampling):
         )
 
     def train(self) -> int | None:
-        """Train to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples and checkpointing
-        after each eval and at the end; a signal in :data:`STOP_SIGNALS` saves a checkpoint and stops, and a
-        normal end writes ``<run_dir>/FINISHED`` on rank 0 (``checkpoints.mark_finished``; what ``resume=auto`` skips).
-
-        Returns:
-            None when training finished, else the number of the signal that stopped it.
-        """
+        """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
+        end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the :data:`STOP_SIGNALS` signal that stopped it."""
         config = self.config
         if self.example_counter >= self.total_examples:
             if self.is_main:
@@ -963,12 +902,8 @@ class BasicTrainer(OnlineSampling):
             print(f"CPU memory allocator: {utils.cpu_allocator()}.")
 
     def log_peak_memory(self) -> dict[str, list[float]]:
-        """Log each process's peak resident memory (also up to the end of model loading, ``setup_peak_rss``)
-        and peak CUDA memory as ``memory/*``; every process must call it (a gather).
-
-        Returns:
-            {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
-        """
+        """Log and return ``{"rss", "setup_rss"[, "cuda"]}``, each process's peak resident (overall, and by the end of
+        model loading) and CUDA memory in MiB, one value per rank; every process must call it (a gather)."""
         mine = {"rss": [tracking.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
@@ -1007,14 +942,8 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> str:
-        """Write ``step-<examples>/`` atomically and point ``LATEST`` at it; returns its path.
-
-        It holds policy.pt, optimizer.pt, scheduler.pt (each ``{step_idx, state, ...}``), trainer_state.pt and
-        ``hf/`` (:meth:`write_hf_export`; LoRA: adapters alone); a failed ``hf/`` export is left out with one warning.
-
-        Raises:
-            checkpoints.CheckpointError: if the checkpoint cannot be written; ``LATEST`` keeps its earlier target.
-        """
+        """Write ``step-<examples>/`` (policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, ``hf/`` unless its
+        export fails) atomically, point ``LATEST`` at it and return its path (checkpoints.CheckpointError if it cannot)."""
         step = self.example_counter
         self.hf_export_failure = None
         self.collect_rank_states()
@@ -1049,11 +978,7 @@ class BasicTrainer(OnlineSampling):
         return {"step_idx": step, "state": adapters, "lora": OmegaConf.to_container(self.lora, resolve=True)}
 
     def load_policy_state(self, state: dict) -> None:
-        """Load policy.pt's ``state`` into the policy; a LoRA policy's holds its adapters alone.
-
-        Raises:
-            RuntimeError: if ``state`` does not fit the policy (LoRA: other names, or adapters missing).
-        """
+        """Load policy.pt's ``state`` (a LoRA policy's: its adapters alone) into the policy; RuntimeError if it does not fit."""
         if self.peft_model is None:
             self.policy.load_state_dict(state)
             return
@@ -1063,16 +988,8 @@ class BasicTrainer(OnlineSampling):
             raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
 
     def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
-        """Write the Hugging Face export (policy, tokenizer, model card) into ``folder``; a LoRA policy's is
-        its adapter folder (``peft.PeftModel.from_pretrained``), plus the merged model in ``folder/merged``
-        with ``model.lora.export_merged``.
-
-        Args:
-            state_dict: the full weights when the policy is sharded (FSDP/TP), else None.
-
-        Returns:
-            None, or why the export failed (``folder`` is then removed; the checkpoint is kept).
-        """
+        """Write the Hugging Face export (LoRA: the adapter folder, and ``merged/`` with ``model.lora.export_merged``)
+        of the policy or its full ``state_dict`` into ``folder``; returns None, or why it failed (``folder`` removed)."""
         import shutil
 
         try:
@@ -1195,12 +1112,8 @@ def set_numpy_rng_state(state) -> None:
 
 
 def read_checkpoint_file(checkpoint_dir: str, name: str):
-    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (an earlier version's
-    trainer_state.pt: also the globals that rebuild its NumPy uint32 RNG key).
-
-    Raises:
-        utils.ConfigError: naming the file when it is missing, cut short, unreadable or holds anything else.
-    """
+    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (trainer_state.pt: also NumPy's
+    uint32 RNG key of older checkpoints); utils.ConfigError naming the file if it is missing, cut short or unsafe."""
     path = os.path.join(checkpoint_dir, name)
     problem = checkpoints.checkpoint_file_problem(checkpoint_dir, name)
     if problem is not None:  # also where no manifest was checked first (a checkpoint of an earlier version, Ray's copy)
@@ -1227,13 +1140,8 @@ SHARDED_METADATA_CLASSES = {
 
 
 def read_sharded_checkpoint(state: dict, folder: str) -> None:
-    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: the
-    ``.metadata`` pickle through an unpickler allowing :data:`SHARDED_METADATA_CLASSES` alone, the entries
-    through ``weights_only=True`` (DCP's own reader unpickles both without restriction).
-
-    Raises:
-        utils.ConfigError: naming ``folder`` when it holds anything else, or the file missing or cut short.
-    """
+    """``torch.distributed.checkpoint.load(state, folder)`` unpickling only :data:`SHARDED_METADATA_CLASSES` and
+    ``weights_only=True`` entries; utils.ConfigError naming ``folder`` if it holds more, or a file is missing or cut short."""
     import pickle
     import sys
 
@@ -1450,12 +1358,8 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
 
 
 def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
-    """The transformer-block classes of ``model``: ``block_name`` if given, else the model's
-    ``_no_split_modules`` (what Hugging Face keeps on one device).
-
-    Raises:
-        utils.ConfigError: if no module of ``model`` has that class name.
-    """
+    """The transformer-block classes of ``model``: ``block_name`` if given, else its ``_no_split_modules``;
+    utils.ConfigError if no module has that class name."""
     own = set(getattr(model, "_no_split_modules", None) or [])
     names = {block_name} if block_name else own
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
@@ -1600,12 +1504,8 @@ class _DistributedTrainer(BasicTrainer):
                 dist.broadcast(buffer, src=0)
 
     def save(self) -> str:
-        """Write the checkpoint: each rank its DCP shard of policy and optimizer in ``sharded/``, rank 0 policy.pt
-        (gathered), scheduler.pt, trainer_state.pt and ``hf/``, published atomically (LoRA: adapters alone).
-
-        Raises:
-            checkpoints.CheckpointError: on every rank, if any rank cannot write; ``LATEST`` keeps its earlier target.
-        """
+        """Write the checkpoint atomically: each rank its DCP shard in ``sharded/``, rank 0 the gathered policy.pt,
+        scheduler.pt, trainer_state.pt and ``hf/``; checkpoints.CheckpointError on every rank if any cannot write."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
@@ -1797,13 +1697,9 @@ class FSDPTrainer(_DistributedTrainer):
 
 
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
-    """Megatron-LM's column-/row-wise sharding plan (torch.distributed.tensor.parallel) for every block: q/k/v
-    and MLP-in column-wise, attention-out and MLP-out row-wise; embeddings, norms and the output layer stay
-    replicated; GPT-2's Conv1D layers become ``nn.Linear`` first (:func:`_gpt2_to_linear`).
-
-    Raises:
-        utils.ConfigError: for a family other than Llama, GPT-NeoX (Pythia) and GPT-2, or heads not divisible by ``world_size``.
-    """
+    """Megatron-LM's plan for every block (Shoeybi et al. 2019, Sec. 3): q/k/v and MLP-in column-wise, attention-out
+    and MLP-out row-wise, the rest replicated (GPT-2: Conv1D made ``nn.Linear`` first); utils.ConfigError for a family
+    other than Llama, GPT-NeoX and GPT-2, or heads not divisible by ``world_size``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     check_tensor_parallel(model.config, world_size)
