@@ -789,15 +789,42 @@ class BasicTrainer(OnlineSampling):
     def train(self) -> int | None:
         """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
         end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the :data:`STOP_SIGNALS` signal that stopped it."""
-        config = self.config
         if self.example_counter >= self.total_examples:
-            if self.is_main:
-                print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
-                if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
-                    checkpoints.mark_finished(self.run_dir, self.example_counter)
+            self.say_already_complete()
             self.logger.finish()
             return None
-        iterator = get_batch_iterator(
+        iterator = self.train_batches()
+        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
+        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
+        bar = tqdm.tqdm(
+            total=self.total_examples,
+            initial=self.example_counter,
+            unit="ex",
+            desc="train",
+            disable=not (self.config.progress_bar and self.is_main),
+        )
+        try:
+            self.run_batches(iterator, bar)
+            bar.close()
+            if self.stop_requested:
+                return self.stop_with_checkpoint()
+            return self.finish_run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.logger.finish()
+
+    def say_already_complete(self) -> None:
+        """On rank 0: say the run has nothing left to train, writing ``FINISHED`` if it is missing."""
+        if self.is_main:
+            print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
+            if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
+                checkpoints.mark_finished(self.run_dir, self.example_counter)
+
+    def train_batches(self):
+        """The shuffled training batches from ``example_counter`` on (a resumed run continues its order)."""
+        config = self.config
+        return get_batch_iterator(
             self.train_examples,
             self.tokenizer,
             config.batch_size,
@@ -810,89 +837,79 @@ class BasicTrainer(OnlineSampling):
             start_example=self.example_counter,
             length_grouped=config.length_grouped,
         )
-        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
-        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
-        bar = tqdm.tqdm(
-            total=self.total_examples,
-            initial=self.example_counter,
-            unit="ex",
-            desc="train",
-            disable=not (config.progress_bar and self.is_main),
-        )
+
+    def run_batches(self, iterator, bar) -> None:
+        """Train on ``iterator``'s batches until they end or a stop is requested, evaluating when due and logging
+        at most every ``minimum_log_interval_secs`` seconds (the last steps always)."""
         pending = defaultdict(list)
         tokens = 0  # non-padding tokens since the last log
         last_log = time.time()
         last_log_examples = self.example_counter
         self.policy.train()
-        try:
-            for batch in iterator:
-                if self.example_counter >= self.next_eval_at:
-                    self.evaluate()
-                    while self.next_eval_at <= self.example_counter:  # before saving: a resume does not evaluate again
-                        self.next_eval_at += config.eval_every
-                    stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
-                    if self.example_counter > 0:
-                        path = self.save()
-                        if stop:
-                            raise JudgeFailureError(stop.format(checkpoint=path))
-                metrics = self.train_step(batch)
-                tokens += self.step_tokens
-                self.batch_counter += 1
-                self.example_counter += len(batch["prompt"])
-                bar.update(len(batch["prompt"]))
-                for k, v in metrics.items():
-                    pending[k].extend(v)
-                self.stop_requested = self.any_rank(self.stop_requested)
-                now = time.time()
-                if self.is_main and (now - last_log >= config.minimum_log_interval_secs or self.stop_requested):
-                    self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
-                    last_log, last_log_examples, tokens = now, self.example_counter, 0
-                if self.stop_requested:
-                    break
-            if pending and self.is_main:  # the last steps are always logged
-                self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
-            bar.close()
+        for batch in iterator:
+            if self.example_counter >= self.next_eval_at:
+                self.evaluate_and_save(final=False)
+            metrics = self.train_step(batch)
+            tokens += self.step_tokens
+            self.batch_counter += 1
+            self.example_counter += len(batch["prompt"])
+            bar.update(len(batch["prompt"]))
+            for k, v in metrics.items():
+                pending[k].extend(v)
+            self.stop_requested = self.any_rank(self.stop_requested)
+            now = time.time()
+            if self.is_main and (now - last_log >= self.config.minimum_log_interval_secs or self.stop_requested):
+                self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
+                last_log, last_log_examples, tokens = now, self.example_counter, 0
             if self.stop_requested:
-                path = self.save()
-                memory = self.log_peak_memory()
-                if self.is_main:
-                    tracking.plot_curves(self.run_dir)
-                    print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-                    self.say_peak_memory(memory)
-                    how = (
-                        "the same torchrun command on every node, with"
-                        if "TORCHELASTIC_RUN_ID" in os.environ
-                        else "python train.py"
-                    )
-                    print(f"Resume with: {how} resume={self.run_dir}")
-                self.wait_for_all()
-                return self.stop_signal or signal.SIGTERM
-            self.evaluate()
-            while self.next_eval_at <= self.example_counter:  # a run extended from here does not evaluate again
-                self.next_eval_at += config.eval_every
-            stop = self.judge_report()
-            path = self.save()
-            if stop:
-                raise JudgeFailureError(stop.format(checkpoint=path))
-            memory = self.log_peak_memory()
-            if self.is_main:
-                written = tracking.plot_curves(self.run_dir)
-                export = ""
-                if config.save_hf_export:
-                    failed = self.hf_export_failure
-                    export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
-                print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
-                self.say_peak_memory(memory)
-                if written:
-                    print(f"Training curves: {os.path.dirname(written[0])}/")
-            self.wait_for_all()
-            if self.is_main:  # every rank's part of the last checkpoint is written
-                checkpoints.mark_finished(self.run_dir, self.example_counter)
+                break
+        if pending and self.is_main:  # the last steps are always logged
+            self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
+
+    def evaluate_and_save(self, final: bool) -> str | None:
+        """Evaluate, schedule the next eval past this point, and checkpoint (before any training only when ``final``);
+        returns the checkpoint's path, and raises JudgeFailureError after it when online DPO's judge failed too often."""
+        self.evaluate()
+        while self.next_eval_at <= self.example_counter:  # before saving: a resume or an extension does not evaluate again
+            self.next_eval_at += self.config.eval_every
+        stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
+        if not (final or self.example_counter > 0):
             return None
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            self.logger.finish()
+        path = self.save()
+        if stop:
+            raise JudgeFailureError(stop.format(checkpoint=path))
+        return path
+
+    def stop_with_checkpoint(self) -> int:
+        """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
+        path = self.save()
+        memory = self.log_peak_memory()
+        if self.is_main:
+            tracking.plot_curves(self.run_dir)
+            print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
+            self.say_peak_memory(memory)
+            how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
+            print(f"Resume with: {how} resume={self.run_dir}")
+        self.wait_for_all()
+        return self.stop_signal or signal.SIGTERM
+
+    def finish_run(self) -> None:
+        """At the end of training: the last eval and checkpoint, the report, then ``FINISHED`` once every rank is done."""
+        path = self.evaluate_and_save(final=True)
+        memory = self.log_peak_memory()
+        if self.is_main:
+            written = tracking.plot_curves(self.run_dir)
+            export = ""
+            if self.config.save_hf_export:
+                failed = self.hf_export_failure
+                export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
+            print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
+            self.say_peak_memory(memory)
+            if written:
+                print(f"Training curves: {os.path.dirname(written[0])}/")
+        self.wait_for_all()
+        if self.is_main:  # every rank's part of the last checkpoint is written
+            checkpoints.mark_finished(self.run_dir, self.example_counter)
 
     def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
         """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator
