@@ -123,6 +123,16 @@ def response_logps(
     return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob)
 
 
+def padded_sequence_logps(
+    model, batch: dict, average_log_prob: bool, device, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps, n_tokens), each (2B,) float32 on ``device``, chosen first: the plain DPO forward, chosen over rejected
+    padded (:func:`concatenated_inputs`) in one call, each response's label log-probs summed or averaged (:func:`response_logps`)."""
+    inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
+    logps, n_tokens = (t.to(device) for t in response_logps(model, inputs, average_log_prob, chunk))
+    return logps, n_tokens
+
+
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
     nothing is dropped). Lists are split the same way as tensors."""
@@ -317,18 +327,16 @@ class BasicTrainer(OnlineSampling):
         return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen
-        first) of ``model``, packed without padding (:func:`packed_sequence_logps`), or padded (:func:`response_logps`)
-        for a batch that is not right-padded."""
+        """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen first)
+        of ``model``: :func:`padded_sequence_logps`'s numbers, computed without padding (:func:`packed_sequence_logps`)
+        unless the batch is not right-padded."""
         n = batch["chosen_input_ids"].shape[0]
         # a default: ray_launcher's reference actors pass themselves as self
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
-        if packed is not None:
-            logps, n_tokens = packed
-            return logps[:n], logps[n:], n_tokens
-        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
+        if packed is None:
+            packed = padded_sequence_logps(model, batch, self.average_log_prob, self.device, chunk)
+        logps, n_tokens = packed
         return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
@@ -1357,9 +1365,7 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
     for batch in tqdm.tqdm(batches, total=math.ceil(len(examples) / config.eval_batch_size), desc="reference log-probs"):
         packed = packed_sequence_logps(reference, batch, average, device)
         if packed is None:
-            inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
-            logits, labels = response_logits(reference, inputs)
-            packed = losses.get_batch_logps(logits, labels, average)
+            packed = padded_sequence_logps(reference, batch, average, device, chunk=None)
         logps = packed[0]
         n = len(batch["key"])
         for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
