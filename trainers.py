@@ -1,10 +1,5 @@
-"""The training loop: BasicTrainer (one process: CPU, one GPU, or one model split over local GPUs).
-
-The objective lives in losses.py, a registered declaration chosen by ``config.loss.name``; the
-trainer computes what the declaration asks for (log-probs, the reference's, scores), calls its
-function, and steps; it names no objective.
-The reference side is one seam, :meth:`BasicTrainer.reference_logps`.
-"""
+"""The training loop: BasicTrainer (one process) and its FSDP and tensor-parallel subclasses, computing what the
+objective of ``config.loss.name`` (losses.py) declares, the reference's side through :meth:`BasicTrainer.reference_logps`."""
 
 from __future__ import annotations
 
@@ -76,10 +71,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def concatenated_inputs(batch: dict) -> dict:
-    """Chosen stacked over rejected, right-padded to one length, for one forward pass.
-
-    Returns ``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)) from (B, T_c) and (B, T_r);
-    rows [0, B) are chosen, rows [B, 2B) rejected."""
+    """``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)): chosen (B, T_c) in rows [0, B)
+    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass."""
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     out = {}
     for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", losses.IGNORE_INDEX)):
@@ -113,16 +106,9 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def response_logps(
     model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``losses.get_batch_logps`` of the padded forward, the output layer in chunks of ``chunk`` positions
-    where a token is predicted (``packing.output_layer_logps``); inputs (B, T), padded on either side.
-
-    Args:
-        average_log_prob: mean per labelled token instead of the sum.
-        chunk: positions per output-layer call; None or 0: all at once (:func:`response_logits`).
-
-    Returns:
-        (logps, n_tokens): each (B,) float32, on the device of the model's output.
-    """
+    """(logps, n_tokens), each (B,) float32 on the model's output device: ``losses.get_batch_logps`` of the padded
+    forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
+    (``packing.output_layer_logps``; None or 0: all at once)."""
     if not chunk:
         logits, labels = response_logits(model, inputs)
         return losses.get_batch_logps(logits, labels, average_log_prob)
@@ -135,6 +121,16 @@ def response_logps(
     kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
     token_logps = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep)
     return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob)
+
+
+def padded_sequence_logps(
+    model, batch: dict, average_log_prob: bool, device, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps, n_tokens), each (2B,) float32 on ``device``, chosen first: the plain DPO forward, chosen over rejected
+    padded (:func:`concatenated_inputs`) in one call, each response's label log-probs summed or averaged (:func:`response_logps`)."""
+    inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
+    logps, n_tokens = (t.to(device) for t in response_logps(model, inputs, average_log_prob, chunk))
+    return logps, n_tokens
 
 
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
@@ -161,15 +157,9 @@ def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 class BasicTrainer(OnlineSampling):
-    """Train a policy with SFT, DPO, conservative DPO or IPO on one process.
-
-    Args:
-        policy: the causal LM; a ``peft.PeftModel`` (``model.lora``) trains its adapters and is its own
-            reference with them off.
-        train_examples, eval_examples: from ``preference_datasets.load_examples``.
-        reference_model: the frozen reference (None for SFT or reference_free DPO).
-        logger: a ``tracking.MetricsLogger``.
-    """
+    """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
+    a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
+    ``reference_model`` is the frozen reference (None when the objective needs none)."""
 
     def __init__(self, policy, config, run_dir, tokenizer, train_examples, eval_examples, reference_model=None, logger=None):
         self.config = config
@@ -337,23 +327,16 @@ class BasicTrainer(OnlineSampling):
         return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chosen and rejected log-probs of ``model`` as one padded forward of chosen over rejected gives them,
-        computed without padding and with each prompt once (:func:`packed_sequence_logps`), or, for a batch
-        that is not right-padded, by :func:`response_logps`.
-
-        Returns:
-            (chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32, and (2B,) response-token counts
-            (chosen rows first).
-        """
+        """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen first)
+        of ``model``: :func:`padded_sequence_logps`'s numbers, computed without padding (:func:`packed_sequence_logps`)
+        unless the batch is not right-padded."""
         n = batch["chosen_input_ids"].shape[0]
         # a default: ray_launcher's reference actors pass themselves as self
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
-        if packed is not None:
-            logps, n_tokens = packed
-            return logps[:n], logps[n:], n_tokens
-        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
+        if packed is None:
+            packed = padded_sequence_logps(model, batch, self.average_log_prob, self.device, chunk)
+        logps, n_tokens = packed
         return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
@@ -361,12 +344,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32: the one seam to the reference
-        (a live module, a precomputed cache or remote workers).
-
-        Raises:
-            RuntimeError: if the loss needs a reference and none was given, or the remote one is unreachable.
-        """
+        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32, from a live module, a precomputed
+        cache or remote workers: the one seam to the reference (RuntimeError when there is none)."""
         if self.remote_reference is not None:
             chosen, rejected = self.remote_reference(batch)
             return chosen.to(self.device), rejected.to(self.device)
@@ -392,12 +371,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's,
-        or a LoRA policy's with its adapters off (:meth:`adapters_off`).
-
-        Raises:
-            RuntimeError: if there is neither.
-        """
+        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's, or a
+        LoRA policy's with its adapters off (:meth:`adapters_off`); RuntimeError when there is neither."""
         if self.peft_model is not None:
             with self.adapters_off() as base:
                 chosen, rejected, _ = self.concatenated_forward(base, batch)
@@ -449,14 +424,8 @@ class BasicTrainer(OnlineSampling):
         return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
-        """Loss of one micro-batch, scaled so that the micro-batches' losses sum to the batch's, and its
-        metrics (name -> list of floats).
-
-        Args:
-            n_batch_examples: examples in the whole batch.
-            n_batch_tokens: chosen target tokens in the whole batch (a per-token objective's mean).
-            split: "train" or "eval" (for metric names).
-        """
+        """Loss of one micro-batch divided by the whole batch's ``n_batch_examples`` (a per-token objective: its
+        ``n_batch_tokens`` chosen target tokens), so micro-batches sum to the batch's, and its ``split`` metrics."""
         objective = self.objective
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
@@ -545,13 +514,8 @@ class BasicTrainer(OnlineSampling):
         return inputs
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of single right-padded sequences (``input_ids``, ``attention_mask``, ``labels``, each
-        (B, T); SFT targets, KTO completions), each packed without padding (:func:`packed_single_logps`), or,
-        when not right-padded, by :func:`response_logps`.
-
-        Returns:
-            ((B,) float32 summed or averaged as the objective says, (B,) response-token counts).
-        """
+        """(logps, n_tokens), each (B,), of single sequences ``rows`` (B, T) (SFT targets, KTO completions), packed
+        without padding (:func:`packed_single_logps`), or padded (:func:`response_logps`) when not right-padded."""
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         packed = packed_single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
         if packed is not None:
@@ -580,11 +544,7 @@ class BasicTrainer(OnlineSampling):
 
     def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
         """Objective inputs for unpaired rows (``chosen_*``: each row's completion; ``label`` (B,) bool: desirable):
-        the completions' log-probs (policy with gradient, reference), the mismatched pairs' and the label.
-
-        Raises:
-            ValueError: if the objective trains on pairs.
-        """
+        the completions' log-probs, the mismatched pairs' and the label (ValueError for a paired objective)."""
         objective = self.objective
         if not objective.unpaired:
             raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
@@ -756,11 +716,8 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: dict) -> dict:
-        """One optimizer step on one batch (gradient accumulation over micro-batches).
-
-        Raises:
-            NonFiniteLossError: if a loss or the gradient norm is NaN or inf (before the optimizer step).
-        """
+        """One optimizer step on one batch, accumulated over micro-batches; NonFiniteLossError before it
+        when a loss or the gradient norm is NaN or inf."""
         n_examples = len(batch["prompt"])
         self.step_tokens = count_tokens(batch)
         batch, weight = self.local_batch(batch)
@@ -803,13 +760,8 @@ class BasicTrainer(OnlineSampling):
 
     @torch.no_grad()
     def update_reference(self, mode: str, alpha: float) -> None:
-        """TR-DPO's reference update (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good
-        Alignment", Sec. 3), every ``reference_update.every`` steps (the paper's tau): ``soft``
-        theta_ref <- alpha * theta + (1 - alpha) * theta_ref; ``hard`` theta_ref <- theta.
-
-        Raises:
-            RuntimeError: if no live reference module is loaded in this process.
-        """
+        """TR-DPO's reference update (Gorbatovski et al. 2024, Sec. 3; every tau = ``reference_update.every`` steps):
+        ``soft`` theta_ref <- alpha * theta + (1 - alpha) * theta_ref, ``hard`` theta_ref <- theta."""
         if self.reference_model is None:
             raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
         for model in (self.policy, self.reference_model):
@@ -843,22 +795,44 @@ class BasicTrainer(OnlineSampling):
         )
 
     def train(self) -> int | None:
-        """Train to ``n_examples`` / ``n_epochs``, evaluating every ``eval_every`` examples and checkpointing
-        after each eval and at the end; a signal in :data:`STOP_SIGNALS` saves a checkpoint and stops, and a
-        normal end writes ``<run_dir>/FINISHED`` on rank 0 (``checkpoints.mark_finished``; what ``resume=auto`` skips).
-
-        Returns:
-            None when training finished, else the number of the signal that stopped it.
-        """
-        config = self.config
+        """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
+        end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the :data:`STOP_SIGNALS` signal that stopped it."""
         if self.example_counter >= self.total_examples:
-            if self.is_main:
-                print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
-                if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
-                    checkpoints.mark_finished(self.run_dir, self.example_counter)
+            self.say_already_complete()
             self.logger.finish()
             return None
-        iterator = get_batch_iterator(
+        iterator = self.train_batches()
+        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
+        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
+        bar = tqdm.tqdm(
+            total=self.total_examples,
+            initial=self.example_counter,
+            unit="ex",
+            desc="train",
+            disable=not (self.config.progress_bar and self.is_main),
+        )
+        try:
+            self.run_batches(iterator, bar)
+            bar.close()
+            if self.stop_requested:
+                return self.stop_with_checkpoint()
+            return self.finish_run()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+            self.logger.finish()
+
+    def say_already_complete(self) -> None:
+        """On rank 0: say the run has nothing left to train, writing ``FINISHED`` if it is missing."""
+        if self.is_main:
+            print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
+            if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
+                checkpoints.mark_finished(self.run_dir, self.example_counter)
+
+    def train_batches(self):
+        """The shuffled training batches from ``example_counter`` on (a resumed run continues its order)."""
+        config = self.config
+        return get_batch_iterator(
             self.train_examples,
             self.tokenizer,
             config.batch_size,
@@ -871,89 +845,79 @@ class BasicTrainer(OnlineSampling):
             start_example=self.example_counter,
             length_grouped=config.length_grouped,
         )
-        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
-        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
-        bar = tqdm.tqdm(
-            total=self.total_examples,
-            initial=self.example_counter,
-            unit="ex",
-            desc="train",
-            disable=not (config.progress_bar and self.is_main),
-        )
+
+    def run_batches(self, iterator, bar) -> None:
+        """Train on ``iterator``'s batches until they end or a stop is requested, evaluating when due and logging
+        at most every ``minimum_log_interval_secs`` seconds (the last steps always)."""
         pending = defaultdict(list)
         tokens = 0  # non-padding tokens since the last log
         last_log = time.time()
         last_log_examples = self.example_counter
         self.policy.train()
-        try:
-            for batch in iterator:
-                if self.example_counter >= self.next_eval_at:
-                    self.evaluate()
-                    while self.next_eval_at <= self.example_counter:  # before saving: a resume does not evaluate again
-                        self.next_eval_at += config.eval_every
-                    stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
-                    if self.example_counter > 0:
-                        path = self.save()
-                        if stop:
-                            raise JudgeFailureError(stop.format(checkpoint=path))
-                metrics = self.train_step(batch)
-                tokens += self.step_tokens
-                self.batch_counter += 1
-                self.example_counter += len(batch["prompt"])
-                bar.update(len(batch["prompt"]))
-                for k, v in metrics.items():
-                    pending[k].extend(v)
-                self.stop_requested = self.any_rank(self.stop_requested)
-                now = time.time()
-                if self.is_main and (now - last_log >= config.minimum_log_interval_secs or self.stop_requested):
-                    self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
-                    last_log, last_log_examples, tokens = now, self.example_counter, 0
-                if self.stop_requested:
-                    break
-            if pending and self.is_main:  # the last steps are always logged
-                self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
-            bar.close()
+        for batch in iterator:
+            if self.example_counter >= self.next_eval_at:
+                self.evaluate_and_save(final=False)
+            metrics = self.train_step(batch)
+            tokens += self.step_tokens
+            self.batch_counter += 1
+            self.example_counter += len(batch["prompt"])
+            bar.update(len(batch["prompt"]))
+            for k, v in metrics.items():
+                pending[k].extend(v)
+            self.stop_requested = self.any_rank(self.stop_requested)
+            now = time.time()
+            if self.is_main and (now - last_log >= self.config.minimum_log_interval_secs or self.stop_requested):
+                self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
+                last_log, last_log_examples, tokens = now, self.example_counter, 0
             if self.stop_requested:
-                path = self.save()
-                memory = self.log_peak_memory()
-                if self.is_main:
-                    tracking.plot_curves(self.run_dir)
-                    print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-                    self.say_peak_memory(memory)
-                    how = (
-                        "the same torchrun command on every node, with"
-                        if "TORCHELASTIC_RUN_ID" in os.environ
-                        else "python train.py"
-                    )
-                    print(f"Resume with: {how} resume={self.run_dir}")
-                self.wait_for_all()
-                return self.stop_signal or signal.SIGTERM
-            self.evaluate()
-            while self.next_eval_at <= self.example_counter:  # a run extended from here does not evaluate again
-                self.next_eval_at += config.eval_every
-            stop = self.judge_report()
-            path = self.save()
-            if stop:
-                raise JudgeFailureError(stop.format(checkpoint=path))
-            memory = self.log_peak_memory()
-            if self.is_main:
-                written = tracking.plot_curves(self.run_dir)
-                export = ""
-                if config.save_hf_export:
-                    failed = self.hf_export_failure
-                    export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
-                print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
-                self.say_peak_memory(memory)
-                if written:
-                    print(f"Training curves: {os.path.dirname(written[0])}/")
-            self.wait_for_all()
-            if self.is_main:  # every rank's part of the last checkpoint is written
-                checkpoints.mark_finished(self.run_dir, self.example_counter)
+                break
+        if pending and self.is_main:  # the last steps are always logged
+            self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
+
+    def evaluate_and_save(self, final: bool) -> str | None:
+        """Evaluate, schedule the next eval past this point, and checkpoint (before any training only when ``final``);
+        returns the checkpoint's path, and raises JudgeFailureError after it when online DPO's judge failed too often."""
+        self.evaluate()
+        while self.next_eval_at <= self.example_counter:  # before saving: a resume or an extension does not evaluate again
+            self.next_eval_at += self.config.eval_every
+        stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
+        if not (final or self.example_counter > 0):
             return None
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-            self.logger.finish()
+        path = self.save()
+        if stop:
+            raise JudgeFailureError(stop.format(checkpoint=path))
+        return path
+
+    def stop_with_checkpoint(self) -> int:
+        """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
+        path = self.save()
+        memory = self.log_peak_memory()
+        if self.is_main:
+            tracking.plot_curves(self.run_dir)
+            print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
+            self.say_peak_memory(memory)
+            how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
+            print(f"Resume with: {how} resume={self.run_dir}")
+        self.wait_for_all()
+        return self.stop_signal or signal.SIGTERM
+
+    def finish_run(self) -> None:
+        """At the end of training: the last eval and checkpoint, the report, then ``FINISHED`` once every rank is done."""
+        path = self.evaluate_and_save(final=True)
+        memory = self.log_peak_memory()
+        if self.is_main:
+            written = tracking.plot_curves(self.run_dir)
+            export = ""
+            if self.config.save_hf_export:
+                failed = self.hf_export_failure
+                export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
+            print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
+            self.say_peak_memory(memory)
+            if written:
+                print(f"Training curves: {os.path.dirname(written[0])}/")
+        self.wait_for_all()
+        if self.is_main:  # every rank's part of the last checkpoint is written
+            checkpoints.mark_finished(self.run_dir, self.example_counter)
 
     def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
         """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator
@@ -963,12 +927,8 @@ class BasicTrainer(OnlineSampling):
             print(f"CPU memory allocator: {utils.cpu_allocator()}.")
 
     def log_peak_memory(self) -> dict[str, list[float]]:
-        """Log each process's peak resident memory (also up to the end of model loading, ``setup_peak_rss``)
-        and peak CUDA memory as ``memory/*``; every process must call it (a gather).
-
-        Returns:
-            {"rss", "setup_rss"[, "cuda"]}: MiB, one value per rank in rank order.
-        """
+        """Log and return ``{"rss", "setup_rss"[, "cuda"]}``, each process's peak resident (overall, and by the end of
+        model loading) and CUDA memory in MiB, one value per rank; every process must call it (a gather)."""
         mine = {"rss": [tracking.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
@@ -1007,14 +967,8 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> str:
-        """Write ``step-<examples>/`` atomically and point ``LATEST`` at it; returns its path.
-
-        It holds policy.pt, optimizer.pt, scheduler.pt (each ``{step_idx, state, ...}``), trainer_state.pt and
-        ``hf/`` (:meth:`write_hf_export`; LoRA: adapters alone); a failed ``hf/`` export is left out with one warning.
-
-        Raises:
-            checkpoints.CheckpointError: if the checkpoint cannot be written; ``LATEST`` keeps its earlier target.
-        """
+        """Write ``step-<examples>/`` (policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, ``hf/`` unless its
+        export fails) atomically, point ``LATEST`` at it and return its path (checkpoints.CheckpointError if it cannot)."""
         step = self.example_counter
         self.hf_export_failure = None
         self.collect_rank_states()
@@ -1049,11 +1003,7 @@ class BasicTrainer(OnlineSampling):
         return {"step_idx": step, "state": adapters, "lora": OmegaConf.to_container(self.lora, resolve=True)}
 
     def load_policy_state(self, state: dict) -> None:
-        """Load policy.pt's ``state`` into the policy; a LoRA policy's holds its adapters alone.
-
-        Raises:
-            RuntimeError: if ``state`` does not fit the policy (LoRA: other names, or adapters missing).
-        """
+        """Load policy.pt's ``state`` (a LoRA policy's: its adapters alone) into the policy; RuntimeError if it does not fit."""
         if self.peft_model is None:
             self.policy.load_state_dict(state)
             return
@@ -1063,16 +1013,8 @@ class BasicTrainer(OnlineSampling):
             raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
 
     def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
-        """Write the Hugging Face export (policy, tokenizer, model card) into ``folder``; a LoRA policy's is
-        its adapter folder (``peft.PeftModel.from_pretrained``), plus the merged model in ``folder/merged``
-        with ``model.lora.export_merged``.
-
-        Args:
-            state_dict: the full weights when the policy is sharded (FSDP/TP), else None.
-
-        Returns:
-            None, or why the export failed (``folder`` is then removed; the checkpoint is kept).
-        """
+        """Write the Hugging Face export (LoRA: the adapter folder, and ``merged/`` with ``model.lora.export_merged``)
+        of the policy or its full ``state_dict`` into ``folder``; returns None, or why it failed (``folder`` removed)."""
         import shutil
 
         try:
@@ -1195,12 +1137,8 @@ def set_numpy_rng_state(state) -> None:
 
 
 def read_checkpoint_file(checkpoint_dir: str, name: str):
-    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (an earlier version's
-    trainer_state.pt: also the globals that rebuild its NumPy uint32 RNG key).
-
-    Raises:
-        utils.ConfigError: naming the file when it is missing, cut short, unreadable or holds anything else.
-    """
+    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (trainer_state.pt: also NumPy's
+    uint32 RNG key of older checkpoints); utils.ConfigError naming the file if it is missing, cut short or unsafe."""
     path = os.path.join(checkpoint_dir, name)
     problem = checkpoints.checkpoint_file_problem(checkpoint_dir, name)
     if problem is not None:  # also where no manifest was checked first (a checkpoint of an earlier version, Ray's copy)
@@ -1227,13 +1165,8 @@ SHARDED_METADATA_CLASSES = {
 
 
 def read_sharded_checkpoint(state: dict, folder: str) -> None:
-    """``torch.distributed.checkpoint.load(state, folder)`` reading only tensors and plain values: the
-    ``.metadata`` pickle through an unpickler allowing :data:`SHARDED_METADATA_CLASSES` alone, the entries
-    through ``weights_only=True`` (DCP's own reader unpickles both without restriction).
-
-    Raises:
-        utils.ConfigError: naming ``folder`` when it holds anything else, or the file missing or cut short.
-    """
+    """``torch.distributed.checkpoint.load(state, folder)`` unpickling only :data:`SHARDED_METADATA_CLASSES` and
+    ``weights_only=True`` entries; utils.ConfigError naming ``folder`` if it holds more, or a file is missing or cut short."""
     import pickle
     import sys
 
@@ -1432,9 +1365,7 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
     for batch in tqdm.tqdm(batches, total=math.ceil(len(examples) / config.eval_batch_size), desc="reference log-probs"):
         packed = packed_sequence_logps(reference, batch, average, device)
         if packed is None:
-            inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
-            logits, labels = response_logits(reference, inputs)
-            packed = losses.get_batch_logps(logits, labels, average)
+            packed = padded_sequence_logps(reference, batch, average, device, chunk=None)
         logps = packed[0]
         n = len(batch["key"])
         for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
@@ -1450,12 +1381,8 @@ def precompute_reference_logps(reference, examples: list[dict], tokenizer, confi
 
 
 def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
-    """The transformer-block classes of ``model``: ``block_name`` if given, else the model's
-    ``_no_split_modules`` (what Hugging Face keeps on one device).
-
-    Raises:
-        utils.ConfigError: if no module of ``model`` has that class name.
-    """
+    """The transformer-block classes of ``model``: ``block_name`` if given, else its ``_no_split_modules``;
+    utils.ConfigError if no module has that class name."""
     own = set(getattr(model, "_no_split_modules", None) or [])
     names = {block_name} if block_name else own
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
@@ -1600,12 +1527,8 @@ class _DistributedTrainer(BasicTrainer):
                 dist.broadcast(buffer, src=0)
 
     def save(self) -> str:
-        """Write the checkpoint: each rank its DCP shard of policy and optimizer in ``sharded/``, rank 0 policy.pt
-        (gathered), scheduler.pt, trainer_state.pt and ``hf/``, published atomically (LoRA: adapters alone).
-
-        Raises:
-            checkpoints.CheckpointError: on every rank, if any rank cannot write; ``LATEST`` keeps its earlier target.
-        """
+        """Write the checkpoint atomically: each rank its DCP shard in ``sharded/``, rank 0 the gathered policy.pt,
+        scheduler.pt, trainer_state.pt and ``hf/``; checkpoints.CheckpointError on every rank if any cannot write."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
@@ -1797,13 +1720,9 @@ class FSDPTrainer(_DistributedTrainer):
 
 
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
-    """Megatron-LM's column-/row-wise sharding plan (torch.distributed.tensor.parallel) for every block: q/k/v
-    and MLP-in column-wise, attention-out and MLP-out row-wise; embeddings, norms and the output layer stay
-    replicated; GPT-2's Conv1D layers become ``nn.Linear`` first (:func:`_gpt2_to_linear`).
-
-    Raises:
-        utils.ConfigError: for a family other than Llama, GPT-NeoX (Pythia) and GPT-2, or heads not divisible by ``world_size``.
-    """
+    """Megatron-LM's plan for every block (Shoeybi et al. 2019, Sec. 3): q/k/v and MLP-in column-wise, attention-out
+    and MLP-out row-wise, the rest replicated (GPT-2: Conv1D made ``nn.Linear`` first); utils.ConfigError for a family
+    other than Llama, GPT-NeoX and GPT-2, or heads not divisible by ``world_size``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     check_tensor_parallel(model.config, world_size)
