@@ -321,7 +321,7 @@ def test_how_to_continue_names_the_resume_command_only_when_there_is_a_checkpoin
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     # The race: the launcher dies between starting the rank and the rank arming its death signal.
     # Here the "launcher" pid is not this process's parent at all.
-    code = "import train; processes.die_with_launcher(); print('still alive', flush=True)"
+    code = "import processes; processes.die_with_launcher(); print('still alive', flush=True)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -350,7 +350,7 @@ def test_an_evaluate_py_rank_dies_with_its_launcher_too():
 @pytest.mark.timeout(180)
 def test_without_prctl_a_watch_thread_kills_the_rank_when_its_launcher_dies():
     # What other OSes get (no PR_SET_DEATHSIG): a thread that notices the parent is gone.
-    rank = "import sys, time, train; sys.platform = 'darwin'; processes.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
+    rank = "import sys, time, processes; sys.platform = 'darwin'; processes.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
     parent = (
         "import os, subprocess, sys, time\n"
         f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, {processes.LAUNCHER_PID_ENV!r}: str(os.getpid())}})\n"
