@@ -69,6 +69,15 @@ def dpo_step() -> dict[str, tuple[int, int]]:
         code = frame.f_code
         if event == "call" and code.co_name == "train_step" and state["depth"] == 0:
             state["depth"] = 1
+            caller = frame.f_back
+            while caller is not None:  # the loop that called the step: train() and what it calls on the way
+                key = (caller.f_code.co_filename, caller.f_code.co_firstlineno)
+                if key in spans:
+                    a, b, name = spans[key]
+                    seen[f"{os.path.basename(key[0])}:{name}"] = (a, b)
+                    if name == "BasicTrainer.train":
+                        break
+                caller = caller.f_back
         if state["depth"] and event == "call":
             key = (code.co_filename, code.co_firstlineno)
             if key in spans:
@@ -92,9 +101,6 @@ def dpo_step() -> dict[str, tuple[int, int]]:
         train.main(config)
     finally:
         trainers.BasicTrainer.train_step = real
-    for (p, _), (a, b, name) in spans.items():
-        if name == "BasicTrainer.train":
-            seen[f"{os.path.basename(p)}:{name}"] = (a, b)  # the loop that calls the step
     return seen
 
 
