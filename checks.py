@@ -15,19 +15,14 @@ import utils
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
 FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
-"""Optimizers whose state and epsilon underflow in float16 weights, making every weight NaN at the first step (SGD
-does not)."""
+"""Optimizers whose epsilon and state underflow in float16 weights, making every weight NaN at the first step."""
 
 
 # ----------------------------------------------------------------------------- config
 
 
 def validate_config(config: DictConfig, world_size: int = 1) -> None:
-    """Check the composed config before any data or model is loaded.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Raise ConfigError naming the first bad key of the composed config and its fix, before any data or model loads."""
     from preference_datasets import DATASETS, PROMPT_DATASETS
 
     validate_numbers(config)
@@ -188,13 +183,8 @@ def given_keys(overrides: list[str]) -> set[str]:
 
 
 def settle_given(config: DictConfig, given: set[str]) -> None:
-    """Let the command line's keys ``given`` win over a preset's values: ``n_epochs`` given without ``n_examples``
-    sets ``n_examples`` to null.
-
-    Raises:
-        ConfigError: if the command line sets both ``n_epochs`` and ``n_examples``, or both ``model.tokenizer_class``
-            and ``model.tokenizer_name_or_path``.
-    """
+    """Let the command line's keys ``given`` win over a preset's (``n_epochs`` alone nulls ``n_examples``); ConfigError
+    if it sets both of ``n_epochs``/``n_examples`` or of ``model.tokenizer_class``/``model.tokenizer_name_or_path``."""
     pairs = (
         ("n_epochs", "n_examples", "the training length"),
         ("model.tokenizer_class", "model.tokenizer_name_or_path", "the tokenizer"),
@@ -240,8 +230,7 @@ def data_parallel_size(config: DictConfig, world_size: int) -> int:
 
 
 def hf_folder_error(path: str, key: str) -> str | None:
-    """One sentence when the local folder ``path`` (given as ``key``) is a run folder or a checkpoint
-    of train.py rather than a Hugging Face model folder, naming the export inside it; else None."""
+    """One sentence when the local folder ``path`` (given as ``key``) is not a Hugging Face model folder, else None."""
     folder = os.path.expanduser(str(path))
     if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "config.json")):
         return None
@@ -276,11 +265,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
 
 
 def validate_numbers(config: DictConfig) -> None:
-    """Check that each :data:`NUMBER_KEYS` value present and not null is a number of the right kind and range.
-
-    Raises:
-        ConfigError: naming the key, what it needs and what it got.
-    """
+    """Raise ConfigError unless each non-null :data:`NUMBER_KEYS` value is a number of the right kind and range."""
     for key, (whole, least, inclusive) in NUMBER_KEYS.items():
         value = config.get(key)
         if value is None:
@@ -300,11 +285,7 @@ def config_default(key: str):
 
 
 def validate_reference_update(config: DictConfig, objective) -> None:
-    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement (ConfigError)."""
     update = config.get("reference_update")
     if update is None or update.get("mode") is None:
         return
@@ -343,12 +324,7 @@ def lora_settings(model_config: DictConfig) -> DictConfig | None:
 
 
 def validate_lora(config: DictConfig, objective) -> None:
-    """Check ``model.lora`` and what it cannot be combined with (a LoRA run's reference is the policy with
-    adapters off).
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check ``model.lora`` and what it cannot combine with, its reference being the policy with adapters off (ConfigError)."""
     lora = lora_settings(config.model)
     if lora is None:
         return
@@ -400,12 +376,7 @@ def validate_lora(config: DictConfig, objective) -> None:
 
 
 def validate_hub(config: DictConfig) -> None:
-    """Check ``hub.*`` (absent: no push).
-
-    Raises:
-        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true`` without a valid
-            ``hub.model_id`` or without ``save_hf_export``.
-    """
+    """Check ``hub.*`` (absent: no push): boolean flags, and a valid ``hub.model_id`` and ``save_hf_export`` to push."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     hub = config.get("hub") or {}
@@ -436,11 +407,7 @@ def online_capable(objective) -> bool:
 
 
 def validate_online(config: DictConfig) -> None:
-    """Check the ``online:`` section (online DPO) when ``online.enabled``.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check the ``online:`` section (online DPO) when ``online.enabled`` (ConfigError)."""
     online = config.get("online")
     if online is None or not online.enabled:
         return
@@ -544,8 +511,7 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def code_files(repo: str = REPO_DIR) -> dict[str, str]:
-    """The code version of the checkout ``repo``: ``{path: sha256 of its contents}`` of its
-    top-level ``.py`` files and ``config/**/*.yaml``, paths relative to ``repo`` with ``/``."""
+    """``{path relative to repo: sha256}`` of the checkout's top-level ``.py`` files and ``config/**/*.yaml``."""
     import glob
     import hashlib
 
@@ -580,13 +546,8 @@ _UNSET = object()
 
 
 def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
-    """One sentence naming how the first rank that differs from rank 0 differs (code first, then the first
-    differing config key), or None.
-
-    Args:
-        identities: :func:`run_identity` of every rank, in rank order.
-        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the ranks found).
-    """
+    """One sentence on how the first rank whose :func:`run_identity` (``identities``, in rank order) differs from rank 0's
+    differs (code first, then config), else None; ``auto_resume``: ``resume=auto`` was given, so ranks found ``resume``."""
     base = identities[0]
     h0 = base["host"]
     for rank, other in enumerate(identities[1:], start=1):
@@ -615,11 +576,7 @@ def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str 
 
 
 def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
-    """All-gather every rank's :func:`run_identity` and compare it with rank 0's (a collective, before any model loads).
-
-    Raises:
-        ConfigError: on every rank, when a rank was given another config (``output_root`` aside) or runs other code.
-    """
+    """Raise ConfigError on every rank if any rank's :func:`run_identity` differs from rank 0's (a collective)."""
     problem = identity_mismatch(utils.all_gather_object(run_identity(config)), auto_resume)
     if problem is not None:
         raise utils.ConfigError(problem)
@@ -630,8 +587,7 @@ SHARED_MARKER = ".shared-"
 
 
 def _sees(path: str, wait_s: float) -> bool:
-    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (a network file system
-    may show a new file late; listing the folder makes NFS look again)."""
+    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (NFS may show a new file late)."""
     import time
 
     deadline = time.monotonic() + wait_s
@@ -645,12 +601,8 @@ def _sees(path: str, wait_s: float) -> bool:
 
 
 def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
-    """Check that every rank sees ``output_root`` as rank 0 does: rank 0 writes a ``.shared-<random>`` file there
-    for every rank to find within ``wait_s`` seconds, then removes it (a collective).
-
-    Raises:
-        ConfigError: on every rank, when rank 0 cannot write there or a rank does not see the file.
-    """
+    """Raise ConfigError on every rank unless all see the file rank 0 writes in ``output_root`` within ``wait_s`` s
+    (a collective)."""
     import uuid
 
     host = socket.gethostname()
