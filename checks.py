@@ -23,10 +23,22 @@ FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
 
 def validate_config(config: DictConfig, world_size: int = 1) -> None:
     """Raise ConfigError naming the first bad key of the composed config and its fix, before any data or model loads."""
-    from preference_datasets import DATASETS, PROMPT_DATASETS
-
     validate_numbers(config)
     utils.validate_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+    objective = validate_objective(config)
+    validate_reference_update(config, objective)
+    validate_online(config)
+    validate_lora(config, objective)
+    validate_hub(config)
+    validate_datasets(config)
+    validate_batch_split(config, objective, world_size)
+    validate_training(config)
+    validate_choices(config)
+    validate_model(config)
+
+
+def validate_objective(config: DictConfig):
+    """The ``losses.Objective`` of ``config.loss``, checked against the trainer and ``precompute_ref_log_probs``."""
     loss = config.loss
     try:
         objective = losses.validate_loss_config(loss)
@@ -45,10 +57,13 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"loss={loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
             "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."
         )
-    validate_reference_update(config, objective)
-    validate_online(config)
-    validate_lora(config, objective)
-    validate_hub(config)
+    return objective
+
+
+def validate_datasets(config: DictConfig) -> None:
+    """Check that ``datasets`` is a list of registered names (prompt-only ones for online DPO alone)."""
+    from preference_datasets import DATASETS, PROMPT_DATASETS
+
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise utils.ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
@@ -60,6 +75,10 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise utils.ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")
+
+
+def validate_batch_split(config: DictConfig, objective, world_size: int) -> None:
+    """Check that ``batch_size`` splits into accumulation steps and data-parallel parts over ``world_size`` processes."""
     if config.batch_size % config.gradient_accumulation_steps:
         raise utils.ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
@@ -74,7 +93,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             )
         if objective.score_head:
             raise utils.ConfigError(
-                f"loss={loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
+                f"loss={config.loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
             )
         if world_size % tp:
             raise utils.ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
@@ -84,6 +103,10 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise utils.ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
         )
+
+
+def validate_training(config: DictConfig) -> None:
+    """Check the lengths, the training length, the optimizer and its dtype, and the per-step knobs."""
     if config.max_prompt_length >= config.max_length:
         raise utils.ConfigError(
             f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
@@ -115,14 +138,26 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
             f"before the run aborts), got {timeout!r}; e.g. dist_timeout_minutes=60."
         )
-    if config.lr_scheduler not in ("constant", "linear", "cosine"):
-        raise utils.ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
-    if config.wandb.mode not in ("online", "offline", "disabled"):
-        raise utils.ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
-    if config.trainer not in TRAINERS:
-        raise utils.ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
-    if config.get("launcher", "local") not in ("local", "ray"):
-        raise utils.ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
+
+
+CHOICES = (  # (the key's value, the values allowed, the message with {} for the value), checked in this order
+    (lambda c: c.lr_scheduler, ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine, got {}."),
+    (lambda c: c.wandb.mode, ("online", "offline", "disabled"), "wandb.mode must be online, offline or disabled, got {}."),
+    (lambda c: c.trainer, TRAINERS, "trainer={} is unknown; choose one of " + ", ".join(TRAINERS) + "."),
+    (lambda c: c.get("launcher", "local"), ("local", "ray"), "launcher={} is unknown; choose launcher=local or launcher=ray."),
+)
+
+
+def validate_choices(config: DictConfig) -> None:
+    """Check that each :data:`CHOICES` key has one of its allowed values."""
+    for value_of, allowed, message in CHOICES:
+        value = value_of(config)
+        if value not in allowed:
+            raise utils.ConfigError(message.format(value))
+
+
+def validate_model(config: DictConfig) -> None:
+    """Check ``model.name_or_path``, ``model.config`` and ``model.archive`` name something that can be loaded."""
     if OmegaConf.is_missing(config.model, "name_or_path"):  # model=blank_model (or a preset built on it) alone
         raise utils.ConfigError("model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.")
     if config.model.name_or_path is None and config.model.get("config") is None:
