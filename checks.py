@@ -16,23 +16,30 @@ import utils
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
 FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
-"""Optimizers whose state and epsilon underflow in float16 weights, making every weight NaN at the first step (SGD
-does not)."""
+"""Optimizers whose epsilon and state underflow in float16 weights, making every weight NaN at the first step."""
 
 
 # ----------------------------------------------------------------------------- config
 
 
 def validate_config(config: DictConfig, world_size: int = 1) -> None:
-    """Check the composed config before any data or model is loaded.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
-    from preference_datasets import DATASETS, PROMPT_DATASETS
-
+    """Raise ConfigError naming the first bad key of the composed config and its fix, before any data or model loads."""
     validate_numbers(config)
     utils.validate_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+    objective = validate_objective(config)
+    validate_reference_update(config, objective)
+    validate_online(config)
+    validate_lora(config, objective)
+    validate_hub(config)
+    validate_datasets(config)
+    validate_batch_split(config, objective, world_size)
+    validate_training(config)
+    validate_choices(config)
+    validate_model(config)
+
+
+def validate_objective(config: DictConfig):
+    """The ``losses.Objective`` of ``config.loss``, checked against the trainer and ``precompute_ref_log_probs``."""
     loss = config.loss
     try:
         objective = losses.validate_loss_config(loss)
@@ -51,10 +58,13 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"loss={loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
             "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."
         )
-    validate_reference_update(config, objective)
-    validate_online(config)
-    validate_lora(config, objective)
-    validate_hub(config)
+    return objective
+
+
+def validate_datasets(config: DictConfig) -> None:
+    """Check that ``datasets`` is a list of registered names (prompt-only ones for online DPO alone)."""
+    from preference_datasets import DATASETS, PROMPT_DATASETS
+
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise utils.ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
@@ -66,6 +76,10 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise utils.ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")
+
+
+def validate_batch_split(config: DictConfig, objective, world_size: int) -> None:
+    """Check that ``batch_size`` splits into accumulation steps and data-parallel parts over ``world_size`` processes."""
     if config.batch_size % config.gradient_accumulation_steps:
         raise utils.ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
@@ -80,7 +94,7 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             )
         if objective.score_head:
             raise utils.ConfigError(
-                f"loss={loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
+                f"loss={config.loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
             )
         if world_size % tp:
             raise utils.ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
@@ -90,6 +104,10 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
         raise utils.ConfigError(
             f"batch_size ({config.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
         )
+
+
+def validate_training(config: DictConfig) -> None:
+    """Check the lengths, the training length, the optimizer and its dtype, and the per-step knobs."""
     if config.max_prompt_length >= config.max_length:
         raise utils.ConfigError(
             f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
@@ -121,14 +139,26 @@ def validate_config(config: DictConfig, world_size: int = 1) -> None:
             f"dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
             f"before the run aborts), got {timeout!r}; e.g. dist_timeout_minutes=60."
         )
-    if config.lr_scheduler not in ("constant", "linear", "cosine"):
-        raise utils.ConfigError(f"lr_scheduler must be constant, linear or cosine, got {config.lr_scheduler}.")
-    if config.wandb.mode not in ("online", "offline", "disabled"):
-        raise utils.ConfigError(f"wandb.mode must be online, offline or disabled, got {config.wandb.mode}.")
-    if config.trainer not in TRAINERS:
-        raise utils.ConfigError(f"trainer={config.trainer} is unknown; choose one of {', '.join(TRAINERS)}.")
-    if config.get("launcher", "local") not in ("local", "ray"):
-        raise utils.ConfigError(f"launcher={config.launcher} is unknown; choose launcher=local or launcher=ray.")
+
+
+CHOICES = (  # (the key's value, the values allowed, the message with {} for the value), checked in this order
+    (lambda c: c.lr_scheduler, ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine, got {}."),
+    (lambda c: c.wandb.mode, ("online", "offline", "disabled"), "wandb.mode must be online, offline or disabled, got {}."),
+    (lambda c: c.trainer, TRAINERS, "trainer={} is unknown; choose one of " + ", ".join(TRAINERS) + "."),
+    (lambda c: c.get("launcher", "local"), ("local", "ray"), "launcher={} is unknown; choose launcher=local or launcher=ray."),
+)
+
+
+def validate_choices(config: DictConfig) -> None:
+    """Check that each :data:`CHOICES` key has one of its allowed values."""
+    for value_of, allowed, message in CHOICES:
+        value = value_of(config)
+        if value not in allowed:
+            raise utils.ConfigError(message.format(value))
+
+
+def validate_model(config: DictConfig) -> None:
+    """Check ``model.name_or_path``, ``model.config`` and ``model.archive`` name something that can be loaded."""
     if OmegaConf.is_missing(config.model, "name_or_path"):  # model=blank_model (or a preset built on it) alone
         raise utils.ConfigError("model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.")
     if config.model.name_or_path is None and config.model.get("config") is None:
@@ -189,13 +219,8 @@ def given_keys(overrides: list[str]) -> set[str]:
 
 
 def settle_given(config: DictConfig, given: set[str]) -> None:
-    """Let the command line's keys ``given`` win over a preset's values: ``n_epochs`` given without ``n_examples``
-    sets ``n_examples`` to null.
-
-    Raises:
-        ConfigError: if the command line sets both ``n_epochs`` and ``n_examples``, or both ``model.tokenizer_class``
-            and ``model.tokenizer_name_or_path``.
-    """
+    """Let the command line's keys ``given`` win over a preset's (``n_epochs`` alone nulls ``n_examples``); ConfigError
+    if it sets both of ``n_epochs``/``n_examples`` or of ``model.tokenizer_class``/``model.tokenizer_name_or_path``."""
     pairs = (
         ("n_epochs", "n_examples", "the training length"),
         ("model.tokenizer_class", "model.tokenizer_name_or_path", "the tokenizer"),
@@ -241,8 +266,7 @@ def data_parallel_size(config: DictConfig, world_size: int) -> int:
 
 
 def hf_folder_error(path: str, key: str) -> str | None:
-    """One sentence when the local folder ``path`` (given as ``key``) is a run folder or a checkpoint
-    of train.py rather than a Hugging Face model folder, naming the export inside it; else None."""
+    """One sentence when the local folder ``path`` (given as ``key``) is not a Hugging Face model folder, else None."""
     folder = os.path.expanduser(str(path))
     if not os.path.isdir(folder) or os.path.exists(os.path.join(folder, "config.json")):
         return None
@@ -277,11 +301,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
 
 
 def validate_numbers(config: DictConfig) -> None:
-    """Check that each :data:`NUMBER_KEYS` value present and not null is a number of the right kind and range.
-
-    Raises:
-        ConfigError: naming the key, what it needs and what it got.
-    """
+    """Raise ConfigError unless each non-null :data:`NUMBER_KEYS` value is a number of the right kind and range."""
     for key, (whole, least, inclusive) in NUMBER_KEYS.items():
         value = config.get(key)
         if value is None:
@@ -301,11 +321,7 @@ def config_default(key: str):
 
 
 def validate_reference_update(config: DictConfig, objective) -> None:
-    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement (ConfigError)."""
     update = config.get("reference_update")
     if update is None or update.get("mode") is None:
         return
@@ -344,12 +360,7 @@ def lora_settings(model_config: DictConfig) -> DictConfig | None:
 
 
 def validate_lora(config: DictConfig, objective) -> None:
-    """Check ``model.lora`` and what it cannot be combined with (a LoRA run's reference is the policy with
-    adapters off).
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check ``model.lora`` and what it cannot combine with, its reference being the policy with adapters off (ConfigError)."""
     lora = lora_settings(config.model)
     if lora is None:
         return
@@ -401,12 +412,7 @@ def validate_lora(config: DictConfig, objective) -> None:
 
 
 def validate_hub(config: DictConfig) -> None:
-    """Check ``hub.*`` (absent: no push).
-
-    Raises:
-        ConfigError: for a non-boolean ``hub.push`` or ``hub.private``, or ``hub.push=true`` without a valid
-            ``hub.model_id`` or without ``save_hf_export``.
-    """
+    """Check ``hub.*`` (absent: no push): boolean flags, and a valid ``hub.model_id`` and ``save_hf_export`` to push."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     hub = config.get("hub") or {}
@@ -437,11 +443,7 @@ def online_capable(objective) -> bool:
 
 
 def validate_online(config: DictConfig) -> None:
-    """Check the ``online:`` section (online DPO) when ``online.enabled``.
-
-    Raises:
-        ConfigError: naming the first bad key and how to fix it.
-    """
+    """Check the ``online:`` section (online DPO) when ``online.enabled`` (ConfigError)."""
     online = config.get("online")
     if online is None or not online.enabled:
         return
@@ -545,8 +547,7 @@ REPO_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def code_files(repo: str = REPO_DIR) -> dict[str, str]:
-    """The code version of the checkout ``repo``: ``{path: sha256 of its contents}`` of its
-    top-level ``.py`` files and ``config/**/*.yaml``, paths relative to ``repo`` with ``/``."""
+    """``{path relative to repo: sha256}`` of the checkout's top-level ``.py`` files and ``config/**/*.yaml``."""
     import glob
     import hashlib
 
@@ -581,13 +582,8 @@ _UNSET = object()
 
 
 def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
-    """One sentence naming how the first rank that differs from rank 0 differs (code first, then the first
-    differing config key), or None.
-
-    Args:
-        identities: :func:`run_identity` of every rank, in rank order.
-        auto_resume: the command said ``resume=auto`` (a differing ``resume`` is then what the ranks found).
-    """
+    """One sentence on how the first rank whose :func:`run_identity` (``identities``, in rank order) differs from rank 0's
+    differs (code first, then config), else None; ``auto_resume``: ``resume=auto`` was given, so ranks found ``resume``."""
     base = identities[0]
     h0 = base["host"]
     for rank, other in enumerate(identities[1:], start=1):
@@ -616,11 +612,7 @@ def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str 
 
 
 def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
-    """All-gather every rank's :func:`run_identity` and compare it with rank 0's (a collective, before any model loads).
-
-    Raises:
-        ConfigError: on every rank, when a rank was given another config (``output_root`` aside) or runs other code.
-    """
+    """Raise ConfigError on every rank if any rank's :func:`run_identity` differs from rank 0's (a collective)."""
     problem = identity_mismatch(utils.all_gather_object(run_identity(config)), auto_resume)
     if problem is not None:
         raise utils.ConfigError(problem)
@@ -631,8 +623,7 @@ SHARED_MARKER = ".shared-"
 
 
 def _sees(path: str, wait_s: float) -> bool:
-    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (a network file system
-    may show a new file late; listing the folder makes NFS look again)."""
+    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (NFS may show a new file late)."""
     import time
 
     deadline = time.monotonic() + wait_s
@@ -646,12 +637,8 @@ def _sees(path: str, wait_s: float) -> bool:
 
 
 def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
-    """Check that every rank sees ``output_root`` as rank 0 does: rank 0 writes a ``.shared-<random>`` file there
-    for every rank to find within ``wait_s`` seconds, then removes it (a collective).
-
-    Raises:
-        ConfigError: on every rank, when rank 0 cannot write there or a rank does not see the file.
-    """
+    """Raise ConfigError on every rank unless all see the file rank 0 writes in ``output_root`` within ``wait_s`` s
+    (a collective)."""
     import uuid
 
     host = socket.gethostname()
