@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import html
 import json
@@ -23,9 +22,9 @@ import modelcard
 import models
 import preference_datasets
 import rewards
+import sampling
 import utils
 from losses import IGNORE_INDEX
-from online import completion_mask
 from preference_datasets import DataError
 from trainers import response_logps
 from utils import ConfigError
@@ -137,188 +136,23 @@ def compare_scores(a: float, b: float) -> str:
 # ----------------------------------------------------------------------------- models
 
 
-@dataclasses.dataclass
-class Source:
-    """A model to sample from, as ``policy=`` / ``baseline=`` named it."""
-
-    label: str  # how results name it: the run folder's name, <run>/<step>, a hub id, ...
-    kind: str  # "run", "checkpoint", "hf", "hub" or "reference"
-    model_config: DictConfig  # the model.* it is built from: its run's, or evaluate's with name_or_path set to it
-    weights: str | None  # a policy.pt loaded over that model
-    seed: int  # builds a random model.config model as its run built it
-    run_dir: str | None = None  # the training run folder it belongs to
-    run_config: DictConfig | None = None  # that run's config.yaml
-    fingerprint: str = ""  # a digest of what identifies its weights and tokenizer (cache keys)
-    adapter: str | None = None  # a peft adapter folder loaded onto the model
-
-
-def _stat(path: str) -> list:
-    st = os.stat(path)
-    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
-
-
-def _folder_stat(path: str) -> list:
-    names = sorted(n for n in os.listdir(path) if n.endswith((".json", ".safetensors", ".bin", ".model", ".txt", ".jinja")))
-    return [_stat(os.path.join(path, n)) for n in names]
-
-
-def _fingerprint(source: Source) -> str:
-    model = OmegaConf.to_container(source.model_config, resolve=True)
-    where = _folder_stat(source.model_config.name_or_path) if source.kind == "hf" else None
-    adapter = _folder_stat(source.adapter) if source.adapter else None
-    return utils.digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where, adapter])
-
-
-def _enclosing_run(path: str) -> str | None:
-    """The training run folder (a config.yaml without ``policy``) within three levels above ``path`` (a checkpoint's
-    ``hf/`` or ``hf/merged``), or None."""
-    folder = os.path.realpath(path)
-    for _ in range(3):
-        folder = os.path.dirname(folder)
-        if os.path.isfile(os.path.join(folder, "config.yaml")) and "policy" not in OmegaConf.load(
-            os.path.join(folder, "config.yaml")
-        ):
-            return folder
-    return None
-
-
-def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Source:
-    real = os.path.realpath(checkpoint)
-    run_dir = os.path.dirname(real)
-    saved = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(saved):
-        raise ConfigError(
-            f"{what}={spec}: its run folder {run_dir} has no config.yaml, which says what model the checkpoint is; "
-            "give the checkpoint of a run made by train.py, or its hf/ folder."
-        )
-    run_config = OmegaConf.load(saved)
-    if run_config.get("loss", {}).get("name") == "reward":
-        raise ConfigError(
-            f"{what}={spec} is a reward model (loss=reward), not a policy; give it to the judge as "
-            f"reward_model.name_or_path={os.path.join(run_dir, 'LATEST', 'hf')}."
-        )
-    label = os.path.basename(run_dir) + ("" if kind == "run" else "/" + os.path.basename(real))
-    source = Source(label, kind, run_config.model, os.path.join(real, "policy.pt"), int(run_config.seed), run_dir, run_config)
-    source.fingerprint = _fingerprint(source)
-    return source
-
-
-def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
-    """The model ``spec`` names: a run folder (its LATEST), a checkpoint or its ``policy.pt`` (built from the run's saved
-    ``model``), or a Hugging Face folder, adapter folder or hub id (evaluate's ``model.*`` with ``name_or_path`` set to it)."""
-    spec = str(spec)
-    path = os.path.expanduser(spec)
-    if os.path.isfile(path):
-        if not path.endswith(".pt"):
-            raise ConfigError(
-                f"{what}={spec} is a file but not a checkpoint's policy.pt; give a run folder, a checkpoint, a Hugging Face folder or a hub id."
-            )
-        return _checkpoint_source(os.path.dirname(path), spec, what, "checkpoint")
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "policy.pt")):
-            return _checkpoint_source(path, spec, what, "checkpoint")
-        if os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json")):
-            return _adapter_source(path, spec, config, what)
-        if os.path.isfile(os.path.join(path, "config.json")):
-            with open(os.path.join(path, "config.json")) as f:
-                architectures = json.load(f).get("architectures") or []
-            if any(a.endswith("ForSequenceClassification") for a in architectures):
-                raise ConfigError(
-                    f"{what}={spec} is a sequence-classification (reward) model, not a policy; give it as reward_model.name_or_path."
-                )
-            model_config = config.model.copy()
-            model_config.name_or_path, model_config.config = path, None
-            run_dir = _enclosing_run(path)
-            label = (
-                f"{os.path.basename(run_dir)}/{os.path.relpath(os.path.realpath(path), run_dir)}"
-                if run_dir
-                else os.path.basename(os.path.abspath(path))
-            )
-            source = Source(label, "hf", model_config, None, int(config.seed), run_dir)
-            source.fingerprint = _fingerprint(source)
-            return source
-        if os.path.isfile(os.path.join(path, "config.yaml")):
-            if os.path.isfile(os.path.join(path, "LATEST", "policy.pt")):
-                return _checkpoint_source(os.path.join(path, "LATEST"), spec, what, "run")
-            raise ConfigError(
-                f"{what}={spec} is a run folder without a checkpoint (no LATEST/policy.pt); evaluate a run that has saved one."
-            )
-        raise ConfigError(
-            f"{what}={spec} is a folder but not a model: it holds no config.yaml with LATEST/policy.pt (a run folder), "
-            "no policy.pt (a checkpoint) and no config.json (a Hugging Face model folder)."
-        )
-    if checks.looks_local(spec):
-        raise ConfigError(f"{what}={spec} does not exist; give a run folder, a checkpoint, a Hugging Face folder or a hub id.")
-    model_config = config.model.copy()
-    model_config.name_or_path, model_config.config = spec, None
-    source = Source(spec, "hub", model_config, None, int(config.seed))
-    source.fingerprint = _fingerprint(source)
-    return source
-
-
-def _adapter_source(path: str, spec: str, config: DictConfig, what: str) -> Source:
-    """A peft adapter folder (e.g. a LoRA run's ``hf/``): the checkpoint it was exported from when it lies in one,
-    else its ``base_model_name_or_path`` with the adapters on top."""
-    parent = os.path.dirname(os.path.realpath(path))
-    if os.path.isfile(os.path.join(parent, "policy.pt")) and _enclosing_run(path):
-        return _checkpoint_source(parent, spec, what, "checkpoint")
-    with open(os.path.join(path, "adapter_config.json")) as f:
-        base = json.load(f).get("base_model_name_or_path")
-    if not base:
-        raise ConfigError(
-            f"{what}={spec} is a LoRA adapter folder whose adapter_config.json names no base model "
-            "(base_model_name_or_path); give the checkpoint it came from, or its hf/merged folder."
-        )
-    model_config = config.model.copy()
-    model_config.name_or_path, model_config.config = base, None
-    run_dir = _enclosing_run(path)
-    label = (
-        f"{os.path.basename(run_dir)}/{os.path.relpath(os.path.realpath(path), run_dir)}" if run_dir else os.path.basename(path)
-    )
-    source = Source(
-        label, "hub" if not os.path.isdir(base) else "hf", model_config, None, int(config.seed), run_dir, adapter=path
-    )
-    source.fingerprint = _fingerprint(source)
-    return source
-
-
-def reference_source(policy: Source) -> Source:
-    """The reference of a policy trained here: its run's ``model.archive`` (the SFT checkpoint DPO started from), else
-    its model before training (pretrained or seeded random init)."""
-    if policy.run_config is None:
-        raise ConfigError(
-            f"baseline=reference needs a policy trained here (a run folder or checkpoint), whose model.archive or base model is "
-            f"its reference; {policy.label} is not one: give its base model as baseline=<folder or hub id>."
-        )
-    archive = policy.model_config.get("archive")
-    if archive is not None and not os.path.isfile(archive):
-        raise ConfigError(
-            f"The reference of {policy.label} is model.archive={archive}, which is not a file here; run evaluate.py from the "
-            "folder that run was started in, or give that checkpoint as baseline=<its folder>."
-        )
-    label = f"reference ({archive or policy.model_config.get('name_or_path') or 'random init'})"
-    source = Source(label, "reference", policy.model_config, archive, policy.seed, policy.run_dir, policy.run_config)
-    source.fingerprint = _fingerprint(source)
-    return source
-
-
-def kl_reference(config: DictConfig, policy: Source) -> tuple[Source | None, str | None]:
-    """The model KL(A || reference) is measured against (``reference=``, else :func:`reference_source`), and None
+def kl_reference(config: DictConfig, policy: sampling.Source) -> tuple[sampling.Source | None, str | None]:
+    """The model KL(A || reference) is measured against (``reference=``, else :func:`sampling.reference_source`), and None
     with why when there is none."""
     if config.get("reference") is not None:
-        return resolve_source(config.reference, config, "reference"), None
+        return sampling.resolve_source(config.reference, config, "reference"), None
     if policy.run_config is None:
         return (
             None,
             f"{policy.label} is not a run folder or checkpoint of train.py (whose start is the reference); give reference=<folder or hub id>",
         )
     try:
-        return reference_source(policy), None
+        return sampling.reference_source(policy), None
     except ConfigError as e:
         return None, str(e)
 
 
-def check_same_vocabulary(policy: Source, reference: Source) -> None:
+def check_same_vocabulary(policy: sampling.Source, reference: sampling.Source) -> None:
     """Raise ConfigError unless ``reference``'s tokenizer has ``policy``'s vocabulary (the KL compares the same token ids)."""
     if models.load_tokenizer(policy.model_config).get_vocab() != models.load_tokenizer(reference.model_config).get_vocab():
         raise ConfigError(
@@ -327,107 +161,10 @@ def check_same_vocabulary(policy: Source, reference: Source) -> None:
         )
 
 
-def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
-    """(model in eval mode on ``device``, tokenizer) of ``source``; a LoRA run's ``policy.pt`` (adapters only) goes
-    onto its base with its ``model.archive`` (``models.apply_lora``)."""
-    try:
-        tokenizer = models.load_tokenizer(source.model_config)
-        model = models.load_model(source.model_config, tokenizer, utils.get_dtype(source.model_config.policy_dtype), source.seed)
-    except ConfigError as e:
-        if source.kind != "hub":
-            raise
-        raise ConfigError(
-            f"{source.model_config.name_or_path} is not a folder here and could not be loaded as a hub id "
-            f"({str(e)[:160]}); give a run folder, a checkpoint, a Hugging Face folder or a hub id this machine can reach."
-        ) from None
-    if source.adapter is not None:
-        import peft
-
-        model = peft.PeftModel.from_pretrained(model, source.adapter)
-    if source.weights is not None:
-        try:
-            checkpoint = models.load_weights_file(
-                source.weights, f"The weights file {source.weights}", "give a checkpoint written by train.py"
-            )
-            if checkpoint.get("lora") is None:
-                model.load_state_dict(checkpoint["state"])
-            else:
-                archive = source.model_config.get("archive")
-                if archive is not None:
-                    base = models.load_weights_file(
-                        archive, f"{source.label}'s model.archive={archive}", "give the policy.pt of an earlier run"
-                    )
-                    model.load_state_dict(base["state"])
-                model = models.apply_lora(model, OmegaConf.create(checkpoint["lora"]))
-                # the adapters are named as in the base that peft injected them into (trainers: policy_checkpoint)
-                unexpected = model.get_base_model().load_state_dict(checkpoint["state"], strict=False).unexpected_keys
-                if unexpected:
-                    raise RuntimeError(f"unexpected adapter weights, e.g. {unexpected[0]!r}")
-        except (RuntimeError, KeyError, TypeError, AttributeError, OSError, EOFError) as e:
-            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise ConfigError(
-                f"{source.weights} could not be loaded into {source.label}'s model ({detail}); give a checkpoint of a run of that model."
-            ) from e
-    model.to(device).eval()
-    return model, tokenizer
-
-
 # ----------------------------------------------------------------------------- prompts
 
 
-ROLE_TAGS = {"user": "Human", "assistant": "Assistant", "system": "System"}
-
-
-def messages_text(messages: list[dict]) -> str:
-    """A conversation as HH's plain text (``"\\n\\nHuman: ...\\n\\nAssistant:"``), as a plain-text HH reward model or an
-    LLM judge reads it."""
-    turns = "".join(f"\n\n{ROLE_TAGS.get(m['role'], m['role'].capitalize())}: {m['content']}" for m in messages)
-    return turns + preference_datasets.ASSISTANT_TAG
-
-
-def response_text(response) -> str:
-    """A chosen response as text: a string as it is, a message list as its assistant contents."""
-    if isinstance(response, str):
-        return response
-    return "\n\n".join(m["content"] for m in response if m.get("role") == "assistant")
-
-
-def load_items(config: DictConfig, silent: bool = False, split: str = "test") -> list[dict]:
-    """The first ``n_prompts`` prompts of ``split`` of each of ``datasets``, in order: ``prompt`` as the dataset gives it,
-    ``judge_prompt`` as the judge reads it, ``chosen`` only with ``baseline=chosen``, ``fields`` for reward functions."""
-    options = OmegaConf.to_container(config.data, resolve=True)
-    items = []
-    for name in config.datasets:
-        if config.get("baseline") == "chosen":
-            if name not in preference_datasets.DATASETS:
-                raise ConfigError(
-                    f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
-                    "use baseline=reference or another policy."
-                )
-            data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
-            entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
-        else:
-            entries = [(p, None, f) for p, f in preference_datasets.load_prompt_entries(name, split, options, silent)]
-        mode = preference_datasets.prompt_truncation_mode(name)
-        for k, (prompt, chosen, fields) in enumerate(entries[: config.n_prompts]):
-            conversation = isinstance(prompt, list)
-            items.append(
-                {
-                    "id": f"{name}/{k}",
-                    "index": len(items),
-                    "dataset": name,
-                    "prompt": prompt,
-                    "judge_prompt": messages_text(prompt) if conversation else prompt,
-                    "chosen": None if chosen is None else judged_response(response_text(chosen), conversation),
-                    "conversation": conversation,
-                    "truncation_mode": mode,
-                    "fields": fields,
-                }
-            )
-    return items
-
-
-def training_overlap(items: list[dict], policy: Source) -> dict[str, int]:
+def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, int]:
     """``{dataset: count}`` of ``items``' prompts (as the judge reads them) in the policy run's training split, read
     with that run's ``datasets`` and ``data.*``; empty for a policy not trained here."""
     run = policy.run_config
@@ -442,86 +179,14 @@ def training_overlap(items: list[dict], policy: Source) -> dict[str, int]:
             train = preference_datasets.load_dataset_dict(name, "train", options.get(name), silent=True)
         except (preference_datasets.DataError, OSError):
             continue  # its training data is not readable here: nothing to compare with
-        seen = {messages_text(p) if isinstance(p, list) else p for p in (e.get("prompt_messages", k) for k, e in train.items())}
+        seen = {
+            sampling.messages_text(p) if isinstance(p, list) else p
+            for p in (e.get("prompt_messages", k) for k, e in train.items())
+        }
         count = sum(it["judge_prompt"] in seen for it in items if it["dataset"] == name)
         if count:
             overlap[name] = count
     return overlap
-
-
-def judged_response(text: str, conversation: bool) -> str:
-    """A response as the judge reads it: as it is after a plain-text prompt, else one space and the text stripped."""
-    return " " + text.strip() if conversation else text  # a chat model's reply and the chosen one look alike
-
-
-def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[int]]:
-    """Each item's prompt token ids as ``tokenizer``'s model sees them when sampling (chat template, BOS, cut to
-    ``max_prompt_length``)."""
-    examples = [
-        {
-            "prompt": it["prompt"],
-            "truncation_mode": it["truncation_mode"],
-            **({"conversation": True} if it["conversation"] else {}),
-        }
-        for it in items
-    ]
-    examples = preference_datasets.render_conversations(
-        examples, tokenizer, config.max_length, config.max_prompt_length, silent=True, split="test"
-    )
-    return [
-        preference_datasets.tokenize_prompt(
-            ex["prompt"], tokenizer, config.max_prompt_length, ex["truncation_mode"], "end_token_id" in ex
-        )["prompt_input_ids"]
-        for ex in examples
-    ]
-
-
-# ----------------------------------------------------------------------------- sampling
-
-
-def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
-    """The text ``completion`` adds after ``prompt``, special tokens skipped; the completion decoded alone when the
-    decoded prompt is not a prefix."""
-    # decoded alone, a SentencePiece "▁Hello" loses its space: "Assistant:Hello"
-    whole = tokenizer.decode(prompt + completion, skip_special_tokens=True)
-    head = tokenizer.decode(prompt, skip_special_tokens=True)
-    if whole.startswith(head):
-        return whole[len(head) :]
-    return tokenizer.decode(completion, skip_special_tokens=True)
-
-
-def generate_batch(
-    model, tokenizer, stop_ids: list[int], prompts: list[list[int]], temperature: float, config, seed: int
-) -> list[dict]:
-    """One sample per prompt from one left-padded ``generate`` call seeded with ``seed`` (greedy at temperature 0),
-    each ``{"text", "n_tokens" (with the stop token), "ended" (at a stop token), "tokens"}``."""
-    from transformers import GenerationConfig
-
-    pad = tokenizer.pad_token_id
-    ids, mask = preference_datasets.left_pad(prompts, pad)
-    sampling = temperature > 0
-    generation = GenerationConfig(
-        do_sample=sampling,
-        temperature=temperature if sampling else 1.0,
-        top_k=config.top_k if sampling else None,
-        top_p=config.top_p if sampling else 1.0,
-        max_new_tokens=config.max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=stop_ids,
-    )
-    device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=generation)
-    completions = out[:, ids.shape[1] :].cpu()
-    keep = completion_mask(completions, stop_ids)
-    samples = []
-    for prompt, row, m in zip(prompts, completions, keep):
-        tokens = row[m].tolist()
-        ended = bool(tokens) and tokens[-1] in stop_ids
-        text = completion_text(tokenizer, list(prompt), tokens[:-1] if ended else tokens)
-        samples.append({"text": text, "n_tokens": len(tokens), "ended": ended, "tokens": tokens})
-    return samples
 
 
 # ----------------------------------------------------------------------------- the on-disk cache
@@ -568,7 +233,7 @@ class Cache:
         self.added += len(records)
 
 
-def sample_key(source: Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
+def sample_key(source: sampling.Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
     """The cache key of a batch's ``i``-th sample: model, side, temperature, seed, generation settings and the batch's
     prompts (which share one ``generate`` call)."""
     settings = [config.seed, config.max_new_tokens, config.top_k, config.top_p, config.max_prompt_length, config.max_length]
@@ -582,7 +247,14 @@ def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
 
 
 def sample_all(
-    source: Source, side: str, batches: list[list[dict]], config, cache: Cache, device, show: bool, need_tokens: bool = False
+    source: sampling.Source,
+    side: str,
+    batches: list[list[dict]],
+    config,
+    cache: Cache,
+    device,
+    show: bool,
+    need_tokens: bool = False,
 ) -> dict:
     """{(item id, temperature): sample record} of ``source``, from ``cache`` or generated batch by batch; with
     ``need_tokens``, a cached sample without its token ids is sampled again with the same seed."""
@@ -596,13 +268,15 @@ def sample_all(
     missing = lambda k: cache.get(k) is None or (need_tokens and "tokens" not in cache.get(k))  # noqa: E731
     todo = [(b, t) for (b, t), ks in keys.items() if any(missing(k) for k in ks)]
     if todo:
-        model, tokenizer = load_source(source, device)
+        model, tokenizer = sampling.load_source(source, device)
         stop_ids = preference_datasets.stop_token_ids(tokenizer)
-        ids = {b: prompt_ids(batches[b], tokenizer, config) for b in sorted({b for b, _ in todo})}
+        ids = {b: sampling.prompt_ids(batches[b], tokenizer, config) for b in sorted({b for b, _ in todo})}
         from tqdm import tqdm
 
         for b, t in tqdm(todo, desc=f"sampling {side}: {source.label}", disable=not show, leave=False):
-            samples = generate_batch(model, tokenizer, stop_ids, ids[b], t, config, batch_seed(config, side, t, digests[b]))
+            samples = sampling.generate_batch(
+                model, tokenizer, stop_ids, ids[b], t, config, batch_seed(config, side, t, digests[b])
+            )
             records = [
                 {"key": k, "side": side, "id": it["id"], "temperature": t, **s}
                 for k, it, s in zip(keys[(b, t)], batches[b], samples)
@@ -633,7 +307,7 @@ def completion_logps(model, prompts: list[list[int]], completions: list[list[int
 
 
 def logps_all(
-    source: Source, batches: list[list[dict]], samples: dict, prompts: dict, config, cache: Cache, device, show: bool
+    source: sampling.Source, batches: list[list[dict]], samples: dict, prompts: dict, config, cache: Cache, device, show: bool
 ) -> dict:
     """{(item id, temperature): log-prob in nats} under ``source`` of each of A's ``samples``, from ``cache`` or computed
     batch by batch; ``prompts(b)``: batch b's prompt ids as A saw them."""
@@ -641,7 +315,7 @@ def logps_all(
     key = lambda it, t: utils.digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
     todo = [(b, t) for b, batch in enumerate(batches) for t in temps if any(cache.get(key(it, t)) is None for it in batch)]
     if todo:
-        model, _ = load_source(source, device)
+        model, _ = sampling.load_source(source, device)
         from tqdm import tqdm
 
         for b, t in tqdm(todo, desc=f"log-probs: {source.label}", disable=not show, leave=False):
@@ -726,7 +400,7 @@ class Judge:
             scorer = self._build()
             return utils.digest([self.kind, scorer.names, scorer.weights, [_source(fn) for fn in scorer.functions]])
         path = os.path.expanduser(self.config.reward_model.name_or_path)
-        where = _folder_stat(path) if os.path.isdir(path) else path
+        where = sampling._folder_stat(path) if os.path.isdir(path) else path
         return utils.digest([self.kind, where, self.config.reward_model.max_length])
 
     def judge_all(self, rows: list[dict]) -> None:
@@ -921,7 +595,9 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
     utils.write_atomic(path, "\n".join(parts) + "\n")
 
 
-def summarize(rows: list[dict], config, policy: Source, baseline_label: str, reference: Source | None = None) -> dict:
+def summarize(
+    rows: list[dict], config, policy: sampling.Source, baseline_label: str, reference: sampling.Source | None = None
+) -> dict:
     """results.json's content: the settings and per temperature :func:`win_rate_stats`, ``a_ended``, ``a_tokens`` and
     the :func:`mean_interval` of A's reward (null for a pairwise judge) and KL (null without a reference)."""
     temperatures = {}
@@ -1059,7 +735,7 @@ def effective_config(config: DictConfig) -> DictConfig:
 DEFAULT_DATASETS = ["hh"]  # datasets=null's prompts for a policy without a run folder to name its own
 
 
-def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
+def settle_datasets(config: DictConfig, policy: sampling.Source, say: bool) -> None:
     """With ``datasets=null``, take the policy run's ``datasets`` and ``data.*``, or :data:`DEFAULT_DATASETS` for a
     policy without a run folder; ``say``: print which."""
     if config.datasets is not None:
@@ -1085,7 +761,7 @@ def settle_datasets(config: DictConfig, policy: Source, say: bool) -> None:
         print(f"Prompts: the held-out split of {policy.label}'s datasets={list(config.datasets)}, read with its data.* settings.")
 
 
-def source_path(source: Source) -> str:
+def source_path(source: sampling.Source) -> str:
     """Where ``source``'s weights are: its checkpoint, hf or adapter folder (links resolved), or its hub id."""
     if source.weights is not None:
         return os.path.dirname(checkpoints.local_path(source.weights))
@@ -1099,7 +775,7 @@ def judge_text(config: DictConfig) -> str:
     if kind in ("reward_model", "reward_model_judge"):
         path = checkpoints.local_path(config.reward_model.name_or_path)
         if os.path.isdir(path):
-            run_dir = _enclosing_run(path)
+            run_dir = sampling._enclosing_run(path)
             path = f"{os.path.basename(run_dir)}/{os.path.relpath(path, run_dir)}" if run_dir else os.path.basename(path)
         return f"{kind} {path}"
     if kind == "http_judge":
@@ -1112,7 +788,7 @@ def win_rates_title(n_prompts: int, judge: str) -> str:
     return f"{n_prompts} prompts, judge: {judge}\n(bands: 95% Wilson interval)"
 
 
-def default_output_dir(config: DictConfig, policy: Source, baseline_label: str) -> str:
+def default_output_dir(config: DictConfig, policy: sampling.Source, baseline_label: str) -> str:
     """``<policy's run folder>/eval/<name>_<timestamp>``, or ``<output_root>/eval/<name>_<timestamp>``
     for a hub id or a folder outside a run; ``name`` defaults to ``vs_<baseline>_<judge>``."""
     name = config.name or f"vs_{baseline_label}_{config.judge.name}"
@@ -1133,15 +809,15 @@ def main(config: DictConfig) -> str:
     utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
-    policy = resolve_source(config.policy, config, "policy")
+    policy = sampling.resolve_source(config.policy, config, "policy")
     policy.label = config.get("label") or policy.label
     if config.baseline == "chosen":
         baseline, baseline_label = None, "chosen"
     elif config.baseline == "reference":
-        baseline = reference_source(policy)
+        baseline = sampling.reference_source(policy)
         baseline_label = "reference"
     else:
-        baseline = resolve_source(config.baseline, config, "baseline")
+        baseline = sampling.resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
     baseline_label = config.get("baseline_label") or baseline_label
     settle_datasets(config, policy, say=rank == 0)  # datasets=null: the policy run's own
@@ -1149,7 +825,7 @@ def main(config: DictConfig) -> str:
     if reference is not None:
         check_same_vocabulary(policy, reference)
     judge = Judge(config)  # its settings checked before any folder is made
-    items = load_items(config, silent=rank != 0)
+    items = sampling.load_items(config, silent=rank != 0)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no prompts; give a dataset with a held-out split.")
     if judge.kind == "reward_function":  # a column the functions cannot take: one sentence before sampling
@@ -1227,7 +903,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
     return out
 
 
-def _kl_logps(config, out, rank, device, policy: Source, reference: Source, mine, a: dict, show: bool) -> dict:
+def _kl_logps(config, out, rank, device, policy: sampling.Source, reference: sampling.Source, mine, a: dict, show: bool) -> dict:
     """{(item id, temperature): (log pi_A, log pi_ref)} of A's samples ``a``, each in nats, cached in ``logps-rank<r>.jsonl``."""
     logps = Cache(out, "logps", rank)
     tokenizer, ids = [], {}
@@ -1236,7 +912,7 @@ def _kl_logps(config, out, rank, device, policy: Source, reference: Source, mine
         if not tokenizer:
             tokenizer.append(models.load_tokenizer(policy.model_config))
         if k not in ids:
-            ids[k] = prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
+            ids[k] = sampling.prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
         return ids[k]
 
     a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
@@ -1251,7 +927,7 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
         for it in batch:
             for t in (float(x) for x in config.temperatures):
                 sa = a[(it["id"], t)]
-                text_b = it["chosen"] if b is None else judged_response(b[(it["id"], t)]["text"], it["conversation"])
+                text_b = it["chosen"] if b is None else sampling.judged_response(b[(it["id"], t)]["text"], it["conversation"])
                 rows.append(
                     {
                         "id": it["id"],
@@ -1259,7 +935,7 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
                         "dataset": it["dataset"],
                         "temperature": t,
                         "judge_prompt": it["judge_prompt"],
-                        "a": judged_response(sa["text"], it["conversation"]),
+                        "a": sampling.judged_response(sa["text"], it["conversation"]),
                         "b": text_b,
                         "a_ended": sa["ended"],
                         "a_tokens": sa["n_tokens"],
@@ -1273,7 +949,7 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
 
 
 def _write_and_report(
-    config, out: str, rows: list[dict], results: dict, errors: list, policy: Source, baseline_label: str
+    config, out: str, rows: list[dict], results: dict, errors: list, policy: sampling.Source, baseline_label: str
 ) -> None:
     """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
     utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
@@ -1306,7 +982,7 @@ def _write_and_report(
         update_card(policy, out)
 
 
-def update_card(policy: Source, out: str) -> None:
+def update_card(policy: sampling.Source, out: str) -> None:
     """Add this evaluation to the model cards of the checkpoint ``policy`` is (:func:`modelcard.add_evaluation`)
     and print which; nothing for a policy that is not a run's checkpoint."""
     if policy.weights is None or policy.run_dir is None:

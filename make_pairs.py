@@ -16,9 +16,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import evaluate
 import preference_datasets
 import rewards
+import sampling
 import utils
 from preference_datasets import DataError
 from utils import ConfigError
@@ -76,7 +76,7 @@ def check_config(config: DictConfig) -> None:
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
 
 
-def train_command(policy: evaluate.Source, output: str, conversational: bool = False) -> str:
+def train_command(policy: sampling.Source, output: str, conversational: bool = False) -> str:
     """The train.py command that trains on ``output``, starting from ``policy``."""
     model = policy.model_config
     name = model.get("name_or_path")
@@ -96,12 +96,12 @@ def main(config: DictConfig) -> dict:
     scorer = rewards.RewardFunctionScorer.from_config(config)  # an unknown function is refused before any model loads
     utils.set_threads(config.num_threads)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    policy = evaluate.resolve_source(config.policy, config, "policy")
+    policy = sampling.resolve_source(config.policy, config, "policy")
     items, conversational = _prompt_items(config)
     output = os.path.abspath(os.path.expanduser(str(config.output)))
     os.makedirs(os.path.dirname(output), exist_ok=True)
 
-    model, tokenizer = evaluate.load_source(policy, device)
+    model, tokenizer = sampling.load_source(policy, device)
     samples, pairs, counts = _sample_and_pair(config, scorer, model, tokenizer, items)
     del model
 
@@ -112,7 +112,7 @@ def main(config: DictConfig) -> dict:
 
 def _prompt_items(config: DictConfig) -> tuple[list[dict], set[bool]]:
     """The prompts of ``split`` and {whether they are conversations}; DataError or ConfigError for prompts it cannot use."""
-    items = evaluate.load_items(config, silent=False, split=config.split)
+    items = sampling.load_items(config, silent=False, split=config.split)
     if not items:
         raise DataError(f"datasets={list(config.datasets)} gave no {config.split} prompts; give a dataset with that split.")
     conversational = {it["conversation"] for it in items}
@@ -148,12 +148,12 @@ def _sample_and_pair(config: DictConfig, scorer, model, tokenizer, items: list[d
 def _generate_and_score(config: DictConfig, scorer, model, tokenizer, stop_ids, batch: list[dict]) -> tuple:
     """(generate_batch's output, the texts, their scores (NaN: failed), an iterator of the failures' reasons), ``k`` a prompt."""
     k = int(config.k)
-    ids = evaluate.prompt_ids(batch, tokenizer, config)
+    ids = sampling.prompt_ids(batch, tokenizer, config)
     seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
-    out = evaluate.generate_batch(
+    out = sampling.generate_batch(
         model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
     )
-    texts = [evaluate.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)]
+    texts = [sampling.judged_response(out[n * k + j]["text"], it["conversation"]) for n, it in enumerate(batch) for j in range(k)]
     prompts = [it["judge_prompt"] for it in batch for _ in range(k)]
     fields = rewards.field_columns([it["fields"] for it in batch for _ in range(k)])  # each prompt's row's other columns
     scores = scorer.score(prompts, texts, **fields).tolist()

@@ -54,6 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import evaluate  # noqa: E402  (the repository's modules, from the repository root)
+import sampling  # noqa: E402
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 REWARD = "sentiment"
@@ -127,7 +128,7 @@ def sample_stories(model_path: Path, n: int, seed: int, max_new_tokens: int = 24
     texts = []
     for start in range(0, n, batch):
         prompts = [[tokenizer.bos_token_id]] * min(batch, n - start)
-        out = evaluate.generate_batch(model, tokenizer, stop_ids, prompts, TEMPERATURE, settings, seed + start)
+        out = sampling.generate_batch(model, tokenizer, stop_ids, prompts, TEMPERATURE, settings, seed + start)
         texts.extend(s["text"] for s in out)
     return texts
 

@@ -26,6 +26,7 @@ from test_online import LocalChatServer, LongerIsBetterJudgeServer, save_tiny_re
 
 import evaluate
 import rewards
+import sampling
 from preference_datasets import DataError
 from utils import ConfigError
 
@@ -127,7 +128,7 @@ def test_completion_text_keeps_the_leading_space_a_sentencepiece_decode_drops():
     prompt = tokenizer("\n\nHuman: Hi there\n\nAssistant:", add_special_tokens=False)["input_ids"]
     completion = tokenizer(" Hello friend", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(completion) == "Hello friend"  # the bug this avoids: "Assistant:Hello"
-    assert evaluate.completion_text(tokenizer, prompt, completion) == " Hello friend"
+    assert sampling.completion_text(tokenizer, prompt, completion) == " Hello friend"
 
 
 def test_messages_as_hh_text_for_the_judge():
@@ -138,15 +139,15 @@ def test_messages_as_hh_text_for_the_judge():
     ]
     messages.append({"role": "user", "content": "Bye?"})
     assert (
-        evaluate.messages_text(messages) == "\n\nSystem: Be brief.\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye?\n\nAssistant:"
+        sampling.messages_text(messages) == "\n\nSystem: Be brief.\n\nHuman: Hi\n\nAssistant: Hello\n\nHuman: Bye?\n\nAssistant:"
     )
-    assert evaluate.judged_response("  Sure.\n", conversation=True) == " Sure."
-    assert evaluate.judged_response(" 42", conversation=False) == " 42"
+    assert sampling.judged_response("  Sure.\n", conversation=True) == " Sure."
+    assert sampling.judged_response(" 42", conversation=False) == " 42"
 
 
 def test_sample_keys_and_seeds_depend_on_everything_a_sample_depends_on(runs):
     config = eval_config([*FAST, f"policy={runs['dpo']}"])
-    source = evaluate.resolve_source(runs["dpo"], config)
+    source = sampling.resolve_source(runs["dpo"], config)
     base = evaluate.sample_key(source, "A", 0.5, config, "batch", 0)
     assert base != evaluate.sample_key(source, "A", 1.0, config, "batch", 0)  # temperature
     assert base != evaluate.sample_key(source, "B", 0.5, config, "batch", 0)  # side
@@ -232,13 +233,13 @@ def test_reference_baseline_is_the_sft_archive_and_policy_forms_agree(runs):
     step = os.path.realpath(runs["dpo"] / "LATEST")
     for form in (step, os.path.join(step, "policy.pt"), os.path.join(step, "hf")):
         assert [r["a"] for r in verdicts(run_eval([f"policy={form}", *args]))] == [r["a"] for r in by_folder], form
-    hf = evaluate.resolve_source(os.path.join(step, "hf"), eval_config(FAST))
+    hf = sampling.resolve_source(os.path.join(step, "hf"), eval_config(FAST))
     assert hf.kind == "hf" and hf.run_dir == str(runs["dpo"])  # its output folder goes into the run
 
 
 def test_output_folder_of_a_hub_id_or_a_folder_outside_a_run(runs, tmp_path):
     config = eval_config([*FAST, f"output_root={tmp_path / 'out'}", "policy=org/some-model"])
-    hub = evaluate.resolve_source("org/some-model", config)
+    hub = sampling.resolve_source("org/some-model", config)
     assert (hub.kind, hub.run_dir, hub.model_config.name_or_path) == ("hub", None, "org/some-model")
     out = evaluate.default_output_dir(config, hub, "chosen")
     assert Path(out).parent == tmp_path / "out" / "eval" and Path(out).name.startswith("vs_chosen_reward_model_")
@@ -292,16 +293,16 @@ def count_calls(monkeypatch, module, name, stop_at=None):
 def test_an_interrupted_sampling_resumes_without_resampling(runs, monkeypatch):
     args = [f"policy={runs['dpo']}", f"baseline={runs['sft']}", *rm_args(runs)]
     # 6 prompts in batches of 2 = 3 batches, 2 temperatures, 2 sides: 12 generate calls in all.
-    calls = count_calls(monkeypatch, evaluate, "generate_batch", stop_at=6)
+    calls = count_calls(monkeypatch, sampling, "generate_batch", stop_at=6)
     with pytest.raises(evaluate.Interrupted) as stopped:
         run_eval(args)
     out = stopped.value.output_dir
     monkeypatch.undo()
-    calls = count_calls(monkeypatch, evaluate, "generate_batch")
+    calls = count_calls(monkeypatch, sampling, "generate_batch")
     resumed = Path(evaluate.main(eval_config([f"resume={out}"])))
     assert resumed == Path(out) and calls["n"] == 12 - 5  # the 5 finished batches are not sampled again
     monkeypatch.undo()
-    calls = count_calls(monkeypatch, evaluate, "generate_batch")
+    calls = count_calls(monkeypatch, sampling, "generate_batch")
     fresh = run_eval(args)
     assert calls["n"] == 12  # every batch of every temperature has its own key
     assert verdicts(fresh) == verdicts(resumed)  # resuming changed nothing
@@ -589,11 +590,11 @@ def test_a_lora_run_is_evaluated_with_its_adapters_on_its_base(runs, tmp_path):
     run = run_train(["loss=dpo", "sample_during_eval=false", "model.lora.r=4", "lr=3e-2"], tmp_path)
     checkpoint = torch.load(run / "LATEST" / "policy.pt", weights_only=False)
     assert checkpoint.get("lora") is not None  # policy.pt holds the adapters alone
-    source = evaluate.resolve_source(run, eval_config(FAST))
-    policy, _ = evaluate.load_source(source, "cpu")
+    source = sampling.resolve_source(run, eval_config(FAST))
+    policy, _ = sampling.load_source(source, "cpu")
     state = policy.get_base_model().state_dict()
     assert all(torch.equal(state[k], v) for k, v in checkpoint["state"].items())
-    reference, _ = evaluate.load_source(evaluate.reference_source(source), "cpu")
+    reference, _ = sampling.load_source(sampling.reference_source(source), "cpu")
     ids = torch.tensor([[1, 5, 9, 12]])
     with torch.no_grad():
         assert (policy(ids).logits - reference(ids).logits).abs().max() > 1e-3  # the trained adapters are on
@@ -609,14 +610,14 @@ def test_a_lora_runs_hf_folders_are_its_checkpoint_and_evaluate_into_the_run(run
     exported from; ``hf/merged`` is a model folder whose results go into the run's eval/ too."""
     run = run_train(["loss=dpo", "sample_during_eval=false", "model.lora.r=4", "model.lora.export_merged=true"], tmp_path)
     config = eval_config(FAST)
-    adapter = evaluate.resolve_source(run / "LATEST" / "hf", config)
+    adapter = sampling.resolve_source(run / "LATEST" / "hf", config)
     assert adapter.kind == "checkpoint" and adapter.run_dir == str(run.resolve()) and adapter.weights.endswith("policy.pt")
-    merged = evaluate.resolve_source(run / "LATEST" / "hf" / "merged", config)
+    merged = sampling.resolve_source(run / "LATEST" / "hf" / "merged", config)
     assert merged.kind == "hf" and merged.run_dir == str(run.resolve()) and merged.label.startswith(run.name + "/")
     alone = tmp_path / "adapter_alone"
     shutil.copytree(run / "LATEST" / "hf", alone, ignore=shutil.ignore_patterns("merged"))
     with pytest.raises(ConfigError, match="names no base model"):  # a random model.config base: nothing to load it onto
-        evaluate.resolve_source(alone, config)
+        sampling.resolve_source(alone, config)
 
 
 def test_http_judge_without_its_endpoint_names_judge_not_online_dpo():
@@ -625,14 +626,14 @@ def test_http_judge_without_its_endpoint_names_judge_not_online_dpo():
 
 
 def test_a_hub_id_that_does_not_load_names_itself(runs, monkeypatch):
-    source = evaluate.resolve_source("no-such-org/no-such-model", eval_config(FAST), "baseline")
+    source = sampling.resolve_source("no-such-org/no-such-model", eval_config(FAST), "baseline")
 
     def offline(model_config):
         raise ConfigError("Could not load the tokenizer (model.tokenizer_name_or_path, else model.name_or_path).")
 
-    monkeypatch.setattr(evaluate.utils, "load_tokenizer", offline)
+    monkeypatch.setattr(sampling.models, "load_tokenizer", offline)
     with pytest.raises(ConfigError, match=r"^no-such-org/no-such-model is not a folder here and could not be loaded as a hub id"):
-        evaluate.load_source(source, "cpu")
+        sampling.load_source(source, "cpu")
 
 
 def test_prompts_the_policy_trained_on_are_refused(tmp_path):
@@ -641,9 +642,9 @@ def test_prompts_the_policy_trained_on_are_refused(tmp_path):
     hh = [f"data.hh.local_dir={needs_shared('data', 'hh-rlhf')}", "data.hh.subsets=[harmless-base]"]
     run = run_train(["datasets=[hh]", *hh, "data.hh.holdout_fraction=0.1", "n_examples=8", "do_first_eval=false"], tmp_path)
     common = [*FAST, f"policy={run}", "datasets=[hh]", *hh, "n_prompts=40"]
-    policy = evaluate.resolve_source(run, eval_config(common))
-    whole = evaluate.load_items(eval_config([*common, "data.hh.holdout_fraction=0.0"]), silent=True)
-    held_out = evaluate.load_items(eval_config([*common, "data.hh.holdout_fraction=0.1"]), silent=True)
+    policy = sampling.resolve_source(run, eval_config(common))
+    whole = sampling.load_items(eval_config([*common, "data.hh.holdout_fraction=0.0"]), silent=True)
+    held_out = sampling.load_items(eval_config([*common, "data.hh.holdout_fraction=0.1"]), silent=True)
     assert evaluate.training_overlap(held_out, policy) == {}
     seen = evaluate.training_overlap(whole, policy)["hh"]
     assert 30 <= seen <= 40  # about 90% of the first 40 prompts of the file are outside the 10% held out
@@ -717,10 +718,10 @@ def test_the_embedded_default_run_is_evaluated_on_its_own_held_out_arithmetic_pr
 
 def test_given_datasets_win_and_a_policy_without_a_run_falls_back_to_hh_with_a_note(runs, capsys):
     config = eval_config([f"policy={runs['dpo']}", "datasets=[shp]"])
-    evaluate.settle_datasets(config, evaluate.resolve_source(config.policy, config), say=True)
+    evaluate.settle_datasets(config, sampling.resolve_source(config.policy, config), say=True)
     assert list(config.datasets) == ["shp"] and capsys.readouterr().out == ""
     config = eval_config(["policy=org/some-model"])
-    evaluate.settle_datasets(config, evaluate.resolve_source(config.policy, config), say=True)
+    evaluate.settle_datasets(config, sampling.resolve_source(config.policy, config), say=True)
     assert list(config.datasets) == ["hh"]
     assert capsys.readouterr().out == (
         "Note: policy=org/some-model has no run folder naming its datasets, so the prompts are the held-out split of "

@@ -22,6 +22,7 @@ from test_online import save_tiny_reward_model
 
 import evaluate
 import rewards
+import sampling
 from utils import ConfigError
 
 # ----------------------------------------------------------------------------- the t interval by hand
@@ -72,7 +73,7 @@ def tiny_lm(seed: int, sharpness: float = 1.0):
 
 
 class DigitTokenizer:
-    """What ``evaluate.generate_batch`` asks of a tokenizer: pad id 0, EOS 1; token k decodes to chr(ord('a') + k)."""
+    """What ``sampling.generate_batch`` asks of a tokenizer: pad id 0, EOS 1; token k decodes to chr(ord('a') + k)."""
 
     pad_token_id = 0
     eos_token_id = EOS
@@ -108,7 +109,7 @@ def enumerated():
 
 def sample(policy, n: int, temperature: float, seed: int = 0, **settings) -> list[list[int]]:
     config = OmegaConf.create({"top_k": 0, "top_p": 1.0, "max_new_tokens": 2, **settings})
-    got = evaluate.generate_batch(policy, DigitTokenizer(), [EOS], [PROMPT] * n, temperature, config, seed)
+    got = sampling.generate_batch(policy, DigitTokenizer(), [EOS], [PROMPT] * n, temperature, config, seed)
     return [s["tokens"] for s in got]
 
 
@@ -177,16 +178,16 @@ def test_reward_and_kl_end_to_end_against_independent_scores_and_log_probs(runs,
     assert got["reference"] == f"reference ({runs['sft']}/LATEST/policy.pt)" and got["kl_of"] == evaluate.KL_OF
     rows, samples = verdicts(out), a_samples(out)
     config = eval_config([*FAST, f"policy={runs['dpo']}"])
-    policy = evaluate.resolve_source(runs["dpo"], config)
-    a_model, tokenizer = evaluate.load_source(policy, "cpu")
-    ref_model, _ = evaluate.load_source(evaluate.reference_source(policy), "cpu")
-    items = {it["id"]: it for it in evaluate.load_items(config, silent=True)}
+    policy = sampling.resolve_source(runs["dpo"], config)
+    a_model, tokenizer = sampling.load_source(policy, "cpu")
+    ref_model, _ = sampling.load_source(sampling.reference_source(policy), "cpu")
+    items = {it["id"]: it for it in sampling.load_items(config, silent=True)}
     scorer = rewards.RewardModelScorer(runs["rm"])
     for t in ("0", "1"):
         mine = [r for r in rows if r["temperature"] == float(t)]
         kls = []
         for r in mine:
-            prompt = evaluate.prompt_ids([items[r["id"]]], tokenizer, config)[0]
+            prompt = sampling.prompt_ids([items[r["id"]]], tokenizer, config)[0]
             tokens = samples[(r["id"], float(t))]["tokens"]
             assert len(tokens) == r["a_tokens"]
             want = full_logp(a_model, prompt, tokens) - full_logp(ref_model, prompt, tokens)
@@ -251,7 +252,7 @@ def test_no_reference_for_a_folder_outside_a_run_is_null_and_said(runs, tmp_path
 
 def test_a_reference_with_another_vocabulary_is_one_sentence_before_sampling(runs, monkeypatch):
     other = needs_shared("models", "stories260K")
-    monkeypatch.setattr(evaluate, "generate_batch", lambda *a, **k: pytest.fail("sampled before the check"))
+    monkeypatch.setattr(sampling, "generate_batch", lambda *a, **k: pytest.fail("sampled before the check"))
     with pytest.raises(
         ConfigError, match=r"^reference=stories260K has another vocabulary than the policy dpo.*; give a reference"
     ):

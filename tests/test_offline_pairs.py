@@ -178,9 +178,9 @@ def test_a_conversation_pair_is_a_row_the_hf_loader_reads_and_a_text_pair_one_js
     ],
 )
 def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_path, monkeypatch):
-    import evaluate
+    import sampling
 
-    monkeypatch.setattr(evaluate, "load_source", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sampling, "load_source", lambda *a: pytest.fail("a model was loaded"))
     config = pairs_config(["policy=nowhere/run", f"output={tmp_path}/p.jsonl", *overrides])
     with pytest.raises(ConfigError, match=None) as e:
         make_pairs.main(config)
@@ -189,14 +189,14 @@ def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_p
 
 
 def test_text_prompts_and_conversations_mixed_are_refused_before_any_model_loads(run, tmp_path, monkeypatch):
-    import evaluate
+    import sampling
 
     items = [
         {"id": "a/0", "prompt": "Q: 1+1=\nA:", "conversation": False},
         {"id": "b/0", "prompt": [{"role": "user", "content": "Hi?"}], "conversation": True},
     ]
-    monkeypatch.setattr(evaluate, "load_items", lambda *a, **k: items)
-    monkeypatch.setattr(evaluate, "load_source", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(sampling, "load_items", lambda *a, **k: items)
+    monkeypatch.setattr(sampling, "load_source", lambda *a: pytest.fail("a model was loaded"))
     config = pairs_config([f"policy={run}", f"output={tmp_path}/p.jsonl", "reward_functions=[length]"])
     with pytest.raises(ConfigError, match="mix text prompts and conversations"):
         make_pairs.main(config)
@@ -207,11 +207,11 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
     from conftest import compose_config, needs_shared
 
     import checks
-    import evaluate
+    import sampling
 
     folder = str(needs_shared("models", "stories260K"))
     model_config = compose_config(["model=blank_model", f"model.name_or_path={folder}"]).model
-    source = evaluate.Source(folder, "hf", model_config, None, 0)
+    source = sampling.Source(folder, "hf", model_config, None, 0)
     command = make_pairs.train_command(source, str(tmp_path / "pairs.jsonl"))
     args = command.split()[2:]
     assert args[:2] == ["datasets=[json]", f"data.json.path={tmp_path / 'pairs.jsonl'}"]

@@ -23,6 +23,7 @@ import evaluate
 import make_pairs
 import preference_datasets as pd
 import rewards
+import sampling
 from preference_datasets import DataError
 
 EXACT = """
@@ -149,13 +150,13 @@ TEXTS = [" 9", " 12", "9 ", " x"]
 
 
 def test_make_pairs_scores_each_completion_with_its_prompts_answer(tmp_path, log, monkeypatch):
-    real = evaluate.generate_batch
+    real = sampling.generate_batch
 
     def generate(*args, **kwargs):
         out = real(*args, **kwargs)
         return [{**o, "text": TEXTS[i % 4]} for i, o in enumerate(out)]
 
-    monkeypatch.setattr(evaluate, "generate_batch", generate)
+    monkeypatch.setattr(sampling, "generate_batch", generate)
     p = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows())
     output = tmp_path / "pairs.jsonl"
     policy = needs_shared("models", "stories260K")
