@@ -91,15 +91,9 @@ def dpo_loss(
         ref_logratios = torch.zeros_like(ref_logratios)
     h = pi_logratios - ref_logratios
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    chosen_rewards, rejected_rewards = implicit_rewards(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta,
-        reference_free,
+    return losses, *implicit_rewards(
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, reference_free
     )
-    return losses, chosen_rewards, rejected_rewards
 
 
 def ipo_loss(
@@ -113,14 +107,9 @@ def ipo_loss(
     tau > 0: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, each (B,), rewards as DPO's."""
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = (h - 1 / (2 * beta)) ** 2
-    chosen_rewards, rejected_rewards = implicit_rewards(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta,
+    return losses, *implicit_rewards(
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta
     )
-    return losses, chosen_rewards, rejected_rewards
 
 
 def implicit_rewards(
@@ -439,25 +428,10 @@ def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor)
     reference="reference_free",
     unit="nats, −log σ(β·log-ratio gap)",
 )
-def dpo_objective(
-    policy_chosen_logps,
-    policy_rejected_logps,
-    reference_chosen_logps,
-    reference_rejected_logps,
-    beta,
-    label_smoothing,
-    reference_free,
-):
-    """:func:`dpo_loss` as an objective (with ``reference_free`` the trainer passes zeros)."""
-    return dpo_loss(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta,
-        label_smoothing,
-        reference_free,
-    )
+@functools.wraps(dpo_loss, assigned=())  # its signature, read by Objective.compute
+def dpo_objective(*args, **kwargs):
+    """:func:`dpo_loss` as an objective, looked up at each call (with ``reference_free`` the trainer passes zeros)."""
+    return dpo_loss(*args, **kwargs)
 
 
 @objective(
@@ -467,9 +441,10 @@ def dpo_objective(
     summary="IPO: the log-ratio gap regressed to 1 / (2 beta)",
     unit="nats², (log-ratio gap − 1/(2β))²",
 )
-def ipo_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
-    """:func:`ipo_loss` as an objective."""
-    return ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+@functools.wraps(ipo_loss, assigned=())
+def ipo_objective(*args, **kwargs):
+    """:func:`ipo_loss` as an objective, looked up at each call."""
+    return ipo_loss(*args, **kwargs)
 
 
 # ---------------------------------------------------------------------------- TRL's pairwise family
@@ -500,224 +475,216 @@ def _below_half(value) -> bool:
     return _non_negative(value) and value < 0.5
 
 
-LABEL_SMOOTHING = Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate")
+PAIR_LABEL_SMOOTHING = Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate")
+
+_PAIR_LOGPS = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
 
 
-def _pairwise(name: str, *, source: str, summary: str, unit: str, **keys) -> Callable:
-    """``@objective`` for one of TRL's pairwise losses: keys ``beta``, then ``keys``, then
-    ``nll_weight``; uses the reference; summed log-probs (TRL's ``loss_type=name``)."""
-    return objective(
-        name,
-        keys={"beta": BETA, **keys, "nll_weight": NLL_WEIGHT},
-        source=source,
-        summary=summary,
-        reference=True,
-        average_log_prob=False,
-        unit=unit,
-    )
-
-
-@_pairwise(
-    "hinge",
-    source="SLiC-HF, Zhao et al. 2023 (arXiv:2305.10425), its calibration loss with the reference (TRL)",
-    summary="SLiC's hinge on the DPO gap: relu(1 - beta d)",
-    unit="margin units, relu(1 − β·log-ratio gap)",
-)
-def hinge_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _hinge(h_w, h_l, beta):
     """SLiC-HF's calibration loss max(0, 1 - beta d) on the reference-corrected gap (Zhao et al. 2023, arXiv:2305.10425;
     TRL's ``hinge``), 1/beta the paper's margin delta: (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    return torch.relu(1 - beta * (h_w - h_l)), *_pair_rewards(beta, h_w, h_l)
+    return torch.relu(1 - beta * (h_w - h_l))
 
 
-@_pairwise(
-    "exo_pair",
-    label_smoothing=Key(1e-3, _in_unit_interval, "in (0, 1)", "eps of the target distribution [1 - eps, eps]"),
-    source="EXO, Ji et al. 2024 (arXiv:2402.00856), Eq. 16 (EXO-pref, K = 2)",
-    summary="EXO: reverse KL from softmax(beta h) over the pair to the target [1 - eps, eps]",
-    unit="nats, KL(q_θ ‖ [1−ε, ε])",
-)
-def exo_pair_objective(
-    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
-):
+def _exo_pair(h_w, h_l, beta, label_smoothing):
     """EXO for pairs (Ji et al. 2024, arXiv:2402.00856, Eq. 16, K = 2), KL(q || p) = q_w (log q_w - log(1 - eps)) +
     q_l (log q_l - log eps) with q = (sigmoid(beta d), sigmoid(-beta d)) and eps = ``label_smoothing`` in (0, 1): (B,) in and
     out, in nats."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     log_q_w, log_q_l = F.logsigmoid(z), F.logsigmoid(-z)
-    losses = log_q_w.exp() * (log_q_w - math.log1p(-label_smoothing)) + log_q_l.exp() * (log_q_l - math.log(label_smoothing))
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return log_q_w.exp() * (log_q_w - math.log1p(-label_smoothing)) + log_q_l.exp() * (log_q_l - math.log(label_smoothing))
 
 
-@_pairwise(
-    "nca_pair",
-    source="NCA, Chen et al. 2024 (arXiv:2402.05369), the pairwise NCA loss",
-    summary="NCA: -log σ(β h_w) - ½ log σ(-β h_w) - ½ log σ(-β h_l) (absolute, not relative, likelihoods)",
-    unit="nats",
-)
-def nca_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _nca_pair(h_w, h_l, beta):
     """NCA for pairs (Chen et al. 2024, arXiv:2402.05369; TRL's ``nca_pair``), -log sigmoid(r_w) - 1/2 log sigmoid(-r_w)
     - 1/2 log sigmoid(-r_l) with r = beta h: (B,) in and out, in nats."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     r_w, r_l = beta * h_w, beta * h_l
-    losses = -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return -F.logsigmoid(r_w) - 0.5 * F.logsigmoid(-r_w) - 0.5 * F.logsigmoid(-r_l)
 
 
-@_pairwise(
-    "robust",
-    label_smoothing=Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate eps (0: plain DPO)"),
-    source="robust DPO, Chowdhury et al. 2024 (arXiv:2403.00409), the unbiased rDPO loss",
-    summary="rDPO: DPO de-biased for labels flipped with probability eps",
-    unit="nats (may be negative when eps > 0)",
-)
-def robust_objective(
-    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
-):
+def _robust(h_w, h_l, beta, label_smoothing):
     """Robust DPO (Chowdhury et al. 2024, arXiv:2403.00409), ((1 - eps)(-log sigmoid(beta d)) - eps (-log sigmoid(-beta d)))
     / (1 - 2 eps), unbiased for labels flipped with probability eps = ``label_smoothing`` (unbounded below for eps > 0):
     (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     eps = label_smoothing
-    losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
 
 
-@_pairwise(
-    "bco_pair",
-    source="BCO, Jung et al. 2024 (arXiv:2404.04656), on pairs without the reward shift (TRL)",
-    summary="BCO: a binary classifier, chosen reward > 0 and rejected reward < 0",
-    unit="nats",
-)
-def bco_pair_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _bco_pair(h_w, h_l, beta):
     """BCO on pairs (Jung et al. 2024, arXiv:2404.04656; TRL's ``bco_pair``), -log sigmoid(beta h_w) - log sigmoid(-beta h_l)
     with the reward shift delta = 0 as in TRL: (B,) in and out, in nats."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    losses = -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return -F.logsigmoid(beta * h_w) - F.logsigmoid(-beta * h_l)
 
 
-@_pairwise(
-    "sppo_hard",
-    source="SPPO, Wu et al. 2024 (arXiv:2405.00675), Eq. 4.7 with hard probabilities P = 1 / 0",
-    summary="SPPO (hard): h_w regressed to 1/(2β), h_l to -1/(2β)",
-    unit="nats², squared log-ratio errors",
-)
-def sppo_hard_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _sppo_hard(h_w, h_l, beta):
     """SPPO (Wu et al. 2024, arXiv:2405.00675, Eq. 4.7 with P = 1 / 0 and eta = 1 / beta; TRL's ``sppo_hard``),
     (h_w - 1 / (2 beta))^2 + (h_l + 1 / (2 beta))^2 on summed log-ratios: (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    losses = (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return (h_w - 0.5 / beta) ** 2 + (h_l + 0.5 / beta) ** 2
 
 
-@_pairwise(
-    "aot",
-    label_smoothing=LABEL_SMOOTHING,
-    source="AOT, Melnyk et al. 2024 (arXiv:2406.05882), paired: sorted policy vs sorted reference margins",
-    summary="AOT (paired): DPO between the sorted policy and reference margins of the micro-batch",
-    unit="nats",
-)
-def aot_objective(
-    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
+def _aot(
+    h_w, h_l, beta, label_smoothing, policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps
 ):
     """AOT, paired (Melnyk et al. 2024, arXiv:2406.05882; TRL's ``aot``), -(1 - eps) log sigmoid(beta delta_i) - eps log
     sigmoid(-beta delta_i) with delta = sort(m_policy) - sort(m_reference) over the micro-batch, m = log pi(y_w) - log pi(y_l):
     (B,) in and out, loss i belonging to a rank, not to example i."""
     margins = torch.sort(policy_chosen_logps - policy_rejected_logps, dim=0).values
     reference_margins = torch.sort(reference_chosen_logps - reference_rejected_logps, dim=0).values
-    losses = _smoothed_logistic(beta * (margins - reference_margins), label_smoothing)
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return _smoothed_logistic(beta * (margins - reference_margins), label_smoothing)
 
 
-@_pairwise(
-    "aot_unpaired",
-    label_smoothing=LABEL_SMOOTHING,
-    source="AOT, Melnyk et al. 2024 (arXiv:2406.05882), unpaired: sorted chosen vs sorted rejected log-ratios",
-    summary="AOT (unpaired): DPO between the sorted chosen and sorted rejected log-ratios of the micro-batch",
-    unit="nats",
-)
-def aot_unpaired_objective(
-    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, label_smoothing
-):
-    """AOT, unpaired (Melnyk et al. 2024, arXiv:2406.05882; TRL's ``aot_unpaired``), as :func:`aot_objective` with
+def _aot_unpaired(h_w, h_l, beta, label_smoothing):
+    """AOT, unpaired (Melnyk et al. 2024, arXiv:2406.05882; TRL's ``aot_unpaired``), as :func:`_aot` with
     delta = sort(h_w) - sort(h_l): (B,) in and out, loss i belonging to a rank."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     delta = torch.sort(h_w, dim=0).values - torch.sort(h_l, dim=0).values
-    return _smoothed_logistic(beta * delta, label_smoothing), *_pair_rewards(beta, h_w, h_l)
+    return _smoothed_logistic(beta * delta, label_smoothing)
 
 
-@_pairwise(
-    "apo_zero",
-    source="APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 7 (APO-zero)",
-    summary="APO-zero: raise the chosen likelihood, lower the rejected (chosen better than the model)",
-    unit="probability units, in [0, 2]",
-)
-def apo_zero_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _apo_zero(h_w, h_l, beta):
     """APO-zero (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 7), (1 - sigmoid(beta h_w)) + sigmoid(beta h_l), for
     chosen responses better than the model's own: (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    losses = (1 - torch.sigmoid(beta * h_w)) + torch.sigmoid(beta * h_l)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return (1 - torch.sigmoid(beta * h_w)) + torch.sigmoid(beta * h_l)
 
 
-@_pairwise(
-    "apo_down",
-    source="APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 8 (APO-down)",
-    summary="APO-down: lower both likelihoods, the rejected more (chosen worse than the model)",
-    unit="probability units, in [0, 2]",
-)
-def apo_down_objective(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta):
+def _apo_down(h_w, h_l, beta):
     """APO-down (D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8), sigmoid(beta h_w) + (1 - sigmoid(beta (h_w - h_l))),
     for chosen responses worse than the model's own: (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
-    losses = torch.sigmoid(beta * h_w) + (1 - torch.sigmoid(beta * (h_w - h_l)))
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return torch.sigmoid(beta * h_w) + (1 - torch.sigmoid(beta * (h_w - h_l)))
 
 
-@_pairwise(
-    "discopop",
-    discopop_tau=Key(0.05, _positive, "> 0", "temperature of the blend between the logistic and exponential losses"),
-    source="DiscoPOP, Chris Lu et al. 2024 (arXiv:2406.08414), Eq. 5 (log-ratio modulated loss)",
-    summary="DiscoPOP: logistic and exponential losses blended by sigmoid(beta d / tau)",
-    unit="nats",
-)
-def discopop_objective(
-    policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, discopop_tau
-):
+def _discopop(h_w, h_l, beta, discopop_tau):
     """DiscoPOP (Chris Lu et al. 2024, arXiv:2406.08414, Eq. 5; TRL's ``discopop``), (1 - m)(-log sigmoid(z)) + m exp(-z)
     with z = beta d and m = sigmoid(z / ``discopop_tau``): (B,) in and out."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
     z = beta * (h_w - h_l)
     # m exp(-z) as exp(log sigmoid(z / tau) - z): finite for any z, where the product would be inf * 0 = nan
-    losses = torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
-    return losses, *_pair_rewards(beta, h_w, h_l)
+    return torch.sigmoid(-z / discopop_tau) * -F.logsigmoid(z) + torch.exp(F.logsigmoid(z / discopop_tau) - z)
 
 
-@_pairwise(
-    "sigmoid_norm",
-    source="DPO (Rafailov et al. 2023, Eq. 7) on log-ratios divided by the response lengths (TRL's sigmoid_norm)",
-    summary="DPO on length-normalised log-ratios: -log σ(β (h_w/|y_w| - h_l/|y_l|))",
-    unit="nats, −log σ(β·per-token log-ratio gap)",
-)
-def sigmoid_norm_objective(
-    policy_chosen_logps,
-    policy_rejected_logps,
-    reference_chosen_logps,
-    reference_rejected_logps,
-    chosen_n_tokens,
-    rejected_n_tokens,
-    beta,
-):
+def _sigmoid_norm(h_w, h_l, chosen_n_tokens, rejected_n_tokens, beta):
     """DPO (Rafailov et al. 2023, Eq. 7) on length-normalised log-ratios (TRL's ``sigmoid_norm``),
-    -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)) with |y| >= 1 the response-token counts: (B,) summed log-probs in,
-    (B,) losses out, rewards beta * h on sums."""
-    h_w, h_l = _log_ratios(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    -log sigmoid(beta (h_w / |y_w| - h_l / |y_l|)) with |y| >= 1 the response-token counts: (B,) summed log-ratios in,
+    (B,) losses out."""
     gap = h_w / chosen_n_tokens.clamp(min=1.0) - h_l / rejected_n_tokens.clamp(min=1.0)
-    return -F.logsigmoid(beta * gap), *_pair_rewards(beta, h_w, h_l)
+    return -F.logsigmoid(beta * gap)
+
+
+# loss=<name>: (its (B,) loss of h_w, h_l and what else it names, its keys besides beta and nll_weight, source, summary, unit)
+_PAIRWISE = {
+    "hinge": (
+        _hinge,
+        {},
+        "SLiC-HF, Zhao et al. 2023 (arXiv:2305.10425), its calibration loss with the reference (TRL)",
+        "SLiC's hinge on the DPO gap: relu(1 - beta d)",
+        "margin units, relu(1 − β·log-ratio gap)",
+    ),
+    "exo_pair": (
+        _exo_pair,
+        {"label_smoothing": Key(1e-3, _in_unit_interval, "in (0, 1)", "eps of the target distribution [1 - eps, eps]")},
+        "EXO, Ji et al. 2024 (arXiv:2402.00856), Eq. 16 (EXO-pref, K = 2)",
+        "EXO: reverse KL from softmax(beta h) over the pair to the target [1 - eps, eps]",
+        "nats, KL(q_θ ‖ [1−ε, ε])",
+    ),
+    "nca_pair": (
+        _nca_pair,
+        {},
+        "NCA, Chen et al. 2024 (arXiv:2402.05369), the pairwise NCA loss",
+        "NCA: -log σ(β h_w) - ½ log σ(-β h_w) - ½ log σ(-β h_l) (absolute, not relative, likelihoods)",
+        "nats",
+    ),
+    "robust": (
+        _robust,
+        {"label_smoothing": Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate eps (0: plain DPO)")},
+        "robust DPO, Chowdhury et al. 2024 (arXiv:2403.00409), the unbiased rDPO loss",
+        "rDPO: DPO de-biased for labels flipped with probability eps",
+        "nats (may be negative when eps > 0)",
+    ),
+    "bco_pair": (
+        _bco_pair,
+        {},
+        "BCO, Jung et al. 2024 (arXiv:2404.04656), on pairs without the reward shift (TRL)",
+        "BCO: a binary classifier, chosen reward > 0 and rejected reward < 0",
+        "nats",
+    ),
+    "sppo_hard": (
+        _sppo_hard,
+        {},
+        "SPPO, Wu et al. 2024 (arXiv:2405.00675), Eq. 4.7 with hard probabilities P = 1 / 0",
+        "SPPO (hard): h_w regressed to 1/(2β), h_l to -1/(2β)",
+        "nats², squared log-ratio errors",
+    ),
+    "aot": (
+        _aot,
+        {"label_smoothing": PAIR_LABEL_SMOOTHING},
+        "AOT, Melnyk et al. 2024 (arXiv:2406.05882), paired: sorted policy vs sorted reference margins",
+        "AOT (paired): DPO between the sorted policy and reference margins of the micro-batch",
+        "nats",
+    ),
+    "aot_unpaired": (
+        _aot_unpaired,
+        {"label_smoothing": PAIR_LABEL_SMOOTHING},
+        "AOT, Melnyk et al. 2024 (arXiv:2406.05882), unpaired: sorted chosen vs sorted rejected log-ratios",
+        "AOT (unpaired): DPO between the sorted chosen and sorted rejected log-ratios of the micro-batch",
+        "nats",
+    ),
+    "apo_zero": (
+        _apo_zero,
+        {},
+        "APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 7 (APO-zero)",
+        "APO-zero: raise the chosen likelihood, lower the rejected (chosen better than the model)",
+        "probability units, in [0, 2]",
+    ),
+    "apo_down": (
+        _apo_down,
+        {},
+        "APO, D'Oosterlinck et al. 2024 (arXiv:2408.06266), Eq. 8 (APO-down)",
+        "APO-down: lower both likelihoods, the rejected more (chosen worse than the model)",
+        "probability units, in [0, 2]",
+    ),
+    "discopop": (
+        _discopop,
+        {"discopop_tau": Key(0.05, _positive, "> 0", "temperature of the blend between the logistic and exponential losses")},
+        "DiscoPOP, Chris Lu et al. 2024 (arXiv:2406.08414), Eq. 5 (log-ratio modulated loss)",
+        "DiscoPOP: logistic and exponential losses blended by sigmoid(beta d / tau)",
+        "nats",
+    ),
+    "sigmoid_norm": (
+        _sigmoid_norm,
+        {},
+        "DPO (Rafailov et al. 2023, Eq. 7) on log-ratios divided by the response lengths (TRL's sigmoid_norm)",
+        "DPO on length-normalised log-ratios: -log σ(β (h_w/|y_w| - h_l/|y_l|))",
+        "nats, −log σ(β·per-token log-ratio gap)",
+    ),
+}
+
+
+class _PairObjective:
+    """The objective function of a pairwise ``loss(h_w, h_l, ...)``: the four (B,) log-probs and what else ``loss`` names
+    (``beta``, its keys, other inputs) in, (losses, beta * h_w, beta * h_l detached) out, (B,) each."""
+
+    def __init__(self, loss: Callable):
+        self.loss = loss
+        self.named = [p for p in inspect.signature(loss).parameters if p not in ("h_w", "h_l")]
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        self.__signature__ = inspect.Signature([inspect.Parameter(p, kind) for p in dict.fromkeys([*_PAIR_LOGPS, *self.named])])
+        self.__name__ = loss.__name__.lstrip("_") + "_objective"
+        self.__doc__ = loss.__doc__
+
+    def __call__(self, *args, **kwargs):
+        values = self.__signature__.bind(*args, **kwargs).arguments
+        h_w, h_l = _log_ratios(*(values[p] for p in _PAIR_LOGPS))
+        return self.loss(h_w, h_l, **{p: values[p] for p in self.named}), *_pair_rewards(values["beta"], h_w, h_l)
+
+
+def _register_pairwise() -> None:
+    """Register each of :data:`_PAIRWISE` (TRL's ``loss_type=name``): keys ``beta``, its own, then ``nll_weight``; uses the
+    reference; summed log-probs."""
+    for name, (loss, keys, source, summary, unit) in _PAIRWISE.items():
+        declaration = {"source": source, "summary": summary, "reference": True, "average_log_prob": False, "unit": unit}
+        objective(name, keys={"beta": BETA, **keys, "nll_weight": NLL_WEIGHT}, **declaration)(_PairObjective(loss))
+
+
+_register_pairwise()
 
 
 # ---- loss=mix: sum_k weights[k] * (per-example loss of losses[k]); component nll is the chosen NLL per token
@@ -915,11 +882,6 @@ LABEL_SMOOTHING = Key(
 )
 
 
-def _smoothed_sigmoid_loss(margin: torch.Tensor, label_smoothing: float) -> torch.Tensor:
-    """-(1 - eps) log sigmoid(m) - eps log sigmoid(-m), per element (eps = ``label_smoothing``)."""
-    return -F.logsigmoid(margin) * (1 - label_smoothing) - F.logsigmoid(-margin) * label_smoothing
-
-
 @objective(
     "simpo",
     keys={
@@ -940,7 +902,7 @@ def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, lab
     ``simpo_gamma``: (B,) per-token log-probs in, (losses, rewards r detached) each (B,) out."""
     chosen_rewards = beta * policy_chosen_logps
     rejected_rewards = beta * policy_rejected_logps
-    losses = _smoothed_sigmoid_loss(chosen_rewards - rejected_rewards - gamma, label_smoothing)
+    losses = _smoothed_logistic(chosen_rewards - rejected_rewards - gamma, label_smoothing)
     return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
@@ -962,7 +924,7 @@ def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll,
     """CPO (Xu et al. 2024, Eq. 3 plus the NLL term; TRL CPOTrainer's ``sigmoid``), -(1 - eps) log sigmoid(beta (log pi(y_w|x)
     - log pi(y_l|x))) - eps log sigmoid(-...) + cpo_alpha * NLL(y_w): (B,) summed log-probs and NLL per token in, (B,) losses,
     rewards beta * log pi(y|x) detached and metric ``nll`` out."""
-    losses = _smoothed_sigmoid_loss(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
+    losses = _smoothed_logistic(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
     losses = losses + cpo_alpha * policy_chosen_nll
     chosen_rewards = beta * policy_chosen_logps.detach()
     rejected_rewards = beta * policy_rejected_logps.detach()

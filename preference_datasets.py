@@ -556,6 +556,14 @@ def load_from_hub(hub_id: str, option: str, **kwargs):
         ) from None
 
 
+def hub_or_file_rows(path: str | None, hub_id: str, option: str, split: str, cache_dir: str | None):
+    """The rows of the JSON/JSONL file ``path``, else of ``hub_id``'s ``split`` (:func:`load_from_hub`, ``option`` the
+    ``data.*`` key of ``path``)."""
+    if path is None:
+        return load_from_hub(hub_id, option, split=split, cache_dir=cache_dir)
+    return read_json_records(path)
+
+
 # ----------------------------------------------------------------------------- loaders
 
 
@@ -743,10 +751,7 @@ def get_shp(
 ) -> DatasetDict:
     """Stanford Human Preferences (Ethayarajh et al. 2022), hub id ``stanfordnlp/SHP``.
     ``data.shp.path`` reads a local JSON/JSONL file in the same row format instead."""
-    if path is None:
-        rows = load_from_hub("stanfordnlp/SHP", "data.shp.path", split=split, cache_dir=cache_dir)
-    else:
-        rows = read_json_records(path)
+    rows = hub_or_file_rows(path, "stanfordnlp/SHP", "data.shp.path", split, cache_dir)
     return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio, path or "stanfordnlp/SHP")
 
 
@@ -787,10 +792,7 @@ def get_se(
     cache_dir: str | None = None,
 ) -> DatasetDict:
     """Stack Exchange preferences (Lambert et al. 2023), hub id ``HuggingFaceH4/stack-exchange-preferences``."""
-    if path is None:
-        rows = load_from_hub("HuggingFaceH4/stack-exchange-preferences", "data.se.path", split="train", cache_dir=cache_dir)
-    else:
-        rows = read_json_records(path)
+    rows = hub_or_file_rows(path, "HuggingFaceH4/stack-exchange-preferences", "data.se.path", "train", cache_dir)
     return apply_holdout(
         se_rows_to_data(rows, report, path or "HuggingFaceH4/stack-exchange-preferences"), split, holdout_fraction, report
     )
@@ -1481,79 +1483,80 @@ def hf_split_rows(
     return rows, source, carve, cast
 
 
+def _hf_loader(to_data: Callable) -> Callable:
+    """The ``data.hf.*`` loader ``fn(split, report, **options)`` (docs/configuration.md) that reads the rows as
+    :func:`hf_split_rows` and turns them into data with ``to_data(rows, report, source, format, columns,
+    max_pairs_per_prompt, roles, ranked_order, cast)``, carving the held-out slice when there is no test split; it takes
+    ``to_data``'s name and docstring (an unknown option's TypeError names it)."""
+
+    def loader(
+        split: str,
+        report: collections.Counter,
+        path: str | dict | None = None,
+        name: str | None = None,
+        train_split: str = "train",
+        test_split: str | None = "test",
+        format: str = "auto",
+        columns: dict | None = None,
+        max_pairs_per_prompt: int | None = None,
+        holdout_fraction: float = 0.1,
+        cache_dir: str | None = None,
+        roles: dict | None = None,
+        ranked_order: str | None = None,
+    ) -> DatasetDict:
+        rows, source, carve, cast = hf_split_rows(
+            split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns
+        )
+        data = to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
+        return apply_holdout(data, split, holdout_fraction, report) if carve else data
+
+    loader.__name__, loader.__qualname__, loader.__doc__ = to_data.__name__, to_data.__qualname__, to_data.__doc__
+    return loader
+
+
 @register_dataset("hf", truncation_mode="keep_end")
-def get_hf(
-    split: str,
-    report: collections.Counter,
-    path: str | dict | None = None,
-    name: str | None = None,
-    train_split: str = "train",
-    test_split: str | None = "test",
-    format: str = "auto",
-    columns: dict | None = None,
-    max_pairs_per_prompt: int | None = None,
-    holdout_fraction: float = 0.1,
-    cache_dir: str | None = None,
-    roles: dict | None = None,
-    ranked_order: str | None = None,
-) -> DatasetDict:
+@_hf_loader
+def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
     """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them (options
     ``data.hf.*``: docs/configuration.md).
 
     Raises:
         DataError: naming the file / split and the row, before any model loads.
     """
-    rows, source, carve, cast = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns)
-    data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
-    return apply_holdout(data, split, holdout_fraction, report) if carve else data
+    return hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
 
 
 @register_prompt_dataset("hf", truncation_mode="keep_end")
-def get_hf_prompts(
-    split: str,
-    report: collections.Counter,
-    path: str | dict | None = None,
-    name: str | None = None,
-    train_split: str = "train",
-    test_split: str | None = "test",
-    format: str = "auto",
-    columns: dict | None = None,
-    max_pairs_per_prompt: int | None = None,
-    holdout_fraction: float = 0.1,
-    cache_dir: str | None = None,
-    roles: dict | None = None,
-    ranked_order: str | None = None,
-) -> DatasetDict:
+@_hf_loader
+def get_hf_prompts(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict.
 
     Raises:
         DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
     """
-    rows, source, carve, cast = hf_split_rows(split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns)
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
-        data = hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
-    else:
-        roles = check_roles_mapping(roles)
-        data = {}
-        column = mapped["prompt"]
-        context = _context_columns(mapped, dict(columns or {}))
-        for i, row in enumerate(rows, 1):
-            value = _hf_context_prompt(row, context, f"{source}, row {i}")
-            if not isinstance(value, (str, list)):
-                raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
-            prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list), roles)
-            key = prompt if isinstance(prompt, str) else conversation_key(prompt)
-            if not (prompt if isinstance(prompt, str) else prompt[-1]["content"]).strip():
-                note_row(report, "skipped: empty prompt", key)
-            elif key in data:
-                note_row(report, "skipped: repeated prompt", key)
-            else:
-                note_cast(report, cast, row, key)
-                data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
-                add_fields(data[key], row, [column] + [context[k] for k in HF_CONTEXT_COLUMNS if k in context])
-    return apply_holdout(data, split, holdout_fraction, report) if carve else data
+        return hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
+    roles = check_roles_mapping(roles)
+    data = {}
+    column = mapped["prompt"]
+    context = _context_columns(mapped, dict(columns or {}))
+    for i, row in enumerate(rows, 1):
+        value = _hf_context_prompt(row, context, f"{source}, row {i}")
+        if not isinstance(value, (str, list)):
+            raise DataError(f"{source}, row {i}: column {column!r} is not a string or a list of messages.")
+        prompt = _hf_prompt(value, f"{source}, row {i}", column, isinstance(value, list), roles)
+        key = prompt if isinstance(prompt, str) else conversation_key(prompt)
+        if not (prompt if isinstance(prompt, str) else prompt[-1]["content"]).strip():
+            note_row(report, "skipped: empty prompt", key)
+        elif key in data:
+            note_row(report, "skipped: repeated prompt", key)
+        else:
+            note_cast(report, cast, row, key)
+            data[key] = {"prompt_messages": prompt} if isinstance(prompt, list) else {}
+            add_fields(data[key], row, [column] + [context[k] for k in HF_CONTEXT_COLUMNS if k in context])
+    return data
 
 
 @register_dataset("arithmetic", truncation_mode="keep_start", reward_functions=("arithmetic",))
