@@ -311,8 +311,6 @@ class ReferenceActor:
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
         self.output_layer_chunk = config.get("output_layer_chunk", trainers.DEFAULT_OUTPUT_LAYER_CHUNK)
 
-    max_forward_chunks = None  # what BasicTrainer.concatenated_forward reads besides the three above
-
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""
         return True
@@ -320,8 +318,10 @@ class ReferenceActor:
     @torch.inference_mode()
     def logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) reference log-probs, each (B,) float32 on the CPU, of ``REFERENCE_KEYS`` tensors (B, T)."""
-        # the trainer's own code, so a remote reference computes what a colocated one would
-        chosen, rejected, _ = trainers.BasicTrainer.concatenated_forward(self, self.model, batch)
+        # the trainer's entry point, so a remote reference computes what a colocated one would
+        chosen, rejected, _ = trainers.batch_logps(
+            self.model, batch, self.average_log_prob, self.device, output_layer_chunk=self.output_layer_chunk
+        )
         return chosen.float().cpu(), rejected.float().cpu()
 
 

@@ -37,24 +37,6 @@ from models import load_reference
 from preference_datasets import DataError, load_examples
 from utils import shell_line
 
-
-def cached_reference(reference, examples: list[dict], tokenizer, config, distributed: bool, rank: int) -> tuple[str, dict | None]:
-    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
-    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
-    found = None
-    if rank == 0:
-        path = trainers.reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
-        try:
-            found = (path, trainers.read_reference_cache(path))
-        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
-            found = (path, e)
-    if distributed:
-        found = utils.broadcast_object(found)
-    if isinstance(found[1], utils.ConfigError):
-        raise found[1]
-    return found
-
-
 AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config), for the cross-rank config check to say
 
 
@@ -609,7 +591,7 @@ def _reference_cache(
     if not precompute:
         return precompute, None, None
     # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
-    cache_path, reference_cache = cached_reference(
+    cache_path, reference_cache = trainers.cached_reference(
         policy if lora_reference else reference, examples, tokenizer, config, distributed, rank
     )
     return precompute, cache_path, reference_cache

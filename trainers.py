@@ -133,6 +133,43 @@ def padded_sequence_logps(
     return logps, n_tokens
 
 
+def batch_logps(
+    model,
+    batch: dict,
+    average_log_prob: bool,
+    device,
+    max_forward_chunks: int | None = None,
+    output_layer_chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen first) of
+    ``model`` on a DPO batch, the one entry point for pairs' log-probs: :func:`padded_sequence_logps`'s numbers, computed
+    without padding (:func:`packed_sequence_logps`) unless the batch is not right-padded."""
+    n = batch["chosen_input_ids"].shape[0]
+    packed = packed_sequence_logps(model, batch, average_log_prob, device, max_forward_chunks, chunk=output_layer_chunk)
+    if packed is None:
+        packed = padded_sequence_logps(model, batch, average_log_prob, device, output_layer_chunk)
+    logps, n_tokens = packed
+    return logps[:n], logps[n:], n_tokens
+
+
+def single_logps(
+    model,
+    rows: dict,
+    average_log_prob: bool,
+    device,
+    max_forward_chunks: int | None = None,
+    output_layer_chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logps, n_tokens), each (B,), of single sequences ``rows`` (B, T) (SFT targets, KTO completions), packed
+    without padding (:func:`packed_single_logps`), or padded (:func:`response_logps`) when not right-padded."""
+    packed = packed_single_logps(model, rows, average_log_prob, device, max_forward_chunks, output_layer_chunk)
+    if packed is not None:
+        return packed
+    inputs = {k: v.to(device) for k, v in rows.items()}
+    logps, n_tokens = response_logps(model, inputs, average_log_prob, output_layer_chunk)
+    return logps.to(device), n_tokens.to(device)
+
+
 def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
     nothing is dropped). Lists are split the same way as tensors."""
@@ -327,17 +364,9 @@ class BasicTrainer(OnlineSampling):
         return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen first)
-        of ``model``: :func:`padded_sequence_logps`'s numbers, computed without padding (:func:`packed_sequence_logps`)
-        unless the batch is not right-padded."""
-        n = batch["chosen_input_ids"].shape[0]
-        # a default: ray_launcher's reference actors pass themselves as self
-        chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
-        packed = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
-        if packed is None:
-            packed = padded_sequence_logps(model, batch, self.average_log_prob, self.device, chunk)
-        logps, n_tokens = packed
-        return logps[:n], logps[n:], n_tokens
+        """:func:`batch_logps` of ``model`` on ``batch`` with this trainer's settings."""
+        chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)  # a default for stand-ins without a config
+        return batch_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
     remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference
@@ -514,15 +543,9 @@ class BasicTrainer(OnlineSampling):
         return inputs
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logps, n_tokens), each (B,), of single sequences ``rows`` (B, T) (SFT targets, KTO completions), packed
-        without padding (:func:`packed_single_logps`), or padded (:func:`response_logps`) when not right-padded."""
+        """:func:`single_logps` of ``model`` on ``rows`` with this trainer's settings."""
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
-        packed = packed_single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
-        if packed is not None:
-            return packed
-        inputs = {k: v.to(self.device) for k, v in rows.items()}
-        logps, n_tokens = response_logps(model, inputs, self.average_log_prob, chunk)
-        return logps.to(self.device), n_tokens.to(self.device)
+        return single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
 
     def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The mismatched pairs' log-probs as the objective gets them: (B,) each on one process; with several
@@ -1348,33 +1371,23 @@ def write_reference_cache(path: str, cache: dict) -> str | None:
     return None
 
 
-@torch.no_grad()
-def precompute_reference_logps(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> dict:
-    """One pass of the whole reference in this process over ``examples``: {example key: (chosen, rejected)},
-    cached in :func:`reference_cache_path` and read from there when present."""
-    path = reference_cache_path(reference, examples, tokenizer, config, cache_dir)
-    cached = read_reference_cache(path)
-    if cached is not None:
-        return cached
-    average = losses.get_objective(config.loss.name).averages(config.loss)
-    device = next(reference.parameters()).device
-    cache = {}
-    batches = get_batch_iterator(
-        examples, tokenizer, config.eval_batch_size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
-    )
-    for batch in tqdm.tqdm(batches, total=math.ceil(len(examples) / config.eval_batch_size), desc="reference log-probs"):
-        packed = packed_sequence_logps(reference, batch, average, device)
-        if packed is None:
-            packed = padded_sequence_logps(reference, batch, average, device, chunk=None)
-        logps = packed[0]
-        n = len(batch["key"])
-        for key, c, r in zip(batch["key"], logps[:n].tolist(), logps[n:].tolist()):
-            cache[key] = (c, r)
-    failure = write_reference_cache(path, cache)
-    if failure is not None:
-        raise OSError(f"the reference log-probs could not be cached in {path} ({failure})")
-    print(f"Reference log-probs: {len(cache)} pairs cached in {path}")
-    return cache
+def cached_reference(
+    reference, examples: list[dict], tokenizer, config, distributed: bool = False, rank: int = 0
+) -> tuple[str, dict | None]:
+    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
+    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
+    found = None
+    if rank == 0:
+        path = reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
+        try:
+            found = (path, read_reference_cache(path))
+        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
+            found = (path, e)
+    if distributed:
+        found = utils.broadcast_object(found)
+    if isinstance(found[1], utils.ConfigError):
+        raise found[1]
+    return found
 
 
 # ============================================================================ distributed trainers

@@ -14,7 +14,7 @@ Models (--model):
 Modes (--mode):
   live         the reference model runs a forward pass every step
   precomputed  reference log-probs computed once before training (ours:
-               trainers.precompute_reference_logps + trainer.reference_model=None; TRL:
+               BasicTrainer.precompute_reference + trainer.reference_model=None; TRL:
                precompute_ref_log_probs=True); the precompute time is reported apart and is
                not part of the step time
 
@@ -366,20 +366,17 @@ def _our_trainer(spec: dict, run_dir: str):
     policy, reference = train.load_models(config, tokenizer, 0, False)
     if torch.cuda.is_available() and reference is not None:  # as train.py's precomputed_reference
         reference.to("cuda")
-    precompute_s = None
-    cache = None
-    if spec["mode"] == "precomputed":
-        t0 = time.perf_counter()
-        cache = trainers.precompute_reference_logps(reference, examples, tokenizer, config, config.cache_dir)
-        precompute_s = time.perf_counter() - t0
-        reference = None  # not kept in memory, as train.py
     os.makedirs(Path(run_dir) / "run", exist_ok=True)
     trainer = trainers.BasicTrainer(
         policy, config, str(Path(run_dir) / "run"), tokenizer, examples, examples[: config.batch_size], reference
     )
-    if cache is not None:
-        trainer.reference_cache = cache
+    precompute_s = None
+    if spec["mode"] == "precomputed":  # as train.py: the cache file's name (a hash of the reference), one pass, then freed
+        t0 = time.perf_counter()
+        path, cache = trainers.cached_reference(reference, examples, tokenizer, config)
+        trainer.reference_cache = cache if cache is not None else trainer.precompute_reference(examples, path)
         trainer.reference_model = None
+        precompute_s = time.perf_counter() - t0
     return trainer, elements, precompute_s
 
 
