@@ -364,7 +364,7 @@ def _our_trainer(spec: dict, run_dir: str):
 
     # as train.py loads them (float32 here; bench_gpu_dpo.py: bfloat16 on a GPU); no reference for SFT
     policy, reference = train.load_models(config, tokenizer, 0, False)
-    if torch.cuda.is_available() and reference is not None:  # as train.py's precomputed_reference
+    if torch.cuda.is_available() and reference is not None:  # as train.py does (trainers.cached_reference)
         reference.to("cuda")
     os.makedirs(Path(run_dir) / "run", exist_ok=True)
     trainer = trainers.BasicTrainer(
