@@ -13,6 +13,12 @@ import utils
 _LOAD_HINT = "Check model.name_or_path (a hub id, which needs the internet or the hub cache, or a local model folder)."
 
 
+def _sentence(error: Exception) -> str:
+    """The first line of ``error``'s message (else its type's name), ending in a full stop."""
+    line = utils.first_line(error) or type(error).__name__
+    return line if line.endswith(".") else line + "."
+
+
 def load_tokenizer(model_config: DictConfig):
     """The tokenizer of ``model.tokenizer_name_or_path`` (else built by ``model.tokenizer_class``, else
     ``model.name_or_path``'s) with pad set to EOS if absent and ``model.chat_template`` applied; ConfigError if it fails."""
@@ -28,7 +34,7 @@ def load_tokenizer(model_config: DictConfig):
         except (OSError, ValueError) as e:
             raise utils.ConfigError(
                 f"Could not load the tokenizer {path!r} (model.tokenizer_name_or_path, else model.name_or_path): "
-                f"{utils._first_line(e)} {_LOAD_HINT}"
+                f"{_sentence(e)} {_LOAD_HINT}"
             ) from e
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -142,7 +148,7 @@ def load_model(
             model = auto.from_pretrained(model_config.name_or_path, **kwargs)
         except (OSError, ValueError) as e:  # no such id or folder, offline, no weights, no model_type
             raise utils.ConfigError(
-                f"Could not load model.name_or_path={model_config.name_or_path}: {utils._first_line(e)} {_LOAD_HINT}"
+                f"Could not load model.name_or_path={model_config.name_or_path}: {_sentence(e)} {_LOAD_HINT}"
             ) from e
     if reward_head and model.config.pad_token_id is None:
         model.config.pad_token_id = tokenizer.pad_token_id  # batches are padded
@@ -250,7 +256,7 @@ def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
         targets = lora.target_modules
         targets = "[" + ",".join(targets) + "]" if OmegaConf.is_list(targets) else targets
         raise utils.ConfigError(
-            f"model.lora.target_modules={targets} matches no module of {type(model).__name__} ({utils._first_line(e)[:120]}); "
+            f"model.lora.target_modules={targets} matches no module of {type(model).__name__} ({_sentence(e)[:120]}); "
             f"its linear layers are named {', '.join(linear) or 'nothing'}: name some of them, or all-linear."
         ) from None
 

@@ -336,7 +336,7 @@ def _slices(n: int, k: int) -> list[tuple[int, int]]:
 
 def _unreachable(what: str, error: Exception) -> RuntimeError:
     return RuntimeError(
-        f"The {what} on Ray actors is unreachable ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+        f"The {what} on Ray actors is unreachable ({utils.failure_reason(error)}); "
         f"training stops rather than go on without it. Check the actors' logs, then resume the run."
     )
 

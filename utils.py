@@ -117,10 +117,9 @@ def get_dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else getattr(torch, name)
 
 
-def _first_line(error: Exception) -> str:
-    """The first line of ``error``'s message, ending in a full stop."""
-    line = (str(error).strip().splitlines() or [type(error).__name__])[0].strip()
-    return line if line.endswith(".") else line + "."
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, stripped ("" when it has none): the one place that cuts a message."""
+    return (str(error).strip().splitlines() or [""])[0].strip()
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -208,7 +207,7 @@ def command_text(overrides: list[str]) -> str:
 
 def failure_reason(error: BaseException) -> str:
     """``error`` as a short reason for a sentence: its type and the first line of its message."""
-    line = (str(error).strip().splitlines() or [""])[0].strip().rstrip(".")
+    line = first_line(error).rstrip(".")
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
 
 
