@@ -193,8 +193,7 @@ def scheduled_lr(trainer) -> None:
     scheduler = trainer.scheduler
     lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(trainer.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # what get_last_lr() logs for that step
+        group["lr"] = lr  # what the step logs as its lr
 
 
 def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: str, rank: int) -> None:

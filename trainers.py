@@ -769,7 +769,7 @@ class BasicTrainer(OnlineSampling):
         collected = defaultdict(list, self.gather_metrics(collected))
         if self.online:
             self.count_judgements(collected)
-        collected["lr"].append(self.scheduler.get_last_lr()[0])  # the lr of this step
+        collected["lr"].append(self.optimizer.param_groups[0]["lr"])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
