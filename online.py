@@ -16,6 +16,7 @@ import losses
 import rewards
 import tracking
 import utils
+from sampling import append_rows, completion_mask, completion_texts, generate
 
 
 class JudgeFailureError(RuntimeError):
@@ -111,34 +112,27 @@ class OnlineSampling:
         """Sample ``n_per_prompt`` completions per left-padded prompt with ``online.*`` in eval mode: returns
         (prompt_ids (B, P), prompt_mask (B, P), completions (B * n_per_prompt, T) on the CPU), row i * n_per_prompt + j
         answering prompt i."""
-        from transformers import GenerationConfig
-
         cfg = self.config.online
         ids, mask = batch["prompt_input_ids"], batch["prompt_attention_mask"]
         width = int(mask.sum(1).max())
         ids, mask = ids[:, ids.shape[1] - width :], mask[:, mask.shape[1] - width :]
-        generation = GenerationConfig(
+        completions, _ = generate(
+            self.policy,
+            ids,
+            mask,
+            self.stop_ids,
+            self.tokenizer.pad_token_id,
+            device=self.device,
+            as_config=True,
+            generate_kwargs=self.generate_kwargs(),
             do_sample=True,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             max_new_tokens=cfg.max_new_tokens,
             num_return_sequences=n_per_prompt,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.stop_ids,
         )
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            out = self.policy.generate(
-                input_ids=ids.to(self.device),
-                attention_mask=mask.to(self.device),
-                generation_config=generation,
-                **self.generate_kwargs(),
-            )
-        finally:
-            self.policy.train(training)
-        return ids, mask, out[:, width:].cpu()
+        return ids, mask, completions
 
     def online_pairs(self, batch: dict) -> tuple[dict, dict]:
         """Two completions per prompt labelled by the scorer (Guo et al. 2024, Algorithm 1): returns a collated
@@ -152,7 +146,7 @@ class OnlineSampling:
         ids, mask, completions = self.sample_completions(batch, 2)
         cmask = completion_mask(completions, eos)
         has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
-        texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+        texts = completion_texts(self.tokenizer, completions, cmask)
         preferences, scores = label_pairs(
             self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty, batch.get("fields")
         )
@@ -236,7 +230,7 @@ class OnlineSampling:
                 start += n
                 _, _, completions = self.sample_completions(batch, 1)
                 cmask = completion_mask(completions, eos)
-                texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, cmask)], skip_special_tokens=True)
+                texts = completion_texts(self.tokenizer, completions, cmask)
                 fields = rewards.field_columns(batch.get("fields") or [])
                 scores = (
                     scorer.score(list(batch["prompt"]), texts, **fields).float().tolist()
@@ -277,13 +271,6 @@ class OnlineSampling:
             self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
             print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         return means
-
-
-def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
-    """(N, T) bool: the tokens of each (N, T) completion up to and including its first stop token in
-    ``eos_token_id`` (all when none)."""
-    is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
-    return (is_eos.cumsum(1) - is_eos) == 0
 
 
 def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
@@ -329,9 +316,7 @@ def write_completions(run_dir: str, rows: list[dict]) -> None:
 
     path = os.path.join(run_dir, "completions.jsonl")
     then = checkpoints.resume_hint(run_dir)
-    with utils.saying_disk_full(path, "append to", then), open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    append_rows(path, rows, then)
     with open(path) as f:
         everything = [json.loads(line) for line in f if line.strip()]
     cols = ["step", "prompt", "completion", "score"]

@@ -1,4 +1,5 @@
-"""Policies evaluate.py and make_pairs.py sample from (run, checkpoint, hf folder, hub id), their prompts and one generate call."""
+"""Policies evaluate.py and make_pairs.py sample from (run, checkpoint, hf folder, hub id), their prompts, and the one
+generate call and samples-file row writer of evaluate.py, make_pairs.py, eval samples and online DPO."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import checks
 import models
 import preference_datasets
 import utils
-from online import completion_mask
 from utils import ConfigError
 
 
@@ -317,31 +317,82 @@ def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
     return tokenizer.decode(completion, skip_special_tokens=True)
 
 
+def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
+    """(N, T) bool: the tokens of each (N, T) completion up to and including its first stop token in
+    ``eos_token_id`` (all when none)."""
+    is_eos = torch.isin(completions, torch.as_tensor(eos_token_id, device=completions.device)).long()
+    return (is_eos.cumsum(1) - is_eos) == 0
+
+
+def generate(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    stop_ids: list[int],
+    pad_token_id: int,
+    *,
+    device=None,
+    seed: int | None = None,
+    as_config: bool = False,
+    generate_kwargs: dict | None = None,
+    **settings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s completions of the left-padded prompts ``ids`` / ``mask`` (B, P) in eval mode (its mode restored),
+    stopping at ``stop_ids``, ``settings`` (do_sample, top_p, ...) over the model's generation_config, seeded with ``seed``:
+    (completions (B * num_return_sequences, T), their :func:`completion_mask`), on the CPU."""
+    settings |= {"pad_token_id": pad_token_id, "eos_token_id": stop_ids}  # the rest: the model's generation_config
+    if as_config:  # as one GenerationConfig: transformers 4 swaps a setting equal to its default for the model's
+        from transformers import GenerationConfig
+
+        settings = {"generation_config": GenerationConfig(**settings)}
+    device = next(model.parameters()).device if device is None else device
+    if seed is not None:
+        torch.manual_seed(seed)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **settings, **(generate_kwargs or {}))
+    finally:
+        model.train(training)
+    completions = out[:, ids.shape[1] :].cpu()
+    return completions, completion_mask(completions, stop_ids)
+
+
+def completion_texts(tokenizer, completions: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """Each (N, T) completion's tokens under ``mask`` decoded, its stop token included, special tokens skipped."""
+    return tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
+
+
+def append_rows(path: str, rows: list[dict], then: str) -> None:
+    """Append ``rows`` to the JSON-lines file ``path`` (a run's samples.jsonl or completions.jsonl); a full disk:
+    utils.DiskFullError ending with ``then``."""
+    with utils.saying_disk_full(path, "append to", then), open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def generate_batch(
     model, tokenizer, stop_ids: list[int], prompts: list[list[int]], temperature: float, config, seed: int
 ) -> list[dict]:
     """One sample per prompt from one left-padded ``generate`` call seeded with ``seed`` (greedy at temperature 0),
     each ``{"text", "n_tokens" (with the stop token), "ended" (at a stop token), "tokens"}``."""
-    from transformers import GenerationConfig
-
-    pad = tokenizer.pad_token_id
-    ids, mask = preference_datasets.left_pad(prompts, pad)
+    ids, mask = preference_datasets.left_pad(prompts, tokenizer.pad_token_id)
     sampling = temperature > 0
-    generation = GenerationConfig(
+    completions, keep = generate(
+        model,
+        ids,
+        mask,
+        stop_ids,
+        tokenizer.pad_token_id,
+        seed=seed,
+        as_config=True,
         do_sample=sampling,
         temperature=temperature if sampling else 1.0,
         top_k=config.top_k if sampling else None,
         top_p=config.top_p if sampling else 1.0,
         max_new_tokens=config.max_new_tokens,
-        pad_token_id=pad,
-        eos_token_id=stop_ids,
     )
-    device = next(model.parameters()).device
-    torch.manual_seed(seed)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=generation)
-    completions = out[:, ids.shape[1] :].cpu()
-    keep = completion_mask(completions, stop_ids)
     samples = []
     for prompt, row, m in zip(prompts, completions, keep):
         tokens = row[m].tolist()

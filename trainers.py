@@ -26,6 +26,7 @@ import modelcard
 import models
 import reward_functions
 import rewards
+import sampling
 import tracking
 import utils
 from models import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
@@ -644,20 +645,20 @@ class BasicTrainer(OnlineSampling):
             )
             stand_in = not chunk_prompts  # this rank has no prompts left: generate for one, keep nothing
             batch_ids, masks = left_pad(chunk_ids or ids[:1], pad_id)
-            out = self.policy.generate(
-                input_ids=batch_ids.to(self.device),
-                attention_mask=masks.to(self.device),
+            completions, mask = sampling.generate(
+                self.policy,
+                batch_ids,
+                masks,
+                self.stop_ids,
+                pad_id,
+                device=self.device,
+                generate_kwargs=self.generate_kwargs(),
                 max_new_tokens=max(1, self.config.max_length - self.config.max_prompt_length),  # the same for every prompt
                 do_sample=False,
-                pad_token_id=pad_id,
-                eos_token_id=self.stop_ids,
-                **self.generate_kwargs(),
             )
             if stand_in:
                 continue
-            completions = out[:, batch_ids.shape[1] :].cpu()
-            mask = completion_mask(completions, self.stop_ids)
-            texts = self.tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
+            texts = sampling.completion_texts(self.tokenizer, completions, mask)
             ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
             # the eval rows' other columns, as fields
             columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
@@ -700,17 +701,19 @@ class BasicTrainer(OnlineSampling):
         completions = {}
         for name, model in models.items():
             with self.adapters_off() if model is None else contextlib.nullcontext(model) as model:
-                out = model.generate(
-                    input_ids=ids.to(self.device),
-                    attention_mask=masks.to(self.device),
+                out, _ = sampling.generate(
+                    model,
+                    ids,
+                    masks,
+                    self.stop_ids,
+                    pad_id,
+                    device=self.device,
+                    generate_kwargs=self.generate_kwargs(),
                     max_new_tokens=self.config.max_length - ids.shape[1],
                     do_sample=True,
                     top_p=self.config.sample_top_p,
-                    pad_token_id=pad_id,
-                    eos_token_id=self.stop_ids,
-                    **self.generate_kwargs(),
                 )
-            completions[name] = decode_completions(self.tokenizer, out[:, ids.shape[1] :].cpu(), self.stop_ids)
+            completions[name] = decode_completions(self.tokenizer, out, self.stop_ids)
             if name == "reference":
                 self.reshard_reference()
         rows = [
@@ -722,10 +725,7 @@ class BasicTrainer(OnlineSampling):
         rows = self.gather_metrics({"rows": rows})["rows"]
         if not self.is_main:
             return rows
-        path = os.path.join(self.run_dir, "samples.jsonl")
-        with utils.saying_disk_full(path, "append to", checkpoints.resume_hint(self.run_dir)), open(path, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        sampling.append_rows(os.path.join(self.run_dir, "samples.jsonl"), rows, checkpoints.resume_hint(self.run_dir))
         write_samples_md(self.run_dir)
         for name in completions:
             self.logger.log_table(
