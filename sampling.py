@@ -219,7 +219,7 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
                 if unexpected:
                     raise RuntimeError(f"unexpected adapter weights, e.g. {unexpected[0]!r}")
         except (RuntimeError, KeyError, TypeError, AttributeError, OSError, EOFError) as e:
-            detail = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            detail = (utils.first_line(e) or type(e).__name__)[:200]
             raise ConfigError(
                 f"{source.weights} could not be loaded into {source.label}'s model ({detail}); give a checkpoint of a run of that model."
             ) from e
