@@ -264,27 +264,34 @@ class BasicTrainer(OnlineSampling):
         self.stop_requested = False
         self.stop_signal: int | None = None
 
-    # ------------------------------------------------------------------ setup and the hooks that
-    # parallel trainers override (one process here: nothing to shard, gather or synchronise)
+    # ------------------------------------------------------------------ setup and the parallel hooks: each collective
+    # returns its input on one process (``mesh`` None) and runs over the (dp, tp) device mesh's groups otherwise
 
     rank = 0
     world_size = 1
+    tp_size = 1  # over how many processes each weight matrix is split (the mesh's ``tp`` dimension)
+    mesh = None  # a parallel trainer's (dp, tp) torch.distributed DeviceMesh
     grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
 
     @property
     def data_rank(self) -> int:
-        """Which part of each batch this process takes (tensor parallelism: all take all)."""
-        return self.rank
+        """Which part of each batch this process takes: its place along the mesh's data-parallel dimension."""
+        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()  # tensor-parallel peers share it
 
     @property
     def data_world_size(self) -> int:
-        """Into how many parts each batch is split."""
-        return self.world_size
+        """Into how many parts each batch is split: world size / tensor-parallel size."""
+        return self.world_size if self.mesh is None else self.mesh["dp"].size()
 
     @property
     def is_main(self) -> bool:
         """True on the process that logs, prints and writes the run folder's files."""
         return self.rank == 0
+
+    @property
+    def data_group(self):
+        """The data-parallel process group (None: every process, or one process)."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
 
     def prepare_models(self) -> None:
         """Move the policy and reference to this process's device, except a model split by ``model.device_map``
@@ -296,44 +303,93 @@ class BasicTrainer(OnlineSampling):
         self.device = next(self.policy.parameters()).device
 
     def reshard_reference(self) -> None:
-        """Called after each forward of the reference (FSDP reshards it; one process: nothing to do)."""
+        """Free the reference's gathered weights after a forward (FSDP2 keeps a root module's gathered for a
+        backward that a no-grad reference never runs)."""
+        if self.mesh is None or self.reference_model is None:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.reference_model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This process's part of a global batch, and the weight of its loss (1, or 0 for a
         stand-in part when a final batch has fewer examples than processes)."""
         return batch, 1.0
 
+    def all_reduce(self, value: float, op: str, group=None) -> float:
+        """``value`` reduced by ``torch.distributed.ReduceOp.<op>`` over ``group`` (default all processes), a float."""
+        if self.mesh is None:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+        return t.item()
+
     def global_sum(self, value: float) -> float:
-        """Sum of ``value`` over processes."""
-        return value
+        """Sum of ``value`` over the data-parallel groups (tensor-parallel peers hold the same value)."""
+        return self.all_reduce(value, "SUM", group=self.data_group)
 
     def gather_metrics(self, metrics: dict) -> dict:
-        """Per-example metric lists of all processes, concatenated in rank order."""
-        return metrics
+        """Per-example metric lists of every data-parallel group, concatenated in order (tensor-parallel peers computed the same)."""
+        return self.gather_per_rank(metrics, group=self.data_group)
 
-    def gather_per_rank(self, metrics: dict) -> dict:
-        """Lists of every process, in rank order, even when all processes see the same data
-        (tensor parallelism): for per-process figures such as peak memory."""
-        return metrics
+    def gather_per_rank(self, metrics: dict, group=None) -> dict:
+        """Every rank's lists (of ``group``, default all), concatenated in rank order, even when all processes see
+        the same data (tensor parallelism): for per-process figures such as peak memory."""
+        if self.mesh is None:
+            return metrics
+        import torch.distributed as dist
+
+        parts: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, dict(metrics), group=group)
+        out: dict = defaultdict(list)
+        for part in parts:
+            for k, v in part.items():
+                out[k].extend(v)
+        return out
+
+    def broadcast(self, obj):
+        """``obj`` as the main process has it, on every process."""
+        return obj if self.mesh is None else utils.broadcast_object(obj)
 
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward synchronises gradients across processes."""
 
     def all_finite(self, value: torch.Tensor) -> bool:
         """True if ``value`` is finite on every process (all agree, so none hangs alone)."""
-        return bool(torch.isfinite(value).all())
+        return self.all_reduce(float(torch.isfinite(value).all()), "MIN") == 1.0
 
     def any_rank(self, flag: bool) -> bool:
         """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
-        return flag
+        return self.all_reduce(float(flag), "MAX") == 1.0
 
     def wait_for_all(self) -> None:
-        """Return once every process has got here (one process: at once)."""
+        """Return once every process has got here."""
+        if self.mesh is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
 
     def clip_gradients(self) -> torch.Tensor:
-        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm; return that norm."""
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm and return that norm, summed
+        parameter by parameter when gradients of different meshes or plain ones mix (torch's foreach norm refuses them)."""
+        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
+        if self.mesh is None or (self.tp_size == 1 and len(parameter_groups(grads)) == 1):
+            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
+            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
+        total = total_sq.sqrt()
+        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
+        if coef < 1.0:
+            for g in grads:
+                g.mul_(coef)
+        return total
 
     def generate_kwargs(self) -> dict:
         """Extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)."""
@@ -990,26 +1046,56 @@ class BasicTrainer(OnlineSampling):
     # ------------------------------------------------------------------ checkpoints
 
     def save(self) -> str:
-        """Write ``step-<examples>/`` (policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, ``hf/`` unless its
-        export fails) atomically, point ``LATEST`` at it and return its path (checkpoints.CheckpointError if it cannot)."""
+        """Write ``step-<examples>/`` (:meth:`write_checkpoint`) atomically, point ``LATEST`` at it and return its path;
+        checkpoints.CheckpointError on every process if it cannot be written."""
         step = self.example_counter
         self.hf_export_failure = None
-        self.collect_rank_states()
-
-        def write(tmp):
-            torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(tmp, "policy.pt"))
-            torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(tmp, "optimizer.pt"))
-            torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(tmp, "scheduler.pt"))
-            torch.save(self.trainer_state(), os.path.join(tmp, "trainer_state.pt"))
-            if self.updates_reference:  # TR-DPO: the reference has moved; resume needs it
-                torch.save({"step_idx": step, "state": self.reference_model.state_dict()}, os.path.join(tmp, "reference.pt"))
-            if self.config.save_hf_export:
-                self.hf_export_failure = self.write_hf_export(os.path.join(tmp, "hf"))
-
-        path = checkpoints.save_checkpoint_dir(self.run_dir, f"step-{step}", write)
-        self.warn_export_failure(path)
-        checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
+        self.collect_rank_states()  # every rank's judge and sampling RNG, before trainer_state.pt is written
+        path = self.save_checkpoint_dir(f"step-{step}", lambda folder: self.write_checkpoint(folder, step))
+        if self.is_main:
+            self.warn_export_failure(path)
+            checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
+
+    def save_checkpoint_dir(self, name: str, write) -> str:
+        """checkpoints.save_checkpoint_dir of ``<run_dir>/<name>`` on the main process, with ``write(folder)`` run
+        inside it on every process; checkpoints.CheckpointError on every process if it cannot be written."""
+        if self.mesh is None:
+            return checkpoints.save_checkpoint_dir(self.run_dir, name, write)
+        sent = []  # the folder, once the main process has made it and sent it to the others
+
+        def write_all(folder: str) -> None:
+            sent.append(self.broadcast(folder))
+            write(folder)
+
+        message = None
+        if self.is_main:
+            try:
+                checkpoints.save_checkpoint_dir(self.run_dir, name, write_all)
+            except checkpoints.CheckpointError as e:
+                message = str(e)
+                if not sent:
+                    self.broadcast(None)  # no folder: the others write nothing
+        else:
+            folder = self.broadcast(None)
+            if folder is not None:
+                write(folder)
+        message = self.broadcast(message)  # every process waits here for the main one's files
+        if message is not None:
+            raise checkpoints.CheckpointError(message)
+        return os.path.join(self.run_dir, name)
+
+    def write_checkpoint(self, folder: str, step: int) -> None:
+        """policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, reference.pt (TR-DPO) and ``hf/`` (unless
+        its export fails) into ``folder``."""
+        torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(folder, "policy.pt"))
+        torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(folder, "optimizer.pt"))
+        torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
+        torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
+        if self.updates_reference:  # TR-DPO: the reference has moved; resume needs it
+            torch.save({"step_idx": step, "state": self.reference_model.state_dict()}, os.path.join(folder, "reference.pt"))
+        if self.config.save_hf_export:
+            self.hf_export_failure = self.write_hf_export(os.path.join(folder, "hf"))
 
     hf_export_failure: str | None = None
     """Why the last checkpoint has no ``hf/`` export (None: it has one, or none was asked for)."""
@@ -1422,8 +1508,8 @@ def fully_shard_blocks(model: torch.nn.Module, blocks: set[type], **kwargs) -> N
 
 
 class _DistributedTrainer(BasicTrainer):
-    """What FSDP and tensor parallelism share: a process group, collectives for the hooks
-    of BasicTrainer, and sharded checkpoints with torch.distributed.checkpoint (DCP)."""
+    """What FSDP and tensor parallelism share: a process group and device mesh for BasicTrainer's
+    collectives, and sharded checkpoints with torch.distributed.checkpoint (DCP)."""
 
     def __init__(self, *args, **kwargs):
         import torch.distributed as dist
@@ -1450,74 +1536,6 @@ class _DistributedTrainer(BasicTrainer):
         """Over how many processes each weight matrix is split (the mesh's ``tp`` dimension)."""
         return 1
 
-    def reshard_reference(self) -> None:
-        """Free the reference's gathered weights after a forward (FSDP2 keeps a root module's gathered for a
-        backward that a no-grad reference never runs)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if self.reference_model is None:
-            return
-        for module in self.reference_model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    @property
-    def data_rank(self) -> int:
-        """This rank's place along the mesh's data-parallel dimension (tensor-parallel peers share it)."""
-        return self.mesh["dp"].get_local_rank()
-
-    @property
-    def data_world_size(self) -> int:
-        """The number of data-parallel groups: world size / tensor-parallel size."""
-        return self.mesh["dp"].size()
-
-    def _all_reduce(self, value: float, op, group=None) -> float:
-        import torch.distributed as dist
-
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=op, group=group)
-        return t.item()
-
-    def global_sum(self, value: float) -> float:
-        """Sum of ``value`` over the data-parallel groups (an all-reduce; tensor-parallel peers hold the same value)."""
-        import torch.distributed as dist
-
-        return self._all_reduce(value, dist.ReduceOp.SUM, group=self.mesh["dp"].get_group())
-
-    def all_finite(self, value: torch.Tensor) -> bool:
-        """True if ``value`` is finite on every rank (all ranks agree)."""
-        import torch.distributed as dist
-
-        return self._all_reduce(float(torch.isfinite(value).all()), dist.ReduceOp.MIN) == 1.0
-
-    def any_rank(self, flag: bool) -> bool:
-        """True if ``flag`` is true on any rank."""
-        import torch.distributed as dist
-
-        return self._all_reduce(float(flag), dist.ReduceOp.MAX) == 1.0
-
-    def wait_for_all(self) -> None:
-        """A barrier across all ranks."""
-        import torch.distributed as dist
-
-        dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
-
-    def gather_metrics(self, metrics: dict) -> dict:
-        """Every data-parallel group's lists, concatenated in order (tensor-parallel peers computed the same)."""
-        return self.gather_per_rank(metrics, group=self.mesh["dp"].get_group())
-
-    def gather_per_rank(self, metrics: dict, group=None) -> dict:
-        """Every rank's lists (of ``group``, default all), concatenated in rank order (an all-gather of Python objects)."""
-        import torch.distributed as dist
-
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, dict(metrics), group=group)
-        out: dict = defaultdict(list)
-        for part in parts:
-            for k, v in part.items():
-                out[k].extend(v)
-        return out
-
     def shard_from_rank0(self, model: torch.nn.Module, shard) -> None:
         """Shard ``model`` over ``self.mesh`` with ``shard`` (FSDP or a TP plan), its weights sent from rank 0:
         no rank holds the full model on its device, and only rank 0 reads the checkpoint."""
@@ -1539,66 +1557,37 @@ class _DistributedTrainer(BasicTrainer):
                     buffer.copy_(unsaved[name])
                 dist.broadcast(buffer, src=0)
 
-    def save(self) -> str:
-        """Write the checkpoint atomically: each rank its DCP shard in ``sharded/``, rank 0 the gathered policy.pt,
-        scheduler.pt, trainer_state.pt and ``hf/``; checkpoints.CheckpointError on every rank if any cannot write."""
+    def write_checkpoint(self, folder: str, step: int) -> None:
+        """Each rank its DCP shard into ``folder``/sharded, then rank 0 the gathered policy.pt, scheduler.pt,
+        trainer_state.pt and ``hf/`` (:meth:`write_rank0_files`)."""
         import shutil
 
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-        step = self.example_counter
-        self.collect_rank_states()  # every rank's judge and sampling RNG, before rank 0 writes trainer_state.pt
-        name = f"step-{step}"
-        tmp = os.path.join(self.run_dir, f".{name}.tmp")
-        path = os.path.join(self.run_dir, name)
-        self.hf_export_failure = None
-        failure = None  # why the checkpoint could not be written
+        error = None
         try:
-            if self.is_main:
-                try:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    os.makedirs(tmp)
-                except OSError as e:
-                    failure = checkpoints.write_failure(e, self.run_dir)
-            failure = utils.broadcast_object(failure)  # the folder exists before any rank writes into it
-            if failure is None:
-                try:
-                    model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=self.sharded_options())
-                    state = {"model": model_sd, "optimizer": optim_sd}
-                    if self.updates_reference:  # TR-DPO: the moved reference, sharded like the policy
-                        state["reference"] = get_model_state_dict(self.reference_model)
-                    dcp.save(state, checkpoint_id=os.path.join(tmp, "sharded"))
-                except Exception as e:  # DCP raises on every rank when any rank's write fails
-                    failure = checkpoints.write_failure(e, self.run_dir)
-                if self.any_rank(failure is not None):
-                    failure = failure or "another rank could not write its shard"
-                else:
-                    # LoRA: the adapters alone, unless the merged export needs the frozen base too
-                    adapters_only = self.lora is not None and not (self.config.save_hf_export and self.lora.get("export_merged"))
-                    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
-                    full = get_model_state_dict(self.policy, options=full_options)
-                    if self.is_main:
-                        try:
-                            self.write_rank0_files(tmp, step, full)
-                            checkpoints.publish_checkpoint(self.run_dir, name, tmp)
-                        except Exception as e:
-                            failure = checkpoints.write_failure(e, self.run_dir)
-        except BaseException:
-            if self.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        message = None
-        if self.is_main and failure is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            message = checkpoints.checkpoint_error_message(self.run_dir, name, failure)
-        message = utils.broadcast_object(message)  # every rank waits here for rank 0's files
-        if message is not None:
-            raise checkpoints.CheckpointError(message)
+            model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=self.sharded_options())
+            state = {"model": model_sd, "optimizer": optim_sd}
+            if self.updates_reference:  # TR-DPO: the moved reference, sharded like the policy
+                state["reference"] = get_model_state_dict(self.reference_model)
+            dcp.save(state, checkpoint_id=os.path.join(folder, "sharded"))
+        except Exception as e:  # DCP raises on every rank when any rank's write fails
+            error = e
+        if self.any_rank(error is not None):
+            if not self.is_main:
+                return  # rank 0 raises, and save_checkpoint_dir tells every rank
+            if error is not None:
+                raise error
+            shutil.rmtree(folder, ignore_errors=True)  # before the message, which reports the free space
+            reason = "another rank could not write its shard"
+            raise checkpoints.CheckpointError(checkpoints.checkpoint_error_message(self.run_dir, f"step-{step}", reason))
+        # LoRA: the adapters alone, unless the merged export needs the frozen base too
+        adapters_only = self.lora is not None and not (self.config.save_hf_export and self.lora.get("export_merged"))
+        full_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
+        full = get_model_state_dict(self.policy, options=full_options)
         if self.is_main:
-            self.warn_export_failure(path)
-            checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
-        return path
+            self.write_rank0_files(folder, step, full)
 
     def sharded_options(self):
         """The ``StateDictOptions`` of the sharded checkpoint (DCP): a LoRA policy's holds the
@@ -1608,23 +1597,6 @@ class _DistributedTrainer(BasicTrainer):
         if self.lora is None:
             return None
         return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-    def clip_gradients(self) -> torch.Tensor:
-        """Clip to ``max_grad_norm`` by the global L2 norm, summed parameter by parameter when gradients of
-        different meshes or plain ones mix (torch's foreach norm refuses them)."""
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if self.tp_size == 1 and len(parameter_groups(grads)) == 1:
-            return super().clip_gradients()
-        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
-            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
-        total = total_sq.sqrt()
-        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total
 
     def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
         """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``;
