@@ -427,3 +427,25 @@ def test_latest_pointing_at_a_missing_folder_resumes_from_the_newest_intact_step
     assert (run / checkpoints.FINISHED).read_text() == "48\n" and os.readlink(run / "LATEST") == "step-48"
     evals = [r["step"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss/eval" in r]
     assert evals == [0, 16, 32, 48]  # the rewound metrics: step 48 once
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lr_scheduler=cosin", "lr_scheduler must be constant, linear or cosine, got cosin."),
+        ("wandb.mode=on", "wandb.mode must be online, offline or disabled, got on."),
+        ("trainer=FSDP", "trainer=FSDP is unknown; choose one of BasicTrainer, FSDPTrainer, TensorParallelTrainer."),
+        ("launcher=slurm", "launcher=slurm is unknown; choose launcher=local or launcher=ray."),
+    ],
+)
+def test_a_value_outside_its_choices_is_one_sentence(override, message):
+    with pytest.raises(utils.ConfigError) as e:
+        checks.validate_config(compose_config([override]))
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize(
+    "override", ["lr_scheduler=constant", "lr_scheduler=cosine", "wandb.mode=disabled", "wandb.mode=offline"]
+)
+def test_each_allowed_choice_passes(override):
+    checks.validate_config(compose_config([override]))
