@@ -29,7 +29,7 @@ def get_batch_logps(
     logits = logits[:, :-1, :]
     mask = labels != IGNORE_INDEX
     safe_labels = torch.where(mask, labels, 0)
-    dtype = _logp_dtype(logits)
+    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
     picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).to(dtype)
     per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)  # no full-vocabulary log-softmax copy
     per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
@@ -41,11 +41,6 @@ def get_batch_logps(
     return total, n_tokens
 
 
-def _logp_dtype(logits: torch.Tensor) -> torch.dtype:
-    """The dtype log-probs are computed in: float32, or float64 for float64 logits."""
-    return torch.promote_types(logits.dtype, torch.float32)
-
-
 def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """(N,) log softmax(logits[rows[k]])[targets[k]] in nats, float32 (float64 for float64 logits), from (M, V)
     ``logits`` and (N,) long ``rows`` and ``targets``; ValueError for other shapes."""
@@ -53,23 +48,19 @@ def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torc
         raise ValueError(
             f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
         )
-    dtype = _logp_dtype(logits)
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     picked = logits[rows, targets].to(dtype)
     return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]  # logsumexp once per row, no log-softmax copy
 
 
-def sum_by_sequence(
-    token_logps: torch.Tensor, sequence: torch.Tensor, n_sequences: int, average_log_prob: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sum_by_sequence(token_logps, sequence, n_sequences: int, average_log_prob: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, n_tokens), each (S = ``n_sequences``,), the sums (or means) of (N,) ``token_logps`` per (N,) ``sequence``:
     logps in nats, float32 (float64 for float64 input), n_tokens float32; a sequence without tokens gets 0."""
-    total = torch.zeros(n_sequences, dtype=_logp_dtype(token_logps), device=token_logps.device)
+    total = torch.zeros(n_sequences, dtype=torch.promote_types(token_logps.dtype, torch.float32), device=token_logps.device)
     total = total.index_add(0, sequence, token_logps.to(total.dtype))
-    zeros = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device)
-    n_tokens = zeros.index_add(0, sequence, torch.ones_like(token_logps, dtype=torch.float32))
-    if average_log_prob:
-        return total / n_tokens.clamp(min=1.0), n_tokens
-    return total, n_tokens
+    ones = torch.ones_like(token_logps, dtype=torch.float32)
+    n_tokens = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device).index_add(0, sequence, ones)
+    return (total / n_tokens.clamp(min=1.0) if average_log_prob else total), n_tokens
 
 
 def dpo_loss(
@@ -81,19 +72,18 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO (Rafailov et al. 2023, Eq. 7), -log sigmoid(beta h) with h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) -
+    """DPO (Rafailov et al. 2023, Eq. 7), -log sigmoid(beta h), h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) -
     log ref(y_l|x)), or conservative DPO (Mitchell 2023) -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h), eps =
-    ``label_smoothing`` in [0, 0.5), reference 0 with ``reference_free``: (B,) log-probs in, (losses, chosen_rewards,
-    rejected_rewards) out, each (B,) in nats, rewards beta * (log pi - log ref) detached."""
-    pi_logratios = policy_chosen_logps - policy_rejected_logps
-    ref_logratios = reference_chosen_logps - reference_rejected_logps
-    if reference_free:
-        ref_logratios = torch.zeros_like(ref_logratios)
-    h = pi_logratios - ref_logratios
+    ``label_smoothing``: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, (B,) nats each, the rewards
+    detached beta (log pi - log ref) (Eq. 5)."""
+    if reference_free:  # a uniform reference: log ref = 0
+        reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
+        reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
+    h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    return losses, *implicit_rewards(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta, reference_free
-    )
+    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()
+    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
 
 
 def ipo_loss(
@@ -228,26 +218,20 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """Call :attr:`fn` with the inputs and keys it names (``overrides`` win over ``loss_config``, e.g. this epoch's
-        ``beta``), plus ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1); ValueError for an input
-        the trainer did not compute."""
+        """Call :attr:`fn` with the inputs and keys it names (``overrides`` win over ``loss_config``), plus ``loss.nll_weight``
+        times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1); ValueError for a missing input."""
         kwargs = {}
-        parameters = self._signature
-        for name in parameters:
+        for name, parameter in self._signature.items():
             if name in overrides:
                 kwargs[name] = overrides[name]
             elif name in self.keys:
                 kwargs[name] = _get(loss_config, name, self.keys[name].default)
-            else:
-                value = getattr(inputs, name, None)
-                if value is None:
-                    if parameters[name].default is None:
-                        continue  # an optional input (e.g. KTO's label): None means the function's default
-                    raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
-                kwargs[name] = value
-        out = self.fn(**kwargs)
-        extra = out[3] if len(out) > 3 else {}
-        per_example, chosen_rewards, rejected_rewards = out[:3]
+            elif getattr(inputs, name, None) is not None:
+                kwargs[name] = getattr(inputs, name)
+            elif parameter.default is not None:  # None: an optional input (e.g. KTO's label), the function's default
+                raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
+        per_example, chosen_rewards, rejected_rewards, *extra = self.fn(**kwargs)
+        extra = extra[0] if extra else {}
         nll_weight = float(_get(loss_config, "nll_weight", 0.0) or 0.0)
         if nll_weight > 0:
             if inputs.policy_chosen_nll is None:

@@ -33,16 +33,14 @@ class PackedRow:
     target_seqs: list[int]
 
 
-def _targets(labels: list[int], seq: int, column) -> tuple[list[int], list[int], list[int]]:
-    """(columns, labels, sequence ids) of a sequence's labelled tokens; token t is predicted at
-    logical position t - 1, placed by ``column``; the label at position 0 predicts nothing."""
-    ts = [t for t in range(1, len(labels)) if labels[t] != losses.IGNORE_INDEX]
+def _targets(labels: list[int], seq: int, column=lambda p: p) -> tuple[list[int], list[int], list[int]]:
+    """(columns, labels, sequence ids) of a sequence's labelled tokens, token t predicted at the column ``column(t - 1)``."""
+    ts = [t for t in range(1, len(labels)) if labels[t] != losses.IGNORE_INDEX]  # the label at position 0 predicts nothing
     return [column(t - 1) for t in ts], [labels[t] for t in ts], [seq] * len(ts)
 
 
 def _unpadded(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> list[tuple[list[int], list[int]]] | None:
-    """Each row's (ids, labels) without its right padding; None when a row is not right-padded
-    or has a label under attention mask 0."""
+    """Each row's (ids, labels) without its right padding; None when a row is not right-padded or has a label under mask 0."""
     lengths = mask.sum(1)
     expected = torch.arange(mask.shape[1], device=mask.device) < lengths[:, None]
     if not torch.equal(mask.bool(), expected) or bool((labels[~expected] != losses.IGNORE_INDEX).any()):
@@ -51,45 +49,29 @@ def _unpadded(ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> li
 
 
 def pack_preference_rows(batch: dict, share_prompt: bool = True) -> list[PackedRow] | None:
-    """The packed rows of a DPO batch (``chosen_*`` / ``rejected_*`` (B, T), right-padded): B with a prefix
-    shared per pair (``share_prompt``), else up to 2B; None when a sequence is not right-padded or has a label under mask 0."""
+    """The packed rows of a DPO batch (``chosen_*`` / ``rejected_*`` (B, T), right-padded): one per pair with a shared prefix
+    (``share_prompt``), else two; None when a sequence is not right-padded or has a label under mask 0."""
     n = batch["chosen_input_ids"].shape[0]
-    sides = [
-        _unpadded(*(batch[f"{side}_{k}"] for k in ("input_ids", "attention_mask", "labels"))) for side in ("chosen", "rejected")
-    ]
+    sides = [_unpadded(*(batch[f"{s}_{k}"] for k in ("input_ids", "attention_mask", "labels"))) for s in ("chosen", "rejected")]
     if None in sides:
         return None
     rows = []
     for i, ((c_ids, c_lab), (r_ids, r_lab)) in enumerate(zip(*sides)):
-        shared = 0
-        if share_prompt:
-            limit = min(len(c_ids), len(r_ids))
-            while shared < limit and c_ids[shared] == r_ids[shared]:
-                shared += 1
+        shared = len(os.path.commonprefix([c_ids, r_ids])) if share_prompt else 0  # leading tokens the pair shares
         if shared == 0:
-            for seq, (ids, lab) in ((i, (c_ids, c_lab)), (n + i, (r_ids, r_lab))):
-                rows.append(PackedRow(ids, None, None, *_targets(lab, seq, lambda p: p)))
+            rows += [PackedRow(c_ids, None, None, *_targets(c_lab, i)), PackedRow(r_ids, None, None, *_targets(r_lab, n + i))]
             continue
-        c_len = len(c_ids)
-        c_cols, c_tgt, c_seq = _targets(c_lab, i, lambda p: p)
-        r_cols, r_tgt, r_seq = _targets(r_lab, n + i, lambda p, s=shared, c=c_len: p if p < s else c + p - s)
-        rows.append(
-            PackedRow(
-                ids=c_ids + r_ids[shared:],
-                positions=list(range(c_len)) + list(range(shared, len(r_ids))),
-                branch=[0] * shared + [1] * (c_len - shared) + [2] * (len(r_ids) - shared),
-                target_cols=c_cols + r_cols,
-                target_ids=c_tgt + r_tgt,
-                target_seqs=c_seq + r_seq,
-            )
-        )
+        c_len, chosen = len(c_ids), _targets(c_lab, i)
+        rejected = _targets(r_lab, n + i, lambda p, s=shared, c=c_len: p if p < s else c + p - s)  # rest after chosen's
+        positions = list(range(c_len)) + list(range(shared, len(r_ids)))
+        branch = [0] * shared + [1] * (c_len - shared) + [2] * (len(r_ids) - shared)
+        rows.append(PackedRow(c_ids + r_ids[shared:], positions, branch, *(c + r for c, r in zip(chosen, rejected))))
     return rows
 
 
 def plan_chunks(lengths: list[int], max_chunks: int | None = None, chunk_cost: float = PACKED_CHUNK_COST) -> list[list[int]]:
-    """Row indices grouped by dynamic programming into forward calls, shortest first, minimising
-    ``sum(rows * longest) + n_groups * chunk_cost * len(lengths) * max(lengths)`` positions, at most ``max_chunks``
-    (1 under FSDP, whose ranks must make as many calls; ValueError if < 1)."""
+    """Row indices grouped into forward calls, shortest first, by dynamic programming minimising ``sum(rows * longest) +
+    n_groups * chunk_cost * len(lengths) * max(lengths)`` positions in at most ``max_chunks`` calls (1 under FSDP; >= 1)."""
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"max_chunks must be >= 1, not {max_chunks}.")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
@@ -101,8 +83,7 @@ def plan_chunks(lengths: list[int], max_chunks: int | None = None, chunk_cost: f
     start, end = np.arange(n + 1)[:, None], np.arange(n + 1)[None, :]
     # cost[i, j]: rows i..j-1 (sorted) in one call
     cost = np.where(start < end, (end - start) * np.concatenate([[0.0], width])[end] + penalty, np.inf)
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
+    best = np.concatenate([[0.0], np.full(n, np.inf)])  # best[j]: the cheapest cost of rows 0..j-1 so far
     cuts, totals = [], []
     for _ in range(min(max_chunks or n, n, int(1 / chunk_cost) + 1)):  # more calls than that never pay
         candidates = best[:, None] + cost
@@ -117,38 +98,24 @@ def plan_chunks(lengths: list[int], max_chunks: int | None = None, chunk_cost: f
     return groups[::-1]
 
 
-def _family_module(model):
-    """The transformers module (``transformers.models.<family>.modeling_<family>``) defining
-    ``model``'s class, or None for a model from elsewhere (also under FSDP's wrapper class)."""
-    for cls in type(model).__mro__:
-        if cls.__module__.startswith("transformers.models."):
-            return sys.modules.get(cls.__module__)
-    return None
-
-
 def packed_forward_support(model) -> tuple[bool, bool]:
     """(per-position boolean ``logits_to_keep``: transformers >= 5, shared prompt: custom 4-D mask and position
     ids with SDPA or eager attention, no sliding window) as ``model`` (a peft model: its base model) supports them."""
-    if hasattr(model, "get_base_model"):  # peft's PeftModel: forward(*args, **kwargs)
-        model = model.get_base_model()
-    module = _family_module(model)
+    model = model.get_base_model() if hasattr(model, "get_base_model") else model  # peft's PeftModel: forward(*args, **kwargs)
+    # the modeling_<family> module defining the model's class (also under FSDP's wrapper class); None: not transformers'
+    families = [c.__module__ for c in type(model).__mro__ if c.__module__.startswith("transformers.models.")]
+    module = sys.modules.get(families[0]) if families else None
     if module is None:
         return False, False
     config = getattr(model, "config", None)
-    keep_bool = hasattr(module, "slice_logits_to_keep")
     window = getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)
-    share = (
-        hasattr(module, "create_causal_mask")
-        and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
-        and not window
-        and "position_ids" in inspect.signature(model.forward).parameters
-    )
-    return keep_bool, share
+    masks = hasattr(module, "create_causal_mask") and getattr(config, "_attn_implementation", None) in ("sdpa", "eager")
+    share = masks and not window and "position_ids" in inspect.signature(model.forward).parameters
+    return hasattr(module, "slice_logits_to_keep"), share
 
 
 def keep_mask_device(model, device) -> torch.device:
-    """Where the boolean ``logits_to_keep`` mask goes: the CPU for a model split over GPUs (``hf_device_map``;
-    its last hidden states end on the last GPU), else ``device``."""
+    """Where the bool ``logits_to_keep`` mask goes: the CPU for a model split over GPUs (``hf_device_map``), else ``device``."""
     placed = getattr(model, "hf_device_map", None) or {}
     return torch.device("cpu") if len({str(d) for d in placed.values()}) > 1 else torch.device(device)
 
@@ -162,18 +129,11 @@ _UNCHUNKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> 
 
 
 def _logit_transform(model) -> str | None:
-    """The first of :data:`LOGIT_TRANSFORMS` set in ``model``'s config (or its text config), as
-    ``"name=value"``; None when there is none."""
+    """The first of :data:`LOGIT_TRANSFORMS` set in ``model``'s config (or its text config) as ``"name=value"``, else None."""
     config = getattr(model, "config", None)
-    configs = [config]
-    if hasattr(config, "get_text_config"):
-        configs.append(config.get_text_config())
-    for cfg in configs:
-        for name in LOGIT_TRANSFORMS:
-            value = getattr(cfg, name, None)
-            if value is not None:
-                return f"{name}={value}"
-    return None
+    configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
+    found = [f"{name}={getattr(c, name)}" for c in configs for name in LOGIT_TRANSFORMS if getattr(c, name, None) is not None]
+    return found[0] if found else None
 
 
 def _refuse_chunking(model, reason: str) -> None:
@@ -209,8 +169,7 @@ class ChunkedOutputLayer(torch.nn.Module):
         return losses.gathered_token_logps(logits, rows.to(logits.device), targets.to(logits.device))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N,) float32 log-probs of the targets from ``hidden`` (..., H); RuntimeError if it holds other than
-        ``n_positions`` positions (the model ignored ``logits_to_keep``)."""
+        """(N,) float32 log-probs of the targets from ``hidden`` (..., H); RuntimeError unless it holds ``n_positions``."""
         flat = hidden.reshape(-1, hidden.shape[-1])
         if self.n_positions is not None and flat.shape[0] != self.n_positions:
             raise RuntimeError(
@@ -221,11 +180,10 @@ class ChunkedOutputLayer(torch.nn.Module):
         local, targets = inverse[order], self.targets[order]
         bounds = torch.searchsorted(local, torch.arange(0, len(positions) + self.chunk, self.chunk)).tolist()
         parts = []
-        for k, lo in enumerate(range(0, max(len(positions), 1), self.chunk)):  # no target: one empty call keeps the graph
-            hi = min(lo + self.chunk, len(positions))
+        for k, lo in enumerate(range(0, max(len(positions), 1), self.chunk)):
             a, b = bounds[k], bounds[k + 1]
-            args = (flat[positions[lo:hi].to(flat.device)], local[a:b] - lo, targets[a:b])
-            if torch.is_grad_enabled():
+            args = (flat[positions[lo : lo + self.chunk].to(flat.device)], local[a:b] - lo, targets[a:b])
+            if torch.is_grad_enabled():  # the backward recomputes each chunk's logits
                 parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logps, *args, use_reentrant=False))
             else:
                 parts.append(self._chunk_logps(*args))
@@ -234,55 +192,31 @@ class ChunkedOutputLayer(torch.nn.Module):
         return self.result
 
 
-def _parent_of(model: torch.nn.Module, module: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
-    """(parent, attribute name) under which ``model`` holds the submodule ``module``."""
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if child is module:
-                return parent, name
-    return None
-
-
 def output_layer_logps(
-    model,
-    kwargs: dict,
-    logits_to_keep,
-    rows: torch.Tensor,
-    targets: torch.Tensor,
-    chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
-    n_positions: int | None = None,
+    model, kwargs: dict, logits_to_keep, rows, targets, chunk=DEFAULT_OUTPUT_LAYER_CHUNK, n_positions=None
 ) -> torch.Tensor:
-    """One forward call of ``model`` and the (N,) float32 log-prob in nats of each target, with the output layer a
-    :class:`ChunkedOutputLayer` when ``chunk`` is set (unchunked, noted once, for a model that transforms its logits).
-
-    Args:
-        logits_to_keep: an int (the last positions of each row) or a 2-D bool mask (exactly those kept, row-major).
-        rows: (N,) long, each target's row among the (M, V) kept positions, row-major; ``targets``: (N,) long.
-        n_positions: M, checked when given (RuntimeError if the model ignored ``logits_to_keep``).
-    """
+    """The (N,) float32 log-prob in nats of each (N,) ``targets`` at its (N,) ``rows`` among the M kept positions (row-major;
+    ``logits_to_keep``: an int, each row's last, or a 2-D bool mask) of one forward call of ``model``, the output layer
+    a :class:`ChunkedOutputLayer` if ``chunk`` (else, or where it cannot be, unchunked); RuntimeError if M != ``n_positions``."""
     prefer_masked_gqa(kwargs["input_ids"].device)
-    place = None
     if chunk and model not in _UNCHUNKED:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        place = _parent_of(model, head) if isinstance(head, torch.nn.Module) else None
-        if place is None:
+        # (parent, attribute name) under which the model holds its output layer
+        place = next(((p, name) for p in model.modules() for name, c in p.named_children() if c is head), None)
+        if not isinstance(head, torch.nn.Module) or place is None:
             _refuse_chunking(model, "has no output layer module (get_output_embeddings) to call in chunks")
-    if place is not None:
-        reason = _logit_transform(model)
-        if reason is not None:
-            _refuse_chunking(model, f"changes its logits after the output layer ({reason})")
-            place = None
-    if place is not None:
-        parent, name = place
-        stand_in = ChunkedOutputLayer(head, rows, targets, chunk, n_positions)
-        setattr(parent, name, stand_in)
-        try:
-            out = model(**kwargs, logits_to_keep=logits_to_keep)
-        finally:
-            setattr(parent, name, head)
-        if stand_in.result is not None and out.logits is stand_in.result:
-            return stand_in.result
-        _refuse_chunking(model, "does not return its output layer's output as its logits")
+        elif transform := _logit_transform(model):
+            _refuse_chunking(model, f"changes its logits after the output layer ({transform})")
+        else:
+            stand_in = ChunkedOutputLayer(head, rows, targets, chunk, n_positions)
+            setattr(*place, stand_in)
+            try:
+                out = model(**kwargs, logits_to_keep=logits_to_keep)
+            finally:
+                setattr(*place, head)
+            if stand_in.result is not None and out.logits is stand_in.result:
+                return stand_in.result
+            _refuse_chunking(model, "does not return its output layer's output as its logits")
     logits = model(**kwargs, logits_to_keep=logits_to_keep).logits
     flat = logits.reshape(-1, logits.shape[-1])
     if n_positions is not None and flat.shape[0] != n_positions:
@@ -293,22 +227,17 @@ def output_layer_logps(
 
 
 def compute_dtype(model) -> torch.dtype:
-    """The dtype ``model`` computes in: FSDP2's mixed-precision ``param_dtype`` when one is set
-    (its parameters stay float32 outside the forward), else its parameters' dtype."""
-    get_state = getattr(model, "_get_fsdp_state", None)  # FSDP2's FSDPModule
-    if get_state is not None:
-        dtype = getattr(getattr(get_state(), "_mp_policy", None), "param_dtype", None)
-        if dtype is not None:
-            return dtype
-    return next(model.parameters()).dtype
+    """The dtype ``model`` computes in: FSDP2's mixed-precision ``param_dtype`` when set, else its parameters' dtype."""
+    get_state = getattr(model, "_get_fsdp_state", None)  # FSDP2's FSDPModule, whose parameters stay float32 outside the forward
+    dtype = getattr(getattr(get_state(), "_mp_policy", None), "param_dtype", None) if get_state is not None else None
+    return dtype if dtype is not None else next(model.parameters()).dtype
 
 
 GQA_SWITCH = "TRANSFORMERS_SDPA_FORCE_GQA"
 
 
 def prefer_masked_gqa(device) -> None:
-    """On the CPU, set ``TRANSFORMERS_SDPA_FORCE_GQA`` for the process (unless the user set it) so SDPA takes grouped
-    key/value heads with a mask instead of repeating them per query head; never on a GPU, whose masked GQA is slow."""
+    """On the CPU (not a GPU: slow there), set ``TRANSFORMERS_SDPA_FORCE_GQA`` unless set, so SDPA keeps masked grouped heads."""
     if torch.device(device).type == "cpu":
         os.environ.setdefault(GQA_SWITCH, "1")
 
@@ -317,12 +246,9 @@ def _row_matrix(values: list[list[int]], width: int, fill: int) -> torch.Tensor:
     return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=torch.long)
 
 
-def _packed_chunk_logps(
-    model, rows: list[PackedRow], device, keep_bool: bool, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward call over ``rows``, padded to the longest of them: (per-target log-probs
-    (N,) float32, their sequence ids (N,) long), targets in row order; the output layer in
-    chunks of ``chunk`` positions (:func:`output_layer_logps`)."""
+def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool, chunk=DEFAULT_OUTPUT_LAYER_CHUNK):
+    """(log-probs (N,) float32, sequence ids (N,) long) of the targets of ``rows``, in row order, from one forward call
+    padded to the longest row (:func:`output_layer_logps`)."""
     width = max(len(r.ids) for r in rows)
     kwargs = {"input_ids": _row_matrix([r.ids for r in rows], width, 0).to(device), "use_cache": False}
     if any(r.branch is not None for r in rows):
@@ -353,17 +279,12 @@ def _packed_chunk_logps(
     return token_logps.to(device), seqs  # a split model's log-probs come from its last GPU
 
 
-def _packed_logps(
-    model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence (logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded
-    in the groups of :func:`plan_chunks`, all in one autograd graph."""
-    parts = [
-        _packed_chunk_logps(model, [rows[k] for k in group], device, packed_forward_support(model)[0], chunk)
-        for group in plan_chunks([len(r.ids) for r in rows], max_chunks)
-    ]
-    token_logps = torch.cat([p[0] for p in parts])
-    seqs = torch.cat([p[1] for p in parts])
+def _packed_logps(model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk):
+    """(logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`' groups, one graph."""
+    keep_bool = packed_forward_support(model)[0]
+    groups = plan_chunks([len(r.ids) for r in rows], max_chunks)
+    parts = [_packed_chunk_logps(model, [rows[k] for k in group], device, keep_bool, chunk) for group in groups]
+    token_logps, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     return losses.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob)
 
 
@@ -373,7 +294,7 @@ def pack_single_rows(inputs: dict) -> list[PackedRow] | None:
     sequences = _unpadded(inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
     if sequences is None:
         return None
-    return [PackedRow(ids, None, None, *_targets(labels, k, lambda p: p)) for k, (ids, labels) in enumerate(sequences)]
+    return [PackedRow(ids, None, None, *_targets(labels, k)) for k, (ids, labels) in enumerate(sequences)]
 
 
 def packed_single_logps(
@@ -393,19 +314,11 @@ def packed_single_logps(
 
 
 def packed_sequence_logps(
-    model,
-    batch: dict,
-    average_log_prob: bool,
-    device,
-    max_chunks: int | None = None,
-    share_prompt: bool = True,
-    chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
+    model, batch: dict, average_log_prob: bool, device, max_chunks=None, share_prompt=True, chunk=DEFAULT_OUTPUT_LAYER_CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed in :func:`plan_chunks`'s groups
-    in one autograd graph, the padded forward's within float tolerance; None when not right-padded; ``max_chunks``: 1 under
-    FSDP; ``chunk``: positions per output-layer call (None or 0: all)."""
-    _, can_share = packed_forward_support(model)
-    rows = pack_preference_rows(batch, share_prompt and can_share)
-    if rows is None:
-        return None
-    return _packed_logps(model, rows, 2 * batch["chosen_input_ids"].shape[0], average_log_prob, device, max_chunks, chunk)
+    """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed (the padded forward's within float
+    tolerance) in at most ``max_chunks`` calls, ``chunk`` positions per output-layer call (None or 0: all); None if not
+    right-padded."""
+    rows = pack_preference_rows(batch, share_prompt and packed_forward_support(model)[1])
+    n = 2 * batch["chosen_input_ids"].shape[0]
+    return None if rows is None else _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk)
