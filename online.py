@@ -194,6 +194,27 @@ class OnlineSampling:
             metrics["objective/scores_margin"] = (pairs["chosen_scores"] - pairs["rejected_scores"]).tolist()
         return pairs, metrics
 
+    def labelled_batch(self, batch: dict, weight: float, collected: dict) -> tuple[dict, float]:
+        """This step's sampled and labelled pairs, and how many count over all ranks (at least 1); sampling metrics into ``collected``."""
+        batch, sampled = self.online_pairs(batch)
+        n_examples = max(self.global_sum(float(batch["weight"].sum()) * weight), 1.0)
+        if weight:
+            for k, v in sampled.items():
+                collected[k].extend(v)
+        return batch, n_examples
+
+    def weighted_loss(self, batch: dict, inputs, per_example: torch.Tensor, normaliser: float, metrics: dict):
+        """The loss of online pairs, each weighted by ``batch["weight"]`` (0: a tie or failed judgement), and which pairs count."""
+        weight = batch["weight"].to(per_example.device)
+        n_tokens = torch.cat([inputs.chosen_n_tokens, inputs.rejected_n_tokens])
+        metrics.update(
+            self.online_metrics(
+                batch, inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.reference_chosen_logps,
+                inputs.reference_rejected_logps, n_tokens, self.beta,
+            )
+        )  # fmt: skip
+        return (per_example * weight).sum() / normaliser, weight > 0
+
     def online_metrics(self, batch, policy_chosen, policy_rejected, ref_chosen, ref_rejected, n_tokens, beta: float) -> dict:
         """TRL's OnlineDPOTrainer statistics, one value per completion (chosen, then rejected):
         ``objective/kl``, ``objective/entropy``, ``objective/non_score_reward`` (-beta kl), ``objective/rlhf_reward``, in nats

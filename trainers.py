@@ -183,6 +183,19 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     return chunks
 
 
+def concatenated_per_rank(metrics: dict, group=None) -> dict:
+    """Every rank's metric lists (of ``group``, default all), concatenated in rank order."""
+    import torch.distributed as dist
+
+    parts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, dict(metrics), group=group)
+    out: dict = defaultdict(list)
+    for part in parts:
+        for k, v in part.items():
+            out[k].extend(v)
+    return out
+
+
 def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` in lists of one kind each: plain tensors, and DTensors by device mesh, in order of first
     appearance (the same on every rank); one list when all are of one kind (or there are none)."""
@@ -339,17 +352,7 @@ class BasicTrainer(OnlineSampling):
     def gather_per_rank(self, metrics: dict, group=None) -> dict:
         """Every rank's lists (of ``group``, default all), concatenated in rank order, even when all processes see
         the same data (tensor parallelism): for per-process figures such as peak memory."""
-        if self.mesh is None:
-            return metrics
-        import torch.distributed as dist
-
-        parts: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, dict(metrics), group=group)
-        out: dict = defaultdict(list)
-        for part in parts:
-            for k, v in part.items():
-                out[k].extend(v)
-        return out
+        return metrics if self.mesh is None else concatenated_per_rank(metrics, group)
 
     def broadcast(self, obj):
         """``obj`` as the main process has it, on every process."""
@@ -374,12 +377,16 @@ class BasicTrainer(OnlineSampling):
             dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
 
     def clip_gradients(self) -> torch.Tensor:
-        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm and return that norm, summed
-        parameter by parameter when gradients of different meshes or plain ones mix (torch's foreach norm refuses them)."""
+        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm and return that norm."""
         grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
         if self.mesh is None or (self.tp_size == 1 and len(parameter_groups(grads)) == 1):
             norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
+        return self.clip_mixed_gradients(grads)
+
+    def clip_mixed_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Clip ``grads`` of several meshes, or DTensors beside plain tensors, by their global L2 norm summed one by one
+        (torch's foreach norm refuses them)."""
         total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
         for g in grads:
             n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
@@ -510,8 +517,7 @@ class BasicTrainer(OnlineSampling):
         return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
-        """Loss of one micro-batch divided by the whole batch's ``n_batch_examples`` (a per-token objective: its
-        ``n_batch_tokens`` chosen target tokens), so micro-batches sum to the batch's, and its ``split`` metrics."""
+        """One micro-batch's loss over the batch's ``n_batch_examples`` (per-token: ``n_batch_tokens``), and its metrics."""
         objective = self.objective
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
@@ -522,23 +528,9 @@ class BasicTrainer(OnlineSampling):
         assert n == len(per_example)
         normaliser = n_batch_tokens if objective.per_token else n_batch_examples
         if "weight" not in batch:  # offline pairs: every pair counts
-            loss = per_example.sum() / normaliser
-            keep = slice(None)
+            loss, keep = per_example.sum() / normaliser, slice(None)
         else:  # online pairs: ties (with ties=skip) and failed judgements weigh 0
-            weight = batch["weight"].to(per_example.device)
-            loss = (per_example * weight).sum() / normaliser
-            keep = weight > 0
-            metrics.update(
-                self.online_metrics(
-                    batch,
-                    inputs.policy_chosen_logps,
-                    inputs.policy_rejected_logps,
-                    inputs.reference_chosen_logps,
-                    inputs.reference_rejected_logps,
-                    torch.cat([inputs.chosen_n_tokens, inputs.rejected_n_tokens]),
-                    self.beta,
-                )
-            )
+            loss, keep = self.weighted_loss(batch, inputs, per_example, normaliser, metrics)
         if out.chosen_rewards is not None:
             if objective.reward_metric == "rewards":
                 prefix = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
@@ -802,12 +794,8 @@ class BasicTrainer(OnlineSampling):
         batch, weight = self.local_batch(batch)
         collected = defaultdict(list)
         if self.online:  # sample and label this step's pairs; only labelled pairs count
-            batch, sampled = self.online_pairs(batch)
-            n_examples = max(self.global_sum(float(batch["weight"].sum()) * weight), 1.0)
+            batch, n_examples = self.labelled_batch(batch, weight, collected)
             self.step_tokens = int(self.global_sum(count_tokens(batch) * weight))
-            if weight:
-                for k, v in sampled.items():
-                    collected[k].extend(v)
         n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
@@ -830,12 +818,18 @@ class BasicTrainer(OnlineSampling):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         collected["grad_norm"].append(grad_norm.item())
-        update = self.config.get("reference_update") or {}
-        if update.get("mode") and (self.batch_counter + 1) % update.get("every", 1) == 0:
-            self.update_reference(update["mode"], float(update.get("alpha", 1.0)))
-        if update.get("mode"):  # updates so far, from the optimizer step (a resumed run counts on)
-            collected["reference_updates"].append(float((self.batch_counter + 1) // update.get("every", 1)))
+        if (self.config.get("reference_update") or {}).get("mode"):  # TR-DPO
+            self.reference_update_step(collected)
         return collected
+
+    def reference_update_step(self, collected: dict) -> None:
+        """TR-DPO (Gorbatovski et al. 2024): move the reference every ``reference_update.every`` steps, counting the updates."""
+        update = self.config.reference_update
+        if (self.batch_counter + 1) % update.get("every", 1) == 0:
+            self.update_reference(update["mode"], float(update.get("alpha", 1.0)))
+        collected["reference_updates"].append(
+            float((self.batch_counter + 1) // update.get("every", 1))
+        )  # a resumed run counts on
 
     @torch.no_grad()
     def update_reference(self, mode: str, alpha: float) -> None:
