@@ -15,6 +15,8 @@ import utils
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
+SCORERS = ("reward_model", "reward_model_judge", "http_judge", "reward_function")  # values of online.scorer, evaluate.py's judge
+
 FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
 """Optimizers whose epsilon and state underflow in float16 weights, making every weight NaN at the first step."""
 
@@ -233,6 +235,31 @@ def settle_given(config: DictConfig, given: set[str]) -> None:
             )
     if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
         config.n_examples = None
+
+
+def sft_first_skip(config: DictConfig, given: set[str]) -> str | None:
+    """Why ``sft_first``'s SFT stage (``sft_first.n_examples`` set) cannot run before this run, or None when it can; raises
+    ConfigError when the command line (``given``) set it or ``resume=auto`` asks for one run."""
+    stage = config.sft_first
+    objective = losses.OBJECTIVES.get(config.loss.name)
+    reason = None
+    if config.model.get("archive") is not None:
+        reason = "model.archive is given (the SFT policy this run starts from)"
+    elif config.resume not in (None, "auto"):
+        reason = "resume= continues one run"
+    elif objective is None or objective.score_head or not objective.uses_reference(config.loss):
+        reason = f"loss={config.loss.name} has no reference model, so no SFT policy to start from"
+    elif config.get("online") and config.online.enabled:
+        reason = "online DPO samples from the model it starts from"
+    elif config.resume == "auto":
+        source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
+        raise utils.ConfigError(
+            f"sft_first.n_examples={stage.n_examples}{source} runs two runs (SFT, then this one) and resume=auto continues one: set "
+            "sft_first.n_examples=null and give the SFT policy as model.archive=<SFT run>/LATEST/policy.pt."
+        )
+    if reason is not None and any(k == "sft_first" or k.startswith("sft_first.") for k in given):
+        raise utils.ConfigError(f"sft_first.n_examples={stage.n_examples} cannot apply: {reason}; set sft_first.n_examples=null.")
+    return reason
 
 
 def training_length(config: DictConfig, n_train: int) -> str:
@@ -460,20 +487,11 @@ def validate_online(config: DictConfig) -> None:
         raise utils.ConfigError(
             "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
         )
-    if online.scorer not in ("reward_model", "reward_model_judge", "http_judge", "reward_function"):
-        raise utils.ConfigError(
-            f"online.scorer must be reward_model, reward_model_judge, http_judge or reward_function, got {online.scorer}."
-        )
-    if online.scorer in ("reward_model", "reward_model_judge") and config.reward_model.name_or_path is None:
-        raise utils.ConfigError(
-            f"online.scorer={online.scorer} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
-        )
-    if online.scorer in ("reward_model", "reward_model_judge"):
-        problem = hf_folder_error(config.reward_model.name_or_path, "reward_model.name_or_path")
-        if problem is not None:
-            raise utils.ConfigError(problem)
-    if online.scorer == "http_judge" and (config.judge.base_url is None or config.judge.model is None):
-        raise utils.ConfigError("online.scorer=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
+    problem = scorer_error(online.scorer, config, "online.scorer")
+    if problem is None and online.scorer in ("reward_model", "reward_model_judge"):
+        problem = reward_model_error(config, f"online.scorer={online.scorer}")
+    if problem is not None:
+        raise utils.ConfigError(problem)
     if online.ties not in ("skip", "random"):
         raise utils.ConfigError(f"online.ties must be skip or random, got {online.ties}.")
     if not online.max_new_tokens >= 1:
@@ -485,10 +503,41 @@ def validate_online(config: DictConfig) -> None:
         )
     if not online.temperature > 0:
         raise utils.ConfigError(f"online.temperature must be > 0 (online DPO samples), got {online.temperature}.")
-    if not 0 <= online.get("max_failure_rate", 0.1) <= 1:
-        raise utils.ConfigError(f"online.max_failure_rate must be in [0, 1], got {online.max_failure_rate}.")
+    validate_fraction(online.get("max_failure_rate", 0.1), "online.max_failure_rate")
     if config.trainer == "TensorParallelTrainer":
         raise utils.ConfigError("online DPO runs with BasicTrainer or FSDPTrainer.")
+
+
+def scorer_error(kind, config: DictConfig, setting: str) -> str | None:
+    """One sentence when the scorer ``kind`` (the value of ``setting``: online.scorer, or evaluate.py's judge) is unknown
+    or its ``judge`` settings are missing or bad, else None (its reward model: :func:`reward_model_error`)."""
+    if kind not in SCORERS:
+        close = difflib.get_close_matches(str(kind), SCORERS, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        return f"Unknown {setting}={kind}; {hint}choose one of {', '.join(SCORERS)}."
+    judge = config.judge
+    if kind == "http_judge" and (not judge.get("base_url") or not judge.get("model")):
+        return f"{setting}=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model."
+    if kind == "http_judge" and not str(judge.base_url).startswith(("http://", "https://")):
+        return f"judge.base_url={judge.base_url} must start with http:// or https://."
+    return None
+
+
+def reward_model_error(config: DictConfig, needed_by: str) -> str | None:
+    """One sentence when ``reward_model.name_or_path`` (which ``needed_by``, e.g. online.scorer=reward_model, scores with)
+    is missing, a local path but no folder, or a folder but no model, else None."""
+    path = config.reward_model.name_or_path
+    if path is None:
+        return f"{needed_by} needs reward_model.name_or_path (e.g. the LATEST/hf of a loss=reward run)."
+    if looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
+        return f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id."
+    return hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
+
+
+def validate_fraction(value, key: str) -> None:
+    """Raise ConfigError unless ``value`` (the value of ``key``, a share) is in [0, 1]."""
+    if not 0 <= value <= 1:
+        raise utils.ConfigError(f"{key} must be in [0, 1], got {value}.")
 
 
 def n_eval_used(config: DictConfig, n_eval: int) -> int:

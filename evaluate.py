@@ -349,27 +349,18 @@ class Judge:
         self.cache = cache
         self._built: dict[str, object] = {}
         self.errors: list[str] = []
-        if self.kind not in rewards.SCORERS:
-            raise ConfigError(f"Unknown judge={self.kind}; choose one of {', '.join(rewards.SCORERS)}.")
+        assert self.kind in checks.SCORERS  # refused earlier by check_config
         if self.kind == "http_judge":
             for template in {self.template(it) for it in ({"dataset": d} for d in config.datasets)}:
-                self._identity(template)  # checks base_url, model and the template now, before any sampling
+                self._identity(template)  # checks the template now, before any sampling
         elif self.kind == "reward_function":
             self._build()  # imports the functions and checks the weights now, before any sampling
-        else:
-            self._check_reward_model()
-
-    def _check_reward_model(self) -> None:
-        path = self.config.reward_model.name_or_path
-        if path is None:
-            raise ConfigError(f"judge={self.kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
-        if checks.looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
-            raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
-        problem = checks.hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
-        if problem is not None:
-            raise ConfigError(problem)
-        allow = bool(self.config.reward_model.get("allow_untrained_head", False))
-        rewards.check_reward_model_config(path, allow)  # a causal LM is refused before any sampling
+        else:  # a missing folder or a causal LM is refused before any sampling
+            problem = checks.reward_model_error(config, f"judge={self.kind}")
+            if problem is not None:
+                raise ConfigError(problem)
+            allow = bool(config.reward_model.get("allow_untrained_head", False))
+            rewards.check_reward_model_config(config.reward_model.name_or_path, allow)
 
     def template(self, item: dict):
         """The HTTP judge's template for ``item``: ``judge.template``, or the paper's for its task."""
@@ -707,14 +698,12 @@ def check_config(config: DictConfig) -> None:
     for key in ("n_prompts", "max_new_tokens", "generate_batch_size"):
         if not isinstance(config[key], int) or config[key] < 1:
             raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
-    if not 0 <= config.max_failure_rate <= 1:
-        raise ConfigError(f"max_failure_rate must be in [0, 1], got {config.max_failure_rate}.")
+    checks.validate_fraction(config.max_failure_rate, "max_failure_rate")
     if config.datasets is not None and (not OmegaConf.is_list(config.datasets) or not len(config.datasets)):
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
-    if config.judge.get("name") not in rewards.SCORERS:
-        raise ConfigError(f"Unknown judge={config.judge.get('name')}; choose one of {', '.join(rewards.SCORERS)}.")
-    if config.judge.name == "http_judge" and (config.judge.get("base_url") is None or config.judge.get("model") is None):
-        raise ConfigError("judge=http_judge needs judge.base_url (e.g. http://127.0.0.1:8000/v1) and judge.model.")
+    problem = checks.scorer_error(config.judge.get("name"), config, "judge")
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def effective_config(config: DictConfig) -> DictConfig:

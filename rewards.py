@@ -4,7 +4,6 @@ arXiv:2402.04792) and evaluate.py's; :func:`build_scorer` picks one from the con
 from __future__ import annotations
 
 import concurrent.futures
-import difflib
 import functools
 import http.client
 import inspect
@@ -22,13 +21,11 @@ import urllib.request
 import torch
 
 import reward_functions
-from checks import looks_local
+from checks import SCORERS
 from preference_datasets import DataError
 from utils import ConfigError, get_dtype
 
 TIE = -1  # a pairwise judgement saying neither completion is better
-
-SCORERS = ("reward_model", "reward_model_judge", "http_judge", "reward_function")  # the values of online.scorer
 
 JUDGE_THREADS = 8  # requests HTTPJudge keeps in flight at once
 
@@ -552,12 +549,7 @@ class HTTPJudge(PairwiseJudge):
         backoff=0.5,
     ):
         super().__init__()
-        if not base_url:
-            raise ConfigError("The HTTP judge needs judge.base_url, e.g. judge.base_url=http://127.0.0.1:8000/v1.")
-        if not str(base_url).startswith(("http://", "https://")):
-            raise ConfigError(f"judge.base_url={base_url} must start with http:// or https://.")
-        if not model:
-            raise ConfigError("The HTTP judge needs judge.model, the model name its endpoint serves.")
+        assert base_url and str(base_url).startswith(("http://", "https://")) and model  # refused earlier by checks.scorer_error
         self.template = DEFAULT_JUDGE_TEMPLATE if template is None else template
         self.answer_pattern, self.max_tokens = None, 1  # the answer's first character: "0" or "1"
         if template in JUDGE_TEMPLATES:
@@ -668,21 +660,13 @@ class HTTPJudge(PairwiseJudge):
 
 def build_scorer(config, device=None):
     """The scorer or judge ``online.scorer`` names (:data:`SCORERS`) from the Hydra config, a reward model on
-    ``device`` (None: cuda when available); raises ConfigError for a missing or bad setting."""
+    ``device`` (None: cuda when available), its settings checked first by :func:`checks.scorer_error`."""
     kind = config.online.scorer
-    if kind not in SCORERS:
-        close = difflib.get_close_matches(str(kind), SCORERS, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"Unknown online.scorer={kind}; {hint}choose one of {', '.join(SCORERS)}.")
+    assert kind in SCORERS  # refused earlier by checks.scorer_error
     if kind == "reward_function":
         return RewardFunctionScorer.from_config(config)
     if kind == "http_judge":
         judge = config.judge
-        if judge.base_url is None or judge.model is None:
-            missing = "judge.base_url" if judge.base_url is None else "judge.model"
-            raise ConfigError(
-                f"online.scorer=http_judge needs {missing} (e.g. judge.base_url=http://127.0.0.1:8000/v1 judge.model=<name>)."
-            )
         return HTTPJudge(
             judge.base_url,
             judge.model,
@@ -695,10 +679,7 @@ def build_scorer(config, device=None):
         )
     rm = config.reward_model
     path = rm.name_or_path
-    if path is None:
-        raise ConfigError(f"online.scorer={kind} needs reward_model.name_or_path (a sequence-classification folder or hub id).")
-    if looks_local(path) and not os.path.isdir(os.path.expanduser(path)):
-        raise ConfigError(f"reward_model.name_or_path={path} is not a folder; give a local reward model folder or a hub id.")
+    assert path is not None  # refused earlier by checks.scorer_error
     allow = bool(rm.get("allow_untrained_head", False))
     check_reward_model_config(path, allow)  # before the weights load
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -727,26 +727,9 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
     stage = config.get("sft_first") or {}
     if stage.get("n_examples") is None or "RANK" in os.environ:
         return False
-    objective = losses.OBJECTIVES.get(config.loss.name)
-    reason = None
-    if config.model.get("archive") is not None:
-        reason = "model.archive is given (the SFT policy this run starts from)"
-    elif config.resume not in (None, "auto"):
-        reason = "resume= continues one run"
-    elif objective is None or objective.score_head or not objective.uses_reference(config.loss):
-        reason = f"loss={config.loss.name} has no reference model, so no SFT policy to start from"
-    elif config.get("online") and config.online.enabled:
-        reason = "online DPO samples from the model it starts from"
-    elif config.resume == "auto":
-        source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
-        raise utils.ConfigError(
-            f"sft_first.n_examples={stage.n_examples}{source} runs two runs (SFT, then this one) and resume=auto continues one: set "
-            "sft_first.n_examples=null and give the SFT policy as model.archive=<SFT run>/LATEST/policy.pt."
-        )
+    reason = checks.sft_first_skip(config, given)
     if reason is None:
         return True
-    if any(k == "sft_first" or k.startswith("sft_first.") for k in given):
-        raise utils.ConfigError(f"sft_first.n_examples={stage.n_examples} cannot apply: {reason}; set sft_first.n_examples=null.")
     if says_once() and config.resume in (None, "auto"):  # a resume= is one run whatever the preset says: no note
         print(f"Note: no SFT stage (sft_first.n_examples={stage.n_examples} from the preset): {reason}.")
     return False

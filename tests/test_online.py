@@ -453,7 +453,7 @@ def test_a_mistyped_relative_reward_model_folder_is_one_sentence(tmp_path, monke
     (tmp_path / "outputs").mkdir()
     config = compose_config([*ONLINE, "reward_model.name_or_path=outputs/rm_typo"])
     with pytest.raises(utils.ConfigError, match="is not a folder"):
-        rewards.build_scorer(config, device="cpu")
+        checks.validate_config(config)
     assert not checks.looks_local("EleutherAI/pythia-2.8b")  # a hub id stays a hub id
 
 

@@ -28,6 +28,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
+import checks
 import rewards
 from rewards import (
     TIE,
@@ -535,13 +536,7 @@ def test_http_judge_connection_refused_fails(server):
     assert judge.failures == 1 and "2 attempts" in judge.last_errors[0]
 
 
-def test_http_judge_construction_errors():
-    with pytest.raises(ConfigError, match="needs judge.base_url"):
-        HTTPJudge(None, "m")
-    with pytest.raises(ConfigError, match="needs judge.model"):
-        HTTPJudge("http://127.0.0.1:1/v1", None)
-    with pytest.raises(ConfigError, match="must start with http"):
-        HTTPJudge("127.0.0.1:8000/v1", "m")
+def test_http_judge_construction_errors():  # judge.base_url and judge.model: test_scorer_config_errors
     with pytest.raises(ConfigError, match="no \\{response1\\} placeholder"):
         HTTPJudge("http://127.0.0.1:1/v1", "m", template="{prompt} {response0}")
     with pytest.raises(ConfigError, match="only the placeholders"):
@@ -581,9 +576,10 @@ def test_build_scorer_each_kind(rm_folder, server):
         (["online.scorer=reward_model"], "needs reward_model.name_or_path"),
         (["online.scorer=reward_model_judge", "reward_model.name_or_path=/no/such/folder"], "is not a folder"),
         (["online.scorer=http_judge", "judge.model=m"], "needs judge.base_url"),
-        (["online.scorer=http_judge", "judge.base_url=http://127.0.0.1:1/v1"], "needs judge.model"),
+        (["online.scorer=http_judge", "judge.base_url=http://127.0.0.1:1/v1"], "needs judge.base_url .* and judge.model"),
+        (["online.scorer=http_judge", "judge.base_url=127.0.0.1:8000/v1", "judge.model=m"], "must start with http"),
     ],
 )
-def test_build_scorer_config_errors(overrides, message):
+def test_scorer_config_errors(overrides, message):  # said where the config enters, before build_scorer
     with pytest.raises(ConfigError, match=message.replace("?", "\\?")):
-        build_scorer(compose_config(overrides))
+        checks.validate_online(compose_config(["online.enabled=true", *overrides]))
