@@ -1,10 +1,12 @@
-"""Print the redesign's measures (issue 26): core lines, the longest functions, utils.py's size and imports, import
-circles, and the code one DPO step runs, traced on the tiny model: ``python scripts/readability.py``."""
+"""Print the code's measures (issue 26): core lines, the longest functions, utils.py's size and imports, and the code
+one DPO step runs, traced on the tiny model (import circles: ``python ../shared/scripts/import-circles.py .``)."""
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import glob
+import io
 import os
 import sys
 import tempfile
@@ -69,15 +71,16 @@ def dpo_step() -> dict[str, tuple[int, int]]:
         code = frame.f_code
         if event == "call" and code.co_name == "train_step" and state["depth"] == 0:
             state["depth"] = 1
-            caller = frame.f_back
+            caller, loop = frame.f_back, []
             while caller is not None:  # the loop that called the step: train() and what it calls on the way
                 key = (caller.f_code.co_filename, caller.f_code.co_firstlineno)
                 if key in spans:
                     a, b, name = spans[key]
-                    seen[f"{os.path.basename(key[0])}:{name}"] = (a, b)
+                    loop.append((f"{os.path.basename(key[0])}:{name}", (a, b)))
                     if name == "BasicTrainer.train":
                         break
                 caller = caller.f_back
+            seen.update(reversed(loop))  # in call order: train() first
         if state["depth"] and event == "call":
             key = (code.co_filename, code.co_firstlineno)
             if key in spans:
@@ -98,7 +101,8 @@ def dpo_step() -> dict[str, tuple[int, int]]:
 
     trainers.BasicTrainer.train_step = traced
     try:
-        train.main(config)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):  # the traced run's own log
+            train.main(config)
     finally:
         trainers.BasicTrainer.train_step = real
     return seen
@@ -122,7 +126,7 @@ def main() -> None:
     by_file = sorted({k.split(":")[0] for k in step})
     print(f"one DPO step (BasicTrainer, default path, the loop + batch to optimizer.step()): {len(step)} functions, "
           f"{lines} lines, {len(by_file)} files ({', '.join(by_file)})")  # fmt: skip
-    for k, (a, b) in sorted(step.items()):
+    for k, (a, b) in step.items():  # in the order first called
         print(f"  {b - a + 1:4d}  {k}")
 
 
