@@ -331,11 +331,6 @@ def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages,
     return None
 
 
-def dataset_prompts(data: DatasetDict) -> list:
-    """The prompts of ``data``'s entries in order: the key (a string), or the prompt messages of a conversational entry."""
-    return [entry.get("prompt_messages", key) for key, entry in data.items()]
-
-
 def in_holdout(prompt: str, fraction: float) -> bool:
     """True if ``prompt`` belongs to the held-out eval slice of size ``fraction``."""
     digest = hashlib.sha256(prompt.encode("utf-8")).digest()  # the prompt alone: same slice on every machine and seed
@@ -591,11 +586,11 @@ def get_hh(
     ``<local_dir>/<subset>/<split>.jsonl.gz``."""
     source_split = "train" if holdout_fraction else split
     if local_dir is None:
-        rows = []
-        for subset in subsets or [None]:
-            rows.extend(
-                load_from_hub("Anthropic/hh-rlhf", "data.hh.local_dir", data_dir=subset, split=source_split, cache_dir=cache_dir)
-            )
+        hub = (
+            load_from_hub("Anthropic/hh-rlhf", "data.hh.local_dir", data_dir=s, split=source_split, cache_dir=cache_dir)
+            for s in subsets or [None]
+        )
+        data = hh_rows_to_data([row for rows in hub for row in rows], report, conversation=conversation)
     else:
         if not os.path.isdir(local_dir):
             raise DataError(f"data.hh.local_dir={local_dir} is not a folder; point it at a copy of the hh-rlhf repository.")
@@ -606,28 +601,18 @@ def get_hh(
         paths = [os.path.join(local_dir, n, f"{source_split}.jsonl.gz") for n in names]
         paths = [p for p in paths if os.path.exists(p)]
         if not paths:
-            hint = (
-                " (set data.hh.holdout_fraction=0.1 to carve an eval slice from the split that exists)"
-                if not holdout_fraction
-                else ""
+            hint = " (set data.hh.holdout_fraction=0.1 to carve an eval slice from the split that exists)"
+            raise DataError(
+                f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{'' if holdout_fraction else hint}."
             )
-            raise DataError(f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{hint}.")
         data: DatasetDict = {}
         for p in paths:
             hh_rows_to_data(read_json_records(p), report, p, data, conversation)
-        return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
-    data = hh_rows_to_data(rows, report, conversation=conversation)
     return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
 
 
-SHP_FIELDS = {
-    "history": str,
-    "human_ref_A": str,
-    "human_ref_B": str,
-    "score_A": (int, float),
-    "score_B": (int, float),
-    "labels": (int, float),
-}
+SHP_FIELDS = {"history": str, "human_ref_A": str, "human_ref_B": str}
+SHP_FIELDS |= dict.fromkeys(("score_A", "score_B", "labels"), (int, float))
 
 
 def shp_rows_to_data(
@@ -708,11 +693,7 @@ def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> Da
 
 @register_dataset("se", truncation_mode="keep_start")
 def get_se(
-    split: str,
-    report: collections.Counter,
-    path: str | None = None,
-    holdout_fraction: float = 0.01,
-    cache_dir: str | None = None,
+    split: str, report: collections.Counter, path: str | None = None, holdout_fraction: float = 0.01, cache_dir: str | None = None
 ) -> DatasetDict:
     """Stack Exchange preferences (Lambert et al. 2023), hub id ``HuggingFaceH4/stack-exchange-preferences``."""
     rows = hub_or_file_rows(path, "HuggingFaceH4/stack-exchange-preferences", "data.se.path", "train", cache_dir)
@@ -723,10 +704,7 @@ def get_se(
 
 @register_dataset("json", truncation_mode="keep_end")
 def get_json(
-    split: str,
-    report: collections.Counter,
-    path: str | dict | None = None,
-    holdout_fraction: float = 0.1,
+    split: str, report: collections.Counter, path: str | dict | None = None, holdout_fraction: float = 0.1
 ) -> DatasetDict:
     """A local JSON/JSONL file (.gz allowed) of rows {prompt, chosen, rejected} or {prompt, completion, label}."""
     if path is None:
@@ -1294,14 +1272,7 @@ def hf_rows_to_data(
 
 
 def hf_split_rows(
-    split: str,
-    path,
-    name: str | None,
-    train_split: str,
-    test_split: str | None,
-    holdout_fraction: float,
-    cache_dir: str | None,
-    columns=None,
+    split: str, path, name: str | None, train_split: str, test_split: str | None, holdout_fraction: float, cache_dir, columns=None
 ) -> tuple[list[dict], str, bool, dict[str, str]]:
     """(rows, source, whether to carve the held-out slice, {column cast to text: note}) that ``hf`` reads for ``split``."""
     if path is None:
@@ -1476,7 +1447,7 @@ TLDR_SPLITS = {"train": ("train",), "test": ("validation", "test")}  # first fou
 @register_prompt_dataset("hh", truncation_mode="keep_end")
 def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[str]:
     """The unique prompts of :func:`get_hh`'s pairs, in first-seen order, with the same options and errors."""
-    return dataset_prompts(get_hh(split, report, **options))
+    return [entry.get("prompt_messages", key) for key, entry in get_hh(split, report, **options).items()]
 
 
 @register_prompt_dataset("tldr", truncation_mode="keep_end")  # the end holds the TL;DR: cue
@@ -1503,25 +1474,8 @@ def get_tldr(split: str, report: collections.Counter, path: str | dict | None = 
 # ----------------------------------------------------------------------------- loading
 
 
-def call_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, report: collections.Counter):
-    """``spec.loader(split, report, **options)``; an unknown option is a DataError naming it."""
-    try:
-        return spec.loader(split, report, **(options or {}))
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
-            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
-        raise
-
-
 def _notes(report: collections.Counter) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
-
-
-def _holdout_hint(fraction: float, n: int, split: str) -> str:
-    """What to set ``holdout_fraction`` to when the slice of ``n`` prompts left ``split`` empty."""
-    if split == "train":
-        return f"lower it (e.g. {0.1 if fraction > 0.1 else fraction / 2:.2g}) so that some prompts are left to train on"
-    return f"raise it (e.g. {max(fraction * 2, min(0.5, 3 / max(n, 1))):.2g}) so that some prompts are held out"
 
 
 def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataError:
@@ -1531,10 +1485,12 @@ def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataE
     skipped = any(k.startswith("skipped") for k in report)
     if report.holdout is not None and report.holdout[1]:
         fraction, n = report.holdout
-        taken = f"all {n} of its prompts" if split == "train" else f"none of its {n} prompts"
+        lower = f"lower it (e.g. {0.1 if fraction > 0.1 else fraction / 2:.2g}) so that some prompts are left to train on"
+        higher = f"raise it (e.g. {max(fraction * 2, min(0.5, 3 / max(n, 1))):.2g}) so that some prompts are held out"
+        taken, hint = (f"all {n} of its prompts", lower) if split == "train" else (f"none of its {n} prompts", higher)
         return DataError(
             f"{where} has no {unit}" + (f" ({notes})" if notes else "") + f": data.{name}.holdout_fraction={fraction} puts "
-            f"{taken} in the eval slice; {_holdout_hint(fraction, n, split)}, or give more rows."
+            f"{taken} in the eval slice; {hint}, or give more rows."
         )
     if skipped:
         return DataError(
@@ -1548,7 +1504,11 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
     report = DataReport()
     token = _LOADING.set(report)
     try:
-        got = call_loader(spec, name, split, options, report)
+        got = spec.loader(split, report, **(options or {}))
+    except TypeError as e:
+        if "unexpected keyword" in str(e):  # an unknown option
+            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
+        raise
     finally:
         _LOADING.reset(token)
     if isinstance(got, dict):
@@ -1720,10 +1680,6 @@ def _with_bos(tokenizer, ids: list[int]) -> list[int]:
     return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
 
 
-def _with_eos(tokenizer, ids: list[int]) -> list[int]:
-    return ids + [tokenizer.eos_token_id]
-
-
 _USE_TOKENIZER = object()
 
 
@@ -1772,7 +1728,7 @@ def _example_ids(texts: dict, encode, tokenizer, end_id, pieces, truncation_mode
     if end_id is None:
         prompt_ids = _with_bos(tokenizer, encode(texts["prompt"]))
         prompt_mask = [False] * len(prompt_ids)
-        full = [_with_eos(tokenizer, encode(_strip_eos(tokenizer, texts[s]))) for s in sides]
+        full = [encode(_strip_eos(tokenizer, texts[s])) + [tokenizer.eos_token_id] for s in sides]
         masks = [[True] * len(ids) for ids in full]
         bos = tokenizer.bos_token_id
     else:
@@ -1802,16 +1758,13 @@ def tokenize_element(
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
     responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
-    rendered = end_token_id is not None
+
+    def encode(text):
+        return _encode(tokenizer, text, end_token_id is not None)
+
+    texts = {"prompt": prompt, **responses}
     *_, prompt_ids, cut, prompt_mask, masks = _example_ids(
-        {"prompt": prompt, **responses},
-        lambda text: _encode(tokenizer, text, rendered),
-        tokenizer,
-        end_token_id,
-        pieces,
-        truncation_mode,
-        max_length,
-        max_prompt_length,
+        texts, encode, tokenizer, end_token_id, pieces, truncation_mode, max_length, max_prompt_length
     )
     element = {"prompt": prompt, "prompt_input_ids": prompt_ids, "key": example_key(prompt, chosen, rejected)}
     for side, ids, mask in zip(responses, cut, masks):
@@ -1873,12 +1826,6 @@ def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_m
 _PROBE = "Probe1234"  # an assistant's content, to find what a chat template writes after it
 
 
-def _special_ids(tokenizer) -> set[int]:
-    ids = set(tokenizer.all_special_ids)
-    ids.update(i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special)
-    return ids
-
-
 def end_of_turn_token(tokenizer) -> str | None:
     """The special token the chat template writes right after an assistant's content (e.g. ``<|im_end|>``), or None."""
     if not getattr(tokenizer, "chat_template", None):
@@ -1895,7 +1842,10 @@ def end_of_turn_token(tokenizer) -> str | None:
         if k < 0:
             continue
         after = _encode(tokenizer, text[k + len(_PROBE) :].lstrip(" \t\n"), rendered=True)
-        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in _special_ids(tokenizer) else None
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
     return None
 
 
@@ -2193,10 +2143,8 @@ def screen_examples(
         n_responses += len(t.responses_cut)
         n_responses_cut += sum(t.responses_cut)
         if t.tokens_differ is not None and t.response_ids[0] == t.response_ids[1]:
-            if t.tokens_differ:
-                same_once_cut += 1
-            else:
-                same_tokens += 1
+            same_once_cut += t.tokens_differ
+            same_tokens += not t.tokens_differ
             continue
         kept.append(ex)
     lengths = f"max_length={max_length} / max_prompt_length={max_prompt_length}"
@@ -2239,10 +2187,8 @@ def screen_splits(
     silent: bool = False,
 ) -> tuple[list[dict], list[dict]]:
     """(train examples kept, eval examples kept) by :func:`screen_examples`."""
-    return (
-        screen_examples(train_examples, "train", tokenizer, max_length, max_prompt_length, silent),
-        screen_examples(eval_examples, "test", tokenizer, max_length, max_prompt_length, silent),
-    )
+    args = (tokenizer, max_length, max_prompt_length, silent)
+    return screen_examples(train_examples, "train", *args), screen_examples(eval_examples, "test", *args)
 
 
 def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
@@ -2345,17 +2291,8 @@ def get_batch_iterator(
                 element = tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered)
                 elements.append(element | fields)
                 continue
-            element = tokenize_element(
-                ex["prompt"],
-                ex["chosen"],
-                ex.get("rejected"),
-                ex["truncation_mode"],
-                tokenizer,
-                max_length,
-                max_prompt_length,
-                ex.get("end_token_id"),
-                ex.get("pieces"),
-            )
+            texts = (ex["prompt"], ex["chosen"], ex.get("rejected"), ex["truncation_mode"])
+            element = tokenize_element(*texts, tokenizer, max_length, max_prompt_length, ex.get("end_token_id"), ex.get("pieces"))
             if "label" in ex:  # an unpaired row: its completion is the chosen side
                 element["label"] = bool(ex["label"])
             elements.append(element | fields)
