@@ -1,6 +1,5 @@
-"""Preference datasets: registered loaders, each returning
-``{prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected), ...], "sft_target": str}}`` (docs/data.md),
-then tokenization and batching."""
+"""Preference datasets: registered loaders returning ``{prompt: {"responses": [str, ...], "pairs": [(i_chosen, i_rejected),
+...], "sft_target": str}}`` (docs/data.md), then tokenization and batching."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class DataError(ValueError):
 
 @dataclass(frozen=True)
 class DatasetSpec:
-    """A registered loader; ``truncation_mode`` keeps a too-long prompt's end (``keep_end``, dialogues) or
-    start (``keep_start``, questions)."""
+    """A registered loader; ``truncation_mode`` keeps a too-long prompt's end (``keep_end``) or start (``keep_start``)."""
 
     loader: Callable[..., DatasetDict]
     truncation_mode: str
@@ -44,8 +42,7 @@ class DatasetSpec:
 
 
 DATASETS: dict[str, DatasetSpec] = {}
-PROMPT_DATASETS: dict[str, DatasetSpec] = {}
-"""Prompt-only datasets for online DPO: loaders return a list of prompt strings."""
+PROMPT_DATASETS: dict[str, DatasetSpec] = {}  # online DPO: loaders return a list of prompt strings
 
 
 def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncation_mode: str, reward_functions=()):
@@ -62,12 +59,7 @@ def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncatio
 
 
 def register_dataset(name: str, truncation_mode: str = "keep_start", reward_functions: tuple[str, ...] = ()):
-    """Decorator: register ``fn(split, report, **options) -> DatasetDict`` (options: the keys of
-    ``data.<name>``) under ``name``, with the ``reward_functions`` that score its answers exactly.
-
-    Raises:
-        ValueError: if the name is taken or the truncation mode is unknown.
-    """
+    """Decorator: register ``fn(split, report, **options) -> DatasetDict`` (options: ``data.<name>``) under ``name``."""
     return _registrar(DATASETS, "dataset", name, truncation_mode, reward_functions)
 
 
@@ -77,11 +69,7 @@ def declared_reward_functions(names) -> list[str]:
 
 
 def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
-    """Decorator: register an online-DPO ``fn(split, report, **options) -> list[str] | DatasetDict`` of prompts under ``name``.
-
-    Raises:
-        ValueError: if the name is taken or the truncation mode is unknown.
-    """
+    """Decorator: register an online-DPO ``fn(split, report, **options) -> list[str] | DatasetDict`` of prompts."""
     return _registrar(PROMPT_DATASETS, "prompt dataset", name, truncation_mode)
 
 
@@ -89,13 +77,8 @@ def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
 
 
 class DataReport(collections.Counter):
-    """A Counter of skipped or repaired records (reason -> count) that remembers each :func:`note_row` count's prompt.
-
-    Attributes:
-        keyed: reason -> Counter(prompt or row key -> count), for counts made by :func:`note_row`.
-        holdout: (fraction, prompts before the cut) of the last :func:`apply_holdout`, or None.
-        files: the data files read for this report (named in messages).
-    """
+    """A Counter of skipped or repaired records; ``keyed``: reason -> Counter(prompt -> n) of :func:`note_row` counts,
+    ``holdout``: (fraction, prompts before the cut) of the last :func:`apply_holdout` or None, ``files``: the files read."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -114,8 +97,7 @@ class DataReport(collections.Counter):
 
 
 def note_row(report: collections.Counter, reason: str, key: str, n: int = 1) -> None:
-    """Count ``n`` records under ``reason`` in ``report``, remembering ``key`` (their prompt, or a
-    text of the row when it has no prompt) so that a held-out split counts only its own rows."""
+    """Count ``n`` records under ``reason``, remembering ``key`` (their prompt) so that a held-out split counts its own."""
     report[reason] += n
     if isinstance(report, DataReport):
         report.keyed.setdefault(reason, collections.Counter())[key] += n
@@ -125,11 +107,7 @@ _KINDS = {str: "string", list: "list", dict: "object", (int, float): "number"}
 
 
 def require_fields(row, fields: dict[str, type | tuple[type, ...]], source: str, i: int, name: str) -> None:
-    """Check that ``row`` (row ``i``, 1-based, of ``source``) has each of ``fields`` with a value of its type.
-
-    Raises:
-        DataError: naming the source, the row, the first bad field and every field a ``name`` row needs.
-    """
+    """Check that ``row`` (1-based row ``i`` of ``source``) has each of ``fields`` with a value of its type, else a DataError."""
     for field, types in fields.items():
         value = row.get(field) if isinstance(row, dict) else None
         if not isinstance(value, types) or (isinstance(value, bool) and types is not bool):
@@ -139,8 +117,7 @@ def require_fields(row, fields: dict[str, type | tuple[type, ...]], source: str,
             )
 
 
-_LOADING: contextvars.ContextVar[DataReport | None] = contextvars.ContextVar("_LOADING", default=None)
-"""The report of the loader call in progress (set by :func:`_run_loader`)."""
+_LOADING: contextvars.ContextVar[DataReport | None] = contextvars.ContextVar("_LOADING", default=None)  # set by _run_loader
 
 
 def _note_file(path: str) -> None:
@@ -152,8 +129,7 @@ def _note_file(path: str) -> None:
 def add_pair(
     data: DatasetDict, prompt: str, chosen: str, rejected: str, report: collections.Counter, row: str | None = None
 ) -> bool:
-    """Add one (prompt, chosen, rejected) pair and its ``row`` (e.g. ``"data.parquet, row 3"``) to ``data``,
-    skipping and counting empty or identical responses; True if added."""
+    """Add one (prompt, chosen, rejected) pair and its ``row`` to ``data`` unless a response is empty or both are equal."""
     if not chosen.strip() or not rejected.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -176,8 +152,7 @@ def _append_pair(entry: dict, chosen, rejected, row: str | None) -> None:
         entry.setdefault("rows", []).append(row)
 
 
-FIELD_TYPES = (str, int, float, bool, type(None), list, dict)
-"""The values a row's other columns keep as fields (JSON's); other kinds (bytes, dates, images) are left out."""
+FIELD_TYPES = (str, int, float, bool, type(None), list, dict)  # JSON's; other kinds (bytes, dates, images) are left out
 
 
 def add_fields(entry: dict, row: dict, consumed) -> None:
@@ -196,8 +171,8 @@ def fill_fields(data: DatasetDict) -> None:
 
 
 def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, report: collections.Counter, row: str) -> bool:
-    """Add one unpaired row (prompt, completion, desirable label; TRL's unpaired format) to ``data`` as
-    ``"pairs": []``, ``"labels"`` ([(response index, label)]) and ``"rows"``; True if added."""
+    """Add one unpaired row (TRL's prompt, completion, label) to ``data``: ``"pairs": []``, ``"labels"``
+    ([(response index, label)]) and ``"rows"``; True if added."""
     if not completion.strip():
         note_row(report, "skipped: empty response", prompt)
         return False
@@ -210,12 +185,7 @@ def add_unpaired(data: DatasetDict, prompt: str, completion: str, label: bool, r
 
 
 def check_pairing(examples: list[dict], objective) -> None:
-    """Refuse unpaired :func:`load_examples` rows for an objective (``losses.Objective``) that learns from
-    pairs, and unpaired mixed with paired ones.
-
-    Raises:
-        DataError: naming the first unpaired row and the fix.
-    """
+    """Refuse unpaired rows for an objective (``losses.Objective``) that learns from pairs, and unpaired mixed with paired."""
     unpaired = [ex for ex in examples if "label" in ex]
     if not unpaired:
         return
@@ -235,13 +205,11 @@ def check_pairing(examples: list[dict], objective) -> None:
         )
 
 
-Messages = list[dict]
-"""A conversation: a list of ``{"role": str, "content": str}`` messages."""
+Messages = list[dict]  # a conversation: [{"role": str, "content": str}, ...]
 
 
 def conversation_key(prompt_messages: Messages) -> str:
-    """The DatasetDict key of a conversational prompt: its messages as JSON text (a string, so
-    :func:`apply_holdout` hashes it and the reports count it as they do a text prompt)."""
+    """The DatasetDict key of a conversational prompt: its messages as JSON text (hashed and counted as a text prompt)."""
     return json.dumps(prompt_messages, ensure_ascii=False)
 
 
@@ -253,9 +221,7 @@ def add_conversation_pair(
     report: collections.Counter,
     row: str | None = None,
 ) -> bool:
-    """Add one conversational pair (responses: message lists ending with the assistant's) to ``data`` under
-    :func:`conversation_key`, skipping and counting an empty last message or chosen equal to rejected; True if
-    added."""
+    """Add one conversational pair (message lists ending with the assistant's) under :func:`conversation_key`; True if added."""
     key = conversation_key(prompt_messages)
     if not chosen_messages[-1]["content"].strip() or not rejected_messages[-1]["content"].strip():
         note_row(report, "skipped: empty response", key)
@@ -270,18 +236,13 @@ def add_conversation_pair(
     return True
 
 
-STANDARD_ROLES = ("system", "user", "assistant", "tool")
-"""The roles a conversation may hold; any other is refused (chat templates such as SmolLM2's render any role as text)."""
+STANDARD_ROLES = ("system", "user", "assistant", "tool")  # others are refused: templates (SmolLM2's) render any role as text
 
 ROLES_EXAMPLE = "'data.hf.roles={human: user, gpt: assistant}'"
 
 
 def check_roles_mapping(roles) -> dict[str, str]:
-    """``data.hf.roles`` (your role -> a standard role, or None) as a dict.
-
-    Raises:
-        DataError: if it is not a mapping, or maps a role to one outside :data:`STANDARD_ROLES`.
-    """
+    """``data.hf.roles`` (your role -> one of :data:`STANDARD_ROLES`) as a dict, else a DataError."""
     if roles is None:
         return {}
     if not isinstance(roles, dict):  # e.g. bash split an unquoted {a: b, c: d} into two overrides
@@ -309,9 +270,9 @@ def _role_and_content(m, roles: dict[str, str]) -> tuple:
     return roles.get(role, role) if isinstance(role, str) else role, content
 
 
+# role names other formats use (lower-cased) -> the standard role each usually means, for role_hint
 LIKELY_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant", "chatgpt": "assistant"}
 LIKELY_ROLES |= {"function": "tool", "observation": "tool", "ipython": "tool", "function_call": "assistant"}
-"""Role names other formats use (lower-cased) and the standard role each usually means, for the hint of :func:`role_hint`."""
 
 
 def role_hint(role: str, roles: dict[str, str]) -> str:
@@ -327,12 +288,8 @@ def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
 
 
 def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None) -> Messages:
-    """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}``
-    messages (ShareGPT's ``from`` / ``value`` read, roles renamed by ``roles``, other keys dropped).
-
-    Raises:
-        DataError: if it is not a list of messages, a message lacks role or content, or a role is not standard.
-    """
+    """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}`` messages
+    (ShareGPT's ``from`` / ``value`` read, roles renamed by ``roles``, other keys dropped)."""
     roles = roles or {}
     if isinstance(value, dict):
         value = [value]
@@ -364,8 +321,7 @@ def check_ends_with_assistant(messages: Messages, where: str, column: str) -> No
 
 
 def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages, Messages, Messages] | None:
-    """Split two whole conversations at their longest common run of messages followed by an assistant message
-    into (prompt, chosen response, rejected response), or None."""
+    """Split two conversations after their longest common messages before an assistant turn, or None."""
     n = 0
     while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
         n += 1
@@ -373,11 +329,6 @@ def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages,
         if chosen[k]["role"] == "assistant" and rejected[k]["role"] == "assistant":
             return chosen[:k], chosen[k:], rejected[k:]
     return None
-
-
-def dataset_prompts(data: DatasetDict) -> list:
-    """The prompts of ``data``'s entries in order: the key (a string), or the prompt messages of a conversational entry."""
-    return [entry.get("prompt_messages", key) for key, entry in data.items()]
 
 
 def in_holdout(prompt: str, fraction: float) -> bool:
@@ -401,8 +352,7 @@ def apply_holdout(data: DatasetDict, split: str, fraction: float, report: collec
 
 
 def split_prompt_and_responses(chosen: str, rejected: str) -> tuple[str, str, str] | None:
-    """Split two whole HH dialogues at their longest common prefix ending with ``"\\n\\nAssistant:"`` into
-    (prompt, chosen_response, rejected_response), or None."""
+    """Split two HH dialogues at their longest common prefix ending with ``"\\n\\nAssistant:"``, or None."""
     n = 0
     limit = min(len(chosen), len(rejected))
     while n < limit and chosen[n] == rejected[n]:
@@ -432,11 +382,7 @@ def strip_html(text: str) -> str:
 
 
 def _read_text(path: str) -> str:
-    """The text of the file ``path`` (decompressed when it ends with .gz), a UTF-8 byte-order mark dropped.
-
-    Raises:
-        DataError: if the path is missing, a folder, unreadable, a corrupt gzip file, or not UTF-8 text.
-    """
+    """The text of the file ``path`` (gunzipped when .gz, a UTF-8 BOM dropped); a DataError when it is bad."""
     if os.path.isdir(path):
         raise DataError(f"{path} is a folder, not a data file; give the path of a .jsonl, .json or .parquet file.")
     if not os.path.exists(path):
@@ -469,8 +415,7 @@ def _json_kind(value) -> str:
 
 
 def _ends_inside(text: str, e: json.JSONDecodeError) -> bool:
-    """True if the JSON error ``e`` of ``text`` comes from the text ending early (a cut-short file):
-    the error is at the very end, or a string opened at the error runs to the end."""
+    """True if the JSON error ``e`` of ``text`` comes from the text ending early (at the end, or in a string to the end)."""
     rest = text[e.pos :].rstrip()
     return e.pos >= len(text.rstrip()) or (e.msg.startswith("Unterminated string") and "\n" not in rest)
 
@@ -494,12 +439,7 @@ def _first_line_is_json(lines: list[str]) -> bool:
 
 
 def read_json_records(path: str) -> list[dict]:
-    """Rows of a .jsonl or .json file (a JSON list, or JSON lines), .gz allowed, as parsed.
-
-    Raises:
-        DataError: naming the file when it is missing, unreadable, cut short, not valid JSON (naming the
-            line), a single JSON object rather than rows, or has no rows.
-    """
+    """Rows of a .jsonl or .json file (a JSON list, or JSON lines), .gz allowed; a DataError naming a bad file."""
     text = _read_text(path)
     is_json = (path[:-3] if path.endswith(".gz") else path).endswith(".json")
     stripped = text.strip()
@@ -544,8 +484,7 @@ def read_json_records(path: str) -> list[dict]:
 
 
 def load_from_hub(hub_id: str, option: str, **kwargs):
-    """``datasets.load_dataset(hub_id, **kwargs)``, with a one-sentence DataError when the hub
-    cannot be reached (offline) naming the ``data.*`` option that reads a local copy instead."""
+    """``datasets.load_dataset(hub_id, **kwargs)``; offline, a DataError naming the ``option`` that reads a local copy."""
     import datasets
 
     try:
@@ -557,8 +496,7 @@ def load_from_hub(hub_id: str, option: str, **kwargs):
 
 
 def hub_or_file_rows(path: str | None, hub_id: str, option: str, split: str, cache_dir: str | None):
-    """The rows of the JSON/JSONL file ``path``, else of ``hub_id``'s ``split`` (:func:`load_from_hub`, ``option`` the
-    ``data.*`` key of ``path``)."""
+    """The rows of the JSON/JSONL file ``path``, else of ``hub_id``'s ``split`` (``option``: the ``data.*`` key of ``path``)."""
     if path is None:
         return load_from_hub(hub_id, option, split=split, cache_dir=cache_dir)
     return read_json_records(path)
@@ -571,8 +509,7 @@ HH_ROLES = {HUMAN_TAG: "user", ASSISTANT_TAG: "assistant"}
 
 
 def hh_messages(text: str) -> tuple[Messages, bool]:
-    """(messages, whether turns were merged): the turns of HH dialogue text as user / assistant messages,
-    consecutive turns of one role merged."""
+    """(messages, whether merged): HH dialogue text as user / assistant messages, consecutive turns of one role merged."""
     pieces = re.split(r"(\n\nHuman:|\n\nAssistant:)", text)
     turns = [("user", pieces[0])] if pieces[0].strip() else []
     turns += [(HH_ROLES[tag], content) for tag, content in zip(pieces[1::2], pieces[2::2])]
@@ -607,12 +544,7 @@ def _add_hh_conversation(data: DatasetDict, prompt: str, chosen: str, rejected: 
 def hh_rows_to_data(
     rows, report: collections.Counter, source: str = "hh", data: DatasetDict | None = None, conversation: bool = False
 ) -> DatasetDict:
-    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) to a DatasetDict (added to ``data`` when
-    given), as messages with ``conversation``.
-
-    Raises:
-        DataError: if a row lacks string ``chosen`` and ``rejected`` (naming ``source`` and the row).
-    """
+    """Anthropic HH rows ({"chosen": dialogue, "rejected": dialogue}) added to ``data`` (as messages with ``conversation``)."""
     data = {} if data is None else data
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or not isinstance(row.get("chosen"), str) or not isinstance(row.get("rejected"), str):
@@ -624,8 +556,7 @@ def hh_rows_to_data(
 def add_hh_pair(
     data: DatasetDict, chosen: str, rejected: str, report: collections.Counter, row: str | None, conversation: bool = False
 ) -> tuple[str, bool]:
-    """Add the pair of two whole HH dialogues to ``data``; returns (the prompt's key, or ``chosen`` when they
-    share no turn; whether added)."""
+    """Add two whole HH dialogues' pair to ``data``: (the prompt's key, or ``chosen`` if they share no turn; whether added)."""
     split = split_prompt_and_responses(chosen, rejected)
     if split is None:
         note_row(report, "skipped: no common Assistant turn", chosen)
@@ -651,19 +582,15 @@ def get_hh(
     cache_dir: str | None = None,
     conversation: bool = False,
 ) -> DatasetDict:
-    """Anthropic Helpful-Harmless dialogues (Bai et al. 2022): hub id ``Anthropic/hh-rlhf``, or
-    ``data.hh.local_dir`` laid out as ``<local_dir>/<subset>/<split>.jsonl.gz``.
-
-    Raises:
-        DataError: if the local copy has no file for the subsets and split asked for.
-    """
+    """Anthropic Helpful-Harmless (Bai et al. 2022): hub ``Anthropic/hh-rlhf``, or ``data.hh.local_dir`` laid out as
+    ``<local_dir>/<subset>/<split>.jsonl.gz``."""
     source_split = "train" if holdout_fraction else split
     if local_dir is None:
-        rows = []
-        for subset in subsets or [None]:
-            rows.extend(
-                load_from_hub("Anthropic/hh-rlhf", "data.hh.local_dir", data_dir=subset, split=source_split, cache_dir=cache_dir)
-            )
+        hub = (
+            load_from_hub("Anthropic/hh-rlhf", "data.hh.local_dir", data_dir=s, split=source_split, cache_dir=cache_dir)
+            for s in subsets or [None]
+        )
+        data = hh_rows_to_data([row for rows in hub for row in rows], report, conversation=conversation)
     else:
         if not os.path.isdir(local_dir):
             raise DataError(f"data.hh.local_dir={local_dir} is not a folder; point it at a copy of the hh-rlhf repository.")
@@ -674,39 +601,25 @@ def get_hh(
         paths = [os.path.join(local_dir, n, f"{source_split}.jsonl.gz") for n in names]
         paths = [p for p in paths if os.path.exists(p)]
         if not paths:
-            hint = (
-                " (set data.hh.holdout_fraction=0.1 to carve an eval slice from the split that exists)"
-                if not holdout_fraction
-                else ""
+            hint = " (set data.hh.holdout_fraction=0.1 to carve an eval slice from the split that exists)"
+            raise DataError(
+                f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{'' if holdout_fraction else hint}."
             )
-            raise DataError(f"No {source_split}.jsonl.gz under {local_dir} for subsets {names}{hint}.")
         data: DatasetDict = {}
         for p in paths:
             hh_rows_to_data(read_json_records(p), report, p, data, conversation)
-        return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
-    data = hh_rows_to_data(rows, report, conversation=conversation)
     return apply_holdout(data, split, holdout_fraction, report) if holdout_fraction else data
 
 
-SHP_FIELDS = {
-    "history": str,
-    "human_ref_A": str,
-    "human_ref_B": str,
-    "score_A": (int, float),
-    "score_B": (int, float),
-    "labels": (int, float),
-}
+SHP_FIELDS = {"history": str, "human_ref_A": str, "human_ref_B": str}
+SHP_FIELDS |= dict.fromkeys(("score_A", "score_B", "labels"), (int, float))
 
 
 def shp_rows_to_data(
     rows, report: collections.Counter, max_pairs_per_prompt: int = 5, min_score_ratio: float = 2.0, source: str = "shp"
 ) -> DatasetDict:
-    """Stanford Human Preferences rows to a DatasetDict: pairs of score ratio >= ``min_score_ratio``, at most
-    ``max_pairs_per_prompt`` a prompt (largest ratios), the best-scored response as sft_target.
-
-    Raises:
-        DataError: if a row lacks one of :data:`SHP_FIELDS` (naming ``source``, the row and the field).
-    """
+    """SHP rows to a DatasetDict: pairs of score ratio >= ``min_score_ratio``, at most ``max_pairs_per_prompt`` a prompt
+    (largest ratios), the best-scored response as sft_target."""
     data: DatasetDict = {}
     ratios: dict[str, list[float]] = {}
     scores: dict[str, dict[str, float]] = {}
@@ -749,18 +662,13 @@ def get_shp(
     min_score_ratio: float = 2.0,
     cache_dir: str | None = None,
 ) -> DatasetDict:
-    """Stanford Human Preferences (Ethayarajh et al. 2022), hub id ``stanfordnlp/SHP``.
-    ``data.shp.path`` reads a local JSON/JSONL file in the same row format instead."""
+    """Stanford Human Preferences (Ethayarajh et al. 2022), hub ``stanfordnlp/SHP``, or its rows' file ``data.shp.path``."""
     rows = hub_or_file_rows(path, "stanfordnlp/SHP", "data.shp.path", split, cache_dir)
     return shp_rows_to_data(rows, report, max_pairs_per_prompt, min_score_ratio, path or "stanfordnlp/SHP")
 
 
 def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> DatasetDict:
-    """Stack Exchange rows ({question, answers: [{text, pm_score}]}) to a DatasetDict, the higher score chosen.
-
-    Raises:
-        DataError: if a row lacks a string question or a list of answers with string text and numeric pm_score.
-    """
+    """Stack Exchange rows ({question, answers: [{text, pm_score}]}) to a DatasetDict, the higher score chosen."""
     data: DatasetDict = {}
     for k, row in enumerate(rows, 1):
         require_fields(row, {"question": str, "answers": list}, source, k, "se")
@@ -785,11 +693,7 @@ def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> Da
 
 @register_dataset("se", truncation_mode="keep_start")
 def get_se(
-    split: str,
-    report: collections.Counter,
-    path: str | None = None,
-    holdout_fraction: float = 0.01,
-    cache_dir: str | None = None,
+    split: str, report: collections.Counter, path: str | None = None, holdout_fraction: float = 0.01, cache_dir: str | None = None
 ) -> DatasetDict:
     """Stack Exchange preferences (Lambert et al. 2023), hub id ``HuggingFaceH4/stack-exchange-preferences``."""
     rows = hub_or_file_rows(path, "HuggingFaceH4/stack-exchange-preferences", "data.se.path", "train", cache_dir)
@@ -800,18 +704,9 @@ def get_se(
 
 @register_dataset("json", truncation_mode="keep_end")
 def get_json(
-    split: str,
-    report: collections.Counter,
-    path: str | dict | None = None,
-    holdout_fraction: float = 0.1,
+    split: str, report: collections.Counter, path: str | dict | None = None, holdout_fraction: float = 0.1
 ) -> DatasetDict:
-    """A local JSON or JSONL file (optionally .gz) of rows {prompt, chosen, rejected} or {prompt, completion,
-    label}, other fields kept as the prompt's fields.
-
-    Raises:
-        DataError: if no path is set, a row lacks a needed string field, a label is not a boolean, or
-            paired and unpaired rows mix.
-    """
+    """A local JSON/JSONL file (.gz allowed) of rows {prompt, chosen, rejected} or {prompt, completion, label}."""
     if path is None:
         raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
     if not isinstance(path, (str, dict)):
@@ -881,18 +776,14 @@ def get_json(
 
 # ----------------------------------------------------------------------------- hf: any preference data, via `datasets`
 
-HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores", "system")
-"""The columns the ``hf`` formats read; ``data.hf.columns`` maps them to other names."""
+HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores", "system")  # data.hf.columns maps them to other names
+# read into a text prompt only when data.hf.columns maps them (LLaMA-Factory's alpaca layout): text joined to the prompt,
+# earlier [user, assistant] turns, and a system message
 HF_CONTEXT_COLUMNS = ("input", "history", "system")
-"""Columns read into a text prompt only when ``data.hf.columns`` maps them (LLaMA-Factory's alpaca
-layout): text joined to a prompt string, earlier [user, assistant] turns, and a system message."""
 HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked", "hh")
-HF_RANKED_ORDERS = ("best_first", "worst_first")
-"""``data.hf.ranked_order`` values: the order of a ranked row's responses when it gives no scores."""
-SHAREGPT_PROMPT = "conversations"
-"""ShareGPT's (LLaMA-Factory's) column of the prompt's messages, read as the prompt when there is no ``prompt`` column."""
-HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}
-"""File suffix -> the ``datasets`` builder that reads it (.gz, .bz2, .xz, .zst compressed too)."""
+HF_RANKED_ORDERS = ("best_first", "worst_first")  # data.hf.ranked_order: a ranked row's order when it gives no scores
+SHAREGPT_PROMPT = "conversations"  # ShareGPT's column of the prompt's messages, the prompt when there is no prompt column
+HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}  # compressed too
 
 
 def _hf_reader(path: str) -> str | None:
@@ -912,11 +803,7 @@ def _first_line(error: Exception, text: str | None = None) -> str:
 
 
 def _read_with_datasets(what: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)`` (a ``datasets`` reader of a local file or folder) with its progress bars off.
-
-    Raises:
-        DataError: naming ``what`` when the reader fails.
-    """
+    """``fn(*args, **kwargs)`` (a ``datasets`` reader) with progress bars off; a DataError naming ``what`` when it fails."""
     import datasets
 
     bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
@@ -934,8 +821,7 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
 
 
 def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[object, dict[str, str]]:
-    """(``dataset`` with those of ``text_columns`` read as numbers or booleans turned into strings, {column:
-    the report's note on it})."""
+    """(``dataset`` with its ``text_columns`` read as numbers or booleans turned into strings, {column: the note})."""
     import datasets
 
     features = getattr(dataset, "features", None) or {}
@@ -961,12 +847,8 @@ def _as_text(dataset, text_columns, reread: Callable | None = None) -> tuple[obj
 def open_hf_source(
     path, name: str | None, cache_dir: str | None, text_columns=()
 ) -> tuple[list[str], Callable[[str], tuple[list[dict], str, dict[str, str]]]]:
-    """(split names, ``read(split) -> (rows, source named in messages, {column cast to text: note})``) of
-    ``data.hf.path``: a file, a mapping {split: file}, a folder, or a hub id.
-
-    Raises:
-        DataError: if a local path does not exist, a reader fails, or the hub cannot be reached.
-    """
+    """(split names, ``read(split) -> (rows, source, {column cast to text: note})``) of ``data.hf.path``: a file, a
+    mapping {split: file}, a folder, or a hub id."""
     import datasets
 
     def one_file(file: str) -> tuple[list[dict], str, dict[str, str]]:
@@ -1020,11 +902,7 @@ def open_hf_source(
 
 
 def detect_hf_format(found: list[str], first: dict, columns: dict[str, str], source: str, roles: dict | None = None) -> str:
-    """The format of rows with columns ``found``: ``ranked``, ``conversational``, ``implicit``, ``standard`` or ``hh``.
-
-    Raises:
-        DataError: if the columns match no format, naming the columns found and the mapping to set.
-    """
+    """The format of rows with columns ``found``: ``ranked``, ``conversational``, ``implicit``, ``standard`` or ``hh``."""
     has = {key: columns[key] in found for key in HF_COLUMNS}
     if has["responses"] and has["prompt"]:
         return "ranked"
@@ -1069,12 +947,7 @@ def _prompt_turns(prompt: Messages, text: str | None, messages: Messages) -> int
 
 
 def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, columns: dict, where: str, roles: dict):
-    """(prompt messages, chosen response, rejected response) of a conversational row.
-
-    Raises:
-        DataError: naming the row when a response column fits no reading, or chosen and rejected
-            hold different conversations before their responses.
-    """
+    """(prompt messages, chosen response, rejected response) of a conversational row, else a DataError naming the row."""
     c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
     prompt = _hf_prompt(raw_prompt, where, p, True, roles)
     text = raw_prompt if isinstance(raw_prompt, str) else None
@@ -1101,11 +974,7 @@ def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, colum
 
 
 def _hf_context_prompt(row: dict, columns: dict[str, str], where: str):
-    """The prompt column of ``row`` with the mapped :data:`HF_CONTEXT_COLUMNS` applied, as LLaMA-Factory's alpaca converter does.
-
-    Raises:
-        DataError: naming the row when the prompt or a context column has the wrong type.
-    """
+    """The prompt of ``row`` with the mapped :data:`HF_CONTEXT_COLUMNS` applied as LLaMA-Factory's alpaca converter does."""
     mapped = {k: columns[k] for k in HF_CONTEXT_COLUMNS if k in columns}
     prompt = row.get(columns["prompt"])
     if not mapped:
@@ -1137,12 +1006,7 @@ def _hf_context_prompt(row: dict, columns: dict[str, str], where: str):
 
 
 def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: dict[str, str]):
-    """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists for a conversational row.
-
-    Raises:
-        DataError: naming the row for a missing or mistyped column, a bad message, or chosen and rejected
-            conversations that share no prompt.
-    """
+    """(prompt, chosen, rejected) of one row of format ``fmt``: strings, or message lists for a conversational row."""
     c, r, p = (columns[k] for k in ("chosen", "rejected", "prompt"))
     if fmt == "standard":
         for column in (p, c, r):
@@ -1175,13 +1039,7 @@ def _hf_pair(row: dict, fmt: str, columns: dict[str, str], where: str, roles: di
 def _hf_ranked(
     row: dict, columns: dict[str, str], where: str, roles: dict[str, str], order: str | None = None
 ) -> tuple[str | Messages, list[tuple[str | Messages, float]]]:
-    """(prompt, [(response, score), ...]) of a ranked row; with ``order`` the k-th of n responses scores
-    n - k + 1 (best_first) or k (worst_first).
-
-    Raises:
-        DataError: naming the row when the responses or scores are missing or malformed, or
-            scores are given while ``order`` is set.
-    """
+    """(prompt, [(response, score), ...]) of a ranked row; with ``order`` the k-th of n scores n - k + 1 (best_first) or k."""
     rc, sc, pc = columns["responses"], columns["scores"], columns["prompt"]
     responses, scores = row.get(rc), row.get(sc)
     if not isinstance(responses, list) or not responses:
@@ -1225,8 +1083,7 @@ def _hf_ranked(
 
 
 def _hf_columns(columns: dict | None, found: list[str]) -> dict[str, str]:
-    """Each of :data:`HF_COLUMNS` -> the column that holds it: ``columns`` (``data.hf.columns``),
-    else its own name, the prompt being ShareGPT's ``conversations`` when ``found`` has no ``prompt``."""
+    """Each of :data:`HF_COLUMNS` -> its column: ``columns``, else its name (prompt: ``conversations`` if no ``prompt``)."""
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     if "prompt" not in (columns or {}) and "prompt" not in found and SHAREGPT_PROMPT in found:
         mapped["prompt"] = SHAREGPT_PROMPT
@@ -1234,8 +1091,7 @@ def _hf_columns(columns: dict | None, found: list[str]) -> dict[str, str]:
 
 
 def _context_columns(columns: dict[str, str], given: dict) -> dict[str, str]:
-    """``columns`` without ``system`` unless ``given`` (``data.hf.columns``) maps it: an unmapped
-    ``system`` column is prepended to conversational prompts only, and kept as a field beside text ones."""
+    """``columns`` without ``system`` unless ``given`` maps it (an unmapped one heads conversational prompts only)."""
     return columns if "system" in given else {k: v for k, v in columns.items() if k != "system"}
 
 
@@ -1247,11 +1103,7 @@ def note_cast(report: collections.Counter, cast: dict[str, str] | None, row: dic
 
 
 def _hh_dialogues(row: dict, columns: dict[str, str], where: str) -> tuple[str, str]:
-    """(chosen, rejected) whole dialogues of an ``hh`` row.
-
-    Raises:
-        DataError: naming the row when either is not a string.
-    """
+    """(chosen, rejected) whole dialogues of an ``hh`` row, else a DataError naming the row."""
     c, r = columns["chosen"], columns["rejected"]
     for column in (c, r):
         if not isinstance(row.get(column), str):
@@ -1263,11 +1115,7 @@ def _hh_dialogues(row: dict, columns: dict[str, str], where: str) -> tuple[str, 
 
 
 def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: dict[str, str]) -> None:
-    """Check that ``roles`` maps every non-standard role of a ShareGPT row.
-
-    Raises:
-        DataError: naming all of the row's unmapped roles and the ``data.hf.roles`` that maps them.
-    """
+    """Check that ``roles`` maps every non-standard role of a ShareGPT row, else a DataError naming them all."""
     unknown = []
     for column in (columns["prompt"], columns["chosen"], columns["rejected"]):
         value = row.get(column)
@@ -1284,11 +1132,7 @@ def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: 
 
 
 def _with_system(prompt: str | Messages, system, where: str, column: str) -> str | Messages:
-    """``prompt`` with ``system`` as its first message when it is a conversation not already starting with one.
-
-    Raises:
-        DataError: naming the row when ``system`` is neither a string nor None.
-    """
+    """``prompt`` with ``system`` as its first message when it is a conversation not already starting with one."""
     if system is None or isinstance(prompt, str):
         return prompt
     if not isinstance(system, str):
@@ -1301,11 +1145,7 @@ def _with_system(prompt: str | Messages, system, where: str, column: str) -> str
 
 
 def _check_hf_options(format: str, columns, ranked_order: str | None) -> None:
-    """Check ``data.hf.format``, ``data.hf.columns`` (a mapping of known keys) and ``data.hf.ranked_order``.
-
-    Raises:
-        DataError: naming the bad option and its fix.
-    """
+    """Check ``data.hf.format``, ``data.hf.columns`` (a mapping of known keys) and ``data.hf.ranked_order``."""
     if format not in HF_FORMATS:
         raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
     if columns is not None and not isinstance(columns, dict):  # e.g. bash split an unquoted {a:b,c:d} into three overrides
@@ -1326,11 +1166,7 @@ def _check_hf_options(format: str, columns, ranked_order: str | None) -> None:
 
 
 def _check_hf_format_options(fmt: str, rows: list[dict], source: str, ranked_order: str | None, given: dict) -> None:
-    """Check that ``ranked_order`` and a mapped ``input`` / ``history`` fit rows read as ``fmt``.
-
-    Raises:
-        DataError: naming the option, the format and the mapping to set.
-    """
+    """Check that ``ranked_order`` and a mapped ``input`` / ``history`` fit rows read as ``fmt``."""
     if ranked_order is not None and rows and fmt != "ranked":
         raise DataError(
             f"data.hf.ranked_order={ranked_order} orders ranked rows' responses, but {source} is read as {fmt}; map the "
@@ -1384,13 +1220,7 @@ def hf_rows_to_data(
     ranked_order: str | None = None,
     cast: dict[str, str] | None = None,
 ) -> DatasetDict:
-    """Preference rows in one of the ``hf`` formats (:func:`detect_hf_format`) to a DatasetDict, counting rows
-    of a ``cast`` column.
-
-    Raises:
-        DataError: for an unknown format or mapping key, columns that match no format, or a bad
-            row (naming ``source`` and the 1-based row).
-    """
+    """Preference rows in an ``hf`` format (:func:`detect_hf_format`) to a DatasetDict, counting rows of a ``cast`` column."""
     _check_hf_options(format, columns, ranked_order)
     found = list(rows[0]) if rows else []
     missing = [(key, col) for key, col in (columns or {}).items() if rows and col not in found]
@@ -1442,22 +1272,9 @@ def hf_rows_to_data(
 
 
 def hf_split_rows(
-    split: str,
-    path,
-    name: str | None,
-    train_split: str,
-    test_split: str | None,
-    holdout_fraction: float,
-    cache_dir: str | None,
-    columns=None,
+    split: str, path, name: str | None, train_split: str, test_split: str | None, holdout_fraction: float, cache_dir, columns=None
 ) -> tuple[list[dict], str, bool, dict[str, str]]:
-    """(rows, source named in messages, whether to carve the held-out slice, {column cast to text: note}) that
-    ``hf`` reads for ``split``.
-
-    Raises:
-        DataError: as :func:`open_hf_source`; if no path is set, ``train_split`` is missing, or
-            there is no test split and no held-out fraction (naming the splits found).
-    """
+    """(rows, source, whether to carve the held-out slice, {column cast to text: note}) that ``hf`` reads for ``split``."""
     if path is None:
         raise DataError("datasets=[hf] needs data.hf.path=<hub id, data file or folder>.")
     mapped = {key: key for key in HF_COLUMNS} | (dict(columns) if isinstance(columns, dict) else {})
@@ -1484,10 +1301,7 @@ def hf_split_rows(
 
 
 def _hf_loader(to_data: Callable) -> Callable:
-    """The ``data.hf.*`` loader ``fn(split, report, **options)`` (docs/configuration.md) that reads the rows as
-    :func:`hf_split_rows` and turns them into data with ``to_data(rows, report, source, format, columns,
-    max_pairs_per_prompt, roles, ranked_order, cast)``, carving the held-out slice when there is no test split; it takes
-    ``to_data``'s name and docstring (an unknown option's TypeError names it)."""
+    """The ``data.hf.*`` loader reading :func:`hf_split_rows` into ``to_data``, with ``to_data``'s name and docstring."""
 
     def loader(
         split: str,
@@ -1517,23 +1331,14 @@ def _hf_loader(to_data: Callable) -> Callable:
 @register_dataset("hf", truncation_mode="keep_end")
 @_hf_loader
 def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
-    """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them (options
-    ``data.hf.*``: docs/configuration.md).
-
-    Raises:
-        DataError: naming the file / split and the row, before any model loads.
-    """
+    """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them (docs/configuration.md)."""
     return hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
 
 
 @register_prompt_dataset("hf", truncation_mode="keep_end")
 @_hf_loader
 def get_hf_prompts(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
-    """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict.
-
-    Raises:
-        DataError: as :func:`get_hf`, or naming the row whose prompt is neither a string nor messages.
-    """
+    """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict."""
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:
@@ -1583,11 +1388,7 @@ def get_arithmetic(
 
 
 def prompt_rows_to_list(rows, report: collections.Counter, source: str, name: str) -> list[str]:
-    """The ``prompt`` field of each row, in order; empty and repeated prompts are skipped and counted.
-
-    Raises:
-        DataError: if a row has no string ``prompt`` (naming ``source`` and the 1-based row).
-    """
+    """The ``prompt`` field of each row, in order; empty and repeated prompts are skipped and counted."""
     prompts: list[str] = []
     seen: set[str] = set()
     for i, row in enumerate(rows, 1):
@@ -1607,11 +1408,7 @@ def prompt_rows_to_list(rows, report: collections.Counter, source: str, name: st
 
 
 def read_records(path: str) -> list[dict]:
-    """Rows of a .parquet file (via pyarrow), else of a .json/.jsonl file (:func:`read_json_records`).
-
-    Raises:
-        DataError: if the file is missing, a folder, unreadable or has no rows.
-    """
+    """Rows of a .parquet file (via pyarrow), else of a .json/.jsonl file (:func:`read_json_records`)."""
     if not path.endswith(".parquet"):
         return read_json_records(path)
     if os.path.isdir(path):
@@ -1644,24 +1441,18 @@ def split_files(folder: str, split_names: tuple[str, ...]) -> list[str]:
     return []
 
 
-TLDR_SPLITS = {"train": ("train",), "test": ("validation", "test")}
-"""Source splits read for each split of ``tldr``, first found wins (eval picks models, so the source's test stays untouched)."""
+TLDR_SPLITS = {"train": ("train",), "test": ("validation", "test")}  # first found wins: eval picks models, test stays untouched
 
 
 @register_prompt_dataset("hh", truncation_mode="keep_end")
 def get_hh_prompts(split: str, report: collections.Counter, **options) -> list[str]:
     """The unique prompts of :func:`get_hh`'s pairs, in first-seen order, with the same options and errors."""
-    return dataset_prompts(get_hh(split, report, **options))
+    return [entry.get("prompt_messages", key) for key, entry in get_hh(split, report, **options).items()]
 
 
 @register_prompt_dataset("tldr", truncation_mode="keep_end")  # the end holds the TL;DR: cue
 def get_tldr(split: str, report: collections.Counter, path: str | dict | None = None, cache_dir: str | None = None) -> list[str]:
-    """Reddit TL;DR summarisation prompts (Stiennon et al. 2020), hub id ``trl-lib/tldr`` or
-    ``data.tldr.path``; "test" reads ``validation`` (else ``test``).
-
-    Raises:
-        DataError: if the path holds no file for the split, or a row has no string prompt.
-    """
+    """Reddit TL;DR prompts (Stiennon et al. 2020), ``trl-lib/tldr`` or ``data.tldr.path``; "test" reads ``validation``."""
     if path is None:
         source = TLDR_SPLITS.get(split, (split,))[0]
         rows = load_from_hub("trl-lib/tldr", "data.tldr.path", split=source, cache_dir=cache_dir)
@@ -1683,40 +1474,23 @@ def get_tldr(split: str, report: collections.Counter, path: str | dict | None = 
 # ----------------------------------------------------------------------------- loading
 
 
-def call_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, report: collections.Counter):
-    """``spec.loader(split, report, **options)``; an unknown option is a DataError naming it."""
-    try:
-        return spec.loader(split, report, **(options or {}))
-    except TypeError as e:
-        if "unexpected keyword" in str(e):
-            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
-        raise
-
-
 def _notes(report: collections.Counter) -> str:
     return ", ".join(f"{v} {k}" for k, v in sorted(report.items()))
 
 
-def _holdout_hint(fraction: float, n: int, split: str) -> str:
-    """What to set ``holdout_fraction`` to when the slice of ``n`` prompts left ``split`` empty:
-    a fraction expecting about 3 held-out prompts or more (eval empty), or 0.1 (train empty)."""
-    if split == "train":
-        return f"lower it (e.g. {0.1 if fraction > 0.1 else fraction / 2:.2g}) so that some prompts are left to train on"
-    return f"raise it (e.g. {max(fraction * 2, min(0.5, 3 / max(n, 1))):.2g}) so that some prompts are held out"
-
-
 def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataError:
-    """The one sentence for a split of dataset ``name`` that came out empty: every row skipped
-    (with the reasons), the held-out slice taking all or none of the prompts, or neither."""
+    """The DataError for an empty split of ``name``: every row skipped, the held-out slice taking all or none, or neither."""
     where = f"{name}/{split}" + (f" ({', '.join(report.files)})" if report.files else "")
     notes = _notes(report)
     skipped = any(k.startswith("skipped") for k in report)
     if report.holdout is not None and report.holdout[1]:
         fraction, n = report.holdout
-        taken = f"all {n} of its prompts" if split == "train" else f"none of its {n} prompts"
+        lower = f"lower it (e.g. {0.1 if fraction > 0.1 else fraction / 2:.2g}) so that some prompts are left to train on"
+        higher = f"raise it (e.g. {max(fraction * 2, min(0.5, 3 / max(n, 1))):.2g}) so that some prompts are held out"
+        taken, hint = (f"all {n} of its prompts", lower) if split == "train" else (f"none of its {n} prompts", higher)
         return DataError(
             f"{where} has no {unit}" + (f" ({notes})" if notes else "") + f": data.{name}.holdout_fraction={fraction} puts "
-            f"{taken} in the eval slice; {_holdout_hint(fraction, n, split)}, or give more rows."
+            f"{taken} in the eval slice; {hint}, or give more rows."
         )
     if skipped:
         return DataError(
@@ -1726,15 +1500,15 @@ def _nothing_left(name: str, split: str, report: DataReport, unit: str) -> DataE
 
 
 def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, unit: str):
-    """(what ``spec``'s loader returned, its fresh :class:`DataReport`).
-
-    Raises:
-        DataError: as the loader, or :func:`_nothing_left`'s sentence if it returned nothing.
-    """
+    """(what ``spec``'s loader returned, its fresh :class:`DataReport`); a DataError if it returned nothing."""
     report = DataReport()
     token = _LOADING.set(report)
     try:
-        got = call_loader(spec, name, split, options, report)
+        got = spec.loader(split, report, **(options or {}))
+    except TypeError as e:
+        if "unexpected keyword" in str(e):  # an unknown option
+            raise DataError(f"data.{name}: {e}; see the loader's docstring for its options.") from None
+        raise
     finally:
         _LOADING.reset(token)
     if isinstance(got, dict):
@@ -1748,11 +1522,7 @@ def _run_loader(spec: DatasetSpec, name: str, split: str, options: dict | None, 
 def load_dataset_dict(
     name: str, split: str, options: dict | None = None, silent: bool = False, copies_trained: bool = False
 ) -> DatasetDict:
-    """Load one registered dataset's split and print what was skipped, repaired or duplicated in it.
-
-    Raises:
-        DataError: if ``name`` is not registered, the loader rejects its options or data, or the split has no pair.
-    """
+    """Load one registered dataset's split and print what was skipped, repaired or duplicated in it."""
     if name not in DATASETS:
         raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
     data, report = _run_loader(DATASETS[name], name, split, options, "pairs")
@@ -1781,21 +1551,19 @@ def load_dataset_dict(
     return data
 
 
-DUPLICATE_WARNING_SHARE = 0.1
-"""The share of exact duplicate pairs in a split above which :func:`load_dataset_dict` warns."""
+DUPLICATE_WARNING_SHARE = 0.1  # the share of exact duplicate pairs in a split above which load_dataset_dict warns
 
 
 def count_duplicates(data: DatasetDict) -> int:
-    """How many pairs of ``data`` (unpaired rows: labelled completions) repeat an earlier one of
-    the same prompt exactly (same prompt, chosen and rejected; same prompt, completion and label)."""
+    """How many pairs (or labelled completions) of ``data`` repeat an earlier one of the same prompt exactly."""
     return sum(
         len(items) - len(set(map(tuple, items))) for entry in data.values() for items in (entry["pairs"], entry.get("labels", ()))
     )
 
 
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
-    """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (DPO; SFT: per prompt, no
-    ``"rejected"``; unpaired: per labelled completion), in a stable order."""
+    """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (SFT: per prompt, no ``"rejected"``;
+    unpaired: per labelled completion), in a stable order."""
     mode = DATASETS[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
@@ -1839,11 +1607,7 @@ def _unknown_prompt_dataset(name: str) -> DataError:
 
 
 def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
-    """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or a list of messages, and {column: value}.
-
-    Raises:
-        DataError: as :func:`load_prompts`.
-    """
+    """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or messages, and {column: value}."""
     if name in PROMPT_DATASETS:
         got, report = _run_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), "prompts")
         if not silent:
@@ -1859,21 +1623,12 @@ def load_prompt_entries(name: str, split: str, options: dict, silent: bool = Fal
 
 
 def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
-    """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data).
-
-    Raises:
-        DataError: if a name is in neither registry, its loader rejects its options or data, or it
-            gives no prompt for the split.
-    """
+    """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data)."""
     return [prompt for name in names for prompt, _ in load_prompt_entries(name, split, options, silent)]
 
 
 def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
-    """:func:`load_prompts` as ``{"prompt", "truncation_mode"}`` examples that :func:`get_batch_iterator` batches.
-
-    Raises:
-        DataError: as :func:`load_prompts`.
-    """
+    """:func:`load_prompts` as ``{"prompt", "truncation_mode"}`` examples that :func:`get_batch_iterator` batches."""
     examples = []
     for name in names:
         mode = prompt_truncation_mode(name)
@@ -1884,11 +1639,7 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
 
 
 def prompt_truncation_mode(name: str) -> str:
-    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep.
-
-    Raises:
-        DataError: if ``name`` is in neither registry.
-    """
+    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep."""
     spec = PROMPT_DATASETS.get(name) or DATASETS.get(name)
     if spec is None:
         raise _unknown_prompt_dataset(name)
@@ -1909,11 +1660,7 @@ def example_key(prompt: str, chosen: str, rejected: str | None) -> str:
 
 
 def truncate_prompt_ids(prompt_ids: list[int], max_prompt_length: int, truncation_mode: str, bos_id: int | None) -> list[int]:
-    """``prompt_ids`` cut to at most ``max_prompt_length`` tokens, keeping its start or its end (behind ``bos_id``).
-
-    Raises:
-        ValueError: if ``truncation_mode`` is neither keep_start nor keep_end.
-    """
+    """``prompt_ids`` cut to at most ``max_prompt_length`` tokens, keeping its start or its end (behind ``bos_id``)."""
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
     if len(prompt_ids) <= max_prompt_length:
@@ -1933,10 +1680,6 @@ def _with_bos(tokenizer, ids: list[int]) -> list[int]:
     return ids if tokenizer.bos_token_id is None else [tokenizer.bos_token_id] + ids
 
 
-def _with_eos(tokenizer, ids: list[int]) -> list[int]:
-    return ids + [tokenizer.eos_token_id]
-
-
 _USE_TOKENIZER = object()
 
 
@@ -1950,8 +1693,7 @@ def truncate_pair_ids(
     end_id=None,
     bos_id=_USE_TOKENIZER,
 ) -> tuple[list[int], list[list[int]]]:
-    """(prompt ids, [response ids, ...]): the prompt, then each response (still ending with EOS or
-    ``end_id``), cut to fit ``max_length`` tokens."""
+    """(prompt ids, [response ids, ...]) cut to fit ``max_length`` tokens, each response still ending with EOS or ``end_id``."""
     end = tokenizer.eos_token_id if end_id is None else end_id
     bos = tokenizer.bos_token_id if bos_id is _USE_TOKENIZER else bos_id
     longest = max(len(r) for r in response_ids)
@@ -1979,14 +1721,14 @@ def _encode_pieces(encode, pieces) -> tuple[list[int], list[bool]]:
 
 
 def _example_ids(texts: dict, encode, tokenizer, end_id, pieces, truncation_mode, max_length, max_prompt_length):
-    """(prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt mask, cut
-    response masks) of one example, masks True on trained tokens."""
+    """(prompt ids, prompt mask, full response ids, cut prompt ids, cut response ids, cut prompt mask, cut response
+    masks) of one example, masks True on trained tokens."""
     sides = [s for s in ("chosen", "rejected") if texts.get(s) is not None]
     pieces = pieces or {}
     if end_id is None:
         prompt_ids = _with_bos(tokenizer, encode(texts["prompt"]))
         prompt_mask = [False] * len(prompt_ids)
-        full = [_with_eos(tokenizer, encode(_strip_eos(tokenizer, texts[s]))) for s in sides]
+        full = [encode(_strip_eos(tokenizer, texts[s])) + [tokenizer.eos_token_id] for s in sides]
         masks = [[True] * len(ids) for ids in full]
         bos = tokenizer.bos_token_id
     else:
@@ -2011,28 +1753,18 @@ def tokenize_element(
     end_token_id: int | None = None,
     pieces: dict | None = None,
 ) -> dict:
-    """Tokenize one example into policy inputs: BOS + prompt, each response + EOS, truncated to ``max_length``.
-
-    Returns:
-        dict with ``prompt_input_ids`` and, for chosen (and rejected), ``{side}_input_ids``,
-        ``{side}_attention_mask``, ``{side}_labels`` (IGNORE_INDEX where not trained), plus the texts.
-
-    Raises:
-        ValueError: if ``max_prompt_length >= max_length`` (no room for a response).
-    """
+    """One example as ``prompt_input_ids`` and per side ``{side}_input_ids``, ``{side}_attention_mask``, ``{side}_labels``
+    (IGNORE_INDEX where not trained): BOS + prompt, each response + EOS, truncated to ``max_length``."""
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
     responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
-    rendered = end_token_id is not None
+
+    def encode(text):
+        return _encode(tokenizer, text, end_token_id is not None)
+
+    texts = {"prompt": prompt, **responses}
     *_, prompt_ids, cut, prompt_mask, masks = _example_ids(
-        {"prompt": prompt, **responses},
-        lambda text: _encode(tokenizer, text, rendered),
-        tokenizer,
-        end_token_id,
-        pieces,
-        truncation_mode,
-        max_length,
-        max_prompt_length,
+        texts, encode, tokenizer, end_token_id, pieces, truncation_mode, max_length, max_prompt_length
     )
     element = {"prompt": prompt, "prompt_input_ids": prompt_ids, "key": example_key(prompt, chosen, rejected)}
     for side, ids, mask in zip(responses, cut, masks):
@@ -2045,11 +1777,8 @@ def tokenize_element(
 
 
 def collate(elements: list[dict], pad_token_id: int) -> dict:
-    """Pad a list of tokenized elements into a batch of (B, T) long tensors.
-
-    Sequences are right-padded (``pad_token_id``, 0, IGNORE_INDEX); ``prompt_input_ids`` is left-padded;
-    an unpaired ``label`` becomes a (B,) bool tensor.
-    """
+    """Pad tokenized elements into (B, T) long tensors, right-padded (``pad_token_id``, 0, IGNORE_INDEX),
+    ``prompt_input_ids`` left-padded, an unpaired ``label`` a (B,) bool tensor."""
     batch: dict = {}
     for key in elements[0]:
         values = [e[key] for e in elements]
@@ -2084,14 +1813,8 @@ def _prompt_only_ids(ids: list[int], tokenizer, rendered: bool, max_prompt_lengt
 
 
 def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_mode: str, rendered: bool = False) -> dict:
-    """Tokenize one prompt for sampling (online DPO) as :func:`tokenize_element` tokenizes its prompt, no EOS.
-
-    Returns:
-        ``{"prompt": prompt, "prompt_input_ids": list[int]}``, at most ``max_prompt_length`` ids.
-
-    Raises:
-        ValueError: if ``max_prompt_length`` < 1 or ``truncation_mode`` is unknown.
-    """
+    """Tokenize one prompt for sampling as :func:`tokenize_element` does its prompt, no EOS: ``{"prompt",
+    "prompt_input_ids"}``, at most ``max_prompt_length`` ids."""
     if max_prompt_length < 1:
         raise ValueError(f"max_prompt_length must be >= 1, got {max_prompt_length}.")
     ids = _encode(tokenizer, prompt, rendered)
@@ -2100,14 +1823,7 @@ def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_m
 
 # ----------------------------------------------------------------------------- chat templates
 
-_PROBE = "Probe1234"
-"""An assistant's content used to find what a chat template writes after it."""
-
-
-def _special_ids(tokenizer) -> set[int]:
-    ids = set(tokenizer.all_special_ids)
-    ids.update(i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special)
-    return ids
+_PROBE = "Probe1234"  # an assistant's content, to find what a chat template writes after it
 
 
 def end_of_turn_token(tokenizer) -> str | None:
@@ -2126,13 +1842,15 @@ def end_of_turn_token(tokenizer) -> str | None:
         if k < 0:
             continue
         after = _encode(tokenizer, text[k + len(_PROBE) :].lstrip(" \t\n"), rendered=True)
-        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in _special_ids(tokenizer) else None
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
     return None
 
 
 def stop_token_ids(tokenizer) -> list[int]:
-    """The ids at which generation stops: EOS, and the chat template's end-of-turn token
-    (:func:`end_of_turn_token`) when it has one that differs (``generate`` takes the list)."""
+    """The ids at which generation stops: EOS, and the chat template's end-of-turn token when it differs."""
     ids = [tokenizer.eos_token_id]
     eot = end_of_turn_token(tokenizer)
     if eot is not None and tokenizer.convert_tokens_to_ids(eot) not in ids:
@@ -2141,11 +1859,7 @@ def stop_token_ids(tokenizer) -> list[int]:
 
 
 def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool = False) -> str:
-    """``messages`` rendered by the tokenizer's chat template (text, not ids).
-
-    Raises:
-        DataError: naming ``row``, with the template's own message, when the template rejects them.
-    """
+    """``messages`` rendered by the chat template as text, else a DataError naming ``row`` with the template's message."""
     import jinja2
 
     try:
@@ -2158,11 +1872,7 @@ def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool =
 
 
 def _check_tool_turns(tokenizer, conversations: list[Messages], row: str) -> None:
-    """Check that the chat template renders every ``tool`` message of ``conversations`` with its content.
-
-    Raises:
-        DataError: naming the row and the template when it raises or leaves a tool message out.
-    """
+    """Check that the chat template renders every ``tool`` message of ``conversations`` with its content."""
     import jinja2
 
     for messages in conversations:
@@ -2240,8 +1950,7 @@ def _check_messages(messages, row: str, what: str, last_assistant: bool) -> None
 
 
 def _render_example(ex: dict, prompt: list[dict], tokenizer, eot: str | None, all_turns: bool, row: str) -> tuple[dict, bool]:
-    """One conversational example rendered (see :func:`render_conversations`); also whether the
-    template broke the prefix property on it."""
+    """One conversational example rendered (:func:`render_conversations`), and whether the template broke the prefix."""
     sides = [s for s in ("chosen", "rejected") if ex.get(s) is not None]
     end_text = eot or tokenizer.eos_token
     p = _render(tokenizer, prompt, row, generation_prompt=True)
@@ -2296,14 +2005,7 @@ def render_conversations(
     split: str = "train",
     all_assistant_turns: bool = False,
 ) -> list[dict]:
-    """Render every conversational example with the chat template into texts carrying ``end_token_id``,
-    ``messages`` and, where only parts are trained, ``pieces``; plain-text examples pass unchanged.
-
-    Raises:
-        DataError: naming the row when the tokenizer has no chat template, the template rejects a
-            conversation or cannot render a tool message, a role is not standard, or a response is
-            not a message list ending with the assistant's message.
-    """
+    """Render conversational examples by the chat template into texts with ``end_token_id``, ``messages`` and ``pieces``."""
     label = "eval" if split == "test" else split
     todo = [i for i, ex in enumerate(examples) if ex.get("conversation")]
     if not todo:
@@ -2369,8 +2071,7 @@ def render_conversations(
 
 
 class TruncatedIds(NamedTuple):
-    """The token ids one example gets in training (as :func:`tokenize_element` or, for a prompt
-    alone, :func:`tokenize_prompt` gives them), and what truncation cut."""
+    """The token ids one example gets in training and what truncation cut."""
 
     prompt_ids: list[int]
     response_ids: list[list[int]]
@@ -2384,11 +2085,7 @@ class TruncatedIds(NamedTuple):
 def truncated_ids(
     examples: list[dict], tokenizer, max_length: int, max_prompt_length: int, chunk_size: int = 1024
 ) -> Iterator[TruncatedIds]:
-    """The :class:`TruncatedIds` of each example, exactly as :func:`get_batch_iterator` will give them, in order.
-
-    Raises:
-        ValueError: if ``max_prompt_length >= max_length``.
-    """
+    """The :class:`TruncatedIds` of each example, exactly as :func:`get_batch_iterator` will give them, in order."""
     if max_prompt_length >= max_length:
         raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
     sides = ("chosen", "rejected")
@@ -2434,11 +2131,7 @@ def _share(k: int, n: int) -> str:
 def screen_examples(
     examples: list[dict], split: str, tokenizer, max_length: int, max_prompt_length: int, silent: bool = False
 ) -> list[dict]:
-    """The examples of ``split`` worth training on, in order: pairs identical once truncated are skipped with a warning.
-
-    Raises:
-        DataError: if ``examples`` is empty, or no pair is left.
-    """
+    """The examples of ``split`` worth training on, in order: pairs identical once truncated are skipped with a warning."""
     label = "eval" if split == "test" else split
     if not examples:
         raise DataError(f"The {label} split has no examples; check datasets=[...] and their data.* options.")
@@ -2450,10 +2143,8 @@ def screen_examples(
         n_responses += len(t.responses_cut)
         n_responses_cut += sum(t.responses_cut)
         if t.tokens_differ is not None and t.response_ids[0] == t.response_ids[1]:
-            if t.tokens_differ:
-                same_once_cut += 1
-            else:
-                same_tokens += 1
+            same_once_cut += t.tokens_differ
+            same_tokens += not t.tokens_differ
             continue
         kept.append(ex)
     lengths = f"max_length={max_length} / max_prompt_length={max_prompt_length}"
@@ -2495,27 +2186,13 @@ def screen_splits(
     max_prompt_length: int,
     silent: bool = False,
 ) -> tuple[list[dict], list[dict]]:
-    """(train examples kept, eval examples kept) by :func:`screen_examples`.
-
-    Raises:
-        DataError: as :func:`screen_examples`, for either split.
-    """
-    return (
-        screen_examples(train_examples, "train", tokenizer, max_length, max_prompt_length, silent),
-        screen_examples(eval_examples, "test", tokenizer, max_length, max_prompt_length, silent),
-    )
+    """(train examples kept, eval examples kept) by :func:`screen_examples`."""
+    args = (tokenizer, max_length, max_prompt_length, silent)
+    return screen_examples(train_examples, "train", *args), screen_examples(eval_examples, "test", *args)
 
 
 def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
-    """Batch :func:`tokenize_prompt` elements for generation.
-
-    Returns:
-        ``prompt_input_ids`` and ``prompt_attention_mask`` (B, P) long, left-padded; ``prompt`` and
-        any other key as lists.
-
-    Raises:
-        ValueError: if ``elements`` is empty.
-    """
+    """Batch :func:`tokenize_prompt` elements: ``prompt_input_ids`` and ``prompt_attention_mask`` (B, P) long, left-padded."""
     if not elements:
         raise ValueError("collate_prompts needs at least one element; the prompt batch is empty.")
     batch = {key: [e[key] for e in elements] for key in elements[0] if key != "prompt_input_ids"}
@@ -2542,11 +2219,7 @@ def epoch_order(
 
 
 def mismatched_pairs(batch: dict, max_length: int) -> dict:
-    """The mismatched sequences (x_i, y_{(i+1) mod B}) of a collated micro-batch of B examples.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, ``labels``: (B, T) long each, on the batch's device.
-    """
+    """The mismatched (x_i, y_{(i+1) mod B}) of a micro-batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) long."""
     device = batch["chosen_input_ids"].device
     ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
     prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
@@ -2591,11 +2264,7 @@ def get_batch_iterator(
     start_example: int = 0,
     length_grouped: bool = False,
 ) -> Iterator[dict]:
-    """Yield collated batches of ``batch_size`` from ``examples`` over epochs, tokenizing lazily.
-
-    Raises:
-        ValueError: if neither n_epochs nor n_examples is set, or examples is empty.
-    """
+    """Yield collated batches of ``batch_size`` from ``examples`` over epochs, tokenizing lazily."""
     if not examples:
         raise ValueError("The dataset has no examples after filtering; check the datasets and data options.")
     if n_examples is None and n_epochs is None:
@@ -2622,17 +2291,8 @@ def get_batch_iterator(
                 element = tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered)
                 elements.append(element | fields)
                 continue
-            element = tokenize_element(
-                ex["prompt"],
-                ex["chosen"],
-                ex.get("rejected"),
-                ex["truncation_mode"],
-                tokenizer,
-                max_length,
-                max_prompt_length,
-                ex.get("end_token_id"),
-                ex.get("pieces"),
-            )
+            texts = (ex["prompt"], ex["chosen"], ex.get("rejected"), ex["truncation_mode"])
+            element = tokenize_element(*texts, tokenizer, max_length, max_prompt_length, ex.get("end_token_id"), ex.get("pieces"))
             if "label" in ex:  # an unpaired row: its completion is the chosen side
                 element["label"] = bool(ex["label"])
             elements.append(element | fields)
