@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import html
 import json
@@ -82,9 +83,7 @@ def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
     low, high = wilson_interval(counts["win"], n)
     failure_rate = counts["failed"] / len(verdicts) if verdicts else 0.0
     return {
-        "win_rate": counts["win"] / n if n else None,
-        "tie_rate": counts["tie"] / n if n else None,
-        "loss_rate": counts["loss"] / n if n else None,
+        **{f"{v}_rate": counts[v] / n if n else None for v in ("win", "tie", "loss")},
         "ci_low": low,
         "ci_high": high,
         "n": n,
@@ -103,11 +102,7 @@ def combine_orders(a_first: int | None, b_first: int | None) -> str:
         return "failed"
     if rewards.TIE in (a_first, b_first):
         return "tie"
-    if a_first == 0 and b_first == 1:
-        return "win"
-    if a_first == 1 and b_first == 0:
-        return "loss"
-    return "tie"  # the judge followed the position, not the responses
+    return {(0, 1): "win", (1, 0): "loss"}.get((a_first, b_first), "tie")  # else the judge followed the position
 
 
 def compare_scores(a: float, b: float) -> str:
@@ -363,11 +358,7 @@ class Judge:
 
     def judge_all(self, rows: list[dict]) -> None:
         """Set each row's ``verdict`` and ``detail``, asking only what the cache lacks, :data:`JUDGE_CHUNK` at a time."""
-        chunk = JUDGE_CHUNK
-        if self.kind in ("reward_model", "reward_function"):
-            self._by_scores(rows, chunk)
-        else:
-            self._pairwise(rows, chunk)
+        (self._by_scores if self.kind in ("reward_model", "reward_function") else self._pairwise)(rows, JUDGE_CHUNK)
 
     def _by_scores(self, rows: list[dict], chunk: int) -> None:
         identity = self._identity()
@@ -400,7 +391,7 @@ class Judge:
 
     def _pairwise(self, rows: list[dict], chunk: int) -> None:
         identities = {}
-        requests = {}  # key -> (template, prompt, first, second)
+        by_template: dict = {}  # template -> [(key, prompt, first, second)]
         for row in rows:
             template = self.template(row)
             if template not in identities:
@@ -410,12 +401,9 @@ class Judge:
                 k = utils.digest([identities[template], row["judge_prompt"], first, second])
                 row["_keys"].append(k)
                 if row["a"] != row["b"] and self.cache.get(k) is None:
-                    requests[k] = (template, row["judge_prompt"], first, second)
-        by_template: dict = {}
-        for k, (template, p, first, second) in requests.items():
-            by_template.setdefault(template, []).append((k, p, first, second))
-        for template, todo in by_template.items():
-            judge = self._build(template)
+                    by_template.setdefault(template, {})[k] = (k, row["judge_prompt"], first, second)
+        for template, requests in by_template.items():
+            judge, todo = self._build(template), list(requests.values())
             for start in range(0, len(todo), chunk):
                 part = todo[start : start + chunk]
                 answers = judge.judge([p for _, p, _, _ in part], [(f, s) for _, _, f, s in part])
@@ -499,14 +487,8 @@ def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
             ax.annotate(f"T={t:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         drawn += len(points)
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            "no point: the reward (pairwise judge) or the KL (no reference) is null",
-            ha="center",
-            fontsize=8,
-            transform=ax.transAxes,
-        )
+        why = "no point: the reward (pairwise judge) or the KL (no reference) is null"
+        ax.text(0.5, 0.5, why, ha="center", fontsize=8, transform=ax.transAxes)
     ax.set_xlabel("KL(policy || reference), nats (mean over samples)")
     ax.set_ylabel(f"mean reward ({judge})")
     ax.set_title("reward against KL (bars: 95% t intervals over prompts)", fontsize=9)
@@ -552,14 +534,14 @@ def summarize(
     rows: list[dict], config, policy: sampling.Source, baseline_label: str, reference: sampling.Source | None = None
 ) -> dict:
     """results.json's content: the settings and per temperature the win rates, a_ended, a_tokens, reward and KL intervals."""
-    temperatures = {}
+    kind, temperatures = config.judge.name, {}
     for t in config.temperatures:
         mine = [r for r in rows if r["temperature"] == float(t)]
         stats = win_rate_stats([r["verdict"] for r in mine], config.max_failure_rate)
         stats["a_ended"] = sum(r["a_ended"] for r in mine) / len(mine) if mine else None
         stats["a_tokens"] = sum(r["a_tokens"] for r in mine) / len(mine) if mine else None
         # a judge that scores each response writes score_a (None where it failed); a pairwise one does not
-        scores = [(r.get("detail") or {}).get("score_a") for r in mine if "score_a" in (r.get("detail") or {})]
+        scores = [(r.get("detail") or {}).get("score_a") for r in mine]
         scores = [x for x in scores if x is not None]
         stats["reward_mean"], stats["reward_ci_low"], stats["reward_ci_high"] = mean_interval(scores)
         stats["reward_n"] = len(scores)
@@ -571,15 +553,13 @@ def summarize(
         "policy": policy.label,
         "policy_path": source_path(policy),
         "baseline": baseline_label,
-        "judge": config.judge.name,
+        "judge": kind,
         "reward_model": checkpoints.local_path(config.reward_model.name_or_path)
-        if config.judge.name in ("reward_model", "reward_model_judge")
+        if kind in ("reward_model", "reward_model_judge")
         else None,
-        "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
-        "reward_weights": list(config.reward_weights)
-        if config.judge.name == "reward_function" and config.get("reward_weights")
-        else None,
-        "judge_model": config.judge.model if config.judge.name == "http_judge" else None,
+        "reward_functions": list(config.reward_functions) if kind == "reward_function" else None,
+        "reward_weights": list(config.reward_weights) if kind == "reward_function" and config.get("reward_weights") else None,
+        "judge_model": config.judge.model if kind == "http_judge" else None,
         "datasets": list(config.datasets),
         "n_prompts": config.n_prompts,
         "seed": config.seed,
@@ -610,12 +590,10 @@ def results_table(results: dict) -> str:
         reward = _with_interval(r.get("reward_mean"), r.get("reward_ci_low"), r.get("reward_ci_high"))
         kl = _with_interval(r.get("kl_mean"), r.get("kl_ci_low"), r.get("kl_ci_high"))
         if r["win_rate"] is None:
-            lines.append(f"| {t} | - | - | - | 0 | {r['failed']} | {reward} | {kl} |")
+            rate = "- | - | - | 0"
         else:
-            lines.append(
-                f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']} | {r['failed']} "
-                f"| {reward} | {kl} |"
-            )
+            rate = f"{r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']}"
+        lines.append(f"| {t} | {rate} | {r['failed']} | {reward} | {kl} |")
     return "\n".join(lines)
 
 
@@ -757,8 +735,7 @@ def main(config: DictConfig) -> str:
     if config.baseline == "chosen":
         baseline, baseline_label = None, "chosen"
     elif config.baseline == "reference":
-        baseline = sampling.reference_source(policy)
-        baseline_label = "reference"
+        baseline, baseline_label = sampling.reference_source(policy), "reference"
     else:
         baseline = sampling.resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
@@ -849,15 +826,8 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
 def _kl_logps(config, out, rank, device, policy: sampling.Source, reference: sampling.Source, mine, a: dict, show: bool) -> dict:
     """{(item id, temperature): (log pi_A, log pi_ref)} of A's samples ``a``, each in nats, cached in ``logps-rank<r>.jsonl``."""
     logps = Cache(out, "logps", rank)
-    tokenizer, ids = [], {}
-
-    def prompts(k: int) -> list[list[int]]:
-        if not tokenizer:
-            tokenizer.append(models.load_tokenizer(policy.model_config))
-        if k not in ids:
-            ids[k] = sampling.prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
-        return ids[k]
-
+    tokenizer = functools.cache(lambda: models.load_tokenizer(policy.model_config))
+    prompts = functools.cache(lambda k: sampling.prompt_ids(mine[k], tokenizer(), config))  # the prompt tokens A sampled after
     a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
     ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
     return {k: (a_logps[k], ref_logps[k]) for k in a_logps}
@@ -869,7 +839,7 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
     for batch in mine:
         for it in batch:
             for t in (float(x) for x in config.temperatures):
-                sa = a[(it["id"], t)]
+                sa, (a_logp, ref_logp) = a[(it["id"], t)], kl.get((it["id"], t), (None, None))
                 text_b = it["chosen"] if b is None else sampling.judged_response(b[(it["id"], t)]["text"], it["conversation"])
                 rows.append(
                     {
@@ -882,9 +852,9 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
                         "b": text_b,
                         "a_ended": sa["ended"],
                         "a_tokens": sa["n_tokens"],
-                        "a_logp": kl[(it["id"], t)][0] if kl else None,
-                        "ref_logp": kl[(it["id"], t)][1] if kl else None,
-                        "kl": kl[(it["id"], t)][0] - kl[(it["id"], t)][1] if kl else None,
+                        "a_logp": a_logp,
+                        "ref_logp": ref_logp,
+                        "kl": a_logp - ref_logp if kl else None,
                         **({"fields": it["fields"]} if it["fields"] else {}),
                     }
                 )
@@ -897,20 +867,14 @@ def _write_and_report(
     """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
     utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
     with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
     title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
     write_html(rows, os.path.join(out, "samples.html"), title)
-    plot_win_rates(
-        plot_series(results, list(config.get("plot_with") or [])),
-        os.path.join(out, "win_rates.png"),
-        baseline_label,
-        win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
-    )
-    plot_reward_kl(
-        plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
-    )
+    series = plot_series(results, list(config.get("plot_with") or []))
+    wins_title = win_rates_title(len({r["id"] for r in rows}), judge_text(config))
+    plot_win_rates(series, os.path.join(out, "win_rates.png"), baseline_label, wins_title)
+    plot_reward_kl(series, os.path.join(out, "reward_kl.png"), config.judge.name)
     print(f"{title} ({INTERVAL}):\n{results_table(results)}")
     print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
     for t, r in results["temperatures"].items():
@@ -967,7 +931,6 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    import checks
     import processes
 
     processes.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9

@@ -119,11 +119,10 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     differences = checks.config_differences(OmegaConf.load(saved), config, keys)
     if not differences:
         return None
-    archive = os.path.join(str(config.resume), "LATEST", "policy.pt")
     return (
         f"resume={config.resume} continues that run with its saved config, but this command changes "
         f"{checks.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
-        f"from its checkpoint with model.archive={archive} and them."
+        f"from its checkpoint with model.archive={os.path.join(str(config.resume), 'LATEST', 'policy.pt')} and them."
     )
 
 
@@ -199,16 +198,13 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     )
     steps = [-(-n // config.batch_size) for n in (found["old_total"], found["new_total"])]
     schedule = lr_line(config, steps_done, *steps)
-    print(line)
-    print(schedule)
+    print(f"{line}\n{schedule}")
     saved = found["old"]
     saved.update({k: config.get(k) for k in BUDGET_KEYS})
-    path = os.path.join(run_dir, "config.yaml")
-    with utils.replacing(path) as tmp:
+    with utils.replacing(os.path.join(run_dir, "config.yaml")) as tmp:
         checkpoints.save_run_config(saved, tmp, checkpoints.read_command(run_dir))  # the "# Made by:" line kept
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
-        f.write(f"{stamp} {line} {schedule}\n")
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} {schedule}\n")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, checkpoints.FINISHED))
 
@@ -232,6 +228,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     lora = checks.lora_settings(config.model)
     needs_reference = objective.uses_reference(config.loss) and lora is None  # LoRA: the base is the reference
     remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
+    local_reference = needs_reference and not remote_reference
 
     @functools.cache
     def archive() -> dict:
@@ -255,7 +252,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         if config.model.archive is None:
             return policy
         state = archive()
-        into = "the policy and reference" if needs_reference and not remote_reference else "the policy"
+        into = "the policy and reference" if local_reference else "the policy"
         into = "the policy's base (LoRA: also the reference)" if lora is not None else into
         print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
         if reward_head:  # a causal LM's weights under a score head: all but the heads must match
@@ -277,12 +274,10 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     if not distributed:
         policy = build_policy()
-        reference = build_reference() if needs_reference and not remote_reference else None
+        reference = build_reference() if local_reference else None
     else:
         policy = models.rank0_model(build_policy, rank, reward_head)
-        reference = None
-        if needs_reference and not remote_reference:
-            reference = models.rank0_model(build_reference, rank)
+        reference = models.rank0_model(build_reference, rank) if local_reference else None
     if lora is not None:  # after the archive: LoRA on top of its weights (rank 0's; the others' arrive when sharded)
         policy = models.apply_lora(policy, lora)
     return policy, reference
@@ -357,7 +352,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
-        checkpoint_dir = _checkpoint_to_resume(resume_dir)
+        checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
+        if note is not None and says_once():
+            print(f"Note: {note}")
     distributed = config.trainer != "BasicTrainer"
     answer_functions = _check_config(config)
     rank = _start_ranks(config) if distributed else 0
@@ -365,7 +362,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         _hold_run_dir(resume_dir, rank, distributed, held)
     if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
         checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
-    _set_process_state(config)
+    utils.set_seed(config.seed)
+    utils.set_threads(config.num_threads)
+    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
     tokenizer = models.load_tokenizer(config.model)
     train_examples, eval_examples = _load_splits(config, tokenizer, rank, answer_functions)
@@ -376,7 +375,10 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     resume_state, extended = _resume_state(config, checkpoint_dir, fingerprint, len(train_examples), rank)
     if rank == 0:
         print(checks.training_length(config, len(train_examples)))
-    scorer = _local_scorer(config)  # before the run folder: a wrong reward model fails fast
+    scorer = None  # online DPO's scorer, when it runs here (not on Ray actors): before the run folder, failing fast
+    if not (config.get("launcher") == "ray" and config.ray.reward_workers > 0) and config.online.enabled:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        scorer = rewards.build_scorer(config, device=device)
 
     recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
     policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
@@ -401,19 +403,16 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     if attach is not None:
         attach(trainer)
     if checkpoint_dir is not None:
-        _continue_from(trainer, config, checkpoint_dir, extended, rank)
+        trainer.load(checkpoint_dir)
+        if rank == 0:
+            print(f"Resuming after {trainer.example_counter} examples.")
+        scheduled_lr(trainer)
+        if extended is not None:
+            apply_extension(trainer, config, extended, checkpoint_dir, rank)
     stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
     return run_dir, stop_signal
-
-
-def _checkpoint_to_resume(resume_dir: str) -> str | None:
-    """The checkpoint of ``resume_dir`` to continue from (``checkpoints.checkpoint_to_resume``), its note said once."""
-    checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
-    if note is not None and says_once():
-        print(f"Note: {note}")
-    return checkpoint_dir
 
 
 def _check_config(config: DictConfig) -> list:
@@ -457,13 +456,6 @@ def _hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextli
         refusal = utils.broadcast_object(refusal)
     if refusal is not None:
         raise utils.ConfigError(refusal)
-
-
-def _set_process_state(config: DictConfig) -> None:
-    """Set the seed, the number of threads and malloc's mmap threshold from ``config``."""
-    utils.set_seed(config.seed)
-    utils.set_threads(config.num_threads)
-    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
 
 def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
@@ -515,14 +507,6 @@ def _resume_state(
     return resume_state, extended
 
 
-def _local_scorer(config: DictConfig):
-    """Online DPO's scorer when it runs in this process (not on Ray actors), else None."""
-    remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if config.online.enabled and not remote_scorer:
-        return rewards.build_scorer(config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    return None
-
-
 def _run_folder(
     config: DictConfig,
     run_dir: str | None,
@@ -535,11 +519,9 @@ def _run_folder(
     """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``), as every rank sees it."""
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
-        run_dir, lock = checkpoints.new_run_dir(
-            config.output_root, config.exp_name, recorded, command
-        )  # locked before config.yaml
+        run_dir, lock = checkpoints.new_run_dir(config.output_root, config.exp_name, recorded, command)
         made.append(run_dir)
-        held.enter_context(lock)
+        held.enter_context(lock)  # taken before config.yaml was written
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
     return run_dir
@@ -547,19 +529,18 @@ def _run_folder(
 
 def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval_examples: int, rank: int) -> None:
     """On rank 0: name the run folder (also to the launcher) and say the model's size in parameters and the examples used."""
-    if rank == 0:
-        print(f"Run folder: {run_dir}")
-        tell_launcher(run_dir)
+    if rank != 0:
+        return
+    print(f"Run folder: {run_dir}")
+    tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = checks.n_eval_used(config, n_eval_examples)
-    if rank == 0:
-        trainable = ""
-        if models.is_lora_model(policy):
-            n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-            trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
-        print(
-            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples."
-        )
+    trainable = ""
+    if models.is_lora_model(policy):
+        n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
+    model = "Reward model" if losses.get_objective(config.loss.name).score_head else "Policy"
+    print(f"{model}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples.")
 
 
 def _reference_cache(
@@ -570,21 +551,8 @@ def _reference_cache(
     precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
     if not precompute:
         return precompute, None, None
-    # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
-    cache_path, reference_cache = trainers.cached_reference(
-        policy if lora_reference else reference, examples, tokenizer, config, distributed, rank
-    )
-    return precompute, cache_path, reference_cache
-
-
-def _continue_from(trainer, config: DictConfig, checkpoint_dir: str, extended: dict | None, rank: int) -> None:
-    """Load ``checkpoint_dir`` into ``trainer``, set the next step's lr and apply an ``extended`` length."""
-    trainer.load(checkpoint_dir)
-    if rank == 0:
-        print(f"Resuming after {trainer.example_counter} examples.")
-    scheduled_lr(trainer)
-    if extended is not None:
-        apply_extension(trainer, config, extended, checkpoint_dir, rank)
+    source = policy if lora_reference else reference  # LoRA: the policy's base (models.base_state_dict names its weights)
+    return (precompute, *trainers.cached_reference(source, examples, tokenizer, config, distributed, rank))
 
 
 def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int, distributed: bool, owns_folder: bool) -> None:
@@ -872,13 +840,12 @@ def hydra_main(config: DictConfig) -> dict | None:
 
 def run_command(config: DictConfig) -> None:
     """The command line: compose, launch, run; exit 2 (config/data), 1 (step, checkpoint, disk), 128+signal, or PEER_LOST_EXIT."""
+    global COMMAND
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = list(HydraConfig.get().overrides.task)
-        global COMMAND
-        COMMAND = overrides
+        COMMAND = overrides = list(HydraConfig.get().overrides.task)
         given = checks.given_keys(overrides)
         checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
         if sft_stage_wanted(config, given):
