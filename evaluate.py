@@ -1,8 +1,8 @@
-"""Win rates as the DPO paper measured them (Rafailov et al. 2023, Figures 2 and 3):
-``python evaluate.py policy=... baseline=... judge=...``; see docs/win-rates.md."""
+"""Win rates as the DPO paper measured them (Rafailov et al. 2023, Figs. 2-3); usage and outputs: docs/win-rates.md."""
 
 from __future__ import annotations
 
+import functools
 import glob
 import html
 import json
@@ -30,38 +30,27 @@ from trainers import response_logps
 from utils import ConfigError
 
 CONFIDENCE = 0.95  # the level of the interval around each win rate
-
-INTERVAL = (
+INTERVAL = (  # results.json's "interval": how the win rate's interval is computed
     "Wilson score interval (95%) of wins / n over the n judged prompts (one sample per prompt); "
     "ties are not wins (win_rate + tie_rate + loss_rate = 1); failed judgements are left out of n"
 )
-"""How the interval in results.json is computed (written there as ``interval``)."""
-
-MEAN_INTERVAL = (
+MEAN_INTERVAL = (  # results.json's "mean_interval": how reward_ci_* and kl_ci_* are computed
     "Student t interval (95%) of the mean over prompts (one sample per prompt): mean +- t(0.975, n-1) * sd / sqrt(n), "
     "sd with n-1; null for n < 2"
 )
-"""How ``reward_ci_*`` and ``kl_ci_*`` are computed (written in results.json as ``mean_interval``)."""
-
-KL_OF = (
+KL_OF = (  # results.json's "kl_of": what kl_mean is
     "mean over A's samples of sum over the sampled response tokens (stop token included) of log pi_A - log pi_ref, "
     "both the models' own distributions (temperature 1, no top-k/top-p) on the same prompt tokens; "
     "KL(pi_A || pi_ref) without bias for samples at temperature 1 without top-k/top-p"
 )
-"""What ``kl_mean`` is (written in results.json as ``kl_of``)."""
-
 VERDICTS = ("win", "tie", "loss", "failed")  # a judged pair's outcome, from A's side
-
 JUDGE_CHUNK = 32  # judge requests (or texts to score) at a time; each chunk's answers are cached before the next
-
 SUMMARY_TEMPLATE = "dpo_summarization_concise"
 DIALOGUE_TEMPLATE = "dpo_dialogue"
 SUMMARY_DATASETS = ("tldr",)  # summarisation prompts, judged with the paper's summarisation prompt
 
 
 # ----------------------------------------------------------------------------- statistics
-
-
 def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[float | None, float | None]:
     """The Wilson score interval (low, high) in [0, 1] of ``wins / n`` (scipy's ``binomtest``); (None, None) for n = 0."""
     if n == 0:
@@ -73,8 +62,7 @@ def wilson_interval(wins: int, n: int, confidence: float = CONFIDENCE) -> tuple[
 
 
 def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[float | None, float | None, float | None]:
-    """(mean, low, high) of ``values``: mean +- t(0.975, n-1) * sd / sqrt(n), sd with n-1; (None, None, None) for
-    no values, (mean, None, None) for one."""
+    """(mean, low, high) of ``values``: mean +- t(0.975, n-1) * sd / sqrt(n), sd with n-1; None where undefined (n < 1, n < 2)."""
     n = len(values)
     if n == 0:
         return None, None, None
@@ -89,16 +77,13 @@ def mean_interval(values: list[float], confidence: float = CONFIDENCE) -> tuple[
 
 
 def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
-    """One temperature's results from its pairs' :data:`VERDICTS`: rates over the n judged pairs (None for n = 0),
-    the :func:`wilson_interval` of the wins, the counts, and ``failure_rate`` (failed / all), flagged above ``max_failure_rate``."""
+    """One temperature's :data:`VERDICTS` as rates over the n judged, :func:`wilson_interval`, counts and ``failure_rate``."""
     counts = {v: sum(x == v for x in verdicts) for v in VERDICTS}
     n = counts["win"] + counts["tie"] + counts["loss"]
     low, high = wilson_interval(counts["win"], n)
     failure_rate = counts["failed"] / len(verdicts) if verdicts else 0.0
     return {
-        "win_rate": counts["win"] / n if n else None,
-        "tie_rate": counts["tie"] / n if n else None,
-        "loss_rate": counts["loss"] / n if n else None,
+        **{f"{v}_rate": counts[v] / n if n else None for v in ("win", "tie", "loss")},
         "ci_low": low,
         "ci_high": high,
         "n": n,
@@ -112,33 +97,24 @@ def win_rate_stats(verdicts: list[str], max_failure_rate: float) -> dict:
 
 
 def combine_orders(a_first: int | None, b_first: int | None) -> str:
-    """A's verdict from a pairwise judge's answers for (A, B) and (B, A) (0: the first better, 1: the second,
-    ``rewards.TIE``, None: failed): "failed" if either failed, "win" / "loss" if both agree, else "tie"."""
+    """A's verdict from the answers for (A, B) and (B, A) (0/1: which is better, TIE, None: failed); disagreement is "tie"."""
     if a_first is None or b_first is None:
         return "failed"
     if rewards.TIE in (a_first, b_first):
         return "tie"
-    if a_first == 0 and b_first == 1:
-        return "win"
-    if a_first == 1 and b_first == 0:
-        return "loss"
-    return "tie"  # the judge followed the position, not the responses
+    return {(0, 1): "win", (1, 0): "loss"}.get((a_first, b_first), "tie")  # else the judge followed the position
 
 
 def compare_scores(a: float, b: float) -> str:
-    """A's verdict from reward-model scores: "win" if a > b, "loss" if a < b, "tie" if equal,
-    "failed" if either is NaN."""
+    """A's verdict from reward-model scores: "win" (a > b), "loss" (a < b), "tie" (equal) or "failed" (a NaN)."""
     if math.isnan(a) or math.isnan(b):
         return "failed"
     return "win" if a > b else "loss" if a < b else "tie"
 
 
 # ----------------------------------------------------------------------------- models
-
-
 def kl_reference(config: DictConfig, policy: sampling.Source) -> tuple[sampling.Source | None, str | None]:
-    """The model KL(A || reference) is measured against (``reference=``, else :func:`sampling.reference_source`), and None
-    with why when there is none."""
+    """The model KL(A || reference) is measured against (``reference=`` or the policy run's start), else None and why."""
     if config.get("reference") is not None:
         return sampling.resolve_source(config.reference, config, "reference"), None
     if policy.run_config is None:
@@ -162,11 +138,8 @@ def check_same_vocabulary(policy: sampling.Source, reference: sampling.Source) -
 
 
 # ----------------------------------------------------------------------------- prompts
-
-
 def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, int]:
-    """``{dataset: count}`` of ``items``' prompts (as the judge reads them) in the policy run's training split, read
-    with that run's ``datasets`` and ``data.*``; empty for a policy not trained here."""
+    """``{dataset: count}`` of ``items``' judge prompts in the policy run's training split (read with its ``data.*``)."""
     run = policy.run_config
     if run is None:
         return {}
@@ -190,11 +163,8 @@ def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, in
 
 
 # ----------------------------------------------------------------------------- the on-disk cache
-
-
 class Cache:
-    """Records ``{"key": ..., ...}`` in ``<folder>/<name>-rank<r>.jsonl``: every rank's files are read on open (a line
-    cut by a kill skipped), each rank appends to its own, synced after each :meth:`put`."""
+    """Records in ``<folder>/<name>-rank<r>.jsonl``: all ranks' files read on open, each rank appends to its own, fsynced."""
 
     def __init__(self, folder: str, name: str, rank: int = 0):
         self.records: dict[str, dict] = {}
@@ -234,15 +204,13 @@ class Cache:
 
 
 def sample_key(source: sampling.Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
-    """The cache key of a batch's ``i``-th sample: model, side, temperature, seed, generation settings and the batch's
-    prompts (which share one ``generate`` call)."""
+    """The cache key of a batch's ``i``-th sample: model, side, temperature, generation settings and the batch's prompts."""
     settings = [config.seed, config.max_new_tokens, config.top_k, config.top_p, config.max_prompt_length, config.max_length]
     return utils.digest([source.fingerprint, side, float(temperature), settings, batch_digest, i])
 
 
 def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
-    """The seed of one batch's ``generate`` call, from ``seed``, side, temperature and the batch's prompts (not the
-    rank: any number of processes agrees)."""
+    """The seed of one batch's ``generate`` call from ``seed``, side, temperature and prompts (not the rank)."""
     return int(utils.digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
 
 
@@ -256,8 +224,7 @@ def sample_all(
     show: bool,
     need_tokens: bool = False,
 ) -> dict:
-    """{(item id, temperature): sample record} of ``source``, from ``cache`` or generated batch by batch; with
-    ``need_tokens``, a cached sample without its token ids is sampled again with the same seed."""
+    """{(item id, temperature): sample record} of ``source``, cached or generated; ``need_tokens`` resamples tokenless ones."""
     temps = [float(t) for t in config.temperatures]
     digests = [utils.digest([json.dumps(it["prompt"]) for it in batch]) for batch in batches]
     keys = {
@@ -288,8 +255,7 @@ def sample_all(
 
 
 def completion_logps(model, prompts: list[list[int]], completions: list[list[int]]) -> torch.Tensor:
-    """log p(completion | prompt) summed over the completion's tokens, ``model``'s own distribution (temperature 1, no
-    top-k / top-p): (N,) float32 (float64 for a float64 model), on the CPU."""
+    """log p(completion | prompt) summed over the completion, ``model``'s own distribution: (N,) float32 on the CPU."""
     rows = [list(p) + list(c) for p, c in zip(prompts, completions)]
     width = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -309,8 +275,7 @@ def completion_logps(model, prompts: list[list[int]], completions: list[list[int
 def logps_all(
     source: sampling.Source, batches: list[list[dict]], samples: dict, prompts: dict, config, cache: Cache, device, show: bool
 ) -> dict:
-    """{(item id, temperature): log-prob in nats} under ``source`` of each of A's ``samples``, from ``cache`` or computed
-    batch by batch; ``prompts(b)``: batch b's prompt ids as A saw them."""
+    """{(item id, temperature): log-prob in nats} of A's ``samples`` under ``source``; ``prompts(b)``: batch b's prompt ids."""
     temps = [float(t) for t in config.temperatures]
     key = lambda it, t: utils.digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
     todo = [(b, t) for b, batch in enumerate(batches) for t in temps if any(cache.get(key(it, t)) is None for it in batch)]
@@ -327,8 +292,6 @@ def logps_all(
 
 
 # ----------------------------------------------------------------------------- judging
-
-
 def _source(fn) -> str:
     """A digest of ``fn``'s source code (its name where unreadable): cached scores are asked again after it changes."""
     import inspect
@@ -340,8 +303,7 @@ def _source(fn) -> str:
 
 
 class Judge:
-    """The judge ``judge=`` names (``rewards.build_scorer``), checked before any sampling: it scores each response
-    (:func:`compare_scores`) or asks each pair in both orders (:func:`combine_orders`); failures are not cached."""
+    """The ``judge=`` scorer, checked before sampling: scores each response or asks each pair both ways; failures uncached."""
 
     def __init__(self, config: DictConfig, cache: Cache | None = None):
         self.config = config
@@ -396,11 +358,7 @@ class Judge:
 
     def judge_all(self, rows: list[dict]) -> None:
         """Set each row's ``verdict`` and ``detail``, asking only what the cache lacks, :data:`JUDGE_CHUNK` at a time."""
-        chunk = JUDGE_CHUNK
-        if self.kind in ("reward_model", "reward_function"):
-            self._by_scores(rows, chunk)
-        else:
-            self._pairwise(rows, chunk)
+        (self._by_scores if self.kind in ("reward_model", "reward_function") else self._pairwise)(rows, JUDGE_CHUNK)
 
     def _by_scores(self, rows: list[dict], chunk: int) -> None:
         identity = self._identity()
@@ -433,7 +391,7 @@ class Judge:
 
     def _pairwise(self, rows: list[dict], chunk: int) -> None:
         identities = {}
-        requests = {}  # key -> (template, prompt, first, second)
+        by_template: dict = {}  # template -> [(key, prompt, first, second)]
         for row in rows:
             template = self.template(row)
             if template not in identities:
@@ -443,12 +401,9 @@ class Judge:
                 k = utils.digest([identities[template], row["judge_prompt"], first, second])
                 row["_keys"].append(k)
                 if row["a"] != row["b"] and self.cache.get(k) is None:
-                    requests[k] = (template, row["judge_prompt"], first, second)
-        by_template: dict = {}
-        for k, (template, p, first, second) in requests.items():
-            by_template.setdefault(template, []).append((k, p, first, second))
-        for template, todo in by_template.items():
-            judge = self._build(template)
+                    by_template.setdefault(template, {})[k] = (k, row["judge_prompt"], first, second)
+        for template, requests in by_template.items():
+            judge, todo = self._build(template), list(requests.values())
             for start in range(0, len(todo), chunk):
                 part = todo[start : start + chunk]
                 answers = judge.judge([p for _, p, _, _ in part], [(f, s) for _, _, f, s in part])
@@ -465,16 +420,13 @@ class Judge:
 
 
 # ----------------------------------------------------------------------------- outputs
-
-
 def temperature_key(t: float) -> str:
     """A temperature as results.json's key: ``"0.25"``, ``"1"``, ``"0"`` (greedy)."""
     return f"{float(t):g}"
 
 
 def plot_win_rates(series: list[dict], path: str, baseline: str, title: str) -> str:
-    """Draw win rate against temperature to ``path``, a line and 95% band per ``{"label", "temperatures"}`` of
-    ``series``, 0.5 dashed; returns the title as drawn."""
+    """Draw win rate against temperature to ``path``: a line and 95% band per series, 0.5 dashed; returns the drawn title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -512,8 +464,7 @@ def _bar(r: dict, name: str, end: str) -> float:
 
 
 def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
-    """Draw A's mean reward against its KL from the reference to ``path``, a point (``T=<t>``) with 95% bars per
-    series and temperature that has both."""
+    """Draw A's mean reward against its KL to ``path``: a point with 95% bars per series and temperature that has both."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -536,14 +487,8 @@ def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
             ax.annotate(f"T={t:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
         drawn += len(points)
     if not drawn:
-        ax.text(
-            0.5,
-            0.5,
-            "no point: the reward (pairwise judge) or the KL (no reference) is null",
-            ha="center",
-            fontsize=8,
-            transform=ax.transAxes,
-        )
+        why = "no point: the reward (pairwise judge) or the KL (no reference) is null"
+        ax.text(0.5, 0.5, why, ha="center", fontsize=8, transform=ax.transAxes)
     ax.set_xlabel("KL(policy || reference), nats (mean over samples)")
     ax.set_ylabel(f"mean reward ({judge})")
     ax.set_title("reward against KL (bars: 95% t intervals over prompts)", fontsize=9)
@@ -555,8 +500,7 @@ def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
 
 
 def write_html(rows: list[dict], path: str, title: str) -> None:
-    """A page of side-by-side samples: per temperature, each prompt with A's and B's response and
-    the verdict (and the scores, or the judge's answer in each order); all text escaped."""
+    """A page of side-by-side samples per temperature: prompt, A, B, verdict and why; all text escaped."""
     esc = html.escape
     names = {0: "A better", 1: "B better", rewards.TIE: "tie", None: "failed"}
     parts = [
@@ -589,16 +533,15 @@ def write_html(rows: list[dict], path: str, title: str) -> None:
 def summarize(
     rows: list[dict], config, policy: sampling.Source, baseline_label: str, reference: sampling.Source | None = None
 ) -> dict:
-    """results.json's content: the settings and per temperature :func:`win_rate_stats`, ``a_ended``, ``a_tokens`` and
-    the :func:`mean_interval` of A's reward (null for a pairwise judge) and KL (null without a reference)."""
-    temperatures = {}
+    """results.json's content: the settings and per temperature the win rates, a_ended, a_tokens, reward and KL intervals."""
+    kind, temperatures = config.judge.name, {}
     for t in config.temperatures:
         mine = [r for r in rows if r["temperature"] == float(t)]
         stats = win_rate_stats([r["verdict"] for r in mine], config.max_failure_rate)
         stats["a_ended"] = sum(r["a_ended"] for r in mine) / len(mine) if mine else None
         stats["a_tokens"] = sum(r["a_tokens"] for r in mine) / len(mine) if mine else None
         # a judge that scores each response writes score_a (None where it failed); a pairwise one does not
-        scores = [(r.get("detail") or {}).get("score_a") for r in mine if "score_a" in (r.get("detail") or {})]
+        scores = [(r.get("detail") or {}).get("score_a") for r in mine]
         scores = [x for x in scores if x is not None]
         stats["reward_mean"], stats["reward_ci_low"], stats["reward_ci_high"] = mean_interval(scores)
         stats["reward_n"] = len(scores)
@@ -610,15 +553,13 @@ def summarize(
         "policy": policy.label,
         "policy_path": source_path(policy),
         "baseline": baseline_label,
-        "judge": config.judge.name,
+        "judge": kind,
         "reward_model": checkpoints.local_path(config.reward_model.name_or_path)
-        if config.judge.name in ("reward_model", "reward_model_judge")
+        if kind in ("reward_model", "reward_model_judge")
         else None,
-        "reward_functions": list(config.reward_functions) if config.judge.name == "reward_function" else None,
-        "reward_weights": list(config.reward_weights)
-        if config.judge.name == "reward_function" and config.get("reward_weights")
-        else None,
-        "judge_model": config.judge.model if config.judge.name == "http_judge" else None,
+        "reward_functions": list(config.reward_functions) if kind == "reward_function" else None,
+        "reward_weights": list(config.reward_weights) if kind == "reward_function" and config.get("reward_weights") else None,
+        "judge_model": config.judge.model if kind == "http_judge" else None,
         "datasets": list(config.datasets),
         "n_prompts": config.n_prompts,
         "seed": config.seed,
@@ -649,12 +590,10 @@ def results_table(results: dict) -> str:
         reward = _with_interval(r.get("reward_mean"), r.get("reward_ci_low"), r.get("reward_ci_high"))
         kl = _with_interval(r.get("kl_mean"), r.get("kl_ci_low"), r.get("kl_ci_high"))
         if r["win_rate"] is None:
-            lines.append(f"| {t} | - | - | - | 0 | {r['failed']} | {reward} | {kl} |")
+            rate = "- | - | - | 0"
         else:
-            lines.append(
-                f"| {t} | {r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']} | {r['failed']} "
-                f"| {reward} | {kl} |"
-            )
+            rate = f"{r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']}"
+        lines.append(f"| {t} | {rate} | {r['failed']} | {reward} | {kl} |")
     return "\n".join(lines)
 
 
@@ -673,8 +612,6 @@ def plot_series(results: dict, others: list) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the command
-
-
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM during an evaluation; ``output_dir`` is the folder to resume."""
 
@@ -684,8 +621,7 @@ class Interrupted(KeyboardInterrupt):
 
 
 def check_config(config: DictConfig) -> None:
-    """Raise ConfigError (one sentence) for a missing policy or a bad ``temperatures``, ``n_prompts``,
-    ``max_new_tokens``, ``generate_batch_size``, ``max_failure_rate``, ``datasets`` or ``judge``."""
+    """Raise ConfigError (one sentence) for a missing policy or a bad temperatures, sizes, max_failure_rate, datasets or judge."""
     if OmegaConf.is_missing(config, "policy") or config.policy is None:
         raise ConfigError("Give the policy to evaluate: policy=<run folder | checkpoint | hf folder | hub id>.")
     temps = config.temperatures
@@ -725,8 +661,7 @@ DEFAULT_DATASETS = ["hh"]  # datasets=null's prompts for a policy without a run 
 
 
 def settle_datasets(config: DictConfig, policy: sampling.Source, say: bool) -> None:
-    """With ``datasets=null``, take the policy run's ``datasets`` and ``data.*``, or :data:`DEFAULT_DATASETS` for a
-    policy without a run folder; ``say``: print which."""
+    """With ``datasets=null`` take the policy run's datasets and ``data.*`` (else :data:`DEFAULT_DATASETS`), printed if ``say``."""
     if config.datasets is not None:
         return
     run = policy.run_config
@@ -758,8 +693,7 @@ def source_path(source: sampling.Source) -> str:
 
 
 def judge_text(config: DictConfig) -> str:
-    """The judge as the plot names it: ``reward_model <folder>`` (``rm_run/step-48/hf`` in a run), ``http_judge <model>``
-    or ``reward_function <names joined by +>``."""
+    """The judge as the plot names it: ``reward_model <folder>``, ``http_judge <model>`` or ``reward_function <a+b>``."""
     kind = config.judge.name
     if kind in ("reward_model", "reward_model_judge"):
         path = checkpoints.local_path(config.reward_model.name_or_path)
@@ -778,8 +712,7 @@ def win_rates_title(n_prompts: int, judge: str) -> str:
 
 
 def default_output_dir(config: DictConfig, policy: sampling.Source, baseline_label: str) -> str:
-    """``<policy's run folder>/eval/<name>_<timestamp>``, or ``<output_root>/eval/<name>_<timestamp>``
-    for a hub id or a folder outside a run; ``name`` defaults to ``vs_<baseline>_<judge>``."""
+    """``<policy's run folder or output_root>/eval/<name>_<timestamp>``; ``name`` defaults to ``vs_<baseline>_<judge>``."""
     name = config.name or f"vs_{baseline_label}_{config.judge.name}"
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")[:80]
     root = os.path.join(policy.run_dir if policy.run_dir else config.output_root, "eval")
@@ -788,8 +721,7 @@ def default_output_dir(config: DictConfig, policy: sampling.Source, baseline_lab
 
 
 def main(config: DictConfig) -> str:
-    """Run one evaluation (one rank of it under torchrun) and return its output folder; Ctrl-C / SIGTERM raise
-    :class:`Interrupted` once what was finished is on disk."""
+    """Run one evaluation (one rank under torchrun) and return its folder; a stop raises :class:`Interrupted` once saved."""
     config = effective_config(config)
     check_config(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -803,8 +735,7 @@ def main(config: DictConfig) -> str:
     if config.baseline == "chosen":
         baseline, baseline_label = None, "chosen"
     elif config.baseline == "reference":
-        baseline = sampling.reference_source(policy)
-        baseline_label = "reference"
+        baseline, baseline_label = sampling.reference_source(policy), "reference"
     else:
         baseline = sampling.resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
@@ -895,15 +826,8 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
 def _kl_logps(config, out, rank, device, policy: sampling.Source, reference: sampling.Source, mine, a: dict, show: bool) -> dict:
     """{(item id, temperature): (log pi_A, log pi_ref)} of A's samples ``a``, each in nats, cached in ``logps-rank<r>.jsonl``."""
     logps = Cache(out, "logps", rank)
-    tokenizer, ids = [], {}
-
-    def prompts(k: int) -> list[list[int]]:
-        if not tokenizer:
-            tokenizer.append(models.load_tokenizer(policy.model_config))
-        if k not in ids:
-            ids[k] = sampling.prompt_ids(mine[k], tokenizer[0], config)  # the prompt tokens A sampled after
-        return ids[k]
-
+    tokenizer = functools.cache(lambda: models.load_tokenizer(policy.model_config))
+    prompts = functools.cache(lambda k: sampling.prompt_ids(mine[k], tokenizer(), config))  # the prompt tokens A sampled after
     a_logps = logps_all(policy, mine, a, prompts, config, logps, device, show)
     ref_logps = logps_all(reference, mine, a, prompts, config, logps, device, show)
     return {k: (a_logps[k], ref_logps[k]) for k in a_logps}
@@ -915,7 +839,7 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
     for batch in mine:
         for it in batch:
             for t in (float(x) for x in config.temperatures):
-                sa = a[(it["id"], t)]
+                sa, (a_logp, ref_logp) = a[(it["id"], t)], kl.get((it["id"], t), (None, None))
                 text_b = it["chosen"] if b is None else sampling.judged_response(b[(it["id"], t)]["text"], it["conversation"])
                 rows.append(
                     {
@@ -928,9 +852,9 @@ def _rows(config, mine: list[list[dict]], a: dict, b: dict | None, kl: dict) -> 
                         "b": text_b,
                         "a_ended": sa["ended"],
                         "a_tokens": sa["n_tokens"],
-                        "a_logp": kl[(it["id"], t)][0] if kl else None,
-                        "ref_logp": kl[(it["id"], t)][1] if kl else None,
-                        "kl": kl[(it["id"], t)][0] - kl[(it["id"], t)][1] if kl else None,
+                        "a_logp": a_logp,
+                        "ref_logp": ref_logp,
+                        "kl": a_logp - ref_logp if kl else None,
                         **({"fields": it["fields"]} if it["fields"] else {}),
                     }
                 )
@@ -943,20 +867,14 @@ def _write_and_report(
     """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
     utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
     with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
     title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
     write_html(rows, os.path.join(out, "samples.html"), title)
-    plot_win_rates(
-        plot_series(results, list(config.get("plot_with") or [])),
-        os.path.join(out, "win_rates.png"),
-        baseline_label,
-        win_rates_title(len({r["id"] for r in rows}), judge_text(config)),
-    )
-    plot_reward_kl(
-        plot_series(results, list(config.get("plot_with") or [])), os.path.join(out, "reward_kl.png"), config.judge.name
-    )
+    series = plot_series(results, list(config.get("plot_with") or []))
+    wins_title = win_rates_title(len({r["id"] for r in rows}), judge_text(config))
+    plot_win_rates(series, os.path.join(out, "win_rates.png"), baseline_label, wins_title)
+    plot_reward_kl(series, os.path.join(out, "reward_kl.png"), config.judge.name)
     print(f"{title} ({INTERVAL}):\n{results_table(results)}")
     print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
     for t, r in results["temperatures"].items():
@@ -972,8 +890,7 @@ def _write_and_report(
 
 
 def update_card(policy: sampling.Source, out: str) -> None:
-    """Add this evaluation to the model cards of the checkpoint ``policy`` is (:func:`modelcard.add_evaluation`)
-    and print which; nothing for a policy that is not a run's checkpoint."""
+    """Add this evaluation to the model cards of the checkpoint ``policy`` is, if it is one, and print which."""
     if policy.weights is None or policy.run_dir is None:
         return
     checkpoint = os.path.dirname(policy.weights)  # the step-N folder resolved when the policy was named
@@ -1014,7 +931,6 @@ def hydra_main(config: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    import checks
     import processes
 
     processes.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9

@@ -1,5 +1,4 @@
-"""Entry point: ``python train.py [key=value ...]`` (Hydra): check the config, load the data, the policy and reference, and hand
-off to ``config.trainer``."""
+"""Entry point: ``python train.py [key=value ...]`` (Hydra): check the config, load data and models, run ``config.trainer``."""
 
 from __future__ import annotations
 
@@ -41,20 +40,16 @@ AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config)
 
 
 def says_once() -> bool:
-    """Whether this process speaks for the run before it starts: rank 0 of torchrun, or the process the user started (not a rank
-    of train.py's own launcher)."""
+    """Whether this process speaks for the run before it starts: torchrun's rank 0 or the user's process (not a launched rank)."""
     return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
 BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
-
 EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of its training length (apply_extension)
 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
-    """The config to run: ``resume=auto`` resolved (:func:`auto_resume_run`, said in one line) and, with ``resume=<run folder>``,
-    that run's saved config with ``budget`` set on it; raises utils.ConfigError for a folder without a LATEST checkpoint or
-    config.yaml."""
+    """The config to run: ``resume=auto`` resolved and, with ``resume=<run folder>``, its saved config with ``budget`` set."""
     global AUTO_RESUMED
     if config.resume == "auto":
         AUTO_RESUMED = True
@@ -99,8 +94,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
 
 
 def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
-    """What ``resume=auto`` finds: (the newest unfinished run of ``exp_name`` whose saved config equals ``config``, or None; (the
-    newest unfinished run, its :func:`checks.config_differences`) when it differs, else None)."""
+    """``resume=auto``'s find: (newest unfinished run of ``exp_name`` with this config or None, newer differing run or None)."""
     new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     newest_other = None
     for run in checkpoints.resumable_runs(config.output_root, config.exp_name):
@@ -117,8 +111,7 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
 
 
 def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
-    """With ``resume=<run folder>``: one sentence when the command line's keys ``given`` (:data:`BUDGET_KEYS` aside) differ from
-    the run's saved config, else None."""
+    """With ``resume=<run folder>``: one sentence when the given keys (budget aside) differ from its saved config, else None."""
     saved = os.path.join(str(config.resume), "config.yaml")
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
@@ -126,17 +119,15 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     differences = checks.config_differences(OmegaConf.load(saved), config, keys)
     if not differences:
         return None
-    archive = os.path.join(str(config.resume), "LATEST", "policy.pt")
     return (
         f"resume={config.resume} continues that run with its saved config, but this command changes "
         f"{checks.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
-        f"from its checkpoint with model.archive={archive} and them."
+        f"from its checkpoint with model.archive={os.path.join(str(config.resume), 'LATEST', 'policy.pt')} and them."
     )
 
 
 def budget_given(config: DictConfig, given: set[str]) -> dict | None:
-    """With ``resume=<run folder>``: the training length the command line's ``n_examples``/``n_epochs`` set (``n_epochs`` alone
-    makes ``n_examples`` null), else None."""
+    """With ``resume=<run folder>``: the ``n_examples``/``n_epochs`` the command line sets (n_epochs alone nulls n_examples)."""
     if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
         return None
     budget = {k: config.get(k) for k in BUDGET_KEYS if k in given}
@@ -156,8 +147,7 @@ def total_examples(config, n_train: int) -> int:
 
 
 def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -> dict | None:
-    """When ``config`` asks for another training length than ``resume_dir``'s config.yaml: ``{"old": saved config, "old_total",
-    "new_total", "trained"}`` (examples), else None; raises utils.ConfigError when the new length is not beyond ``trained``."""
+    """When ``config``'s training length differs from ``resume_dir``'s: {old, old_total, new_total, trained}, else None."""
     saved = OmegaConf.load(os.path.join(resume_dir, "config.yaml"))
     if all(saved.get(k) == config.get(k) for k in BUDGET_KEYS):
         return None
@@ -171,8 +161,7 @@ def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -
 
 
 def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int) -> str:
-    """The line saying what extending from ``old_steps`` to ``new_steps`` optimizer steps, after ``steps_done``, does to the
-    learning-rate schedule."""
+    """The line saying what extending from ``old_steps`` to ``new_steps`` steps after ``steps_done`` does to the lr schedule."""
     schedule, warmup = config.lr_scheduler, config.warmup_steps
     before = config.lr * trainers.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
     after = config.lr * trainers.lr_multiplier(steps_done, warmup, new_steps, schedule)
@@ -188,8 +177,7 @@ def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int)
 
 
 def scheduled_lr(trainer) -> None:
-    """Set the lr of ``trainer``'s next step from its scheduler after a checkpoint load (the loaded optimizer holds the lr of the
-    run's saved length, which an extension changes)."""
+    """Set the lr of ``trainer``'s next step from its scheduler after a checkpoint load (an extension changes it)."""
     scheduler = trainer.scheduler
     lrs = [base * fn(scheduler.last_epoch) for fn, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)]
     for group, lr in zip(trainer.optimizer.param_groups, lrs):
@@ -197,8 +185,7 @@ def scheduled_lr(trainer) -> None:
 
 
 def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: str, rank: int) -> None:
-    """Continue the just-loaded run to ``config``'s new length (``found``: :func:`extension`): skip an eval its last checkpoint
-    holds and, on rank 0, say so, rewrite config.yaml, log to :data:`EXTENSIONS_LOG` and remove ``FINISHED``."""
+    """Continue the loaded run to ``config``'s new length: skip the eval it holds; rank 0 says so, saves and logs it."""
     run_dir, steps_done = trainer.run_dir, trainer.scheduler.last_epoch  # optimizer steps taken
     while trainer.next_eval_at <= trainer.example_counter:  # a run's end (saved before this was advanced there) evaluated here
         trainer.next_eval_at += config.eval_every
@@ -211,23 +198,19 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     )
     steps = [-(-n // config.batch_size) for n in (found["old_total"], found["new_total"])]
     schedule = lr_line(config, steps_done, *steps)
-    print(line)
-    print(schedule)
+    print(f"{line}\n{schedule}")
     saved = found["old"]
     saved.update({k: config.get(k) for k in BUDGET_KEYS})
-    path = os.path.join(run_dir, "config.yaml")
-    with utils.replacing(path) as tmp:
+    with utils.replacing(os.path.join(run_dir, "config.yaml")) as tmp:
         checkpoints.save_run_config(saved, tmp, checkpoints.read_command(run_dir))  # the "# Made by:" line kept
-    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
-        f.write(f"{stamp} {line} {schedule}\n")
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} {schedule}\n")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, checkpoints.FINISHED))
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
-    """Load ``state`` (a policy.pt's weights) into ``model``; raises utils.ConfigError naming the first mismatched key when they
-    are another model's."""
+    """Load ``state`` (a policy.pt's weights) into ``model``; utils.ConfigError naming the first mismatch for another model's."""
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
@@ -239,13 +222,13 @@ def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
 
 
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """The policy (a reward model for ``loss=reward``) and the frozen reference (None without one, or with LoRA: the base is the
-    reference), with ``model.archive``'s weights; under FSDP/TP only rank 0 reads weights (``models.rank0_model``)."""
+    """The policy (or reward model) and frozen reference (None without one or with LoRA), with ``model.archive``'s weights."""
     objective = losses.get_objective(config.loss.name)
     reward_head = objective.score_head
     lora = checks.lora_settings(config.model)
     needs_reference = objective.uses_reference(config.loss) and lora is None  # LoRA: the base is the reference
     remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
+    local_reference = needs_reference and not remote_reference
 
     @functools.cache
     def archive() -> dict:
@@ -269,7 +252,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         if config.model.archive is None:
             return policy
         state = archive()
-        into = "the policy and reference" if needs_reference and not remote_reference else "the policy"
+        into = "the policy and reference" if local_reference else "the policy"
         into = "the policy's base (LoRA: also the reference)" if lora is not None else into
         print(f"Loading {config.model.archive} (after {state.get('step_idx')} examples) into {into}.")
         if reward_head:  # a causal LM's weights under a score head: all but the heads must match
@@ -291,12 +274,10 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         config.model.device_map = "balanced"  # one process, the model split over the local GPUs
     if not distributed:
         policy = build_policy()
-        reference = build_reference() if needs_reference and not remote_reference else None
+        reference = build_reference() if local_reference else None
     else:
         policy = models.rank0_model(build_policy, rank, reward_head)
-        reference = None
-        if needs_reference and not remote_reference:
-            reference = models.rank0_model(build_reference, rank)
+        reference = models.rank0_model(build_reference, rank) if local_reference else None
     if lora is not None:  # after the archive: LoRA on top of its weights (rank 0's; the others' arrive when sharded)
         policy = models.apply_lora(policy, lora)
     return policy, reference
@@ -311,8 +292,7 @@ class StoppedDuringSetup(Exception):
 
 
 class SetupStops:
-    """During setup the first stop signal raises :class:`StoppedDuringSetup`; :meth:`hand_over` passes signals to the trainer and
-    leaving restores the old handlers (main thread only: not under Ray Train)."""
+    """The first stop signal during setup raises :class:`StoppedDuringSetup`; :meth:`hand_over` passes them to the trainer."""
 
     def __init__(self):
         self.previous: dict = {}
@@ -339,8 +319,7 @@ class SetupStops:
 
 
 def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir: str | None) -> str:
-    """The sentence for a stop during setup; removes ``made``, the run folder this job made, when it holds no checkpoint (no
-    empty folder for ``resume=auto`` to meet)."""
+    """The sentence for a stop during setup; removes ``made`` (this job's run folder) when it holds no checkpoint."""
     if resume_dir is not None:
         return f"{error}: nothing was trained since its checkpoint; continue with: python train.py resume={resume_dir}"
     removed = ""
@@ -353,9 +332,7 @@ def stopped_during_setup(error: StoppedDuringSetup, made: str | None, resume_dir
 def main(
     config: DictConfig, run_dir: str | None = None, checkpoint_dir: str | None = None, attach=None, budget: dict | None = None
 ) -> tuple[str, int | None]:
-    """Run one training job (one rank under FSDP/TP, torchrun or Ray) in ``run_dir`` (a launcher's, else resume's or a new one,
-    locked until this returns) from ``checkpoint_dir`` (default ``<resume>/LATEST``), calling ``attach(trainer)`` before
-    loading and extending to ``budget``; returns (run folder, None when finished or the stop signal's number)."""
+    """Run one training job (one rank) in ``run_dir`` from ``checkpoint_dir``; returns (run folder, stop signal or None)."""
     tracking.reset_peak_memory()  # this job's own peak: a Hydra multirun runs every job in this process
     made: list[str] = []  # the run folder this job makes
     with SetupStops() as stops, contextlib.ExitStack() as held:
@@ -367,8 +344,7 @@ def main(
 
 
 def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str], budget=None):
-    """main()'s work; ``held`` keeps the run folder's lock until main() returns, ``stops`` turns stop signals into
-    :class:`StoppedDuringSetup` until training starts, ``made`` gets the run folder made here."""
+    """main()'s work; ``held`` keeps the folder's lock, ``stops`` guards setup, ``made`` gets the run folder made here."""
     global RUN_FOLDER
     config = effective_config(config, budget)
     resume_dir = config.resume
@@ -376,7 +352,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     owns_folder = run_dir is None  # no launcher made it (Ray makes and holds its own)
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
-        checkpoint_dir = _checkpoint_to_resume(resume_dir)
+        checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
+        if note is not None and says_once():
+            print(f"Note: {note}")
     distributed = config.trainer != "BasicTrainer"
     answer_functions = _check_config(config)
     rank = _start_ranks(config) if distributed else 0
@@ -384,7 +362,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         _hold_run_dir(resume_dir, rank, distributed, held)
     if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
         checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
-    _set_process_state(config)
+    utils.set_seed(config.seed)
+    utils.set_threads(config.num_threads)
+    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
     tokenizer = models.load_tokenizer(config.model)
     train_examples, eval_examples = _load_splits(config, tokenizer, rank, answer_functions)
@@ -395,7 +375,10 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     resume_state, extended = _resume_state(config, checkpoint_dir, fingerprint, len(train_examples), rank)
     if rank == 0:
         print(checks.training_length(config, len(train_examples)))
-    scorer = _local_scorer(config)  # before the run folder: a wrong reward model fails fast
+    scorer = None  # online DPO's scorer, when it runs here (not on Ray actors): before the run folder, failing fast
+    if not (config.get("launcher") == "ray" and config.ray.reward_workers > 0) and config.online.enabled:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        scorer = rewards.build_scorer(config, device=device)
 
     recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
     policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
@@ -420,19 +403,16 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     if attach is not None:
         attach(trainer)
     if checkpoint_dir is not None:
-        _continue_from(trainer, config, checkpoint_dir, extended, rank)
+        trainer.load(checkpoint_dir)
+        if rank == 0:
+            print(f"Resuming after {trainer.example_counter} examples.")
+        scheduled_lr(trainer)
+        if extended is not None:
+            apply_extension(trainer, config, extended, checkpoint_dir, rank)
     stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
     return run_dir, stop_signal
-
-
-def _checkpoint_to_resume(resume_dir: str) -> str | None:
-    """The checkpoint of ``resume_dir`` to continue from (``checkpoints.checkpoint_to_resume``), its note said once."""
-    checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
-    if note is not None and says_once():
-        print(f"Note: {note}")
-    return checkpoint_dir
 
 
 def _check_config(config: DictConfig) -> list:
@@ -476,13 +456,6 @@ def _hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextli
         refusal = utils.broadcast_object(refusal)
     if refusal is not None:
         raise utils.ConfigError(refusal)
-
-
-def _set_process_state(config: DictConfig) -> None:
-    """Set the seed, the number of threads and malloc's mmap threshold from ``config``."""
-    utils.set_seed(config.seed)
-    utils.set_threads(config.num_threads)
-    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
 
 
 def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
@@ -534,14 +507,6 @@ def _resume_state(
     return resume_state, extended
 
 
-def _local_scorer(config: DictConfig):
-    """Online DPO's scorer when it runs in this process (not on Ray actors), else None."""
-    remote_scorer = config.get("launcher") == "ray" and config.ray.reward_workers > 0  # on Ray actors
-    if config.online.enabled and not remote_scorer:
-        return rewards.build_scorer(config, device=f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
-    return None
-
-
 def _run_folder(
     config: DictConfig,
     run_dir: str | None,
@@ -554,11 +519,9 @@ def _run_folder(
     """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``), as every rank sees it."""
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
-        run_dir, lock = checkpoints.new_run_dir(
-            config.output_root, config.exp_name, recorded, command
-        )  # locked before config.yaml
+        run_dir, lock = checkpoints.new_run_dir(config.output_root, config.exp_name, recorded, command)
         made.append(run_dir)
-        held.enter_context(lock)
+        held.enter_context(lock)  # taken before config.yaml was written
     if distributed:
         run_dir = utils.broadcast_object(run_dir)
     return run_dir
@@ -566,19 +529,18 @@ def _run_folder(
 
 def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval_examples: int, rank: int) -> None:
     """On rank 0: name the run folder (also to the launcher) and say the model's size in parameters and the examples used."""
-    if rank == 0:
-        print(f"Run folder: {run_dir}")
-        tell_launcher(run_dir)
+    if rank != 0:
+        return
+    print(f"Run folder: {run_dir}")
+    tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = checks.n_eval_used(config, n_eval_examples)
-    if rank == 0:
-        trainable = ""
-        if models.is_lora_model(policy):
-            n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-            trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
-        print(
-            f"{'Reward model' if losses.get_objective(config.loss.name).score_head else 'Policy'}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples."
-        )
+    trainable = ""
+    if models.is_lora_model(policy):
+        n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+        trainable = f" ({n_lora / 1e6:.3f}M trainable: LoRA r={config.model.lora.r}; the reference is the base)"
+    model = "Reward model" if losses.get_objective(config.loss.name).score_head else "Policy"
+    print(f"{model}: {n_params / 1e6:.2f}M parameters{trainable}; {n_train} train / {n_eval} eval examples.")
 
 
 def _reference_cache(
@@ -589,21 +551,8 @@ def _reference_cache(
     precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
     if not precompute:
         return precompute, None, None
-    # LoRA: the reference is the policy's base (models.base_state_dict names its weights)
-    cache_path, reference_cache = trainers.cached_reference(
-        policy if lora_reference else reference, examples, tokenizer, config, distributed, rank
-    )
-    return precompute, cache_path, reference_cache
-
-
-def _continue_from(trainer, config: DictConfig, checkpoint_dir: str, extended: dict | None, rank: int) -> None:
-    """Load ``checkpoint_dir`` into ``trainer``, set the next step's lr and apply an ``extended`` length."""
-    trainer.load(checkpoint_dir)
-    if rank == 0:
-        print(f"Resuming after {trainer.example_counter} examples.")
-    scheduled_lr(trainer)
-    if extended is not None:
-        apply_extension(trainer, config, extended, checkpoint_dir, rank)
+    source = policy if lora_reference else reference  # LoRA: the policy's base (models.base_state_dict names its weights)
+    return (precompute, *trainers.cached_reference(source, examples, tokenizer, config, distributed, rank))
 
 
 def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int, distributed: bool, owns_folder: bool) -> None:
@@ -618,11 +567,8 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
 
 
 RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"  # set by launch in rank 0: a pipe main writes the run folder into, named if a rank dies
-
 RUN_FOLDER: str | None = None  # this process's run folder once main knows it, named when another rank dies
-
 RUN_FOLDER_TOLD: str | None = None  # the run folder this command made or continued (tell_launcher), for a sweep's summary
-
 COMMAND: list[str] | None = None  # the overrides train.py was started with (hydra_main), atop a new run's config.yaml
 
 
@@ -638,8 +584,7 @@ def tell_launcher(run_dir: str) -> None:
 
 
 def launch(config: DictConfig) -> int | None:
-    """For FSDP/TP not under torchrun, start one process per GPU (``world_size`` on CPU), holding ``resume``'s run-folder lock
-    for them, and forward signals and wait; returns the exit code, or None when this process trains itself."""
+    """For FSDP/TP not under torchrun, start and wait for one process per GPU; returns the exit code, or None to train here."""
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
@@ -652,8 +597,7 @@ def launch(config: DictConfig) -> int | None:
 
 
 def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int:
-    """launch()'s work: start the ``n`` processes (passing ``lock`` down when it holds one),
-    forward signals to them and wait; returns the exit code (:func:`rank_failure`)."""
+    """launch()'s work: start the ``n`` processes with ``lock``, forward signals, wait; returns the exit code."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -714,16 +658,12 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
 
 
 SCRIPT = os.path.abspath(__file__)  # not sys.argv[0], which is submitit's in a submitit job
-
-
+# keys (with sub-keys) the SFT stage sets itself; hub: only the second stage pushes
 STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "hub")
-"""Keys (with sub-keys) the SFT stage sets itself (:func:`stage_commands`); ``hub``: only the second stage pushes."""
 
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
-    """Whether ``sft_first``'s SFT stage runs first (``sft_first.n_examples`` set, a preference objective offline from the
-    model's own weights); a preset's stage that cannot apply steps aside with a note, a command line's raises
-    utils.ConfigError."""
+    """Whether ``sft_first``'s SFT stage runs first; a preset's stage that cannot apply is noted, a command line's raises."""
     stage = config.get("sft_first") or {}
     if stage.get("n_examples") is None or "RANK" in os.environ:
         return False
@@ -736,8 +676,7 @@ def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
 
 
 def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """The overrides of ``sft_first``'s two stages: the SFT stage (``loss=sft``, its ``n_examples`` and ``lr``,
-    ``exp_name=<exp_name>_sft``), and this run, to which ``model.archive`` is appended once the first finishes."""
+    """The overrides of ``sft_first``'s SFT stage and of this run (``model.archive`` appended once the first finishes)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
@@ -754,8 +693,7 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:
-    """Run ``sft_first``'s SFT stage, then this command from its policy, each as ``python train.py`` in its own session with
-    Ctrl-C/SIGTERM forwarded once; returns the exit code."""
+    """Run ``sft_first``'s SFT stage, then this command from its policy, forwarding Ctrl-C/SIGTERM; returns the exit code."""
     script = os.path.relpath(SCRIPT)
     sft, dpo = stage_commands(config, overrides)
     child: list[subprocess.Popen] = []
@@ -812,8 +750,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
 
 
 def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
-    """Lines comparing the stages' evals: each ``answers_eval/<name>`` at the start, after SFT and at the end, and the second
-    stage's reward accuracy at its first and last eval."""
+    """Lines comparing the stages' evals: answers_eval scores at start, after SFT and at the end, and reward accuracy."""
 
     def evals(folder):
         path = os.path.join(folder, "metrics.jsonl")
@@ -843,8 +780,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
 
 
 def submitit_job() -> bool:
-    """Whether this process is a job of Hydra's submitit launcher (``hydra/launcher=slurm``, ``submitit_slurm`` or
-    ``submitit_local``)."""
+    """Whether this process is a job of Hydra's submitit launcher (``hydra/launcher=slurm``, ``submitit_*``)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -855,8 +791,7 @@ def submitit_job() -> bool:
 
 
 def this_command() -> list[str]:
-    """The script and arguments that run this command again for FSDP/TP ranks: ``sys.argv``, or in a submitit job train.py with
-    the job's overrides."""
+    """The command that reruns this one for FSDP/TP ranks: ``sys.argv``, or train.py with a submitit job's overrides."""
     if not submitit_job():
         return sys.argv
     from hydra.core.hydra_config import HydraConfig
@@ -865,8 +800,7 @@ def this_command() -> list[str]:
 
 
 def job_failure(code: int) -> str:
-    """The sentence for a submitit job that ended with exit code ``code``: its last line on stderr (stdout when a signal stopped
-    it) and where its output is."""
+    """The sentence for a submitit job that ended with ``code``: its last output line and where its output is."""
     import submitit
 
     sys.stdout.flush()
@@ -881,8 +815,7 @@ def job_failure(code: int) -> str:
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
 def hydra_main(config: DictConfig) -> dict | None:
-    """The command line (:func:`run_command`); a sweep job returns its :func:`sweeps.job_result` (under submitit with a nonzero
-    exit code too; the basic launcher ends the sweep there)."""
+    """The command line (:func:`run_command`); a sweep job returns its :func:`sweeps.job_result`."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -906,15 +839,13 @@ def hydra_main(config: DictConfig) -> dict | None:
 
 
 def run_command(config: DictConfig) -> None:
-    """The command line: compose the config, start ranks or Ray if asked, run, and exit 2 (config/data error), 1 (failed step,
-    checkpoint, full disk), 128 + signal when stopped, or :data:`PEER_LOST_EXIT` in a rank whose peer died."""
+    """The command line: compose, launch, run; exit 2 (config/data), 1 (step, checkpoint, disk), 128+signal, or PEER_LOST_EXIT."""
+    global COMMAND
     rank = int(os.environ.get("RANK", 0))
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        overrides = list(HydraConfig.get().overrides.task)
-        global COMMAND
-        COMMAND = overrides
+        COMMAND = overrides = list(HydraConfig.get().overrides.task)
         given = checks.given_keys(overrides)
         checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
         if sft_stage_wanted(config, given):
