@@ -178,7 +178,7 @@ class ChunkedOutputLayer(torch.nn.Module):
         positions, inverse = torch.unique(self.rows, sorted=True, return_inverse=True)
         order = torch.argsort(inverse, stable=True)  # targets grouped by position, positions ascending
         local, targets = inverse[order], self.targets[order]
-        bounds = torch.searchsorted(local, torch.arange(0, len(positions) + self.chunk, self.chunk)).tolist()
+        bounds = torch.searchsorted(local, torch.arange(0, max(len(positions), 1) + self.chunk, self.chunk)).tolist()
         parts = []
         for k, lo in enumerate(range(0, max(len(positions), 1), self.chunk)):
             a, b = bounds[k], bounds[k + 1]

@@ -200,6 +200,20 @@ def test_sft_is_packed_and_chunked_with_the_padded_forwards_values_and_gradients
         assert_close_all(grads(model, lambda c=chunk: one_side(model, rows, c)), expected)
 
 
+def test_a_call_with_no_target_gives_no_log_probs_and_still_calls_the_head_once():
+    # An IndexError before: the chunk bounds assumed at least one position. The head is still called (on
+    # nothing) because under FSDP every rank must run its all-gather.
+    calls = []
+    head = torch.nn.Linear(4, 5, bias=False)
+    head.register_forward_hook(lambda module, args, out: calls.append(tuple(args[0].shape)))
+    none = torch.zeros(0, dtype=torch.long)
+    hidden = torch.randn(1, 3, 4, requires_grad=True)
+    logps = packing.ChunkedOutputLayer(head, none, none, chunk=2)(hidden)
+    assert (logps.shape, logps.dtype, calls) == ((0,), torch.float32, [(0, 4)])
+    logps.sum().backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
 def test_log_probs_equal_a_full_log_softmax_gather_written_here():
     model = make_model("llama")
     batch = collate(ELEMENTS, pad_token_id=0)
