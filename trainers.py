@@ -185,12 +185,8 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
 
 def concatenated_per_rank(metrics: dict, group=None) -> dict:
     """Every rank's metric lists (of ``group``, default all), concatenated in rank order."""
-    import torch.distributed as dist
-
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, dict(metrics), group=group)
     out: dict = defaultdict(list)
-    for part in parts:
+    for part in utils.all_gather_object(dict(metrics), group=group):
         for k, v in part.items():
             out[k].extend(v)
     return out
