@@ -29,8 +29,8 @@ import rewards
 import sampling
 import tracking
 import utils
-from models import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
-from online import JudgeFailureError, OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
+from models import check_tensor_parallel
+from online import JudgeFailureError, OnlineSampling, decode_completions
 from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from preference_datasets import (
     as_pair_batch,
