@@ -380,6 +380,49 @@ def ray_reference_workers(config: DictConfig) -> int:
     return int(ray_cfg.get("reference_workers", 0) or 0) if config.get("launcher") == "ray" and ray_cfg is not None else 0
 
 
+def ray_num_workers(config: DictConfig) -> int:
+    """``ray.num_workers`` (the policy workers under ``launcher=ray``), checked against the trainer."""
+    n = config.ray.num_workers
+    if not isinstance(n, int) or n < 1:
+        raise utils.ConfigError(f"ray.num_workers must be a whole number >= 1, got {n}.")
+    if config.trainer == "BasicTrainer" and n != 1:
+        raise utils.ConfigError(f"trainer=BasicTrainer is one process; use ray.num_workers=1 or trainer=FSDPTrainer (got {n}).")
+    return n
+
+
+def validate_ray(config: DictConfig) -> None:
+    """Raise ConfigError naming the first bad key of the ``ray:`` section's CPUs, actors and resources."""
+    ray_cfg = config.ray
+    if not ray_cfg.cpus_per_worker > 0:
+        raise utils.ConfigError(f"ray.cpus_per_worker must be > 0, got {ray_cfg.cpus_per_worker}.")
+    for key in ("reference_workers", "reward_workers", "max_failures"):
+        value = ray_cfg[key]
+        if not isinstance(value, int) or value < (-1 if key == "max_failures" else 0):
+            least = "-1 (no limit)" if key == "max_failures" else "0"
+            raise utils.ConfigError(f"ray.{key} must be a whole number >= {least}, got {value}.")
+    for key in ("reference_resources", "reward_resources"):
+        resources = ray_cfg[key]
+        bad = [k for k, v in resources.items() if not isinstance(v, (int, float)) or v < 0]
+        if bad:
+            raise utils.ConfigError(f"ray.{key}.{bad[0]} must be a number >= 0, got {resources[bad[0]]}.")
+    needs_reference = losses.get_objective(config.loss.name).uses_reference(config.loss)
+    if ray_cfg.reference_workers > 0:
+        if not needs_reference:
+            raise utils.ConfigError(
+                f"ray.reference_workers={ray_cfg.reference_workers} but loss={config.loss.name} uses no reference; "
+                "set ray.reference_workers=0."
+            )
+        if config.precompute_ref_log_probs:
+            raise utils.ConfigError(
+                "precompute_ref_log_probs=true runs the reference once in the policy workers; set ray.reference_workers=0 with it."
+            )
+    online = config.get("online")
+    if ray_cfg.reward_workers > 0 and not (online is not None and online.enabled):
+        raise utils.ConfigError(
+            f"ray.reward_workers={ray_cfg.reward_workers} serves online DPO's scorer; set online.enabled=true or ray.reward_workers=0."
+        )
+
+
 def lora_settings(model_config: DictConfig) -> DictConfig | None:
     """``model.lora`` when LoRA is on (``model.lora.r`` set), else None (full fine-tuning)."""
     lora = model_config.get("lora")

@@ -16,6 +16,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import checks
 import preference_datasets
 import rewards
 import sampling
@@ -70,8 +71,7 @@ def check_config(config: DictConfig) -> None:
         )
     if config.split not in ("train", "test"):
         raise ConfigError(f"split must be train or test (the prompts' split), got {config.split}.")
-    if not 0 <= config.max_failure_rate <= 1:
-        raise ConfigError(f"max_failure_rate must be in [0, 1], got {config.max_failure_rate}.")
+    checks.validate_fraction(config.max_failure_rate, "max_failure_rate")
     if not OmegaConf.is_list(config.datasets) or not len(config.datasets):
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
 

@@ -31,42 +31,10 @@ import utils
 
 def check_config(config: DictConfig) -> None:
     """Check the ``ray:`` section with the rest of the config before Ray starts; utils.ConfigError names the first bad key."""
-    ray_cfg = config.ray
-    n = ray_cfg.num_workers
-    if not isinstance(n, int) or n < 1:
-        raise utils.ConfigError(f"ray.num_workers must be a whole number >= 1, got {n}.")
-    if config.trainer == "BasicTrainer" and n != 1:
-        raise utils.ConfigError(f"trainer=BasicTrainer is one process; use ray.num_workers=1 or trainer=FSDPTrainer (got {n}).")
+    n = checks.ray_num_workers(config)
     checks.validate_config(config, n)
     models.check_parallel_model(config, n)
-    if not ray_cfg.cpus_per_worker > 0:
-        raise utils.ConfigError(f"ray.cpus_per_worker must be > 0, got {ray_cfg.cpus_per_worker}.")
-    for key in ("reference_workers", "reward_workers", "max_failures"):
-        value = ray_cfg[key]
-        if not isinstance(value, int) or value < (-1 if key == "max_failures" else 0):
-            least = "-1 (no limit)" if key == "max_failures" else "0"
-            raise utils.ConfigError(f"ray.{key} must be a whole number >= {least}, got {value}.")
-    for key in ("reference_resources", "reward_resources"):
-        resources = ray_cfg[key]
-        bad = [k for k, v in resources.items() if not isinstance(v, (int, float)) or v < 0]
-        if bad:
-            raise utils.ConfigError(f"ray.{key}.{bad[0]} must be a number >= 0, got {resources[bad[0]]}.")
-    needs_reference = losses.get_objective(config.loss.name).uses_reference(config.loss)
-    if ray_cfg.reference_workers > 0:
-        if not needs_reference:
-            raise utils.ConfigError(
-                f"ray.reference_workers={ray_cfg.reference_workers} but loss={config.loss.name} uses no reference; "
-                "set ray.reference_workers=0."
-            )
-        if config.precompute_ref_log_probs:
-            raise utils.ConfigError(
-                "precompute_ref_log_probs=true runs the reference once in the policy workers; set ray.reference_workers=0 with it."
-            )
-    online = config.get("online")
-    if ray_cfg.reward_workers > 0 and not (online is not None and online.enabled):
-        raise utils.ConfigError(
-            f"ray.reward_workers={ray_cfg.reward_workers} serves online DPO's scorer; set online.enabled=true or ray.reward_workers=0."
-        )
+    checks.validate_ray(config)
 
 
 def import_ray():

@@ -29,8 +29,8 @@ import rewards
 import sampling
 import tracking
 import utils
-from models import TP_FAMILIES, check_tensor_parallel  # noqa: F401  (trainers.check_tensor_parallel)
-from online import JudgeFailureError, OnlineSampling, completion_mask, decode_completions, label_pairs, write_completions  # noqa: F401
+from models import check_tensor_parallel
+from online import JudgeFailureError, OnlineSampling, decode_completions
 from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from preference_datasets import (
     as_pair_batch,
@@ -185,12 +185,8 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
 
 def concatenated_per_rank(metrics: dict, group=None) -> dict:
     """Every rank's metric lists (of ``group``, default all), concatenated in rank order."""
-    import torch.distributed as dist
-
-    parts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, dict(metrics), group=group)
     out: dict = defaultdict(list)
-    for part in parts:
+    for part in utils.all_gather_object(dict(metrics), group=group):
         for k, v in part.items():
             out[k].extend(v)
     return out

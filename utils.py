@@ -252,12 +252,12 @@ def broadcast_object(obj):
     return box[0]
 
 
-def all_gather_object(obj) -> list:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's ``obj`` (picklable) of ``group`` (default all), in rank order, on every rank."""
     import torch.distributed as dist
 
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer
 
 import models
 import preference_datasets as pd
+import sampling
 import trainers
 import utils
 from losses import IGNORE_INDEX
@@ -273,7 +274,7 @@ def test_generation_stops_at_end_of_turn(tmp_path):
     t.sample()
     assert lengths[0] > 1
     completions = torch.tensor([[5, eot, 7, 7], [5, 6, 7, 8]])
-    assert trainers.completion_mask(completions, [tok.eos_token_id, eot]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
+    assert sampling.completion_mask(completions, [tok.eos_token_id, eot]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
 
 
 @pytest.mark.parametrize("loss", ["dpo", "sft"])

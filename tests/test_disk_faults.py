@@ -25,6 +25,7 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, one_run
 
 import checkpoints
+import online
 import tracking
 import train
 import trainers
@@ -224,7 +225,7 @@ def test_samples_md_on_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(
 def test_completions_on_a_full_disk_are_one_sentence(tmp_path, monkeypatch):
     disk_full_under(monkeypatch, tmp_path)
     with pytest.raises(OSError) as err:
-        trainers.write_completions(str(tmp_path), [{"step": 8, "prompt": "p", "completion": "c", "score": 1.0}])
+        online.write_completions(str(tmp_path), [{"step": 8, "prompt": "p", "completion": "c", "score": 1.0}])
     assert_one_sentence(err.value, tmp_path / "completions.jsonl")
     assert leftovers(tmp_path) == []
 

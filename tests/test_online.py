@@ -19,7 +19,9 @@ import checkpoints
 import checks
 import losses
 import models
+import online
 import rewards
+import sampling
 import train
 import trainers
 import utils
@@ -44,7 +46,7 @@ def test_completion_mask_stops_after_the_first_eos():
     eos = 1
     completions = torch.tensor([[3, 1, 0, 0], [3, 4, 5, 6], [1, 1, 1, 1], [4, 1, 5, 1]])
     expected = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
-    assert torch.equal(trainers.completion_mask(completions, eos), expected)
+    assert torch.equal(sampling.completion_mask(completions, eos), expected)
 
 
 class FixedScorer:
@@ -73,8 +75,8 @@ def test_label_pairs_with_scores_ties_and_the_missing_eos_penalty():
     scorer = FixedScorer({"a": 2.0, "b": 1.0, "c": 1.0, "d": 3.0, "e": 1.5, "f": 1.5, "g": 2.0, "h": 1.5})
     # Completion g has no EOS: 2.0 - penalty 1.0 = 1.0 < 1.5, so h wins pair 3. All others end with EOS.
     completions = torch.tensor([[5, 1]] * 6 + [[5, 5], [5, 1]])
-    mask = trainers.completion_mask(completions, eos)
-    preferences, scores = trainers.label_pairs(scorer, ["p0", "p1", "p2", "p3"], texts, completions, mask, eos, 1.0)
+    mask = sampling.completion_mask(completions, eos)
+    preferences, scores = online.label_pairs(scorer, ["p0", "p1", "p2", "p3"], texts, completions, mask, eos, 1.0)
     assert preferences == [0, 1, rewards.TIE, 1]
     assert scores.tolist() == [[2.0, 1.0], [1.0, 3.0], [1.5, 1.5], [1.0, 1.5]]
     # Each prompt is scored with both of its completions (rows 2i and 2i+1).
@@ -83,15 +85,15 @@ def test_label_pairs_with_scores_ties_and_the_missing_eos_penalty():
 
 def test_label_pairs_with_a_judge_passes_failures_and_ties_through():
     completions = torch.tensor([[5, 1]] * 6)
-    mask = trainers.completion_mask(completions, 1)
+    mask = sampling.completion_mask(completions, 1)
     judge = FixedJudge([1, None, rewards.TIE])
-    preferences, scores = trainers.label_pairs(judge, ["p", "q", "r"], list("abcdef"), completions, mask, 1, 5.0)
+    preferences, scores = online.label_pairs(judge, ["p", "q", "r"], list("abcdef"), completions, mask, 1, 5.0)
     assert preferences == [1, None, rewards.TIE] and scores is None
 
 
 def test_completions_table_is_jsonl_and_escaped_html(tmp_path):
-    trainers.write_completions(str(tmp_path), [{"step": 0, "prompt": "<b>hi</b>", "completion": "x & y", "score": 1.5}])
-    trainers.write_completions(str(tmp_path), [{"step": 8, "prompt": "p", "completion": "z", "score": None}])
+    online.write_completions(str(tmp_path), [{"step": 0, "prompt": "<b>hi</b>", "completion": "x & y", "score": 1.5}])
+    online.write_completions(str(tmp_path), [{"step": 8, "prompt": "p", "completion": "z", "score": None}])
     rows = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 8]
     page = (tmp_path / "completions.html").read_text()
@@ -578,9 +580,9 @@ def test_a_judge_failing_a_share_stops_only_above_max_failure_rate(tmp_path, cap
 
 def test_a_nan_reward_fails_the_judgement_instead_of_a_tie():
     completions = torch.tensor([[5, 1]] * 4)
-    mask = trainers.completion_mask(completions, 1)
+    mask = sampling.completion_mask(completions, 1)
     scorer = FixedScorer({"a": float("nan"), "b": 1.0, "c": 2.0, "d": 2.0})
-    preferences, _ = trainers.label_pairs(scorer, ["p", "q"], list("abcd"), completions, mask, 1, None)
+    preferences, _ = online.label_pairs(scorer, ["p", "q"], list("abcd"), completions, mask, 1, None)
     assert preferences == [None, rewards.TIE]
 
 
