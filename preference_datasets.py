@@ -16,6 +16,7 @@ import re
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
@@ -41,18 +42,28 @@ class DatasetSpec:
     reward_functions: tuple[str, ...] = ()  # what checks an answer to its prompts exactly (eval_reward_functions=auto)
 
 
-DATASETS: dict[str, DatasetSpec] = {}
-PROMPT_DATASETS: dict[str, DatasetSpec] = {}  # online DPO: loaders return a list of prompt strings
+REGISTRY: dict[str, dict[str, DatasetSpec]] = {}  # name -> {"pairs": spec, "prompts": spec (online DPO)}, either or both
 
 
-def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncation_mode: str, reward_functions=()):
+def _of_kind(kind: str) -> MappingProxyType:
+    """A read-only snapshot ``{name: DatasetSpec}`` of the registered ``"pairs"`` or ``"prompts"`` loaders."""
+    return MappingProxyType({name: specs[kind] for name, specs in REGISTRY.items() if kind in specs})
+
+
+def __getattr__(attr: str):  # DATASETS / PROMPT_DATASETS: _of_kind("pairs") / _of_kind("prompts")
+    if attr in ("DATASETS", "PROMPT_DATASETS"):
+        return _of_kind("pairs" if attr == "DATASETS" else "prompts")
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+def _registrar(kind: str, label: str, name: str, truncation_mode: str, reward_functions=()):
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"truncation_mode must be keep_start or keep_end, not {truncation_mode!r}.")
 
     def wrap(fn):
-        if name in registry:
-            raise ValueError(f"A {kind} named {name!r} is already registered.")
-        registry[name] = DatasetSpec(fn, truncation_mode, tuple(reward_functions))
+        if kind in REGISTRY.get(name, {}):
+            raise ValueError(f"A {label} named {name!r} is already registered.")
+        REGISTRY.setdefault(name, {})[kind] = DatasetSpec(fn, truncation_mode, tuple(reward_functions))
         return fn
 
     return wrap
@@ -60,17 +71,18 @@ def _registrar(registry: dict[str, DatasetSpec], kind: str, name: str, truncatio
 
 def register_dataset(name: str, truncation_mode: str = "keep_start", reward_functions: tuple[str, ...] = ()):
     """Decorator: register ``fn(split, report, **options) -> DatasetDict`` (options: ``data.<name>``) under ``name``."""
-    return _registrar(DATASETS, "dataset", name, truncation_mode, reward_functions)
+    return _registrar("pairs", "dataset", name, truncation_mode, reward_functions)
 
 
 def declared_reward_functions(names) -> list[str]:
     """The reward functions the datasets ``names`` register as checking their answers exactly, in order."""
-    return [f for name in names if name in DATASETS for f in DATASETS[name].reward_functions]
+    pairs = _of_kind("pairs")
+    return [f for name in names if name in pairs for f in pairs[name].reward_functions]
 
 
 def register_prompt_dataset(name: str, truncation_mode: str = "keep_start"):
     """Decorator: register an online-DPO ``fn(split, report, **options) -> list[str] | DatasetDict`` of prompts."""
-    return _registrar(PROMPT_DATASETS, "prompt dataset", name, truncation_mode)
+    return _registrar("prompts", "prompt dataset", name, truncation_mode)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -1523,9 +1535,10 @@ def load_dataset_dict(
     name: str, split: str, options: dict | None = None, silent: bool = False, copies_trained: bool = False
 ) -> DatasetDict:
     """Load one registered dataset's split and print what was skipped, repaired or duplicated in it."""
-    if name not in DATASETS:
-        raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(DATASETS)}.")
-    data, report = _run_loader(DATASETS[name], name, split, options, "pairs")
+    pairs = _of_kind("pairs")
+    if name not in pairs:
+        raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(pairs)}.")
+    data, report = _run_loader(pairs[name], name, split, options, "pairs")
     if not silent:
         n_pairs = sum(len(v["pairs"]) for v in data.values())
         n_unpaired = sum(len(v.get("labels", ())) for v in data.values())
@@ -1564,7 +1577,7 @@ def count_duplicates(data: DatasetDict) -> int:
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (SFT: per prompt, no ``"rejected"``;
     unpaired: per labelled completion), in a stable order."""
-    mode = DATASETS[name].truncation_mode
+    mode = _of_kind("pairs")[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
         extra = {"conversation": True} if "prompt_messages" in entry else {}
@@ -1601,19 +1614,20 @@ def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, s
 
 def _unknown_prompt_dataset(name: str) -> DataError:
     return DataError(
-        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(PROMPT_DATASETS)}, "
-        f"and any preference dataset ({sorted(DATASETS)}) gives its prompts."
+        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(_of_kind('prompts'))}, "
+        f"and any preference dataset ({sorted(_of_kind('pairs'))}) gives its prompts."
     )
 
 
 def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
     """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or messages, and {column: value}."""
-    if name in PROMPT_DATASETS:
-        got, report = _run_loader(PROMPT_DATASETS[name], name, split, (options or {}).get(name), "prompts")
+    specs = REGISTRY.get(name, {})
+    if "prompts" in specs:
+        got, report = _run_loader(specs["prompts"], name, split, (options or {}).get(name), "prompts")
         if not silent:
             notes = _notes(report)
             print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
-    elif name in DATASETS:
+    elif "pairs" in specs:
         got = load_dataset_dict(name, split, (options or {}).get(name), silent)
     else:
         raise _unknown_prompt_dataset(name)
@@ -1640,7 +1654,7 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
 
 def prompt_truncation_mode(name: str) -> str:
     """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep."""
-    spec = PROMPT_DATASETS.get(name) or DATASETS.get(name)
+    spec = REGISTRY.get(name, {}).get("prompts") or REGISTRY.get(name, {}).get("pairs")
     if spec is None:
         raise _unknown_prompt_dataset(name)
     return spec.truncation_mode

@@ -22,7 +22,7 @@ import preference_datasets as pd
 from losses import IGNORE_INDEX
 from preference_datasets import (
     ASSISTANT_TAG,
-    DATASETS,
+    REGISTRY,
     DataError,
     collate,
     get_arithmetic,
@@ -324,7 +324,7 @@ def test_unknown_dataset_lists_registered():
 def toy_name():
     name = "toy_for_test_preference_datasets"
     yield name
-    DATASETS.pop(name, None)
+    REGISTRY.pop(name, None)
 
 
 def test_register_dataset_usable_by_name(toy_name, capsys):
@@ -674,7 +674,7 @@ def test_docs_add_a_dataset_example_works_as_written(tmp_path):
         train = load_dataset_dict("mine", "train", {"path": path}, silent=True)
         test = load_dataset_dict("mine", "test", {"path": path}, silent=True)
     finally:
-        preference_datasets.DATASETS.pop("mine", None)
+        preference_datasets.REGISTRY.pop("mine", None)
     # Every row is one prompt with one pair, " yes" chosen over " no", in exactly one split; the
     # eval split is the default 10% slice: the prompts whose SHA-256 (first 8 bytes) / 2^64 < 0.1.
     import hashlib
@@ -881,7 +881,7 @@ def test_register_prompt_dataset_usable_by_name(capsys):
         with pytest.raises(ValueError, match="keep_start or keep_end"):
             pd.register_prompt_dataset("other", truncation_mode="middle")
     finally:
-        pd.PROMPT_DATASETS.pop(name, None)
+        pd.REGISTRY.pop(name, None)
 
 
 def test_tokenize_prompt_byt5_exact_ids_and_truncation(byt5):
