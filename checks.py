@@ -65,16 +65,16 @@ def validate_objective(config: DictConfig):
 
 def validate_datasets(config: DictConfig) -> None:
     """Check that ``datasets`` is a list of registered names (prompt-only ones for online DPO alone)."""
-    from preference_datasets import DATASETS, PROMPT_DATASETS
+    from preference_datasets import REGISTRY
 
     online = bool(config.get("online") and config.online.enabled)
     if not OmegaConf.is_list(config.datasets):
         raise utils.ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
     for name in config.datasets:
-        if name in PROMPT_DATASETS and name not in DATASETS and not online:
+        if name in REGISTRY and "pairs" not in REGISTRY[name] and not online:
             raise utils.ConfigError(f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true).")
-        if name not in DATASETS and name not in PROMPT_DATASETS:
-            known = sorted({*DATASETS, *PROMPT_DATASETS})
+        if name not in REGISTRY:
+            known = sorted(REGISTRY)
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
             raise utils.ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")

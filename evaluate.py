@@ -146,7 +146,7 @@ def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, in
     options = OmegaConf.to_container(run.get("data", {}), resolve=True)
     overlap = {}
     for name in sorted({it["dataset"] for it in items} & set(run.get("datasets", []))):
-        if name not in preference_datasets.DATASETS:
+        if name not in preference_datasets.registered("pairs"):
             continue
         try:
             train = preference_datasets.load_dataset_dict(name, "train", options.get(name), silent=True)

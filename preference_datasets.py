@@ -45,15 +45,9 @@ class DatasetSpec:
 REGISTRY: dict[str, dict[str, DatasetSpec]] = {}  # name -> {"pairs": spec, "prompts": spec (online DPO)}, either or both
 
 
-def _of_kind(kind: str) -> MappingProxyType:
-    """A read-only snapshot ``{name: DatasetSpec}`` of the registered ``"pairs"`` or ``"prompts"`` loaders."""
+def registered(kind: str) -> MappingProxyType:
+    """A read-only ``{name: DatasetSpec}`` of the registered ``"pairs"`` or ``"prompts"`` (online DPO) loaders."""
     return MappingProxyType({name: specs[kind] for name, specs in REGISTRY.items() if kind in specs})
-
-
-def __getattr__(attr: str):  # DATASETS / PROMPT_DATASETS: _of_kind("pairs") / _of_kind("prompts")
-    if attr in ("DATASETS", "PROMPT_DATASETS"):
-        return _of_kind("pairs" if attr == "DATASETS" else "prompts")
-    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
 
 
 def _registrar(kind: str, label: str, name: str, truncation_mode: str, reward_functions=()):
@@ -76,7 +70,7 @@ def register_dataset(name: str, truncation_mode: str = "keep_start", reward_func
 
 def declared_reward_functions(names) -> list[str]:
     """The reward functions the datasets ``names`` register as checking their answers exactly, in order."""
-    pairs = _of_kind("pairs")
+    pairs = registered("pairs")
     return [f for name in names if name in pairs for f in pairs[name].reward_functions]
 
 
@@ -1535,7 +1529,7 @@ def load_dataset_dict(
     name: str, split: str, options: dict | None = None, silent: bool = False, copies_trained: bool = False
 ) -> DatasetDict:
     """Load one registered dataset's split and print what was skipped, repaired or duplicated in it."""
-    pairs = _of_kind("pairs")
+    pairs = registered("pairs")
     if name not in pairs:
         raise DataError(f"Unknown dataset {name!r}; registered datasets are {sorted(pairs)}.")
     data, report = _run_loader(pairs[name], name, split, options, "pairs")
@@ -1577,7 +1571,7 @@ def count_duplicates(data: DatasetDict) -> int:
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (SFT: per prompt, no ``"rejected"``;
     unpaired: per labelled completion), in a stable order."""
-    mode = _of_kind("pairs")[name].truncation_mode
+    mode = registered("pairs")[name].truncation_mode
     examples = []
     for prompt, entry in data.items():
         extra = {"conversation": True} if "prompt_messages" in entry else {}
@@ -1614,8 +1608,8 @@ def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, s
 
 def _unknown_prompt_dataset(name: str) -> DataError:
     return DataError(
-        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(_of_kind('prompts'))}, "
-        f"and any preference dataset ({sorted(_of_kind('pairs'))}) gives its prompts."
+        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(registered('prompts'))}, "
+        f"and any preference dataset ({sorted(registered('pairs'))}) gives its prompts."
     )
 
 

@@ -251,7 +251,7 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
     items = []
     for name in config.datasets:
         if config.get("baseline") == "chosen":
-            if name not in preference_datasets.DATASETS:
+            if name not in preference_datasets.registered("pairs"):
                 raise ConfigError(
                     f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
                     "use baseline=reference or another policy."

@@ -670,7 +670,7 @@ def test_docs_add_a_dataset_example_works_as_written(tmp_path):
     namespace = vars(preference_datasets).copy()
     try:
         exec(code, namespace)
-        assert preference_datasets.DATASETS["mine"].truncation_mode == "keep_start"
+        assert preference_datasets.registered("pairs")["mine"].truncation_mode == "keep_start"
         train = load_dataset_dict("mine", "train", {"path": path}, silent=True)
         test = load_dataset_dict("mine", "test", {"path": path}, silent=True)
     finally:
