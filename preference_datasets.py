@@ -1763,8 +1763,7 @@ def tokenize_element(
 ) -> dict:
     """One example as ``prompt_input_ids`` and per side ``{side}_input_ids``, ``{side}_attention_mask``, ``{side}_labels``
     (IGNORE_INDEX where not trained): BOS + prompt, each response + EOS, truncated to ``max_length``."""
-    if max_prompt_length >= max_length:
-        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
+    assert max_prompt_length < max_length, "checks.validate_config refuses this config"
     responses = {"chosen": chosen} if rejected is None else {"chosen": chosen, "rejected": rejected}
 
     def encode(text):
@@ -2094,8 +2093,7 @@ def truncated_ids(
     examples: list[dict], tokenizer, max_length: int, max_prompt_length: int, chunk_size: int = 1024
 ) -> Iterator[TruncatedIds]:
     """The :class:`TruncatedIds` of each example, exactly as :func:`get_batch_iterator` will give them, in order."""
-    if max_prompt_length >= max_length:
-        raise ValueError(f"max_prompt_length ({max_prompt_length}) must be smaller than max_length ({max_length}).")
+    assert max_prompt_length < max_length, "checks.validate_config refuses this config"
     sides = ("chosen", "rejected")
     for start in range(0, len(examples), chunk_size):
         chunk = examples[start : start + chunk_size]

@@ -502,8 +502,8 @@ def test_keep_end_zero_prompt_length_regression(stories):
     assert el["chosen_labels"] == [2]
 
 
-def test_max_prompt_length_must_be_smaller(byt5):
-    with pytest.raises(ValueError, match="max_prompt_length"):
+def test_max_prompt_length_must_be_smaller(byt5):  # the sentence is validate_config's (test_train)
+    with pytest.raises(AssertionError, match="validate_config"):
         tokenize_element("a", "b", None, "keep_end", byt5, 8, 8)
 
 
