@@ -14,7 +14,6 @@ import tempfile
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
-from hydra.core.singleton import Singleton
 from omegaconf import DictConfig, OmegaConf
 
 import utils
@@ -73,13 +72,11 @@ def _defaults(config_name: str, loss: str | None) -> DictConfig:
     overrides = [] if loss is None else [f"loss={loss}"]
     if config_name == "config":
         overrides.append("model=blank_model")  # no preset's top-level keys (tiny's lr...): config.yaml's own
-    outer = Singleton._instances.pop(GlobalHydra, None)  # a running hydra.main's: Hydra allows one at a time
-    try:
+    if GlobalHydra.instance().is_initialized():  # inside train.py's or evaluate.py's hydra.main: config/ is its path
+        base = compose(config_name=config_name, overrides=overrides)
+    else:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
             base = compose(config_name=config_name, overrides=overrides)
-    finally:
-        if outer is not None:
-            Singleton._instances[GlobalHydra] = outer
     OmegaConf.set_struct(base, False)  # a saved key that no longer exists is kept
     return base
 
