@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import os
 import re
@@ -11,6 +12,8 @@ import shutil
 import socket
 import tempfile
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import utils
@@ -58,6 +61,35 @@ def save_run_config(config: DictConfig, path: str, command: str | None = None) -
             text = f.read()
             f.seek(0)
             f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
+
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+
+
+@functools.cache
+def _defaults(config_name: str, loss: str | None) -> DictConfig:
+    """Today's ``config_name`` as Hydra composes it with ``loss`` (None: the default) and model=blank_model, not struct."""
+    overrides = [] if loss is None else [f"loss={loss}"]
+    if config_name == "config":
+        overrides.append("model=blank_model")  # no preset's top-level keys (tiny's lr...): config.yaml's own
+    if GlobalHydra.instance().is_initialized():  # inside train.py's or evaluate.py's hydra.main: config/ is its path
+        base = compose(config_name=config_name, overrides=overrides)
+    else:
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            base = compose(config_name=config_name, overrides=overrides)
+    OmegaConf.set_struct(base, False)  # a saved key that no longer exists is kept
+    return base
+
+
+def load_run_config(path: str) -> DictConfig:
+    """The config.yaml at ``path`` (train.py's, or evaluate.py's: it has ``policy``) merged over today's defaults, its
+    values winning, so that a config saved before a key existed has that key's default."""
+    saved = OmegaConf.load(path)
+    if not isinstance(saved, DictConfig):
+        return saved
+    loss = OmegaConf.select(saved, "loss.name", default=None)
+    known = isinstance(loss, str) and os.path.isfile(os.path.join(CONFIG_DIR, "loss", f"{loss}.yaml"))
+    return OmegaConf.merge(_defaults("evaluate" if "policy" in saved else "config", loss if known else None), saved)
 
 
 def local_path(path) -> str:

@@ -115,7 +115,7 @@ def compare_scores(a: float, b: float) -> str:
 # ----------------------------------------------------------------------------- models
 def kl_reference(config: DictConfig, policy: sampling.Source) -> tuple[sampling.Source | None, str | None]:
     """The model KL(A || reference) is measured against (``reference=`` or the policy run's start), else None and why."""
-    if config.get("reference") is not None:
+    if config.reference is not None:
         return sampling.resolve_source(config.reference, config, "reference"), None
     if policy.run_config is None:
         return (
@@ -143,9 +143,9 @@ def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, in
     run = policy.run_config
     if run is None:
         return {}
-    options = OmegaConf.to_container(run.get("data", {}), resolve=True)
+    options = OmegaConf.to_container(run.data, resolve=True)
     overlap = {}
-    for name in sorted({it["dataset"] for it in items} & set(run.get("datasets", []))):
+    for name in sorted({it["dataset"] for it in items} & set(run.datasets)):
         if name not in preference_datasets.registered("pairs"):
             continue
         try:
@@ -321,7 +321,7 @@ class Judge:
             problem = checks.reward_model_error(config, f"judge={self.kind}")
             if problem is not None:
                 raise ConfigError(problem)
-            allow = bool(config.reward_model.get("allow_untrained_head", False))
+            allow = bool(config.reward_model.allow_untrained_head)
             rewards.check_reward_model_config(config.reward_model.name_or_path, allow)
 
     def template(self, item: dict):
@@ -558,7 +558,7 @@ def summarize(
         if kind in ("reward_model", "reward_model_judge")
         else None,
         "reward_functions": list(config.reward_functions) if kind == "reward_function" else None,
-        "reward_weights": list(config.reward_weights) if kind == "reward_function" and config.get("reward_weights") else None,
+        "reward_weights": list(config.reward_weights) if kind == "reward_function" and config.reward_weights else None,
         "judge_model": config.judge.model if kind == "http_judge" else None,
         "datasets": list(config.datasets),
         "n_prompts": config.n_prompts,
@@ -644,15 +644,15 @@ def check_config(config: DictConfig) -> None:
 
 def effective_config(config: DictConfig) -> DictConfig:
     """The config to run: with ``resume=<evaluation folder>``, the one saved there, that folder its ``output_dir``."""
-    if config.get("resume") is None:
+    if config.resume is None:
         return config
     folder = str(config.resume)
     saved = os.path.join(folder, "config.yaml")
-    if not os.path.isfile(saved) or "policy" not in OmegaConf.load(saved):
+    config = checkpoints.load_run_config(saved) if os.path.isfile(saved) else None
+    if config is None or "policy" not in config:
         raise ConfigError(
             f"resume={folder} is not an evaluation folder (no config.yaml of evaluate.py in it); give the folder evaluate.py printed."
         )
-    config = OmegaConf.load(saved)
     config.resume, config.output_dir = folder, folder
     return config
 
@@ -666,8 +666,8 @@ def settle_datasets(config: DictConfig, policy: sampling.Source, say: bool) -> N
         return
     run = policy.run_config
     if run is None and policy.run_dir is not None:  # an hf/ export inside a run folder
-        run = OmegaConf.load(os.path.join(policy.run_dir, "config.yaml"))
-    if run is None or not run.get("datasets"):
+        run = checkpoints.load_run_config(os.path.join(policy.run_dir, "config.yaml"))
+    if run is None or not run.datasets:
         config.datasets = list(DEFAULT_DATASETS)
         if say:
             print(
@@ -679,7 +679,7 @@ def settle_datasets(config: DictConfig, policy: sampling.Source, say: bool) -> N
     config.datasets = list(run.datasets)
     with open_dict(config.data):
         for name in run.datasets:
-            if name in run.get("data", {}):
+            if name in run.data:
                 config.data[name] = run.data[name]
     if say:
         print(f"Prompts: the held-out split of {policy.label}'s datasets={list(config.datasets)}, read with its data.* settings.")
@@ -725,13 +725,13 @@ def main(config: DictConfig) -> str:
     config = effective_config(config)
     check_config(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = utils.init_distributed(config.get("dist_timeout_minutes", 60)) if world > 1 else 0
+    rank = utils.init_distributed(config.dist_timeout_minutes) if world > 1 else 0
     utils.set_threads(config.num_threads)
-    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+    utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     policy = sampling.resolve_source(config.policy, config, "policy")
-    policy.label = config.get("label") or policy.label
+    policy.label = config.label or policy.label
     if config.baseline == "chosen":
         baseline, baseline_label = None, "chosen"
     elif config.baseline == "reference":
@@ -739,7 +739,7 @@ def main(config: DictConfig) -> str:
     else:
         baseline = sampling.resolve_source(config.baseline, config, "baseline")
         baseline_label = baseline.label
-    baseline_label = config.get("baseline_label") or baseline_label
+    baseline_label = config.baseline_label or baseline_label
     settle_datasets(config, policy, say=rank == 0)  # datasets=null: the policy run's own
     reference, no_reference = kl_reference(config, policy)
     if reference is not None:
@@ -753,7 +753,7 @@ def main(config: DictConfig) -> str:
     overlap = training_overlap(items, policy)
     if overlap:
         name, count = next(iter(overlap.items()))
-        fraction = (policy.run_config.get("data", {}).get(name) or {}).get("holdout_fraction")
+        fraction = (policy.run_config.data.get(name) or {}).get("holdout_fraction")
         raise DataError(
             f"{count} of the {sum(it['dataset'] == name for it in items)} evaluation prompts of {name} are in the training data of "
             f"{policy.label} (read with its run's data.{name} settings); evaluate on its held-out split"
@@ -763,10 +763,10 @@ def main(config: DictConfig) -> str:
     out, refusal, lock = None, None, None
     if rank == 0:
         try:
-            out = config.get("output_dir") or default_output_dir(config, policy, baseline_label)
+            out = config.output_dir or default_output_dir(config, policy, baseline_label)
             os.makedirs(out, exist_ok=True)
             lock = checkpoints.lock_run_dir(out)
-            if config.get("resume") is None:
+            if config.resume is None:
                 OmegaConf.save(config, os.path.join(out, "config.yaml"))
         except (ConfigError, OSError) as e:
             refusal = str(e)
@@ -794,7 +794,7 @@ def _evaluate(config, out, rank, world, device, policy, baseline, baseline_label
     size = config.generate_batch_size
     batches = [items[i : i + size] for i in range(0, len(items), size)]
     mine = [b for k, b in enumerate(batches) if k % world == rank]
-    show = rank == 0 and bool(config.get("progress_bar", True))
+    show = rank == 0 and bool(config.progress_bar)
     a = sample_all(policy, "A", mine, config, samples, device, show, need_tokens=reference is not None)
     b = sample_all(baseline, "B", mine, config, samples, device, show) if baseline is not None else None
     kl = _kl_logps(config, out, rank, device, policy, reference, mine, a, show) if reference is not None else {}
@@ -871,7 +871,7 @@ def _write_and_report(
     os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
     title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
     write_html(rows, os.path.join(out, "samples.html"), title)
-    series = plot_series(results, list(config.get("plot_with") or []))
+    series = plot_series(results, list(config.plot_with or []))
     wins_title = win_rates_title(len({r["id"] for r in rows}), judge_text(config))
     plot_win_rates(series, os.path.join(out, "win_rates.png"), baseline_label, wins_title)
     plot_reward_kl(series, os.path.join(out, "reward_kl.png"), config.judge.name)

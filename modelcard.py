@@ -128,7 +128,7 @@ def _base(config: DictConfig) -> tuple[str | None, str]:
         what = "A randomly initialised model (`model.config`)"
     else:
         what = f"`{name}`"
-    if model.get("archive") is not None:
+    if model.archive is not None:
         archive = checkpoints.local_path(model.archive)  # not a LATEST link
         what += f", starting from the policy `{archive}` (`model.archive`, e.g. an SFT run's)"
     return hub_id, what
@@ -239,7 +239,7 @@ def _metrics_lines(config: DictConfig, eval_step: int | None, metrics: dict) -> 
     lines = ["", "## Held-out metrics", ""]
     if metrics:
         lines += [
-            f"The eval after {eval_step} examples (`n_eval_examples={config.get('n_eval_examples')}` held-out examples at most):",
+            f"The eval after {eval_step} examples (`n_eval_examples={config.n_eval_examples}` held-out examples at most):",
             "",
         ]
         lines += ["| metric | value |", "|---|---|"]
@@ -275,7 +275,7 @@ def _made_lines(config: DictConfig, run_dir: str) -> list[str]:
 def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, updates: int, adapter: bool) -> None:
     """Write the card (README.md) and the curves so far (``curves/``) into the export ``folder`` and its ``merged/`` if any."""
     saved = os.path.join(run_dir, "config.yaml")
-    run_config = OmegaConf.load(saved) if os.path.exists(saved) else config
+    run_config = checkpoints.load_run_config(saved) if os.path.exists(saved) else config
     curves_dir = os.path.join(folder, "curves")
     curves = [os.path.basename(f)[: -len(".png")] for f in tracking.plot_curves(run_dir, out_dir=curves_dir, panels=CURVE_PANELS)]
     if not curves:
@@ -330,7 +330,7 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
 def export_to_push(checkpoint: str, config: DictConfig) -> str:
     """The folder ``hub.push`` uploads: the checkpoint's ``hf/``, or ``hf/merged`` with ``model.lora.export_merged``."""
     lora = checks.lora_settings(config.model)
-    merged = lora is not None and lora.get("export_merged")
+    merged = lora is not None and lora.export_merged
     return os.path.join(os.path.realpath(checkpoint), "hf", "merged" if merged else "")
 
 
@@ -354,7 +354,7 @@ def push(checkpoint: str, config: DictConfig) -> str:
             "the run is finished and kept, and its checkpoint loads with model.archive=<it>/policy.pt."
         )
     run_dir, step = os.path.split(os.path.realpath(checkpoint))
-    message = hub.get("commit_message") or f"train.py: {os.path.basename(run_dir)} {step}"
+    message = hub.commit_message or f"train.py: {os.path.basename(run_dir)} {step}"
     try:
         api = HfApi()
         url = api.create_repo(hub.model_id, private=hub.private, repo_type="model", exist_ok=True)

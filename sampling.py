@@ -10,6 +10,7 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
 import checks
 import models
 import preference_datasets
@@ -55,9 +56,8 @@ def _enclosing_run(path: str) -> str | None:
     folder = os.path.realpath(path)
     for _ in range(3):
         folder = os.path.dirname(folder)
-        if os.path.isfile(os.path.join(folder, "config.yaml")) and "policy" not in OmegaConf.load(
-            os.path.join(folder, "config.yaml")
-        ):
+        saved = os.path.join(folder, "config.yaml")
+        if os.path.isfile(saved) and "policy" not in checkpoints.load_run_config(saved):
             return folder
     return None
 
@@ -71,8 +71,8 @@ def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Sour
             f"{what}={spec}: its run folder {run_dir} has no config.yaml, which says what model the checkpoint is; "
             "give the checkpoint of a run made by train.py, or its hf/ folder."
         )
-    run_config = OmegaConf.load(saved)
-    if run_config.get("loss", {}).get("name") == "reward":
+    run_config = checkpoints.load_run_config(saved)
+    if run_config.loss.name == "reward":
         raise ConfigError(
             f"{what}={spec} is a reward model (loss=reward), not a policy; give it to the judge as "
             f"reward_model.name_or_path={os.path.join(run_dir, 'LATEST', 'hf')}."
@@ -170,7 +170,7 @@ def reference_source(policy: Source) -> Source:
             f"baseline=reference needs a policy trained here (a run folder or checkpoint), whose model.archive or base model is "
             f"its reference; {policy.label} is not one: give its base model as baseline=<folder or hub id>."
         )
-    archive = policy.model_config.get("archive")
+    archive = policy.model_config.archive
     if archive is not None and not os.path.isfile(archive):
         raise ConfigError(
             f"The reference of {policy.label} is model.archive={archive}, which is not a file here; run evaluate.py from the "
@@ -207,7 +207,7 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
             if checkpoint.get("lora") is None:
                 model.load_state_dict(checkpoint["state"])
             else:
-                archive = source.model_config.get("archive")
+                archive = source.model_config.archive
                 if archive is not None:
                     base = models.load_weights_file(
                         archive, f"{source.label}'s model.archive={archive}", "give the policy.pt of an earlier run"

@@ -260,8 +260,8 @@ def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...
     loss, average = None, False
     saved = os.path.join(run_dir, "config.yaml")
     if os.path.exists(saved):
-        loss_config = OmegaConf.load(saved).get("loss") or {}
-        loss, average = loss_config.get("name"), bool(loss_config.get("average_log_prob", False))
+        loss_config = checkpoints.load_run_config(saved).loss
+        loss, average = loss_config.name, bool(loss_config.get("average_log_prob", False))  # not every loss has it
     plan = [p for p in curve_panels(series, loss, average) if panels is None or p["name"] in panels]
     out_dir = out_dir or os.path.join(run_dir, "curves")
     os.makedirs(out_dir, exist_ok=True)

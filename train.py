@@ -86,7 +86,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
             if os.path.exists(os.path.join(parent, "LATEST")) and os.path.exists(os.path.join(parent, "config.yaml")):
                 hint = f"; it looks like a checkpoint inside one: give the run folder, resume={parent}"
             raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml{hint}.")
-        config = OmegaConf.load(saved)
+        config = checkpoints.load_run_config(saved)
         config.update(budget or {})
         config.resume = resume_dir
     OmegaConf.resolve(config)
@@ -99,7 +99,7 @@ def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | 
     newest_other = None
     for run in checkpoints.resumable_runs(config.output_root, config.exp_name):
         try:
-            saved = OmegaConf.load(os.path.join(run, "config.yaml"))
+            saved = checkpoints.load_run_config(os.path.join(run, "config.yaml"))
         except Exception as e:  # an unreadable config.yaml: that run cannot be matched
             differences = [("config.yaml", f"unreadable ({type(e).__name__})", "this command")]
         else:
@@ -116,7 +116,7 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
         return None
-    differences = checks.config_differences(OmegaConf.load(saved), config, keys)
+    differences = checks.config_differences(checkpoints.load_run_config(saved), config, keys)
     if not differences:
         return None
     return (
@@ -130,15 +130,15 @@ def budget_given(config: DictConfig, given: set[str]) -> dict | None:
     """With ``resume=<run folder>``: the ``n_examples``/``n_epochs`` the command line sets (n_epochs alone nulls n_examples)."""
     if config.resume in (None, "auto") or not any(k in given for k in BUDGET_KEYS):
         return None
-    budget = {k: config.get(k) for k in BUDGET_KEYS if k in given}
-    if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
+    budget = {k: config[k] for k in BUDGET_KEYS if k in given}
+    if "n_epochs" in given and "n_examples" not in given and config.n_epochs is not None:
         budget["n_examples"] = None
     return budget
 
 
 def length_text(config) -> str:
     """``n_examples=96`` or ``n_epochs=2``: the key that sets ``config``'s training length."""
-    return f"n_examples={config.n_examples}" if config.get("n_examples") else f"n_epochs={config.n_epochs}"
+    return f"n_examples={config.n_examples}" if config.n_examples else f"n_epochs={config.n_epochs}"
 
 
 def total_examples(config, n_train: int) -> int:
@@ -148,8 +148,8 @@ def total_examples(config, n_train: int) -> int:
 
 def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -> dict | None:
     """When ``config``'s training length differs from ``resume_dir``'s: {old, old_total, new_total, trained}, else None."""
-    saved = OmegaConf.load(os.path.join(resume_dir, "config.yaml"))
-    if all(saved.get(k) == config.get(k) for k in BUDGET_KEYS):
+    saved = checkpoints.load_run_config(os.path.join(resume_dir, "config.yaml"))
+    if all(saved[k] == config[k] for k in BUDGET_KEYS):
         return None
     new_total = total_examples(config, n_train)
     if new_total <= trained:
@@ -199,8 +199,8 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     steps = [-(-n // config.batch_size) for n in (found["old_total"], found["new_total"])]
     schedule = lr_line(config, steps_done, *steps)
     print(f"{line}\n{schedule}")
-    saved = found["old"]
-    saved.update({k: config.get(k) for k in BUDGET_KEYS})
+    saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))  # the file as written: only its length changes
+    saved.update({k: config[k] for k in BUDGET_KEYS})
     with utils.replacing(os.path.join(run_dir, "config.yaml")) as tmp:
         checkpoints.save_run_config(saved, tmp, checkpoints.read_command(run_dir))  # the "# Made by:" line kept
     with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
@@ -227,7 +227,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     reward_head = objective.score_head
     lora = checks.lora_settings(config.model)
     needs_reference = objective.uses_reference(config.loss) and lora is None  # LoRA: the base is the reference
-    remote_reference = config.get("launcher") == "ray" and config.ray.reference_workers > 0  # on Ray actors
+    remote_reference = config.launcher == "ray" and config.ray.reference_workers > 0  # on Ray actors
     local_reference = needs_reference and not remote_reference
 
     @functools.cache
@@ -364,7 +364,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
-    utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+    utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
 
     tokenizer = models.load_tokenizer(config.model)
     train_examples, eval_examples = _load_splits(config, tokenizer, rank, answer_functions)
@@ -376,7 +376,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     if rank == 0:
         print(checks.training_length(config, len(train_examples)))
     scorer = None  # online DPO's scorer, when it runs here (not on Ray actors): before the run folder, failing fast
-    if not (config.get("launcher") == "ray" and config.ray.reward_workers > 0) and config.online.enabled:
+    if not (config.launcher == "ray" and config.ray.reward_workers > 0) and config.online.enabled:
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         scorer = rewards.build_scorer(config, device=device)
 
@@ -420,8 +420,8 @@ def _check_config(config: DictConfig) -> list:
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     checks.validate_config(config, world_size)
     declared = preference_datasets.declared_reward_functions(config.datasets)
-    answer_functions = reward_functions.eval_functions(config.get("eval_reward_functions"), declared)  # a bad name: now
-    if config.model.get("fsdp_policy_mp") == "float16" and int(os.environ.get("RANK", 0)) == 0:
+    answer_functions = reward_functions.eval_functions(config.eval_reward_functions, declared)  # a bad name: now
+    if config.model.fsdp_policy_mp == "float16" and int(os.environ.get("RANK", 0)) == 0:
         print(
             "Note: model.fsdp_policy_mp=float16 computes in float16 without a gradient scaler, so small gradients "
             "can underflow to 0; model.fsdp_policy_mp=bfloat16 has float32's range."
@@ -434,7 +434,7 @@ def _check_config(config: DictConfig) -> list:
 
 def _start_ranks(config: DictConfig) -> int:
     """Join the FSDP/TP process group and check that every rank runs the same config and code; returns this rank."""
-    rank = utils.init_distributed(config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES))
+    rank = utils.init_distributed(config.dist_timeout_minutes)
     checks.check_same_run(config, AUTO_RESUMED)  # every rank: the same config and code as rank 0, before any model loads
     checks.check_shared_output_root(config.output_root, rank)
     if rank != 0:
@@ -561,7 +561,7 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    push = owns_folder and (config.get("hub") or {}).get("push")  # a launcher's run (Ray) is pushed by that launcher
+    push = owns_folder and config.hub.push  # a launcher's run (Ray) is pushed by that launcher
     if stop_signal is None and rank == 0 and push:  # the run is FINISHED before the push
         print(modelcard.push_final(run_dir, config))
 
@@ -664,7 +664,7 @@ STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "
 
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
     """Whether ``sft_first``'s SFT stage runs first; a preset's stage that cannot apply is noted, a command line's raises."""
-    stage = config.get("sft_first") or {}
+    stage = config.sft_first or {}  # sft_first=null: no stage
     if stage.get("n_examples") is None or "RANK" in os.environ:
         return False
     reason = checks.sft_first_skip(config, given)
@@ -683,7 +683,7 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
     kept = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") not in STAGE_KEYS]
     stage = config.sft_first
     sft = [*kept, "loss=sft", f"n_examples={stage.n_examples}", "sft_first.n_examples=null"]
-    if stage.get("lr") is not None:
+    if stage.lr is not None:
         sft.append(f"lr={stage.lr}")
     given_name = next((o.value() for o in parsed if o.key_or_group == "exp_name"), None)
     if given_name is not None:
@@ -758,7 +758,7 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
         return [r for r in rows if any(k.endswith("_eval/accuracies") or k.startswith("answers_eval/") for k in r)]
 
     first, second = evals(sft_dir), evals(run_dir)
-    loss_name = OmegaConf.load(os.path.join(run_dir, "config.yaml")).loss.name
+    loss_name = checkpoints.load_run_config(os.path.join(run_dir, "config.yaml")).loss.name
     n = second[-1].get("answers_eval/n") if second else None
     n = int(n) if isinstance(n, (int, float)) else "the"
     lines = []
@@ -851,7 +851,7 @@ def run_command(config: DictConfig) -> None:
         if sft_stage_wanted(config, given):
             checks.validate_config(config)  # a bad value is said once, before either stage starts
             declared = preference_datasets.declared_reward_functions(config.datasets)
-            reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
+            reward_functions.eval_functions(config.eval_reward_functions, declared)
             options = OmegaConf.to_container(config.data, resolve=True)
             for split in ("train", "test"):  # a bad data file is said before the first stage's banner, not inside it
                 load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
@@ -862,7 +862,7 @@ def run_command(config: DictConfig) -> None:
             if problem is not None:
                 raise utils.ConfigError(problem)
         config = effective_config(config, budget)  # resume=auto resolved (a fresh run keeps the overrides)
-        if config.get("launcher") == "ray":
+        if config.launcher == "ray":
             import ray_launcher
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send
 

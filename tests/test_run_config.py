@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, TINY, compose_config, needs_shared, one_run, run_train
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import checkpoints
@@ -449,3 +450,28 @@ def test_a_value_outside_its_choices_is_one_sentence(override, message):
 )
 def test_each_allowed_choice_passes(override):
     checks.validate_config(compose_config([override]))
+
+
+def test_a_config_saved_before_newer_keys_existed_loads_with_todays_defaults_its_values_winning(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text(
+        checkpoints.RUN_COMMAND_LINE + "python train.py loss=ipo loss.beta=0.5\n"
+        "seed: 7\nlr: 1.0e-4\nloss: {name: ipo, beta: 0.5}\nmodel: {name_or_path: gpt2, policy_dtype: bfloat16}\n"
+        "datasets: [hh]\na_key_since_removed: 1\n"
+    )
+    checkpoints._defaults.cache_clear()
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):  # as inside hydra.main
+        config = checkpoints.load_run_config(str(old))
+        assert compose(config_name="config").loss.name == "dpo"  # the caller's Hydra is left as it was
+    # saved values win
+    assert (config.seed, config.lr, config.loss.beta, config.datasets) == (7, 1e-4, 0.5, ["hh"])
+    assert (config.model.name_or_path, config.model.policy_dtype, config.a_key_since_removed) == ("gpt2", "bfloat16", 1)
+    # by hand from config/config.yaml (not model=tiny's warmup_steps 20 or optimizer AdamW), loss/ipo.yaml, model/blank_model.yaml
+    assert (config.warmup_steps, config.optimizer, config.reference_update.every, config.model.lora.alpha) == (
+        150,
+        "RMSprop",
+        512,
+        32,
+    )
+    assert (config.loss.average_log_prob, config.loss.nll_weight, config.model.reference_dtype) == (True, 0.0, None)
+    assert config.exp_name == "ipo_run" and config.data.hh.holdout_fraction == 0.0 and "policy" not in config
