@@ -87,7 +87,7 @@ class OnlineSampling:
         self.failed_since_eval = self.judged_since_eval = 0
         if not self.online or not judged:
             return None
-        limit = float(self.config.online.get("max_failure_rate", 0.1))
+        limit = float(self.config.online.max_failure_rate)
         share = failed / judged
         if self.is_main:
             print(

@@ -205,7 +205,7 @@ def _finish(config: DictConfig, run_dir: str, result) -> int:
     """Say where the finished run is and push its final export if ``hub.push``; the exit status (1: the push failed)."""
     where = f"; Ray's copy: {result.checkpoint.path}" if result.checkpoint is not None else ""
     print(f"Ray run {config.ray.name} done: run folder {run_dir}{where}.")
-    if (config.get("hub") or {}).get("push"):  # from the driver: a failed push must not restart the workers
+    if config.hub.push:  # from the driver: a failed push must not restart the workers
         try:
             print(modelcard.push_final(run_dir, config))
         except modelcard.PushError as e:
@@ -270,14 +270,14 @@ class ReferenceActor:
     def __init__(self, config: dict):
         config = OmegaConf.create(config)
         utils.set_threads(config.num_threads)
-        utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+        utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
         tokenizer = models.load_tokenizer(config.model)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.model = models.load_reference(config, tokenizer).to(self.device)
         self.model.eval()
         self.model.requires_grad_(False)
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
-        self.output_layer_chunk = config.get("output_layer_chunk", trainers.DEFAULT_OUTPUT_LAYER_CHUNK)
+        self.output_layer_chunk = config.output_layer_chunk
 
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""
@@ -366,8 +366,8 @@ class ScorerActor:
     def __init__(self, config: dict, build: str = "rewards.build_scorer"):
         module, name = build.rsplit(".", 1)
         config = OmegaConf.create(config)
-        utils.set_threads(config.get("num_threads"))
-        utils.set_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
+        utils.set_threads(config.num_threads)
+        utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         self.scorer = getattr(importlib.import_module(module), name)(config, device=device)
 

@@ -252,7 +252,7 @@ class BasicTrainer(OnlineSampling):
         declared = declared_reward_functions(config.datasets)
         self.answer_functions = [  # one scorer per function: each is reported on its own
             (name, rewards.RewardFunctionScorer([name], [fn], [1.0]))
-            for name, fn in reward_functions.eval_functions(config.get("eval_reward_functions"), declared)
+            for name, fn in reward_functions.eval_functions(config.eval_reward_functions, declared)
         ]
         n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
         self.eval_batches = list(
@@ -406,7 +406,7 @@ class BasicTrainer(OnlineSampling):
         kwargs = {"lr": self.config.lr}
         if self.config.optimizer in ("AdamW", "Adam", "SGD"):
             kwargs["weight_decay"] = self.config.weight_decay
-        if self.config.get("optimizer_foreach") is not None:
+        if self.config.optimizer_foreach is not None:
             kwargs["foreach"] = bool(self.config.optimizer_foreach)
         groups = parameter_groups(params)
         # foreach kernels take one group's tensors at once
@@ -421,7 +421,7 @@ class BasicTrainer(OnlineSampling):
     def output_layer_chunk(self) -> int | None:
         """``config.output_layer_chunk``: positions per call of the output layer wherever
         log-probs are taken (``packing.output_layer_logps``); None or 0: all at once."""
-        return self.config.get("output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
+        return self.config.output_layer_chunk
 
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:func:`batch_logps` of ``model`` on ``batch`` with this trainer's settings."""
@@ -856,7 +856,7 @@ class BasicTrainer(OnlineSampling):
             else "no checkpoint was written yet"
         )
         fix = "lower lr or max_grad_norm, or check the data"
-        if self.config.model.get("policy_dtype") == "float16":
+        if self.config.model.policy_dtype == "float16":
             fix += ", or train with model.policy_dtype=bfloat16 (float16 weights overflow and underflow easily)"
         raise NonFiniteLossError(
             f"Training stopped: {what} at step {self.batch_counter + 1} (after {self.example_counter} examples), "
@@ -1650,7 +1650,7 @@ class FSDPTrainer(_DistributedTrainer):
 
     def tensor_parallel_size(self, config) -> int:
         """``tensor_parallel_size`` (default 1: plain FSDP over every rank)."""
-        return config.get("tensor_parallel_size") or 1
+        return config.tensor_parallel_size or 1
 
     def prepare_models(self) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy
