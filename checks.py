@@ -10,6 +10,7 @@ import socket
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import checkpoints
 import losses
 import utils
 
@@ -762,7 +763,7 @@ def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -
         )
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+CONFIG_DIR = checkpoints.CONFIG_DIR
 
 
 def _keys(node: DictConfig, top: bool) -> str:

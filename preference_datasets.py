@@ -1571,7 +1571,7 @@ def count_duplicates(data: DatasetDict) -> int:
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (SFT: per prompt, no ``"rejected"``;
     unpaired: per labelled completion), in a stable order."""
-    mode = registered("pairs")[name].truncation_mode
+    mode = REGISTRY[name]["pairs"].truncation_mode
     examples = []
     for prompt, entry in data.items():
         extra = {"conversation": True} if "prompt_messages" in entry else {}
@@ -1648,7 +1648,8 @@ def load_prompt_examples(names: list[str], split: str, options: dict, silent: bo
 
 def prompt_truncation_mode(name: str) -> str:
     """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep."""
-    spec = REGISTRY.get(name, {}).get("prompts") or REGISTRY.get(name, {}).get("pairs")
+    specs = REGISTRY.get(name, {})
+    spec = specs.get("prompts") or specs.get("pairs")
     if spec is None:
         raise _unknown_prompt_dataset(name)
     return spec.truncation_mode

@@ -57,7 +57,7 @@ def _enclosing_run(path: str) -> str | None:
     for _ in range(3):
         folder = os.path.dirname(folder)
         saved = os.path.join(folder, "config.yaml")
-        if os.path.isfile(saved) and "policy" not in checkpoints.load_run_config(saved):
+        if os.path.isfile(saved) and "policy" not in OmegaConf.load(saved):
             return folder
     return None
 
