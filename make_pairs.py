@@ -26,10 +26,12 @@ from utils import ConfigError
 
 
 def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list[tuple[int, int]], int, int]:
-    """(pairs (chosen, rejected index), the higher score chosen, in index order; ties; failures: None or NaN scores)."""
+    """(pairs (chosen, rejected index), the higher score chosen, in index order; ties; failures: None or NaN scores),
+    a text that repeats an earlier scored completion left out (it would repeat that completion's pairs)."""
     scored = [i for i, s in enumerate(scores) if s is not None and not math.isnan(s)]
+    distinct = sorted({completions[i]: i for i in reversed(scored)}.values())  # each text's first index
     pairs, ties = [], 0
-    for i, j in itertools.combinations(scored, 2):
+    for i, j in itertools.combinations(distinct, 2):
         if scores[i] == scores[j]:
             ties += 1
         else:
@@ -179,6 +181,9 @@ def _prompt_samples(item: dict, out: list[dict], completions: list[str], scores:
 def _prompt_pairs(item: dict, completions: list[str], scores: list, limit: int | None, counts: dict) -> list[dict]:
     """The pair rows of one prompt's completions (at most ``limit``), counted into ``counts``."""
     chosen_rejected, ties, failures = make_pairs(completions, scores)
+    repeats = len(completions) - failures - len({c for c, s in zip(completions, scores) if s is not None})
+    if repeats:
+        counts["repeated completions left out"] = counts.get("repeated completions left out", 0) + repeats
     if limit is not None and len(chosen_rejected) > limit:
         counts["left out by max_pairs_per_prompt"] += len(chosen_rejected) - limit
         chosen_rejected = widest_pairs(chosen_rejected, scores, limit)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,12 @@ def test_pairs_by_hand_ties_and_failures_counted():
     assert make_pairs.make_pairs(list("abcd"), [4.0, 3.0, 2.0, 1.0])[0] == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
 
 
+def test_a_repeated_completion_is_paired_once():
+    # Regression (fresh-user trial): k=4 samples "a", "b", "a", "c" scored 2, 1, 2, 2 wrote the pair a > b twice.
+    # Distinct texts a (0), b (1), c (3): pairs (0, 1) and (3, 1), tie (0, 3); the second "a" is neither.
+    assert make_pairs.make_pairs(list("abac"), [2.0, 1.0, 2.0, 2.0]) == ([(0, 1), (3, 1)], 1, 0)
+
+
 def test_widest_pairs_by_hand():
     # scores 4, 3, 2, 0.5: gaps (0,1) 1, (0,2) 2, (0,3) 3.5, (1,2) 1, (1,3) 2.5, (2,3) 1.5
     scores = [4.0, 3.0, 2.0, 0.5]
@@ -57,7 +64,7 @@ def test_max_pairs_per_prompt_1_keeps_the_longest_against_the_shortest(run, tmp_
     pairs, samples = read_jsonl(output), read_jsonl(Path(str(output) + ".samples.jsonl"))
     left_out = 0
     for prompt in {s["id"] for s in samples}:
-        lengths = [len(s["completion"]) for s in samples if s["id"] == prompt]
+        lengths = [len(t) for t in dict.fromkeys(s["completion"] for s in samples if s["id"] == prompt)]  # distinct texts
         mine = [p for p in pairs if p["id"] == prompt]
         differ = sum(a != b for a, b in itertools.combinations(lengths, 2))
         assert len(mine) == min(differ, 1)
@@ -93,13 +100,15 @@ def test_offline_pairs_by_length_end_to_end_then_trains(run, tmp_path, capsys):
     assert pairs
     for p in pairs:
         assert p["chosen_score"] == len(p["chosen"]) > p["rejected_score"] == len(p["rejected"])
-    expected_pairs = expected_ties = 0
+    expected_pairs = expected_ties = distinct = 0
     for prompt in {s["id"] for s in samples}:
-        lengths = [len(s["completion"]) for s in samples if s["id"] == prompt]
-        assert len(lengths) == 4
+        lengths = [len(t) for t in dict.fromkeys(s["completion"] for s in samples if s["id"] == prompt)]  # distinct texts
+        assert 1 <= len(lengths) <= 4
         differ = sum(a != b for a, b in itertools.combinations(lengths, 2))
         assert sum(p["id"] == prompt for p in pairs) == differ
-        expected_pairs, expected_ties = expected_pairs + differ, expected_ties + 6 - differ
+        expected_pairs, expected_ties = expected_pairs + differ, expected_ties + math.comb(len(lengths), 2) - differ
+        distinct += len(lengths)
+    assert counts.get("repeated completions left out", 0) == 24 - distinct
     assert (counts["pairs"], counts["ties"], counts["failures"]) == (expected_pairs, expected_ties, 0)
     printed = capsys.readouterr().out
     assert f"6 prompts, 24 completions, {expected_pairs} pairs, {expected_ties} ties, 0 failures" in printed
