@@ -412,6 +412,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
+    if rank == 0 and stop_signal is None and STAGE_ENV not in os.environ:  # run_stages sums up both stages itself
+        for line in stage_summary(None, run_dir):
+            print(line)
     return run_dir, stop_signal
 
 
@@ -566,6 +569,7 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
         print(modelcard.push_final(run_dir, config))
 
 
+STAGE_ENV = "DPO_STAGE"  # set by run_stages in each stage's process
 RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"  # set by launch in rank 0: a pipe main writes the run folder into, named if a rank dies
 RUN_FOLDER: str | None = None  # this process's run folder once main knows it, named when another rank dies
 RUN_FOLDER_TOLD: str | None = None  # the run folder this command made or continued (tell_launcher), for a sweep's summary
@@ -714,7 +718,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                 what = f"{config.loss.name} from the SFT policy"
             print(f"\n=== Stage {number} of 2: {what}\n    {shell_line(script, args)}\n", flush=True)
             folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
-            env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1])}
+            env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1]), STAGE_ENV: str(number)}
             try:
                 command = [sys.executable, script, *args]
                 child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
@@ -749,16 +753,21 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     return 0
 
 
-def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
-    """Lines comparing the stages' evals: answers_eval scores at start, after SFT and at the end, and reward accuracy."""
+def stage_summary(sft_dir: str | None, run_dir: str) -> list[str]:
+    """Lines comparing the evals at the start, after the SFT stage in ``sft_dir`` (if any) and at the end of ``run_dir``:
+    answers_eval scores and reward accuracy."""
 
     def evals(folder):
         path = os.path.join(folder, "metrics.jsonl")
         rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
         return [r for r in rows if any(k.endswith("_eval/accuracies") or k.startswith("answers_eval/") for k in r)]
 
-    first, second = evals(sft_dir), evals(run_dir)
-    loss_name = checkpoints.load_run_config(os.path.join(run_dir, "config.yaml")).loss.name
+    second = evals(run_dir)
+    if sft_dir is None and not (len(second) > 1 and second[0].get("step") == 0):
+        return []  # one run alone is compared with its own step-0 eval
+    first = evals(sft_dir) if sft_dir is not None else second[:1]
+    loss = checkpoints.load_run_config(os.path.join(run_dir, "config.yaml")).loss
+    loss_name = loss.name
     n = second[-1].get("answers_eval/n") if second else None
     n = int(n) if isinstance(n, (int, float)) else "the"
     lines = []
@@ -766,15 +775,21 @@ def stage_summary(sft_dir: str, run_dir: str) -> list[str]:
         for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended", "/n"))):
             values = [first[0].get(key), first[-1].get(key), second[-1].get(key)]
             if all(isinstance(v, (int, float)) for v in values):
+                after_sft = f"{values[1]:.2f} after SFT, " if sft_dir is not None else ""
                 lines.append(
                     f"{key} (mean score of the greedy answers to the held-out prompts): {values[0]:.2f} at the start, "
-                    f"{values[1]:.2f} after SFT, {values[2]:.2f} after {loss_name} ({n} prompts)."
+                    f"{after_sft}{values[2]:.2f} after {loss_name} ({n} prompts)."
                 )
     accuracy = [r.get("rewards_eval/accuracies") for r in (second[:1] + second[-1:])] if second else []
     if len(accuracy) == 2 and all(isinstance(v, (int, float)) for v in accuracy):
+        start = (
+            "policy = reference: every margin 0; chance 0.5"
+            if losses.get_objective(loss_name).uses_reference(loss)
+            else "chance 0.5"
+        )
         lines.append(
             f"rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): {accuracy[0]:.2f} at the start of "
-            f"{loss_name} (policy = reference: every margin 0; chance 0.5), {accuracy[1]:.2f} at its end."
+            f"{loss_name} ({start}), {accuracy[1]:.2f} at its end."
         )
     return lines
 

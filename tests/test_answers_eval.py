@@ -191,6 +191,7 @@ def test_two_stages_in_one_command(tmp_path):
     assert dpo_first["rewards_eval/accuracies"] == 0.0  # policy = reference
     assert "answers_eval/arithmetic (mean score of the greedy answers to the held-out prompts):" in out.stdout
     assert "answers_eval/n (mean score" not in out.stdout  # a count, not a score (it read 256.00 at each stage)
+    assert out.stdout.count("(mean score of the greedy answers") == 1  # the summary of both stages, not stage 2's own too
     dpo_last = [r for r in metric_records(dpo_dir) if "answers_eval/arithmetic" in r][-1]
     assert (
         f"{sft_last['answers_eval/arithmetic']:.2f} after SFT, {dpo_last['answers_eval/arithmetic']:.2f} after dpo (16 prompts)."

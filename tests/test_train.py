@@ -618,3 +618,25 @@ def test_samples_md_is_rewound_with_samples_jsonl(tmp_path):
     assert text.count("## after 0 examples") == 1 and text.count("## after 24 examples") == 1
     assert "## after 48" not in text
     assert "| prompt | policy | reference |" in text and "| Q1\\| | p24<br> | r |" in text
+
+
+def test_a_run_alone_ends_comparing_its_last_eval_with_its_step_0_eval(tmp_path):
+    # Regression (fresh-user trial): a run with model.archive ended on a bare "rewards_eval/accuracies: 1", compared with
+    # nothing. Hand-made metrics: step 0 accuracy 0.00 and answers 0.50; step 100 accuracy 0.75 and answers 0.90.
+    rows = [
+        {"step": 0, "rewards_eval/accuracies": 0.0, "answers_eval/arithmetic": 0.5, "answers_eval/n": 20},
+        {"step": 50, "loss/train": 0.6},
+        {"step": 100, "rewards_eval/accuracies": 0.75, "answers_eval/arithmetic": 0.9, "answers_eval/n": 20},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "config.yaml").write_text("loss:\n  name: dpo\n")
+    assert train.stage_summary(None, str(tmp_path)) == [
+        "answers_eval/arithmetic (mean score of the greedy answers to the held-out prompts): 0.50 at the start, "
+        "0.90 after dpo (20 prompts).",
+        "rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): 0.00 at the start of dpo "
+        "(policy = reference: every margin 0; chance 0.5), 0.75 at its end.",
+    ]
+    (tmp_path / "config.yaml").write_text("loss:\n  name: simpo\n")  # no reference: the start is not margin 0
+    assert train.stage_summary(None, str(tmp_path))[1].endswith("0.00 at the start of simpo (chance 0.5), 0.75 at its end.")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))  # do_first_eval=false
+    assert train.stage_summary(None, str(tmp_path)) == []
