@@ -540,11 +540,11 @@ def summarize(
         stats = win_rate_stats([r["verdict"] for r in mine], config.max_failure_rate)
         stats["a_ended"] = sum(r["a_ended"] for r in mine) / len(mine) if mine else None
         stats["a_tokens"] = sum(r["a_tokens"] for r in mine) / len(mine) if mine else None
-        # a judge that scores each response writes score_a (None where it failed); a pairwise one does not
-        scores = [(r.get("detail") or {}).get("score_a") for r in mine]
-        scores = [x for x in scores if x is not None]
-        stats["reward_mean"], stats["reward_ci_low"], stats["reward_ci_high"] = mean_interval(scores)
-        stats["reward_n"] = len(scores)
+        # a judge that scores each response writes score_a and score_b (None where it failed); a pairwise one does not
+        for side, prefix in (("score_a", "reward"), ("score_b", "baseline_reward")):
+            scores = [x for x in ((r.get("detail") or {}).get(side) for r in mine) if x is not None]
+            stats[f"{prefix}_mean"], stats[f"{prefix}_ci_low"], stats[f"{prefix}_ci_high"] = mean_interval(scores)
+            stats[f"{prefix}_n"] = len(scores)
         kls = [r["kl"] for r in mine if r.get("kl") is not None]
         stats["kl_mean"], stats["kl_ci_low"], stats["kl_ci_high"] = mean_interval(kls)
         stats["kl_n"] = len(kls)
@@ -583,17 +583,22 @@ def _with_interval(mean, low, high) -> str:
 def results_table(results: dict) -> str:
     """The per-temperature results as a Markdown table."""
     lines = [
-        "| temperature | win rate | 95% interval | tie rate | n | failed | reward [95%] | KL [95%] |",
-        "|---|---|---|---|---|---|---|---|",
+        "| temperature | win rate | 95% interval | tie rate | loss rate | n | failed | baseline reward [95%] | reward [95%] | KL [95%] |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for t, r in results["temperatures"].items():
-        reward = _with_interval(r.get("reward_mean"), r.get("reward_ci_low"), r.get("reward_ci_high"))
-        kl = _with_interval(r.get("kl_mean"), r.get("kl_ci_low"), r.get("kl_ci_high"))
+        baseline, reward, kl = (
+            _with_interval(r.get(f"{k}_mean"), r.get(f"{k}_ci_low"), r.get(f"{k}_ci_high"))
+            for k in ("baseline_reward", "reward", "kl")
+        )
         if r["win_rate"] is None:
-            rate = "- | - | - | 0"
+            rate = "- | - | - | - | 0"
         else:
-            rate = f"{r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['n']}"
-        lines.append(f"| {t} | {rate} | {r['failed']} | {reward} | {kl} |")
+            rate = (
+                f"{r['win_rate']:.3f} | [{r['ci_low']:.3f}, {r['ci_high']:.3f}] | {r['tie_rate']:.3f} | {r['loss_rate']:.3f}"
+                f" | {r['n']}"
+            )
+        lines.append(f"| {t} | {rate} | {r['failed']} | {baseline} | {reward} | {kl} |")
     return "\n".join(lines)
 
 
@@ -876,7 +881,10 @@ def _write_and_report(
     plot_win_rates(series, os.path.join(out, "win_rates.png"), baseline_label, wins_title)
     plot_reward_kl(series, os.path.join(out, "reward_kl.png"), config.judge.name)
     print(f"{title} ({INTERVAL}):\n{results_table(results)}")
-    print(f"reward and KL: {MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}.")
+    print(
+        f"reward: {policy.label}'s mean score, baseline reward: {baseline_label}'s, on the same prompts; reward and KL: "
+        f"{MEAN_INTERVAL}; KL against {results['reference']}: {KL_OF}."
+    )
     for t, r in results["temperatures"].items():
         if r["too_many_failures"]:
             print(

@@ -510,7 +510,7 @@ def test_two_processes_give_the_one_process_results(runs, tmp_path):
         assert b["detail"]["score_a"] == pytest.approx(a["detail"]["score_a"], abs=1e-5)  # scored in other batches
     for t, stats in results(one)["temperatures"].items():
         other = results(two)["temperatures"][t]
-        reward = ("reward_mean", "reward_ci_low", "reward_ci_high")  # from the scores, scored in other batches
+        reward = [f"{p}_{k}" for p in ("reward", "baseline_reward") for k in ("mean", "ci_low", "ci_high")]  # other batches
         assert {k: v for k, v in other.items() if k not in reward} == {k: v for k, v in stats.items() if k not in reward}
         assert [other[k] for k in reward] == pytest.approx([stats[k] for k in reward], abs=1e-5)
 

@@ -173,7 +173,8 @@ def full_logp(model, prompt: list[int], completion: list[int]) -> float:
 def test_reward_and_kl_end_to_end_against_independent_scores_and_log_probs(runs, capsys):
     out = run_eval([f"policy={runs['dpo']}", *rm_args(runs), "baseline=reference"])
     printed = capsys.readouterr().out
-    assert "| reward [95%] | KL [95%] |" in printed and "KL against reference (" in printed
+    assert "| loss rate | n | failed | baseline reward [95%] | reward [95%] | KL [95%] |" in printed
+    assert "KL against reference (" in printed
     got = results(out)
     assert got["reference"] == f"reference ({runs['sft']}/LATEST/policy.pt)" and got["kl_of"] == evaluate.KL_OF
     rows, samples = verdicts(out), a_samples(out)
@@ -197,6 +198,11 @@ def test_reward_and_kl_end_to_end_against_independent_scores_and_log_probs(runs,
         stats = got["temperatures"][t]
         assert stats["reward_mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-5) and stats["reward_n"] == 6
         assert (stats["reward_ci_low"], stats["reward_ci_high"]) == pytest.approx(evaluate.mean_interval(scores)[1:], abs=1e-5)
+        baseline = scorer.score([r["judge_prompt"] for r in mine], [r["b"] for r in mine]).tolist()  # the reference's
+        assert stats["baseline_reward_mean"] == pytest.approx(sum(baseline) / 6, abs=1e-5) and stats["baseline_reward_n"] == 6
+        assert stats["loss_rate"] == sum(r["verdict"] == "loss" for r in mine) / stats["n"]
+        row = f"| {t} | {stats['win_rate']:.3f} | [{stats['ci_low']:.3f}, {stats['ci_high']:.3f}] | {stats['tie_rate']:.3f} | "
+        assert row + f"{stats['loss_rate']:.3f} | {stats['n']} | 0 | {stats['baseline_reward_mean']:.3f} [" in printed
         assert stats["kl_mean"] == pytest.approx(sum(kls) / len(kls), abs=1e-4) and stats["kl_n"] == 6
         assert stats["kl_ci_low"] < stats["kl_mean"] < stats["kl_ci_high"]
     assert (out / "reward_kl.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -208,6 +214,7 @@ def test_a_reference_that_is_the_policy_gives_kl_0_and_a_pairwise_judge_no_rewar
     for stats in results(out)["temperatures"].values():
         assert (stats["kl_mean"], stats["kl_ci_low"], stats["kl_ci_high"], stats["kl_n"]) == (0.0, 0.0, 0.0, 6)
         assert (stats["reward_mean"], stats["reward_ci_low"], stats["reward_ci_high"], stats["reward_n"]) == (None, None, None, 0)
+        assert (stats["baseline_reward_mean"], stats["baseline_reward_n"]) == (None, 0)
 
 
 def test_resume_computes_no_log_prob_again_and_an_old_cache_without_tokens_is_resampled(runs, monkeypatch):
