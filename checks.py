@@ -25,174 +25,317 @@ FLOAT16_UNSAFE_OPTIMIZERS = ("Adam", "AdamW", "RMSprop")
 # ----------------------------------------------------------------------------- config
 
 
-def validate_config(config: DictConfig, world_size: int = 1) -> None:
-    """Raise ConfigError naming the first bad key of the composed config and its fix, before any data or model loads."""
-    validate_numbers(config)
-    utils.validate_malloc_mmap_threshold(config.get("malloc_mmap_threshold_mib"))
-    objective = validate_objective(config)
-    validate_reference_update(config, objective)
-    validate_online(config)
-    validate_lora(config, objective)
-    validate_hub(config)
-    validate_datasets(config)
-    validate_batch_split(config, objective, world_size)
-    validate_training(config)
-    validate_choices(config)
-    validate_model(config)
+def online_enabled(config: DictConfig) -> bool:
+    """True if the run trains with online DPO (``online.enabled``)."""
+    return bool(config.get("online") and config.online.enabled)
 
 
-def validate_objective(config: DictConfig):
-    """The ``losses.Objective`` of ``config.loss``, checked against the trainer and ``precompute_ref_log_probs``."""
-    loss = config.loss
+def _objective(c: DictConfig):
+    """The ``losses.Objective`` of ``loss.name`` (a registered name once the ``loss`` row passed)."""
+    return losses.get_objective(c.loss.name)
+
+
+def _tr_dpo(c: DictConfig) -> bool:
+    """True if ``reference_update`` (TR-DPO) moves the reference."""
+    update = c.get("reference_update")
+    return update is not None and update.get("mode") is not None
+
+
+def _lora(c: DictConfig) -> DictConfig | None:
+    return lora_settings(c.model)
+
+
+def _tp(c: DictConfig):
+    return c.get("tensor_parallel_size") or 1
+
+
+def _hub(c: DictConfig):
+    return c.get("hub") or {}  # absent: no push
+
+
+def _whole(value, least) -> bool:
+    """True if ``value`` is an int (not a bool) >= ``least``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _number(value) -> bool:
+    """True if ``value`` is an int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _raised(check, error):
+    """A row function: the message of the ``error`` that ``check(config)`` raises, else None."""
+
+    def problem(c: DictConfig, _) -> str | None:
+        try:
+            check(c)
+        except error as e:
+            return str(e)
+        return None
+
+    return problem
+
+
+def _numbers_problem(c: DictConfig, _) -> str | None:
+    """The first non-null :data:`NUMBER_KEYS` value of the wrong kind or range."""
+    for key, (whole, least, inclusive) in NUMBER_KEYS.items():
+        value = c.get(key)
+        if value is None:
+            continue
+        kind = "a whole number" if whole else "a number"
+        ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+        if not ok or not (value >= least if inclusive else value > least):
+            return f"{key} must be {kind} {'>=' if inclusive else '>'} {least}, got {value!r}; e.g. {key}={config_default(key)}."
+    return None
+
+
+def _scorer_problem(c: DictConfig, _) -> str | None:
+    """What is wrong with ``online.scorer``, its judge or its reward model (online DPO only)."""
+    if not online_enabled(c):
+        return None
+    problem = scorer_error(c.online.scorer, c, "online.scorer")
+    if problem is None and c.online.scorer in ("reward_model", "reward_model_judge"):
+        problem = reward_model_error(c, f"online.scorer={c.online.scorer}")
+    return problem
+
+
+def _lora_targets_ok(targets) -> bool:
+    names = OmegaConf.to_container(targets) if OmegaConf.is_list(targets) else targets
+    return names == "all-linear" or (isinstance(names, list) and bool(names) and all(isinstance(n, str) and n for n in names))
+
+
+def _peft_problem(c: DictConfig, _) -> str | None:
+    if not _lora(c):
+        return None
     try:
-        objective = losses.validate_loss_config(loss)
-    except losses.ObjectiveConfigError as e:
-        raise utils.ConfigError(str(e)) from None
-    if objective.score_head and config.trainer == "TensorParallelTrainer":
-        raise utils.ConfigError(
-            f"loss={loss.name} trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs."
-        )
-    if config.precompute_ref_log_probs and not objective.uses_reference(loss):
-        raise utils.ConfigError(
-            f"loss={loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."
-        )
-    if config.precompute_ref_log_probs and objective.mismatched_kl:
-        raise utils.ConfigError(
-            f"loss={loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
-            "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."
-        )
-    return objective
+        import peft  # noqa: F401
+    except ImportError:
+        return "model.lora.r is set but the peft library is not installed; pip install -r requirements.txt."
+    return None
 
 
-def validate_datasets(config: DictConfig) -> None:
-    """Check that ``datasets`` is a list of registered names (prompt-only ones for online DPO alone)."""
+def _repo_id_problem(c: DictConfig, _) -> str | None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not _hub(c).get("push"):
+        return None
+    try:
+        validate_repo_id(str(c.hub.model_id))
+    except HFValidationError:
+        return f"hub.model_id={c.hub.model_id} is not a Hugging Face repository id; give <org or user>/<name>, e.g. hub.model_id=my-org/my-dpo-model."
+    return None
+
+
+def _datasets_problem(c: DictConfig, _) -> str | None:
+    """The first name of ``datasets`` that is unregistered, or prompt-only without online DPO."""
     from preference_datasets import REGISTRY
 
-    online = bool(config.get("online") and config.online.enabled)
-    if not OmegaConf.is_list(config.datasets):
-        raise utils.ConfigError(f"datasets must be a list: write datasets=[{config.datasets}], not datasets={config.datasets}.")
-    for name in config.datasets:
-        if name in REGISTRY and "pairs" not in REGISTRY[name] and not online:
-            raise utils.ConfigError(f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true).")
+    for name in c.datasets:
+        if name in REGISTRY and "pairs" not in REGISTRY[name] and not online_enabled(c):
+            return f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true)."
         if name not in REGISTRY:
             known = sorted(REGISTRY)
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            raise utils.ConfigError(f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}.")
+            return f"Unknown dataset {name!r} in datasets; {hint}registered datasets are {known}."
+    return None
 
 
-def validate_batch_split(config: DictConfig, objective, world_size: int) -> None:
-    """Check that ``batch_size`` splits into accumulation steps and data-parallel parts over ``world_size`` processes."""
-    if config.batch_size % config.gradient_accumulation_steps:
-        raise utils.ConfigError(
-            f"batch_size ({config.batch_size}) must be divisible by gradient_accumulation_steps ({config.gradient_accumulation_steps})."
-        )
-    tp = config.get("tensor_parallel_size") or 1
-    if tp != 1:
-        if not isinstance(tp, int) or tp < 1:
-            raise utils.ConfigError(f"tensor_parallel_size must be a whole number >= 1, got {tp}.")
-        if config.trainer != "FSDPTrainer":
-            raise utils.ConfigError(
-                f"tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {config.trainer} does not use it: remove it."
-            )
-        if objective.score_head:
-            raise utils.ConfigError(
-                f"loss={config.loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."
-            )
-        if world_size % tp:
-            raise utils.ConfigError(f"tensor_parallel_size ({tp}) must divide the number of processes ({world_size}).")
-    data_parallel = data_parallel_size(config, world_size)
-    if config.batch_size % data_parallel:
-        groups = "processes" if tp == 1 else "data-parallel groups (processes / tensor_parallel_size)"
-        raise utils.ConfigError(
-            f"batch_size ({config.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
-        )
+def _data_parallel_problem(c: DictConfig, world_size: int) -> str | None:
+    data_parallel = data_parallel_size(c, world_size)
+    if not c.batch_size % data_parallel:
+        return None
+    groups = "processes" if _tp(c) == 1 else "data-parallel groups (processes / tensor_parallel_size)"
+    return f"batch_size ({c.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
 
 
-def validate_training(config: DictConfig) -> None:
-    """Check the lengths, the training length, the optimizer and its dtype, and the per-step knobs."""
-    if config.max_prompt_length >= config.max_length:
-        raise utils.ConfigError(
-            f"max_prompt_length ({config.max_prompt_length}) must be smaller than max_length ({config.max_length})."
-        )
-    if config.n_examples is None and config.n_epochs is None:
-        raise utils.ConfigError("Set n_epochs or n_examples (e.g. n_epochs=1).")
-    if config.optimizer not in ("RMSprop", "AdamW", "Adam", "SGD"):
-        raise utils.ConfigError(f"optimizer must be one of RMSprop, AdamW, Adam, SGD, got {config.optimizer}.")
-    if config.model.get("policy_dtype") == "float16" and config.optimizer in FLOAT16_UNSAFE_OPTIMIZERS:
-        raise utils.ConfigError(
-            f"model.policy_dtype=float16 with optimizer={config.optimizer} turns the weights into NaN at the first step "
-            f"(its epsilon 1e-8 is 0 in float16, and so is the square of a small gradient); use model.policy_dtype=bfloat16, "
-            "or float32 weights with model.fsdp_policy_mp=float16 under trainer=FSDPTrainer for float16 compute."
-        )
-    foreach = config.get("optimizer_foreach")
-    if foreach is not None and not isinstance(foreach, bool):
-        raise utils.ConfigError(
-            f"optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {foreach!r}."
-        )
-    chunk = config.get("output_layer_chunk")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0):
-        raise utils.ConfigError(
-            f"output_layer_chunk must be a whole number of positions >= 0 (0 or null: the output layer over all "
-            f"positions at once), got {chunk!r}; e.g. output_layer_chunk=1024."
-        )
-    timeout = config.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise utils.ConfigError(
-            f"dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
-            f"before the run aborts), got {timeout!r}; e.g. dist_timeout_minutes=60."
-        )
+def _dist_timeout(c: DictConfig):
+    return c.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES)
 
 
-CHOICES = (  # (the key's value, the values allowed, the message with {} for the value), checked in this order
-    (lambda c: c.lr_scheduler, ("constant", "linear", "cosine"), "lr_scheduler must be constant, linear or cosine, got {}."),
-    (lambda c: c.wandb.mode, ("online", "offline", "disabled"), "wandb.mode must be online, offline or disabled, got {}."),
-    (lambda c: c.trainer, TRAINERS, "trainer={} is unknown; choose one of " + ", ".join(TRAINERS) + "."),
-    (lambda c: c.get("launcher", "local"), ("local", "ray"), "launcher={} is unknown; choose launcher=local or launcher=ray."),
-)
+def _not_a_folder(c: DictConfig) -> bool:
+    """True if ``model.name_or_path`` (loaded, not built) can only be a local folder, and is none."""
+    path = c.model.name_or_path
+    return (
+        path is not None and c.model.get("config") is None and looks_local(path) and not os.path.isdir(os.path.expanduser(path))
+    )
 
 
-def validate_choices(config: DictConfig) -> None:
-    """Check that each :data:`CHOICES` key has one of its allowed values."""
-    for value_of, allowed, message in CHOICES:
-        value = value_of(config)
-        if value not in allowed:
-            raise utils.ConfigError(message.format(value))
+def _archive_problem(c: DictConfig, _) -> str | None:
+    folder = c.model.archive
+    if folder is None or not os.path.isdir(folder):
+        return None
+    there = [
+        os.path.join(folder, *p) for p in (("policy.pt",), ("LATEST", "policy.pt")) if os.path.exists(os.path.join(folder, *p))
+    ]
+    hint = (
+        f"model.archive={there[0]}" if there else "the policy.pt of a checkpoint (<run>/LATEST/policy.pt); this folder holds none"
+    )
+    return f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}."
 
 
-def validate_model(config: DictConfig) -> None:
-    """Check ``model.name_or_path``, ``model.config`` and ``model.archive`` name something that can be loaded."""
-    if OmegaConf.is_missing(config.model, "name_or_path"):  # model=blank_model (or a preset built on it) alone
-        raise utils.ConfigError("model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>.")
-    if config.model.name_or_path is None and config.model.get("config") is None:
-        raise utils.ConfigError("Set model.name_or_path (a hub id or a local folder), or model.config to build a random model.")
-    if config.get("resume") is None:  # a fresh run (a resumed one keeps what it started with)
-        problem = model_contradiction(config)
+# Every config rule, checked in this order (the first that fails is the ConfigError): a row is (the key, the condition on
+# the config c that must hold, the message: str.format'ted with c, or a function of c), or (the key, a function of
+# (c, world_size) giving the message or None) for a rule with loops or calls into other modules.
+RULES = [
+    ("numbers", _numbers_problem),
+    ("malloc_mmap_threshold_mib", _raised(lambda c: utils.validate_malloc_mmap_threshold(c.get("malloc_mmap_threshold_mib")), utils.ConfigError)),
+    ("loss", _raised(lambda c: losses.validate_loss_config(c.loss), losses.ObjectiveConfigError)),
+    ("loss", lambda c: not (_objective(c).score_head and c.trainer == "TensorParallelTrainer"),
+     "loss={c.loss.name} trains with BasicTrainer or FSDPTrainer; TensorParallelTrainer splits only causal LMs."),
+    ("precompute_ref_log_probs", lambda c: not c.precompute_ref_log_probs or _objective(c).uses_reference(c.loss),
+     "loss={c.loss.name} uses no reference model, so precompute_ref_log_probs=true has nothing to compute; set it false."),
+    ("precompute_ref_log_probs", lambda c: not (c.precompute_ref_log_probs and _objective(c).mismatched_kl),
+     "loss={c.loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
+     "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."),
+    # reference_update (TR-DPO)
+    ("reference_update.mode", lambda c: not _tr_dpo(c) or c.reference_update.mode in ("soft", "hard"),
+     "reference_update.mode must be null, soft or hard, got {c.reference_update.mode}."),
+    ("reference_update", lambda c: not _tr_dpo(c) or _objective(c).uses_reference(c.loss),
+     "reference_update moves the reference model, but loss={c.loss.name} uses none; remove it."),
+    ("reference_update.every", lambda c: not _tr_dpo(c) or _whole(c.reference_update.get("every"), 1),
+     lambda c: f"reference_update.every must be a whole number of optimizer steps >= 1, got {c.reference_update.get('every')}."),
+    ("reference_update.alpha", lambda c: not _tr_dpo(c) or c.reference_update.mode != "soft"
+     or (isinstance(c.reference_update.get("alpha"), (int, float)) and 0 < c.reference_update.get("alpha") <= 1),
+     lambda c: f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {c.reference_update.get('alpha')}."),
+    ("reference_update", lambda c: not (_tr_dpo(c) and c.precompute_ref_log_probs),
+     "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
+     "set precompute_ref_log_probs=false."),
+    ("reference_update", lambda c: not (_tr_dpo(c) and ray_reference_workers(c)),
+     "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."),
+    # online DPO
+    ("online.enabled", lambda c: not online_enabled(c) or online_capable(_objective(c)),
+     lambda c: "online.enabled=true trains with loss=dpo or loss=ipo or another paired objective with a reference "
+     f"({', '.join(name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o))}), not loss={c.loss.name}."),
+    ("online.enabled", lambda c: not online_enabled(c) or _objective(c).uses_reference(c.loss),
+     lambda c: f"online DPO needs the reference model: set loss.{_objective(c).reference}=false."),
+    ("online.enabled", lambda c: not (online_enabled(c) and c.precompute_ref_log_probs),
+     "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."),
+    ("online.scorer", _scorer_problem),
+    ("online.ties", lambda c: not online_enabled(c) or c.online.ties in ("skip", "random"),
+     "online.ties must be skip or random, got {c.online.ties}."),
+    ("online.max_new_tokens", lambda c: not online_enabled(c) or c.online.max_new_tokens >= 1,
+     "online.max_new_tokens must be >= 1, got {c.online.max_new_tokens}."),
+    ("online.max_new_tokens", lambda c: not online_enabled(c) or c.max_prompt_length + c.online.max_new_tokens <= c.max_length,
+     "max_prompt_length ({c.max_prompt_length}) + online.max_new_tokens ({c.online.max_new_tokens}) "
+     "must be at most max_length ({c.max_length}); raise max_length or lower one of them."),
+    ("online.temperature", lambda c: not online_enabled(c) or c.online.temperature > 0,
+     "online.temperature must be > 0 (online DPO samples), got {c.online.temperature}."),
+    ("online.max_failure_rate", lambda c: not online_enabled(c) or 0 <= c.online.get("max_failure_rate", 0.1) <= 1,
+     lambda c: f"online.max_failure_rate must be in [0, 1], got {c.online.get('max_failure_rate', 0.1)}."),
+    ("online.enabled", lambda c: not (online_enabled(c) and c.trainer == "TensorParallelTrainer"),
+     "online DPO runs with BasicTrainer or FSDPTrainer."),
+    # LoRA: its reference is the policy with its adapters off
+    ("model.lora.r", lambda c: not _lora(c) or _whole(c.model.lora.r, 1),
+     "model.lora.r must be a whole number >= 1 (the adapters' rank, e.g. 16) or null, got {c.model.lora.r!r}."),
+    ("model.lora.alpha", lambda c: not _lora(c) or (_number(c.model.lora.get("alpha", 32)) and c.model.lora.get("alpha", 32) > 0),
+     lambda c: f"model.lora.alpha must be a number > 0 (the adapters are scaled by alpha / r), got {c.model.lora.get('alpha', 32)!r}."),
+    ("model.lora.dropout", lambda c: not _lora(c) or (_number(c.model.lora.get("dropout", 0.0)) and 0 <= c.model.lora.get("dropout", 0.0) < 1),
+     lambda c: f"model.lora.dropout must be a number in [0, 1), got {c.model.lora.get('dropout', 0.0)!r}."),
+    ("model.lora.target_modules", lambda c: not _lora(c) or _lora_targets_ok(c.model.lora.get("target_modules")),
+     lambda c: "model.lora.target_modules must be all-linear or a list of module names, e.g. [q_proj,v_proj], "
+     f"got {c.model.lora.get('target_modules')!r}."),
+    ("model.lora.export_merged", lambda c: not _lora(c) or isinstance(c.model.lora.get("export_merged", False), bool),
+     "model.lora.export_merged must be true or false, got {c.model.lora.export_merged!r}."),
+    ("model.lora", lambda c: not (_lora(c) and _objective(c).score_head),
+     "model.lora trains the adapters of a causal LM, not loss={c.loss.name}'s score head; set model.lora.r=null."),
+    ("model.lora", lambda c: not _lora(c) or not (c.trainer == "TensorParallelTrainer" or _tp(c) > 1),
+     "model.lora does not work with tensor parallelism (its plan splits plain linear layers, not LoRA's); "
+     "use trainer=FSDPTrainer with tensor_parallel_size=1 or BasicTrainer."),
+    ("model.lora", lambda c: not (_lora(c) and _tr_dpo(c)),
+     "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
+     "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."),
+    ("model.lora", lambda c: not (_lora(c) and ray_reference_workers(c)),
+     "with model.lora the reference is the policy with its adapters off, in each policy worker; set ray.reference_workers=0."),
+    ("model.reference_dtype", lambda c: not _lora(c) or c.model.get("reference_dtype") in (None, c.model.get("policy_dtype")),
+     lambda c: f"with model.lora the reference is the policy's own base, in model.policy_dtype={c.model.get('policy_dtype')}, "
+     f"so model.reference_dtype={c.model.get('reference_dtype')} cannot apply; set model.reference_dtype=null."),
+    ("model.lora", _peft_problem),
+    # hub (absent: no push)
+    ("hub.push", lambda c: isinstance(_hub(c).get("push", False), bool),
+     lambda c: f"hub.push must be true or false, got {_hub(c).get('push')!r}."),
+    ("hub.private", lambda c: isinstance(_hub(c).get("private", False), bool),
+     lambda c: f"hub.private must be true or false, got {_hub(c).get('private')!r}."),
+    ("hub.model_id", lambda c: not _hub(c).get("push") or _hub(c).get("model_id") is not None,
+     "hub.push=true needs the repository to push to: add hub.model_id=<org or user>/<name>."),
+    ("hub.model_id", _repo_id_problem),
+    ("save_hf_export", lambda c: not _hub(c).get("push") or c.save_hf_export,
+     "hub.push=true pushes the run's Hugging Face export, which save_hf_export=false leaves out; set save_hf_export=true."),
+    # data and batches
+    ("datasets", lambda c: OmegaConf.is_list(c.datasets),
+     "datasets must be a list: write datasets=[{c.datasets}], not datasets={c.datasets}."),
+    ("datasets", _datasets_problem),
+    ("batch_size", lambda c: not c.batch_size % c.gradient_accumulation_steps,
+     "batch_size ({c.batch_size}) must be divisible by gradient_accumulation_steps ({c.gradient_accumulation_steps})."),
+    ("tensor_parallel_size", lambda c: _tp(c) == 1 or (isinstance(_tp(c), int) and _tp(c) >= 1),
+     "tensor_parallel_size must be a whole number >= 1, got {c.tensor_parallel_size}."),
+    ("tensor_parallel_size", lambda c: _tp(c) == 1 or c.trainer == "FSDPTrainer",
+     "tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {c.trainer} does not use it: remove it."),
+    ("tensor_parallel_size", lambda c: _tp(c) == 1 or not _objective(c).score_head,
+     "loss={c.loss.name} does not support tensor_parallel_size > 1 (tensor parallelism splits causal LMs); remove it."),
+    ("tensor_parallel_size", lambda c, world_size: None if _tp(c) == 1 or not world_size % _tp(c) else
+     f"tensor_parallel_size ({_tp(c)}) must divide the number of processes ({world_size})."),
+    ("batch_size", _data_parallel_problem),
+    # training
+    ("max_prompt_length", lambda c: not c.max_prompt_length >= c.max_length,
+     "max_prompt_length ({c.max_prompt_length}) must be smaller than max_length ({c.max_length})."),
+    ("n_epochs", lambda c: c.n_examples is not None or c.n_epochs is not None, "Set n_epochs or n_examples (e.g. n_epochs=1)."),
+    ("optimizer", lambda c: c.optimizer in ("RMSprop", "AdamW", "Adam", "SGD"),
+     "optimizer must be one of RMSprop, AdamW, Adam, SGD, got {c.optimizer}."),
+    ("model.policy_dtype", lambda c: not (c.model.get("policy_dtype") == "float16" and c.optimizer in FLOAT16_UNSAFE_OPTIMIZERS),
+     "model.policy_dtype=float16 with optimizer={c.optimizer} turns the weights into NaN at the first step "
+     "(its epsilon 1e-8 is 0 in float16, and so is the square of a small gradient); use model.policy_dtype=bfloat16, "
+     "or float32 weights with model.fsdp_policy_mp=float16 under trainer=FSDPTrainer for float16 compute."),
+    ("optimizer_foreach", lambda c: c.get("optimizer_foreach") is None or isinstance(c.optimizer_foreach, bool),
+     "optimizer_foreach must be true, false or null (torch's default: foreach kernels on GPU), got {c.optimizer_foreach!r}."),
+    ("output_layer_chunk", lambda c: c.get("output_layer_chunk") is None or _whole(c.output_layer_chunk, 0),
+     "output_layer_chunk must be a whole number of positions >= 0 (0 or null: the output layer over all "
+     "positions at once), got {c.output_layer_chunk!r}; e.g. output_layer_chunk=1024."),
+    ("dist_timeout_minutes", lambda c: _number(_dist_timeout(c)) and 0 < _dist_timeout(c) < float("inf"),
+     lambda c: "dist_timeout_minutes must be a number of minutes > 0 (how long a rank waits for the others "
+     f"before the run aborts), got {_dist_timeout(c)!r}; e.g. dist_timeout_minutes=60."),
+    # choices
+    ("lr_scheduler", lambda c: c.lr_scheduler in ("constant", "linear", "cosine"),
+     "lr_scheduler must be constant, linear or cosine, got {c.lr_scheduler}."),
+    ("wandb.mode", lambda c: c.wandb.mode in ("online", "offline", "disabled"),
+     "wandb.mode must be online, offline or disabled, got {c.wandb.mode}."),
+    ("trainer", lambda c: c.trainer in TRAINERS, "trainer={c.trainer} is unknown; choose one of " + ", ".join(TRAINERS) + "."),
+    ("launcher", lambda c: c.get("launcher", "local") in ("local", "ray"),
+     "launcher={c.launcher} is unknown; choose launcher=local or launcher=ray."),
+    # the model to load
+    ("model.name_or_path", lambda c: not OmegaConf.is_missing(c.model, "name_or_path"),  # model=blank_model alone
+     "model=blank_model needs the model to load: add model.name_or_path=<a hub id or a local folder>."),
+    ("model.name_or_path", lambda c: c.model.name_or_path is not None or c.model.get("config") is not None,
+     "Set model.name_or_path (a hub id or a local folder), or model.config to build a random model."),
+    ("model", lambda c, _: model_contradiction(c) if c.get("resume") is None else None),  # a resumed run keeps its own
+    ("model.name_or_path", lambda c: not _not_a_folder(c),
+     "model.name_or_path={c.model.name_or_path} is not a folder; give a local Hugging Face model folder or a hub id."),
+    ("model.archive", lambda c: c.model.archive is None or os.path.exists(c.model.archive),
+     "model.archive={c.model.archive} does not exist; give the policy.pt of an earlier run."),
+    ("model.archive", _archive_problem),
+]  # fmt: skip
+
+
+def validate_config(config: DictConfig, world_size: int = 1) -> None:
+    """Raise ConfigError with the message of the first :data:`RULES` row ``config`` fails, before any data or model loads."""
+    _check(config, world_size, RULES)
+
+
+def validate_online(config: DictConfig) -> None:
+    """Check the ``online.*`` rows of :data:`RULES` alone (ConfigError)."""
+    _check(config, 1, [row for row in RULES if row[0].startswith("online.")])
+
+
+def _check(config: DictConfig, world_size: int, rules: list) -> None:
+    """Raise ConfigError with the message of the first of ``rules`` (rows of :data:`RULES`) ``config`` fails."""
+    for _, *rule in rules:
+        if len(rule) == 1:
+            problem = rule[0](config, world_size)
+        else:
+            holds, message = rule
+            problem = None if holds(config) else message(config) if callable(message) else message.format(c=config)
         if problem is not None:
             raise utils.ConfigError(problem)
-    path = config.model.name_or_path
-    if (
-        path is not None
-        and config.model.get("config") is None
-        and looks_local(path)
-        and not os.path.isdir(os.path.expanduser(path))
-    ):
-        raise utils.ConfigError(f"model.name_or_path={path} is not a folder; give a local Hugging Face model folder or a hub id.")
-    if config.model.archive is not None and not os.path.exists(config.model.archive):
-        raise utils.ConfigError(f"model.archive={config.model.archive} does not exist; give the policy.pt of an earlier run.")
-    if config.model.archive is not None and os.path.isdir(config.model.archive):
-        folder = config.model.archive
-        there = [
-            os.path.join(folder, *p)
-            for p in (("policy.pt",), ("LATEST", "policy.pt"))
-            if os.path.exists(os.path.join(folder, *p))
-        ]
-        hint = (
-            f"model.archive={there[0]}"
-            if there
-            else "the policy.pt of a checkpoint (<run>/LATEST/policy.pt); this folder holds none"
-        )
-        raise utils.ConfigError(f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}.")
 
 
 def model_contradiction(config: DictConfig) -> str | None:
@@ -250,7 +393,7 @@ def sft_first_skip(config: DictConfig, given: set[str]) -> str | None:
         reason = "resume= continues one run"
     elif objective is None or objective.score_head or not objective.uses_reference(config.loss):
         reason = f"loss={config.loss.name} has no reference model, so no SFT policy to start from"
-    elif config.get("online") and config.online.enabled:
+    elif online_enabled(config):
         reason = "online DPO samples from the model it starts from"
     elif config.resume == "auto":
         source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
@@ -325,21 +468,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
     "n_eval_examples": (True, 0, True),
     "eval_every": (True, 1, True),
 }
-"""The top-level numeric keys :func:`validate_numbers` checks (null is left to the key's own meaning)."""
-
-
-def validate_numbers(config: DictConfig) -> None:
-    """Raise ConfigError unless each non-null :data:`NUMBER_KEYS` value is a number of the right kind and range."""
-    for key, (whole, least, inclusive) in NUMBER_KEYS.items():
-        value = config.get(key)
-        if value is None:
-            continue
-        kind = "a whole number" if whole else "a number"
-        ok = not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
-        if not ok or not (value >= least if inclusive else value > least):
-            raise utils.ConfigError(
-                f"{key} must be {kind} {'>=' if inclusive else '>'} {least}, got {value!r}; e.g. {key}={config_default(key)}."
-            )
+"""The top-level numeric keys :func:`_numbers_problem` checks (null is left to the key's own meaning)."""
 
 
 def config_default(key: str):
@@ -348,37 +477,9 @@ def config_default(key: str):
     return OmegaConf.load(path).get(key)
 
 
-def validate_reference_update(config: DictConfig, objective) -> None:
-    """Check ``reference_update`` (TR-DPO) against the objective and the reference's placement (ConfigError)."""
-    update = config.get("reference_update")
-    if update is None or update.get("mode") is None:
-        return
-    if update.mode not in ("soft", "hard"):
-        raise utils.ConfigError(f"reference_update.mode must be null, soft or hard, got {update.mode}.")
-    if not objective.uses_reference(config.loss):
-        raise utils.ConfigError(f"reference_update moves the reference model, but loss={config.loss.name} uses none; remove it.")
-    every = update.get("every")
-    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise utils.ConfigError(f"reference_update.every must be a whole number of optimizer steps >= 1, got {every}.")
-    alpha = update.get("alpha")
-    if update.mode == "soft" and not (isinstance(alpha, (int, float)) and 0 < alpha <= 1):
-        raise utils.ConfigError(f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {alpha}.")
-    if config.precompute_ref_log_probs:
-        raise utils.ConfigError(
-            "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
-            "set precompute_ref_log_probs=false."
-        )
-    if ray_reference_workers(config):
-        raise utils.ConfigError(
-            "reference_update moves the reference, which must then live with the policy; set ray.reference_workers=0."
-        )
-
-
 def ray_reference_workers(config: DictConfig) -> int:
-    """How many Ray actors hold the reference apart from the policy: ``ray.reference_workers``
-    under ``launcher=ray``, else 0."""
-    ray_cfg = config.get("ray")
-    return int(ray_cfg.get("reference_workers", 0) or 0) if config.get("launcher") == "ray" and ray_cfg is not None else 0
+    """How many Ray actors hold the reference apart from the policy: ``ray.reference_workers`` under ``launcher=ray``, else 0."""
+    return int(config.ray.reference_workers or 0) if config.launcher == "ray" else 0
 
 
 def ray_num_workers(config: DictConfig) -> int:
@@ -417,8 +518,7 @@ def validate_ray(config: DictConfig) -> None:
             raise utils.ConfigError(
                 "precompute_ref_log_probs=true runs the reference once in the policy workers; set ray.reference_workers=0 with it."
             )
-    online = config.get("online")
-    if ray_cfg.reward_workers > 0 and not (online is not None and online.enabled):
+    if ray_cfg.reward_workers > 0 and not online_enabled(config):
         raise utils.ConfigError(
             f"ray.reward_workers={ray_cfg.reward_workers} serves online DPO's scorer; set online.enabled=true or ray.reward_workers=0."
         )
@@ -430,126 +530,10 @@ def lora_settings(model_config: DictConfig) -> DictConfig | None:
     return lora if lora is not None and lora.get("r") is not None else None
 
 
-def validate_lora(config: DictConfig, objective) -> None:
-    """Check ``model.lora`` and what it cannot combine with, its reference being the policy with adapters off (ConfigError)."""
-    lora = lora_settings(config.model)
-    if lora is None:
-        return
-    r, alpha, dropout, targets = lora.r, lora.get("alpha", 32), lora.get("dropout", 0.0), lora.get("target_modules")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise utils.ConfigError(f"model.lora.r must be a whole number >= 1 (the adapters' rank, e.g. 16) or null, got {r!r}.")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
-        raise utils.ConfigError(f"model.lora.alpha must be a number > 0 (the adapters are scaled by alpha / r), got {alpha!r}.")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise utils.ConfigError(f"model.lora.dropout must be a number in [0, 1), got {dropout!r}.")
-    names = OmegaConf.to_container(targets) if OmegaConf.is_list(targets) else targets
-    if names != "all-linear" and not (isinstance(names, list) and names and all(isinstance(n, str) and n for n in names)):
-        raise utils.ConfigError(
-            f"model.lora.target_modules must be all-linear or a list of module names, e.g. [q_proj,v_proj], got {targets!r}."
-        )
-    if not isinstance(lora.get("export_merged", False), bool):
-        raise utils.ConfigError(f"model.lora.export_merged must be true or false, got {lora.export_merged!r}.")
-    if objective.score_head:
-        raise utils.ConfigError(
-            f"model.lora trains the adapters of a causal LM, not loss={config.loss.name}'s score head; set model.lora.r=null."
-        )
-    if config.trainer == "TensorParallelTrainer" or (config.get("tensor_parallel_size") or 1) > 1:
-        raise utils.ConfigError(
-            "model.lora does not work with tensor parallelism (its plan splits plain linear layers, not LoRA's); "
-            "use trainer=FSDPTrainer with tensor_parallel_size=1 or BasicTrainer."
-        )
-    update = config.get("reference_update")
-    if update is not None and update.get("mode") is not None:
-        raise utils.ConfigError(
-            "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
-            "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."
-        )
-    if ray_reference_workers(config):
-        raise utils.ConfigError(
-            "with model.lora the reference is the policy with its adapters off, in each policy worker; set ray.reference_workers=0."
-        )
-    reference_dtype = config.model.get("reference_dtype")
-    if reference_dtype is not None and reference_dtype != config.model.get("policy_dtype"):
-        raise utils.ConfigError(
-            f"with model.lora the reference is the policy's own base, in model.policy_dtype={config.model.get('policy_dtype')}, "
-            f"so model.reference_dtype={reference_dtype} cannot apply; set model.reference_dtype=null."
-        )
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise utils.ConfigError(
-            "model.lora.r is set but the peft library is not installed; pip install -r requirements.txt."
-        ) from None
-
-
-def validate_hub(config: DictConfig) -> None:
-    """Check ``hub.*`` (absent: no push): boolean flags, and a valid ``hub.model_id`` and ``save_hf_export`` to push."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    hub = config.get("hub") or {}
-    for key in ("push", "private"):
-        if not isinstance(hub.get(key, False), bool):
-            raise utils.ConfigError(f"hub.{key} must be true or false, got {hub.get(key)!r}.")
-    if not hub.get("push"):
-        return
-    model_id = hub.get("model_id")
-    if model_id is None:
-        raise utils.ConfigError("hub.push=true needs the repository to push to: add hub.model_id=<org or user>/<name>.")
-    try:
-        validate_repo_id(str(model_id))
-    except HFValidationError:
-        raise utils.ConfigError(
-            f"hub.model_id={model_id} is not a Hugging Face repository id; give <org or user>/<name>, e.g. hub.model_id=my-org/my-dpo-model."
-        ) from None
-    if not config.save_hf_export:
-        raise utils.ConfigError(
-            "hub.push=true pushes the run's Hugging Face export, which save_hf_export=false leaves out; set save_hf_export=true."
-        )
-
-
 def online_capable(objective) -> bool:
     """True if online DPO can train with ``objective`` (a ``losses.Objective``): paired, with a reference and a
     ``beta``."""
     return objective.paired and objective.reference is not False and "beta" in objective.keys and not objective.mismatched_kl
-
-
-def validate_online(config: DictConfig) -> None:
-    """Check the ``online:`` section (online DPO) when ``online.enabled`` (ConfigError)."""
-    online = config.get("online")
-    if online is None or not online.enabled:
-        return
-    objective = losses.get_objective(config.loss.name)
-    if not online_capable(objective):
-        capable = [name for name, o in sorted(losses.OBJECTIVES.items()) if online_capable(o)]
-        raise utils.ConfigError(
-            "online.enabled=true trains with loss=dpo or loss=ipo or another paired objective with a reference "
-            f"({', '.join(capable)}), not loss={config.loss.name}."
-        )
-    if not objective.uses_reference(config.loss):
-        raise utils.ConfigError(f"online DPO needs the reference model: set loss.{objective.reference}=false.")
-    if config.precompute_ref_log_probs:
-        raise utils.ConfigError(
-            "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."
-        )
-    problem = scorer_error(online.scorer, config, "online.scorer")
-    if problem is None and online.scorer in ("reward_model", "reward_model_judge"):
-        problem = reward_model_error(config, f"online.scorer={online.scorer}")
-    if problem is not None:
-        raise utils.ConfigError(problem)
-    if online.ties not in ("skip", "random"):
-        raise utils.ConfigError(f"online.ties must be skip or random, got {online.ties}.")
-    if not online.max_new_tokens >= 1:
-        raise utils.ConfigError(f"online.max_new_tokens must be >= 1, got {online.max_new_tokens}.")
-    if config.max_prompt_length + online.max_new_tokens > config.max_length:
-        raise utils.ConfigError(
-            f"max_prompt_length ({config.max_prompt_length}) + online.max_new_tokens ({online.max_new_tokens}) "
-            f"must be at most max_length ({config.max_length}); raise max_length or lower one of them."
-        )
-    if not online.temperature > 0:
-        raise utils.ConfigError(f"online.temperature must be > 0 (online DPO samples), got {online.temperature}.")
-    validate_fraction(online.get("max_failure_rate", 0.1), "online.max_failure_rate")
-    if config.trainer == "TensorParallelTrainer":
-        raise utils.ConfigError("online DPO runs with BasicTrainer or FSDPTrainer.")
 
 
 def scorer_error(kind, config: DictConfig, setting: str) -> str | None:

@@ -225,7 +225,7 @@ class BasicTrainer(OnlineSampling):
         self.train_examples = train_examples
         self.loss_config = config.loss
         self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
-        self.online = bool(config.get("online") and config.online.enabled)  # online DPO: pairs sampled each step
+        self.online = checks.online_enabled(config)  # online DPO: pairs sampled each step
         self.average_log_prob = self.objective.averages(config.loss)
         self.uses_reference = self.objective.uses_reference(config.loss)
         self.uses_nll = self.objective.uses_nll(config.loss)
