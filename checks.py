@@ -580,7 +580,7 @@ def check_eval_size(config: DictConfig, n_eval: int) -> None:
     used = n_eval_used(config, n_eval)
     if config.eval_batch_size > used:
         raise utils.ConfigError(
-            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}); lower it."
+            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}); lower it: eval_batch_size={used} or less."
         )
 
 

@@ -463,5 +463,8 @@ def test_an_eval_set_of_one_example_is_named_in_the_singular():
     import checks
     import utils
 
-    with pytest.raises(utils.ConfigError, match=r"^eval_batch_size \(8\) is larger than the eval set \(1 example\); lower it\.$"):
+    with pytest.raises(
+        utils.ConfigError,
+        match=r"^eval_batch_size \(8\) is larger than the eval set \(1 example\); lower it: eval_batch_size=1 or less\.$",
+    ):
         checks.check_eval_size(compose_config(["eval_batch_size=8"]), 1)
