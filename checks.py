@@ -277,7 +277,7 @@ RULES = [
      f"tensor_parallel_size ({_tp(c)}) must divide the number of processes ({world_size})."),
     ("batch_size", _data_parallel_problem),
     # training
-    ("max_prompt_length", lambda c: not c.max_prompt_length >= c.max_length,
+    ("max_prompt_length", lambda c: c.max_prompt_length < c.max_length,
      "max_prompt_length ({c.max_prompt_length}) must be smaller than max_length ({c.max_length})."),
     ("n_epochs", lambda c: c.n_examples is not None or c.n_epochs is not None, "Set n_epochs or n_examples (e.g. n_epochs=1)."),
     ("optimizer", lambda c: c.optimizer in ("RMSprop", "AdamW", "Adam", "SGD"),
