@@ -55,12 +55,8 @@ def read_command(run_dir: str) -> str | None:
 
 def save_run_config(config: DictConfig, path: str, command: str | None = None) -> None:
     """Save ``config`` as a run's config.yaml at ``path``, its first line ``# Made by: <command>`` when known."""
-    OmegaConf.save(config, path)
-    if command is not None:
-        with open(path, "r+") as f:
-            text = f.read()
-            f.seek(0)
-            f.write(RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n" + text)
+    first = "" if command is None else RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n"
+    utils.write_atomic(path, first + OmegaConf.to_yaml(config))  # a link at path is replaced, not written through
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
@@ -217,9 +213,38 @@ class RunLock:
         self.release()
 
 
+def linked_files(run_dir: str) -> list[str]:
+    """The symbolic links in ``run_dir`` and its ``curves/`` where a run writes, as ``name (to target)``: every link
+    but ``LATEST`` and ``step-N`` (checkpoints, read and replaced but never written through)."""
+    found = []
+    for sub in ("", "curves"):
+        folder = os.path.join(run_dir, sub)
+        if sub and (os.path.islink(folder) or not os.path.isdir(folder)):
+            continue  # a curves link is listed with the folder's own entries
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if os.path.islink(path) and (sub or not re.fullmatch(r"LATEST|step-\d+", name)):
+                found.append(f"{os.path.join(sub, name)} (to {os.readlink(path)})")
+    return found
+
+
+def check_no_links(run_dir: str) -> None:
+    """Raise ConfigError when ``run_dir`` holds a symbolic link where a run writes (:func:`linked_files`)."""
+    linked = linked_files(run_dir) if os.path.isdir(run_dir) else []
+    if linked:
+        links = ", ".join(linked[:3]) + (f" and {len(linked) - 3} more" if len(linked) > 3 else "")
+        what = "a symbolic link" if len(linked) == 1 else "symbolic links"
+        raise utils.ConfigError(
+            f"The folder {run_dir} holds {what} where it writes its own files, {links}, and files are never written "
+            "through a link: remove each (or put a copy of the file it points at in its place), then try again."
+        )
+
+
 def lock_run_dir(run_dir: str) -> RunLock:
     """Hold ``run_dir`` with an exclusive ``flock`` on its ``.lock`` (or the launcher's, :data:`RUN_LOCK_FD_ENV`),
-    raising ConfigError if a live process holds it; nothing is locked without ``fcntl``."""
+    raising ConfigError if a live process holds it or the folder holds a link where it writes (:func:`check_no_links`);
+    nothing is locked without ``fcntl``."""
+    check_no_links(run_dir)
     try:
         import fcntl
     except ImportError:  # no flock: nothing to hold
@@ -234,8 +259,14 @@ def lock_run_dir(run_dir: str) -> RunLock:
                 del os.environ[RUN_LOCK_FD_ENV]  # taken over once
                 os.set_inheritable(fd, False)
                 return RunLock(fd, path)
-    with utils.saying_disk_full(path, "write the lock file"):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # the file stays; the OS drops the flock when its last holder dies
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)  # a link planted since the check: refused, not truncated
+    try:
+        with utils.saying_disk_full(path, "write the lock file"):
+            fd = os.open(path, flags, 0o644)  # the file stays; the OS drops the flock when its last holder dies
+    except OSError:
+        if os.path.islink(path):
+            raise utils.ConfigError(utils.link_refusal(path)) from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -261,6 +292,12 @@ LEFTOVER_FOLDER = re.compile(r"\..+\.(tmp(-[0-9a-f]{8})?|old-[a-z0-9_]{8})")
 
 # writers' temporary files: <name>.tmp-<pid> (utils.replacing), .LATEST.tmp (point_latest), completions.html.tmp
 LEFTOVER_FILE = re.compile(r".+\.tmp-(?P<pid>\d+)|\..+\.tmp|completions\.html\.tmp")
+
+
+def holds_only_setup(run_dir: str) -> bool:
+    """Whether ``run_dir`` holds nothing but its config.yaml, its lock and writers' leftovers (nothing a run logged)."""
+    names = os.listdir(run_dir) if os.path.isdir(run_dir) else ["?"]
+    return all(n in ("config.yaml", RUN_LOCK) or LEFTOVER_FILE.fullmatch(n) for n in names)
 
 
 def pid_alive(pid: int) -> bool:

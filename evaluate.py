@@ -182,7 +182,7 @@ class Cache:
                 f.seek(-1, os.SEEK_END)
                 cut = f.read(1) != b"\n"
             if cut:  # the last line of a killed process: start the next one on a line of its own
-                with open(self.path, "a") as f:
+                with utils.open_append(self.path) as f:
                     f.write("\n")
         self.added = 0
 
@@ -194,7 +194,7 @@ class Cache:
         """Store ``records`` (each with its ``key``) in memory and on disk."""
         if not records:
             return
-        with open(self.path, "a", encoding="utf-8") as f:
+        with utils.open_append(self.path) as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")
                 self.records[record["key"]] = record
@@ -452,7 +452,8 @@ def plot_win_rates(series: list[dict], path: str, baseline: str, title: str) -> 
     if any(line.get_label() and not line.get_label().startswith("_") for line in ax.get_lines()):
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with utils.replacing(path) as tmp:  # a link at path is replaced, not written through
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return shown
 
@@ -495,7 +496,8 @@ def plot_reward_kl(series: list[dict], path: str, judge: str) -> None:
     if drawn:
         ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with utils.replacing(path) as tmp:  # a link at path is replaced, not written through
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -662,6 +664,42 @@ def effective_config(config: DictConfig) -> DictConfig:
     return config
 
 
+RESULT_FREE_KEYS = ("num_threads", "progress_bar", "dist_timeout_minutes", "malloc_mmap_threshold_mib", "output_dir", "plot_with")
+"""Keys an evaluation continued with ``output_dir=`` may change: how it runs or is drawn, not what it samples or judges."""
+
+
+def output_dir_problem(config: DictConfig) -> str | None:
+    """One sentence when ``output_dir`` is a file, or a folder holding anything but this same evaluation (call it once
+    ``datasets`` is settled)."""
+    if config.resume is not None or not config.output_dir:
+        return None
+    out = os.path.expanduser(str(config.output_dir))
+    if not os.path.lexists(out):
+        return None
+    if not os.path.isdir(out):
+        return f"output_dir={config.output_dir} is a file; give a new or empty folder."
+    names = sorted(n for n in os.listdir(out) if n != checkpoints.RUN_LOCK)
+    if not names:
+        return None
+    saved = os.path.join(out, "config.yaml")
+    try:
+        other = checkpoints.load_run_config(saved) if os.path.isfile(saved) else None
+    except Exception:  # not a config evaluate.py wrote
+        other = None
+    if other is None or "policy" not in other:
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        return f"output_dir={config.output_dir} is a folder with other files in it ({shown}); give a new or empty folder."
+    differences = [
+        d for d in checks.config_differences(other, config) if not any(d[0].split(".")[0] == k for k in RESULT_FREE_KEYS)
+    ]
+    if not differences:
+        return None  # the same evaluation, continued: nothing finished is redone
+    return (
+        f"output_dir={config.output_dir} holds another evaluation ({checks.describe_differences(differences)}); give a new "
+        f"folder, or continue that one with python evaluate.py resume={config.output_dir}."
+    )
+
+
 DEFAULT_DATASETS = ["hh"]  # datasets=null's prompts for a policy without a run folder to name its own
 
 
@@ -746,6 +784,9 @@ def main(config: DictConfig) -> str:
         baseline_label = baseline.label
     baseline_label = config.baseline_label or baseline_label
     settle_datasets(config, policy, say=rank == 0)  # datasets=null: the policy run's own
+    problem = output_dir_problem(config)  # before any sample is drawn
+    if problem is not None:
+        raise ConfigError(problem)
     reference, no_reference = kl_reference(config, policy)
     if reference is not None:
         check_same_vocabulary(policy, reference)
@@ -772,7 +813,7 @@ def main(config: DictConfig) -> str:
             os.makedirs(out, exist_ok=True)
             lock = checkpoints.lock_run_dir(out)
             if config.resume is None:
-                OmegaConf.save(config, os.path.join(out, "config.yaml"))
+                utils.write_atomic(os.path.join(out, "config.yaml"), OmegaConf.to_yaml(config))
         except (ConfigError, OSError) as e:
             refusal = str(e)
     if world > 1:
@@ -871,9 +912,7 @@ def _write_and_report(
 ) -> None:
     """Rank 0's outputs: results.json, verdicts.jsonl, samples.html, the two plots, the printed table and warnings, the model card."""
     utils.write_atomic(os.path.join(out, "results.json"), json.dumps(results, indent=2) + "\n")
-    with open(os.path.join(out, "verdicts.jsonl.tmp"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
-    os.replace(os.path.join(out, "verdicts.jsonl.tmp"), os.path.join(out, "verdicts.jsonl"))
+    utils.write_atomic(os.path.join(out, "verdicts.jsonl"), "".join(json.dumps(r) + "\n" for r in rows))
     title = f"{policy.label} vs {baseline_label}, judge {config.judge.name}"
     write_html(rows, os.path.join(out, "samples.html"), title)
     series = plot_series(results, list(config.plot_with or []))

@@ -24,6 +24,8 @@ import utils
 from preference_datasets import DataError
 from utils import ConfigError
 
+SAMPLES_SUFFIX = ".samples.jsonl"  # <output><this>: every completion and its score, beside the pairs
+
 
 def make_pairs(completions: list[str], scores: list[float | None]) -> tuple[list[tuple[int, int]], int, int]:
     """(pairs (chosen, rejected index), the higher score chosen, in index order; ties; failures: None or NaN scores),
@@ -78,6 +80,50 @@ def check_config(config: DictConfig) -> None:
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
 
 
+def read_paths(config: DictConfig) -> list[tuple[str, str, str]]:
+    """(key, value, real path) of each file or folder here that make_pairs.py reads: ``policy`` and the ``data.*`` values of
+    ``datasets``."""
+    found = [("policy", config.policy)]
+
+    def walk(value, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        elif isinstance(value, list):
+            for n, v in enumerate(value):
+                walk(v, f"{key}[{n}]")
+        else:
+            found.append((key, value))
+
+    for name in config.datasets:
+        if name in config.data:
+            walk(OmegaConf.to_container(config.data[name], resolve=True), f"data.{name}")
+    paths = [(key, v, os.path.expanduser(v)) for key, v in found if isinstance(v, str) and v]
+    return [(key, v, os.path.realpath(path)) for key, v, path in paths if os.path.exists(path)]
+
+
+def output_problem(config: DictConfig) -> str | None:
+    """One sentence when ``output`` (or its samples file) cannot be written: a folder, or what make_pairs.py reads."""
+    output = os.path.abspath(os.path.expanduser(str(config.output)))
+    if os.path.isdir(output):
+        return f"output={config.output} is a folder; give the pairs file to write, e.g. output={os.path.join(config.output, 'pairs.jsonl')}."
+    parent = os.path.dirname(output)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"output={config.output} lies under {parent}, which is a file, not a folder; give a file in a folder."
+    for path in (output, output + SAMPLES_SUFFIX):
+        real = os.path.realpath(path)
+        for key, value, read in read_paths(config):
+            if real == read or real.startswith(read.rstrip(os.sep) + os.sep):
+                where = "is" if real == read else "lies inside"
+                return (
+                    f"output={config.output} would write {path}, which {where} {key}={value}, what make_pairs.py reads; "
+                    "give an output file outside what it reads."
+                )
+    return None
+
+
 def train_command(policy: sampling.Source, output: str, conversational: bool = False) -> str:
     """The train.py command that trains on ``output``, starting from ``policy``."""
     model = policy.model_config
@@ -95,6 +141,9 @@ def train_command(policy: sampling.Source, output: str, conversational: bool = F
 def main(config: DictConfig) -> dict:
     """Sample, score, pair and write; returns the counts; ConfigError or DataError for bad input or no pair."""
     check_config(config)
+    problem = output_problem(config)  # before any model loads or sample is drawn
+    if problem is not None:
+        raise ConfigError(problem)
     scorer = rewards.RewardFunctionScorer.from_config(config)  # an unknown function is refused before any model loads
     utils.set_threads(config.num_threads)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -195,7 +244,7 @@ def _prompt_pairs(item: dict, completions: list[str], scores: list, limit: int |
 
 def _write(config: DictConfig, scorer, output: str, samples: list, pairs: list, counts: dict) -> None:
     """Write the samples file, print the counts, then write the pairs; DataError (after the samples) when there is none."""
-    samples_path = output + ".samples.jsonl"
+    samples_path = output + SAMPLES_SUFFIX
     utils.write_atomic(samples_path, "".join(json.dumps(s) + "\n" for s in samples))
     summary = ", ".join(f"{v} {name}" for name, v in counts.items())
     print(f"{summary} (k={int(config.k)}, temperature={config.temperature}, reward_functions={list(scorer.names)})")

@@ -161,7 +161,7 @@ def _open_run_dir(config: DictConfig, held: contextlib.ExitStack) -> str:
     ray_cfg.storage_path = os.path.abspath(ray_cfg.storage_path or os.path.join(run_dir, "ray"))
     ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
     if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
-        OmegaConf.save(config, os.path.join(run_dir, "config.yaml"))
+        checkpoints.save_run_config(config, os.path.join(run_dir, "config.yaml"))
     print(f"Run folder: {run_dir}")
     return run_dir
 

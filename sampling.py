@@ -367,7 +367,7 @@ def completion_texts(tokenizer, completions: torch.Tensor, mask: torch.Tensor) -
 def append_rows(path: str, rows: list[dict], then: str) -> None:
     """Append ``rows`` to the JSON-lines file ``path`` (a run's samples.jsonl or completions.jsonl); a full disk:
     utils.DiskFullError ending with ``then``."""
-    with utils.saying_disk_full(path, "append to", then), open(path, "a") as f:
+    with utils.saying_disk_full(path, "append to", then), utils.open_append(path) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 

@@ -13,6 +13,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+import utils
+
 RECORDS = ".jobs"
 """The sweep folder's subfolder where each job leaves its record, ``<job number>.json``."""
 
@@ -56,8 +58,7 @@ class SweepSummary(Callback):
         folder = Path(config.hydra.sweep.dir) / RECORDS
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{config.hydra.job.num}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(record))
-        os.replace(path.with_suffix(".tmp"), path)  # whole, or absent
+        utils.write_atomic(str(path), json.dumps(record))  # whole, or absent
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

@@ -145,7 +145,7 @@ class MetricsLogger:
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
         with (
             utils.saying_disk_full(self.path, "append to", checkpoints.resume_hint(os.path.dirname(self.path))),
-            open(self.path, "a") as f,
+            utils.open_append(self.path) as f,
         ):
             f.write(json.dumps({"step": step, **clean}) + "\n")
         if self._wandb_init is not None:
@@ -264,6 +264,8 @@ def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...
         loss, average = loss_config.name, bool(loss_config.get("average_log_prob", False))  # not every loss has it
     plan = [p for p in curve_panels(series, loss, average) if panels is None or p["name"] in panels]
     out_dir = out_dir or os.path.join(run_dir, "curves")
+    if os.path.islink(out_dir):  # its plots would land in the folder it points at
+        raise utils.ConfigError(utils.link_refusal(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for panel in plan:
@@ -280,7 +282,8 @@ def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...
         ax.grid(alpha=0.3)
         file = os.path.join(out_dir, f"{panel['name']}.png")
         fig.tight_layout()
-        fig.savefig(file, dpi=100)
+        with utils.replacing(file) as tmp:  # a link at file is replaced, not written through
+            fig.savefig(tmp, dpi=100, format="png")
         plt.close(fig)
         written.append(file)
     for stale in set(os.listdir(out_dir)) - {os.path.basename(f) for f in written}:

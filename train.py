@@ -76,6 +76,8 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
         saved = os.path.join(resume_dir, "config.yaml")
         checkpoint, _ = checkpoints.checkpoint_to_resume(resume_dir)
         if os.path.exists(saved) and checkpoint is None:
+            if says_once():  # held for a moment: a live run is named, and what a killed first save left is removed
+                checkpoints.lock_run_dir(resume_dir).release()
             raise utils.ConfigError(
                 f"resume={resume_dir} has no checkpoint yet (the run stopped before its first): there is nothing to "
                 "resume; start it again with the same command (its config is in config.yaml there)."
@@ -201,9 +203,10 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     print(f"{line}\n{schedule}")
     saved = OmegaConf.load(os.path.join(run_dir, "config.yaml"))  # the file as written: only its length changes
     saved.update({k: config[k] for k in BUDGET_KEYS})
-    with utils.replacing(os.path.join(run_dir, "config.yaml")) as tmp:
-        checkpoints.save_run_config(saved, tmp, checkpoints.read_command(run_dir))  # the "# Made by:" line kept
-    with open(os.path.join(run_dir, EXTENSIONS_LOG), "a") as f:
+    checkpoints.save_run_config(
+        saved, os.path.join(run_dir, "config.yaml"), checkpoints.read_command(run_dir)
+    )  # "# Made by:" kept
+    with utils.open_append(os.path.join(run_dir, EXTENSIONS_LOG)) as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} {schedule}\n")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, checkpoints.FINISHED))
@@ -341,6 +344,16 @@ def main(
         except StoppedDuringSetup as e:
             e.args = (stopped_during_setup(e, made[0] if made else None, config.resume),)
             raise
+        except BaseException:
+            if made:  # a fault before anything but setup's files was written: no folder is left behind
+                remove_setup_only(made[0])
+            raise
+
+
+def remove_setup_only(run_dir: str) -> None:
+    """Remove the run folder ``run_dir`` this job made if it holds only config.yaml, its lock and writers' leftovers."""
+    if checkpoints.holds_only_setup(run_dir):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, stops: SetupStops, made: list[str], budget=None):

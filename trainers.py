@@ -854,6 +854,11 @@ class BasicTrainer(OnlineSampling):
             f"the last good checkpoint is {os.path.realpath(latest)}"
             if os.path.exists(latest)
             else "no checkpoint was written yet"
+            + (
+                " and its run folder, holding only its config, is removed"  # by train.main, as any setup fault's
+                if checkpoints.holds_only_setup(self.run_dir)
+                else f" (its run folder {self.run_dir} holds only logs: delete it once read)"
+            )
         )
         fix = "lower lr or max_grad_norm, or check the data"
         if self.config.model.policy_dtype == "float16":

@@ -124,7 +124,7 @@ def first_line(error: BaseException) -> str:
 
 def write_atomic(path: str, text: str) -> None:
     """Write ``text`` to ``path`` atomically (a temporary file, fsynced, then ``os.replace``)."""
-    with replacing(path) as tmp, open(tmp, "w") as f:
+    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
@@ -132,9 +132,12 @@ def write_atomic(path: str, text: str) -> None:
 
 @contextlib.contextmanager
 def replacing(path: str, then: str = "try again", tmp: str | None = None):
-    """Replace ``path`` atomically with what the body writes into the yielded temporary file, removed on failure."""
+    """Replace ``path`` atomically with what the body writes into the yielded temporary file, removed on failure (a
+    symbolic link at ``path`` is replaced, never written through)."""
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     try:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)  # a file or link left at the temporary name: the body writes a new file, not through it
         with saying_disk_full(path, "write", then):
             yield tmp
             os.replace(tmp, path)
@@ -142,6 +145,33 @@ def replacing(path: str, then: str = "try again", tmp: str | None = None):
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def link_refusal(path: str) -> str:
+    """The sentence refusing to write into ``path``, a symbolic link: files are never written through one."""
+    try:
+        target = f" (to {os.readlink(path)})"
+    except OSError:
+        target = ""
+    return (
+        f"{path} is a symbolic link{target}, and files are never written through one: remove it, or put a copy of the "
+        "file it points at in its place, then try again."
+    )
+
+
+def open_append(path: str, encoding: str = "utf-8"):
+    """``open(path, "a")`` that refuses (ConfigError, :func:`link_refusal`) a symbolic link at ``path`` instead of
+    appending to the file it points at."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # no O_NOFOLLOW (Windows): asked first
+        raise ConfigError(link_refusal(path))
+    try:
+        fd = os.open(path, flags, 0o666)  # open()'s mode, less the umask
+    except OSError:
+        if os.path.islink(path):  # O_NOFOLLOW's ELOOP
+            raise ConfigError(link_refusal(path)) from None
+        raise
+    return os.fdopen(fd, "a", encoding=encoding)
 
 
 class DiskFullError(OSError):

@@ -739,3 +739,29 @@ def test_the_win_rate_title_names_the_number_of_prompts_and_the_judge(tmp_path):
     series = [{"label": "A", "temperatures": {"0": {"win_rate": 0.5, "ci_low": 0.3, "ci_high": 0.7}}}]
     assert evaluate.plot_win_rates(series, str(tmp_path / "w.png"), "chosen", title) == title
     assert (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_output_dir_holding_a_file_other_files_or_another_evaluation_is_refused_before_sampling(runs, tmp_path, monkeypatch):
+    # Regression (issue 34): output_dir= an existing evaluation replaced its results and mixed its samples.
+    args = [f"policy={runs['dpo']}", *rm_args(runs), "temperatures=[0]"]
+    out = run_eval([*args, f"output_dir={tmp_path / 'a'}"])
+    before = (out / "verdicts.jsonl").read_text()
+    calls = count_calls(monkeypatch, sampling, "generate_batch")
+    assert run_eval([*args, f"output_dir={out}", "progress_bar=true"]) == out  # the same evaluation: continued
+    assert calls["n"] == 0 and (out / "verdicts.jsonl").read_text() == before
+    (tmp_path / "file").write_text("a user's file\n")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("a user's notes\n")
+    cases = {
+        out: f"output_dir={out} holds another evaluation (seed (saved 0, given 1)); give a new folder, or continue "
+        f"that one with python evaluate.py resume={out}.",
+        tmp_path / "file": f"output_dir={tmp_path / 'file'} is a file; give a new or empty folder.",
+        tmp_path / "other": f"output_dir={tmp_path / 'other'} is a folder with other files in it (notes.txt); give a "
+        "new or empty folder.",
+    }
+    for folder, says in cases.items():
+        with pytest.raises(ConfigError) as e:
+            run_eval([*args, f"output_dir={folder}", "seed=1"])
+        assert str(e.value) == says
+    assert calls["n"] == 0 and (out / "verdicts.jsonl").read_text() == before  # nothing sampled, nothing replaced
+    assert (tmp_path / "file").read_text() == "a user's file\n"

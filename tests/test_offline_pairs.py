@@ -227,3 +227,35 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
     config = compose_config(args)
     checks.validate_config(config)
     assert config.model.name_or_path == folder and config.model.config is None
+
+
+def test_an_output_that_is_what_it_reads_or_a_folder_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    # Regression (issue 34): output= its own input file turned 200 rows into 6; output=<a folder> failed after sampling.
+    import sampling
+
+    monkeypatch.setattr(sampling, "load_source", lambda *a: pytest.fail("a model was loaded"))
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = data / "rows.jsonl"
+    rows.write_text('{"prompt": "Q", "chosen": "a", "rejected": "b"}\n')
+    read = ["policy=nowhere/run", "datasets=[json]", f"data.json.path={rows}"]
+    cases = {
+        str(rows): f"which is data.json.path={rows}, what make_pairs.py reads",
+        str(data / "pairs.jsonl"): None,  # beside the input: a new file
+        str(data): f"output={data} is a folder; give the pairs file to write, e.g. output={data / 'pairs.jsonl'}.",
+        str(rows / "p.jsonl"): f"output={rows / 'p.jsonl'} lies under {rows}, which is a file, not a folder",
+    }
+    for output, says in cases.items():
+        config = pairs_config([*read, f"output={output}"])
+        if says is None:
+            assert make_pairs.output_problem(config) is None
+            continue
+        with pytest.raises(ConfigError) as e:
+            make_pairs.main(config)
+        assert says in str(e.value), output
+    in_folder = pairs_config(["policy=nowhere/run", "datasets=[hf]", f"data.hf.path={data}", f"output={data / 'new.jsonl'}"])
+    assert f"which lies inside data.hf.path={data}, what make_pairs.py reads" in make_pairs.output_problem(in_folder)
+    folder_read = pairs_config(["policy=nowhere/run", "datasets=[json]", f"data.json.path={{train: {rows}, test: {rows}}}"])
+    folder_read.output = str(rows)
+    assert "which is data.json.path.train=" in make_pairs.output_problem(folder_read)
+    assert rows.read_text() == '{"prompt": "Q", "chosen": "a", "rejected": "b"}\n'

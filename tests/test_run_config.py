@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 import checkpoints
 import checks
 import train
+import trainers
 import utils
 from preference_datasets import DataError
 
@@ -475,3 +476,31 @@ def test_a_config_saved_before_newer_keys_existed_loads_with_todays_defaults_its
     )
     assert (config.loss.average_log_prob, config.loss.nll_weight, config.model.reference_dtype) == (True, 0.0, None)
     assert config.exp_name == "ipo_run" and config.data.hh.holdout_fraction == 0.0 and "policy" not in config
+
+
+def test_resume_of_a_run_killed_in_its_first_save_removes_the_save_then_says_there_is_nothing_to_resume(tmp_path):
+    # Regression (issue 34): a kill -9 during the first save left .step-N.tmp-* for ever, refused before cleaning.
+    run = tmp_path / "dpo_run_2026-12-02_10-00-00_000000"
+    (run / ".step-24.tmp-9f3c2a1b").mkdir(parents=True)
+    (run / ".step-24.tmp-9f3c2a1b" / "policy.pt").write_bytes(b"\0" * 64)
+    OmegaConf.save(compose_config(TINY), run / "config.yaml")
+    with pytest.raises(utils.ConfigError, match=r"has no checkpoint yet"):
+        train.effective_config(compose_config([*TINY, f"resume={run}"]))
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml"]
+
+
+def test_a_fault_after_the_run_folder_is_made_leaves_no_folder_holding_only_its_config(tmp_path, monkeypatch):
+    # Regression (issue 34): a refused reference cache (or lr=inf before the first log) left config.yaml and .lock.
+    def refuse(*args, **kwargs):
+        raise utils.ConfigError("The reference cache is refused.")
+
+    monkeypatch.setattr(train, "_reference_cache", refuse)
+    with pytest.raises(utils.ConfigError, match="refused"):
+        train.main(compose_config([*TINY, f"output_root={tmp_path / 'a'}"]))
+    assert list((tmp_path / "a").iterdir()) == []
+    monkeypatch.undo()
+    with pytest.raises(trainers.NonFiniteLossError) as e:  # AdamW moves every weight by ~lr: the first step overflows
+        train.main(compose_config([*TINY, f"output_root={tmp_path / 'b'}", "lr=1e30", "warmup_steps=0", "n_examples=16"]))
+    (folder,) = (tmp_path / "b").iterdir()  # its step-0 eval was logged: the folder stays, named
+    assert f"no checkpoint was written yet (its run folder {folder} holds only logs: delete it once read)" in str(e.value)
+    assert (folder / "metrics.jsonl").exists()

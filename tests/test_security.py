@@ -404,3 +404,84 @@ def test_checkpoint_folders_get_the_mode_mkdir_gives_under_the_umask(tmp_path, u
         os.umask(old)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o777 & ~umask  # 0o700 and 0o755
     assert stat.S_IMODE(os.stat(Path(path, "f.pt")).st_mode) == 0o666 & ~umask
+
+
+# ----------------------------------------------------------------------------- files never written through a link
+
+
+def test_write_atomic_replaces_a_link_and_leaves_its_target(tmp_path):
+    target, link = tmp_path / "users_file", tmp_path / "config.yaml"
+    target.write_text("a user's file\n")
+    link.symlink_to(target)
+    (tmp_path / f"config.yaml.tmp-{os.getpid()}").symlink_to(target)  # a link planted at the temporary name too
+    utils.write_atomic(str(link), "new\n")
+    assert not link.is_symlink() and link.read_text() == "new\n"
+    assert target.read_text() == "a user's file\n"
+
+
+def test_appending_to_a_link_is_refused_and_leaves_its_target(tmp_path):
+    target, link = tmp_path / "users_file", tmp_path / "metrics.jsonl"
+    target.write_text("a user's file\n")
+    link.symlink_to(target)
+    with pytest.raises(utils.ConfigError) as e:
+        utils.open_append(str(link))
+    assert str(e.value) == (
+        f"{link} is a symbolic link (to {target}), and files are never written through one: remove it, or put a copy "
+        "of the file it points at in its place, then try again."
+    )
+    assert target.read_text() == "a user's file\n"
+    with utils.open_append(str(tmp_path / "plain")) as f:  # a plain file is appended to
+        f.write("a\n")
+    with utils.open_append(str(tmp_path / "plain")) as f:
+        f.write("b\n")
+    assert (tmp_path / "plain").read_text() == "a\nb\n"
+
+
+def test_a_link_anywhere_a_run_writes_is_refused_before_anything_is_written(finished, tmp_path):
+    # Regression (issue 34): resume wrote through links in the run folder, truncating their targets.
+    run = checkpoint_of(finished, tmp_path)
+    written = sorted(
+        str(p.relative_to(run)) for p in [*run.iterdir(), *(run / "curves").iterdir()] if p.is_file() and not p.is_symlink()
+    )
+    assert {".lock", "config.yaml", "metrics.jsonl", "curves/loss.png"} <= set(written), written
+    target = tmp_path / "users_file"
+    for name in [*written, "extensions.log", "curves"]:  # extensions.log: what an extension appends to
+        copy = tmp_path / "copy"
+        shutil.copytree(run, copy, symlinks=True)
+        target.write_text("a user's file\n")
+        if (copy / name).is_dir():
+            shutil.rmtree(copy / name)
+        (copy / name).unlink(missing_ok=True)
+        (copy / name).symlink_to(target)
+        with pytest.raises(utils.ConfigError) as e:
+            checkpoints.lock_run_dir(str(copy))
+        assert str(e.value) == (
+            f"The folder {copy} holds a symbolic link where it writes its own files, {name} (to {target}), and files "
+            "are never written through a link: remove each (or put a copy of the file it points at in its place), "
+            "then try again."
+        ), name
+        assert target.read_text() == "a user's file\n", name
+        shutil.rmtree(copy)
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(target)
+    done = cli([f"resume={run}", "n_examples=72"], tmp_path)  # resumed and extended through the command line
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert one_error_line(done).startswith(f"Error: The folder {run} holds a symbolic link where it writes")
+    assert target.read_text() == "a user's file\n"
+    assert os.readlink(run / "LATEST") == "step-24"  # nothing trained
+
+
+def test_plots_replace_a_link_and_a_linked_curves_folder_is_refused(finished, tmp_path):
+    import tracking
+
+    run = checkpoint_of(finished, tmp_path)
+    target = tmp_path / "users_file"
+    target.write_text("a user's file\n")
+    (run / "curves" / "loss.png").unlink()
+    (run / "curves" / "loss.png").symlink_to(target)
+    tracking.plot_curves(str(run))
+    assert not (run / "curves" / "loss.png").is_symlink() and target.read_text() == "a user's file\n"
+    shutil.rmtree(run / "curves")
+    (run / "curves").symlink_to(tmp_path)
+    with pytest.raises(utils.ConfigError, match=r"curves is a symbolic link .* never written through one"):
+        tracking.plot_curves(str(run))
