@@ -53,10 +53,10 @@ def read_command(run_dir: str) -> str | None:
     return first[len(RUN_COMMAND_LINE) :] if first.startswith(RUN_COMMAND_LINE) else None
 
 
-def save_run_config(config: DictConfig, path: str, command: str | None = None) -> None:
+def save_run_config(config: DictConfig, path: str, command: str | None = None, then: str = "try again") -> None:
     """Save ``config`` as a run's config.yaml at ``path``, its first line ``# Made by: <command>`` when known."""
     first = "" if command is None else RUN_COMMAND_LINE + " ".join(command.split("\n")) + "\n"
-    utils.write_atomic(path, first + OmegaConf.to_yaml(config))  # a link at path is replaced, not written through
+    utils.write_atomic(path, first + OmegaConf.to_yaml(config), then)  # a link at path is replaced, not written through
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
@@ -100,8 +100,7 @@ def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | Non
     try:
         lock = lock_run_dir(run_dir)
         path = os.path.join(run_dir, "config.yaml")
-        with utils.saying_disk_full(path, "write", "start the run again"):
-            save_run_config(config, path, command)
+        save_run_config(config, path, command, then="start the run again")
         return run_dir, lock
     except BaseException:
         for name in (RUN_LOCK, "config.yaml"):
@@ -223,7 +222,8 @@ def linked_files(run_dir: str) -> list[str]:
             continue  # a curves link is listed with the folder's own entries
         for name in sorted(os.listdir(folder)):
             path = os.path.join(folder, name)
-            if os.path.islink(path) and (sub or not re.fullmatch(r"LATEST|step-\d+", name)):
+            # LATEST, step-N and a dead writer's temporary (.LATEST.tmp, removed before anything is written there) pass
+            if os.path.islink(path) and (sub or not (re.fullmatch(r"LATEST|step-\d+", name) or LEFTOVER_FILE.fullmatch(name))):
                 found.append(f"{os.path.join(sub, name)} (to {os.readlink(path)})")
     return found
 

@@ -122,9 +122,9 @@ def first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [""])[0].strip()
 
 
-def write_atomic(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file, fsynced, then ``os.replace``)."""
-    with replacing(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+def write_atomic(path: str, text: str, then: str = "try again") -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file, fsynced, then ``os.replace``); a full disk says ``then``."""
+    with replacing(path, then) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

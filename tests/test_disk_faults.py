@@ -64,7 +64,7 @@ class FullFile:
 def disk_full_under(monkeypatch, folder: Path, free_mib: float = FREE_MIB) -> None:
     """From now on writes to files under ``folder`` fail with ENOSPC, and the disk has ``free_mib`` free."""
     root = os.path.realpath(folder) + os.sep
-    real_open, real_write = builtins.open, os.write
+    real_open, real_write, real_fdopen = builtins.open, os.write, os.fdopen
 
     def under(path) -> bool:
         return isinstance(path, (str, os.PathLike)) and os.path.realpath(path).startswith(root)
@@ -72,6 +72,10 @@ def disk_full_under(monkeypatch, folder: Path, free_mib: float = FREE_MIB) -> No
     def full_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
         return FullFile(f) if under(file) and any(c in mode for c in "wax+") else f
+
+    def full_fdopen(fd, mode="r", *args, **kwargs):  # utils.open_append's file
+        f = real_fdopen(fd, mode, *args, **kwargs)
+        return FullFile(f) if under(f"/proc/self/fd/{fd}") and any(c in mode for c in "wax+") else f
 
     def full_write(fd, data):
         if under(f"/proc/self/fd/{fd}"):
@@ -82,6 +86,7 @@ def disk_full_under(monkeypatch, folder: Path, free_mib: float = FREE_MIB) -> No
     usage = shutil._ntuple_diskusage(total, total - int(free_mib * MIB), int(free_mib * MIB))
     monkeypatch.setattr(builtins, "open", full_open)
     monkeypatch.setattr(os, "write", full_write)
+    monkeypatch.setattr(os, "fdopen", full_fdopen)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)
 
 
@@ -133,13 +138,10 @@ def test_a_fresh_run_on_a_full_disk_is_one_sentence_and_leaves_no_folder(tmp_pat
 
 
 def test_a_fresh_run_that_cannot_write_config_yaml_leaves_no_folder(tmp_path, monkeypatch):
-    from omegaconf import OmegaConf
-
-    def save(config, f, *args, **kwargs):
-        Path(f).write_text("model:\n")  # what was written before the disk filled
+    def fsync(fd):  # config.yaml's text is written, then the disk fills before it reaches it
         raise enospc()
 
-    monkeypatch.setattr(OmegaConf, "save", save)
+    monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100 * MIB, 97 * MIB, FREE_MIB * MIB))
     with pytest.raises(OSError) as err:
         checkpoints.new_run_dir(str(tmp_path), "exp", compose_config(TINY))
