@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import re
 import socket
 
 import torch
@@ -174,10 +175,58 @@ def _archive_problem(c: DictConfig, _) -> str | None:
     return f"model.archive={folder} is a folder; give a checkpoint's policy.pt: {hint}."
 
 
+RUN_NAME = r"[\w-][\w.-]*"
+"""What ``exp_name`` may be: letters, digits, ``_``, ``-`` and ``.``, not starting with ``.`` (one folder name under
+``output_root``, that ``resume=auto`` finds again)."""
+
+
+def _run_name_problem(c: DictConfig, _) -> str | None:
+    name = str(c.exp_name)
+    if re.fullmatch(RUN_NAME, name, flags=re.ASCII):
+        return None
+    safe = re.sub(r"[^\w-]+", "_", name, flags=re.ASCII).strip("_") or "my_run"
+    return (
+        f"exp_name={name!r} is not a run name: use letters, digits, '_', '-' and '.' (not first), so that the run folder "
+        f"is one folder inside output_root that resume=auto finds again; e.g. exp_name={safe}."
+    )
+
+
+def _output_root_problem(c: DictConfig, _) -> str | None:
+    """One sentence when ``output_root`` is a file or lies inside one (a folder that does not exist yet is made)."""
+    root = os.path.expanduser(str(c.output_root))
+    path = root
+    while path and not os.path.exists(path):  # the nearest part of it that exists must be a folder
+        parent = os.path.dirname(path)
+        path = parent if parent != path else ""
+    if not path or os.path.isdir(path):
+        return None
+    where = "is a file" if path == root else f"lies inside the file {path}"
+    return f"output_root={c.output_root} {where}, not a folder; give a folder for the run folders (made if absent), e.g. output_root=outputs."
+
+
+def _custom_code_problem(c: DictConfig, _) -> str | None:
+    """:func:`models.custom_code_problem` of the local folders ``model.*`` loads from (a hub id is loaded without its code)."""
+    import models
+
+    if c.model.get("config") is not None:  # a random model: only the tokenizer is read
+        keys = ["tokenizer_name_or_path"]
+    else:
+        keys = ["name_or_path", "tokenizer_name_or_path"]
+    for key in keys:
+        path = c.model.get(key)
+        if path is not None and os.path.isdir(os.path.expanduser(str(path))):
+            problem = models.custom_code_problem(os.path.expanduser(str(path)), f"model.{key}")
+            if problem is not None:
+                return problem
+    return None
+
+
 # Every config rule, checked in this order (the first that fails is the ConfigError): a row is (the key, the condition on
 # the config c that must hold, the message: str.format'ted with c, or a function of c), or (the key, a function of
 # (c, world_size) giving the message or None) for a rule with loops or calls into other modules.
 RULES = [
+    ("exp_name", _run_name_problem),
+    ("output_root", _output_root_problem),
     ("numbers", _numbers_problem),
     ("malloc_mmap_threshold_mib", _raised(lambda c: utils.validate_malloc_mmap_threshold(c.get("malloc_mmap_threshold_mib")), utils.ConfigError)),
     ("loss", _raised(lambda c: losses.validate_loss_config(c.loss), losses.ObjectiveConfigError)),
@@ -280,6 +329,12 @@ RULES = [
     ("max_prompt_length", lambda c: c.max_prompt_length < c.max_length,
      "max_prompt_length ({c.max_prompt_length}) must be smaller than max_length ({c.max_length})."),
     ("n_epochs", lambda c: c.n_examples is not None or c.n_epochs is not None, "Set n_epochs or n_examples (e.g. n_epochs=1)."),
+    ("n_examples", lambda c: c.n_examples is None or _whole(c.n_examples, 1),
+     "n_examples must be a whole number of examples >= 1, or null to train n_epochs, got {c.n_examples!r}; e.g. n_examples=1000."),
+    ("sft_first.n_examples", lambda c: (c.get("sft_first") or {}).get("n_examples") is None or _whole(c.sft_first.n_examples, 1),
+     "sft_first.n_examples must be a whole number of examples >= 1, or null for no SFT stage, got {c.sft_first.n_examples!r}."),
+    ("seed", lambda c: _whole(c.seed, 0) and c.seed < 2**32,
+     "seed must be a whole number from 0 to 4294967295 (NumPy's range), got {c.seed!r}; e.g. seed=0."),
     ("optimizer", lambda c: c.optimizer in ("RMSprop", "AdamW", "Adam", "SGD"),
      "optimizer must be one of RMSprop, AdamW, Adam, SGD, got {c.optimizer}."),
     ("model.policy_dtype", lambda c: not (c.model.get("policy_dtype") == "float16" and c.optimizer in FLOAT16_UNSAFE_OPTIMIZERS),
@@ -313,6 +368,7 @@ RULES = [
     ("model.archive", lambda c: c.model.archive is None or os.path.exists(c.model.archive),
      "model.archive={c.model.archive} does not exist; give the policy.pt of an earlier run."),
     ("model.archive", _archive_problem),
+    ("model.name_or_path", _custom_code_problem),
 ]  # fmt: skip
 
 
@@ -587,6 +643,48 @@ def check_eval_size(config: DictConfig, n_eval: int) -> None:
 RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")
 """Keys that name where a run is, not what it trains: left out when a new command is compared
 with a run's saved config (:func:`config_differences`)."""
+
+
+HANDED_KEYS = ("judge.base_url", "judge.api_key_env", "ray.address", "hub.model_id", "wandb.entity")
+"""Keys whose value is an address a job sends to or the environment variable of a secret it sends: a run or evaluation
+folder's saved value is used on ``resume=`` only when the command gives it too (:func:`handed_values`)."""
+
+REWARD_FUNCTION_KEYS = ("reward_functions", "eval_reward_functions")
+"""Keys that take reward functions, whose ``module:function`` entries import code (:func:`handed_values`)."""
+
+
+def _plain(value):
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def handed_values(saved: DictConfig, given: DictConfig) -> list[tuple[str, object]]:
+    """``(key, saved value)`` for each value of ``saved`` (a folder's config.yaml) that names code (a reward function as
+    ``module:function``), a secret or an endpoint (:data:`HANDED_KEYS`) and differs from ``given`` (this command's config)."""
+    found = []
+    for key in REWARD_FUNCTION_KEYS:
+        value = _plain(OmegaConf.select(saved, key, default=None))
+        names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+        if any(":" in str(name) for name in names) and value != _plain(OmegaConf.select(given, key, default=None)):
+            found.append((key, value))  # registered names alone are taken from the folder
+    for key in HANDED_KEYS:
+        value = _plain(OmegaConf.select(saved, key, default=None))
+        if value is not None and value != _plain(OmegaConf.select(given, key, default=None)):
+            found.append((key, value))
+    return found
+
+
+def handed_error(folder: str, saved: DictConfig, given: DictConfig, script: str = "train.py") -> str | None:
+    """One sentence when ``resume={folder}``'s saved config ``saved`` names code, a secret or an endpoint that the command's
+    config ``given`` does not give (:func:`handed_values`), with the command that gives them; else None."""
+    found = handed_values(saved, given)
+    if not found:
+        return None
+    values = [f"{key}={utils.override_text(value)}" for key, value in found]
+    return (
+        f"resume={folder}: its config.yaml names code, a secret or an address to send to ({', '.join(values)}), which a "
+        "folder alone never decides, since it may have been handed to you; if you trust them, give them on the command "
+        f"line too: {utils.shell_line(script, [f'resume={folder}', *values])}"
+    )
 
 
 def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | None = None) -> list[tuple[str, object, object]]:

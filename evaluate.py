@@ -650,16 +650,21 @@ def check_config(config: DictConfig) -> None:
 
 
 def effective_config(config: DictConfig) -> DictConfig:
-    """The config to run: with ``resume=<evaluation folder>``, the one saved there, that folder its ``output_dir``."""
+    """The config to run: with ``resume=<evaluation folder>``, the one saved there, that folder its ``output_dir`` (ConfigError
+    when it names code or an endpoint ``config`` does not: :func:`checks.handed_error`)."""
     if config.resume is None:
         return config
     folder = str(config.resume)
     saved = os.path.join(folder, "config.yaml")
-    config = checkpoints.load_run_config(saved) if os.path.isfile(saved) else None
-    if config is None or "policy" not in config:
+    run_config = checkpoints.load_run_config(saved) if os.path.isfile(saved) else None
+    if run_config is None or "policy" not in run_config:
         raise ConfigError(
             f"resume={folder} is not an evaluation folder (no config.yaml of evaluate.py in it); give the folder evaluate.py printed."
         )
+    problem = checks.handed_error(folder, run_config, config, "evaluate.py")  # its code and endpoints: only if given too
+    if problem is not None:
+        raise ConfigError(problem)
+    config = run_config
     config.resume, config.output_dir = folder, folder
     return config
 

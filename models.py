@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import re
 
 import torch
@@ -19,6 +20,63 @@ def _sentence(error: Exception) -> str:
     return line if line.endswith(".") else line + "."
 
 
+CODE_NAMING_FILES = (
+    "config.json",
+    "tokenizer_config.json",
+    "adapter_config.json",
+    "processor_config.json",
+    "preprocessor_config.json",
+)
+"""The files of a model, tokenizer or adapter folder whose ``auto_map`` would name Python code inside the folder."""
+
+
+def custom_code_problem(folder, key: str = "model.name_or_path") -> str | None:
+    """One sentence when the local ``folder`` (given as ``key``, or named by ``key`` when it has a space) names custom code
+    (``auto_map``) that loading it would run, else None."""
+    import json
+
+    for name in CODE_NAMING_FILES:
+        path = os.path.join(os.path.expanduser(str(folder)), name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                fields = json.load(f)
+        except (OSError, ValueError):  # absent or unreadable: the loader says what is wrong with it
+            continue
+        auto_map = fields.get("auto_map") if isinstance(fields, dict) else None
+        if auto_map:
+            named = ", ".join(str(v) for v in (auto_map.values() if isinstance(auto_map, dict) else auto_map))[:120]
+            return (
+                f"{_named(key, folder)} names custom code ({name}'s auto_map: {named}), which this project never runs; "
+                "give a folder that transformers' own classes load (no auto_map), e.g. one saved by save_pretrained of a built-in model."
+            )
+    return None
+
+
+def _named(key: str, path) -> str:
+    """``model.name_or_path=<path>``, or ``The adapter folder <path>`` for a ``key`` with a space."""
+    return f"{key} {path}" if " " in key else f"{key}={path}"
+
+
+def _refuse_custom_code(path, key: str) -> None:
+    """Raise ConfigError when the local folder ``path`` names custom code (:func:`custom_code_problem`)."""
+    if path is not None and os.path.isdir(os.path.expanduser(str(path))):
+        problem = custom_code_problem(path, key)
+        if problem is not None:
+            raise utils.ConfigError(problem)
+
+
+def pickled_weights_problem(error: Exception, path, key: str) -> str | None:
+    """One sentence when ``error`` is ``torch.load``'s refusal of a pickled weights file (``pytorch_model.bin``) in ``path``."""
+    if not isinstance(error, pickle.UnpicklingError):
+        return None
+    found = re.search(r"GLOBAL (\S+)|but got <class '([^']+)'>", str(error))
+    what = f" (e.g. {found.group(1) or found.group(2)})" if found else ""
+    return (
+        f"{_named(key, path)} holds a pickled weights file with more than tensors{what}, and it is not loaded because unpickling "
+        "it could run code; give the model as safetensors (model.safetensors, from save_pretrained) from a source you trust."
+    )
+
+
 def load_tokenizer(model_config: DictConfig):
     """The tokenizer of ``model.tokenizer_name_or_path`` (else built by ``model.tokenizer_class``, else
     ``model.name_or_path``'s) with pad set to EOS if absent and ``model.chat_template`` applied; ConfigError if it fails."""
@@ -28,9 +86,11 @@ def load_tokenizer(model_config: DictConfig):
     if model_config.get("tokenizer_class") and not path:
         tokenizer = getattr(transformers, model_config.tokenizer_class)()
     else:
+        key = "model.tokenizer_name_or_path" if path else "model.name_or_path"
         path = path or model_config.name_or_path
+        _refuse_custom_code(path, key)
         try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(path, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise utils.ConfigError(
                 f"Could not load the tokenizer {path!r} (model.tokenizer_name_or_path, else model.name_or_path): "
@@ -74,7 +134,8 @@ def transformers_config(model_config: DictConfig, tokenizer=None):
             fields.setdefault("eos_token_id", tokenizer.eos_token_id)
             fields.setdefault("bos_token_id", tokenizer.bos_token_id)
         return transformers.AutoConfig.for_model(**fields)
-    return transformers.AutoConfig.from_pretrained(model_config.name_or_path)
+    _refuse_custom_code(model_config.name_or_path, "model.name_or_path")
+    return transformers.AutoConfig.from_pretrained(model_config.name_or_path, trust_remote_code=False)
 
 
 def check_parallel_model(config: DictConfig, world_size: int) -> None:
@@ -141,12 +202,16 @@ def load_model(
         torch.manual_seed(seed)  # same random weights for policy and reference
         model = auto.from_config(cfg, dtype=dtype)
     else:
-        kwargs = {"dtype": dtype, **extra}
+        kwargs = {"dtype": dtype, "trust_remote_code": False, **extra}
         if model_config.get("device_map"):
             kwargs["device_map"] = model_config.device_map
+        _refuse_custom_code(model_config.name_or_path, "model.name_or_path")
         try:
             model = auto.from_pretrained(model_config.name_or_path, **kwargs)
-        except (OSError, ValueError) as e:  # no such id or folder, offline, no weights, no model_type
+        except (OSError, ValueError, pickle.UnpicklingError) as e:  # no such id or folder, offline, no weights, no model_type
+            pickled = pickled_weights_problem(e, model_config.name_or_path, "model.name_or_path")
+            if pickled is not None:  # one sentence, not torch's advice to load it with weights_only=False
+                raise utils.ConfigError(pickled) from None
             raise utils.ConfigError(
                 f"Could not load model.name_or_path={model_config.name_or_path}: {_sentence(e)} {_LOAD_HINT}"
             ) from e
@@ -312,8 +377,6 @@ def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str |
 def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ()):
     """``torch.load`` of ``path`` onto the CPU, tensors, plain values and ``safe_globals`` only (so nothing in it
     runs code), else a ConfigError naming the file (``label``) and the fix."""
-    import pickle
-
     try:
         with torch.serialization.safe_globals(list(safe_globals)):
             return torch.load(path, map_location="cpu", weights_only=True)

@@ -196,9 +196,17 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
             f"({str(e)[:160]}); give a run folder, a checkpoint, a Hugging Face folder or a hub id this machine can reach."
         ) from None
     if source.adapter is not None:
+        import pickle
+
         import peft
 
-        model = peft.PeftModel.from_pretrained(model, source.adapter)
+        problem = models.custom_code_problem(source.adapter, "The adapter folder")
+        if problem is not None:
+            raise ConfigError(problem)
+        try:
+            model = peft.PeftModel.from_pretrained(model, source.adapter, trust_remote_code=False)
+        except pickle.UnpicklingError as e:  # a pickled adapter_model.bin that holds more than tensors
+            raise ConfigError(models.pickled_weights_problem(e, source.adapter, "The adapter folder")) from None
     if source.weights is not None:
         try:
             checkpoint = models.load_weights_file(

@@ -49,7 +49,8 @@ EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of 
 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
-    """The config to run: ``resume=auto`` resolved and, with ``resume=<run folder>``, its saved config with ``budget`` set."""
+    """The config to run: ``resume=auto`` resolved and, with ``resume=<run folder>``, its saved config with ``budget`` set
+    (ConfigError when it names code or an endpoint ``config`` does not: :func:`checks.handed_error`)."""
     global AUTO_RESUMED
     if config.resume == "auto":
         AUTO_RESUMED = True
@@ -88,7 +89,11 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
             if os.path.exists(os.path.join(parent, "LATEST")) and os.path.exists(os.path.join(parent, "config.yaml")):
                 hint = f"; it looks like a checkpoint inside one: give the run folder, resume={parent}"
             raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml{hint}.")
-        config = checkpoints.load_run_config(saved)
+        run_config = checkpoints.load_run_config(saved)
+        problem = checks.handed_error(resume_dir, run_config, config)  # the folder's code and endpoints: only if given too
+        if problem is not None:
+            raise utils.ConfigError(problem)
+        config = run_config
         config.update(budget or {})
         config.resume = resume_dir
     OmegaConf.resolve(config)

@@ -179,7 +179,9 @@ def worker_prepare(spec: dict) -> dict:
     import trainers
 
     _set_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(spec.get("tokenizer_dir", STORIES))  # bench_memory.py: SmolLM2's
+    tokenizer = AutoTokenizer.from_pretrained(
+        spec.get("tokenizer_dir", STORIES), trust_remote_code=False
+    )  # bench_memory.py: SmolLM2's
     if tokenizer.pad_token_id is None:  # as models.load_tokenizer (and TRL) do
         tokenizer.pad_token = tokenizer.eos_token
     report = collections.Counter()
@@ -512,7 +514,7 @@ def _trl_trainer(spec: dict, out_dir: str, callbacks=()):
     with open(spec["pairs_file"]) as f:
         pairs = json.load(f)
     dataset = Dataset.from_dict({k: [p[k] for p in pairs] for k in ("prompt_ids", "chosen_ids", "rejected_ids")})
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=False)
     args = DPOConfig(
         **trl_common_args(DPOConfig, spec, out_dir),
         beta=spec["beta"],

@@ -238,7 +238,7 @@ def _trl_sft_trainer(spec: dict, out_dir: str, callbacks=()):
     with open(spec["pairs_file"]) as f:
         pairs = json.load(f)
     rows = _sft_rows(pairs)
-    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=False)
     args = SFTConfig(
         **bench_dpo.trl_common_args(SFTConfig, spec, out_dir),
         packing=False,
@@ -274,7 +274,7 @@ def worker_prepare(spec: dict) -> dict:
 
     import preference_datasets as pdata
 
-    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"])
+    tokenizer = AutoTokenizer.from_pretrained(spec["tokenizer_dir"], trust_remote_code=False)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     with open(spec["pairs_file"]) as f:

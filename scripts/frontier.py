@@ -121,8 +121,8 @@ def sample_stories(model_path: Path, n: int, seed: int, max_new_tokens: int = 24
     import utils
 
     utils.set_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=False).eval()
     settings = OmegaConf.create({"top_k": 0, "top_p": 1.0, "max_new_tokens": max_new_tokens})
     stop_ids = preference_datasets.stop_token_ids(tokenizer)
     texts = []

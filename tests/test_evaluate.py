@@ -412,7 +412,7 @@ def test_http_judge_end_to_end_with_the_paper_prompt_in_both_orders(runs, paper_
     assert {r["a"] for r in rows if r["a"] != r["b"]} <= shown and {r["b"] for r in rows if r["a"] != r["b"]} <= shown
     # Resumed, nothing is asked again.
     paper_server.seen.clear()
-    evaluate.main(eval_config([f"resume={out}"]))
+    evaluate.main(eval_config([f"resume={out}", f"judge.base_url={paper_server.url}"]))  # an endpoint only when given
     assert paper_server.seen == []
 
 

@@ -665,7 +665,7 @@ def test_kill_9_then_resume_with_the_http_judge_matches_an_uninterrupted_run(tmp
         assert cut.returncode == -signal.SIGKILL, cut.stdout[-3000:]
         cut_dir = next((tmp_path / "cut").iterdir())
         assert (cut_dir / "LATEST").resolve().name == "step-16"
-        resumed = train_py([f"resume={cut_dir}"])
+        resumed = train_py([f"resume={cut_dir}", f"judge.base_url={cut_server.url}"])  # an endpoint only when given
         assert resumed.returncode == 0, resumed.stdout[-3000:]
         assert "Resuming after 16 examples" in resumed.stdout
     finally:

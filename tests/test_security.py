@@ -4,6 +4,7 @@ judge follows no redirect and keeps to its timeout, checkpoint folders respect t
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
@@ -23,6 +24,7 @@ from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
 import checkpoints
+import checks
 import models
 import rewards
 import train
@@ -485,3 +487,159 @@ def test_plots_replace_a_link_and_a_linked_curves_folder_is_refused(finished, tm
     (run / "curves").symlink_to(tmp_path)
     with pytest.raises(utils.ConfigError, match=r"curves is a symbolic link .* never written through one"):
         tracking.plot_curves(str(run))
+
+
+# ----------------------------------------------------------------------------- a handed run folder's config (issue 34)
+
+
+def handed_copy(finished: Path, tmp_path: Path, **values) -> Path:
+    """An unfinished copy of ``finished`` whose config.yaml sets ``values`` (dotted keys, ``__`` for ``.``)."""
+    from omegaconf import OmegaConf
+
+    run = checkpoint_of(finished, tmp_path)
+    saved = OmegaConf.load(run / "config.yaml")
+    for key, value in values.items():
+        OmegaConf.update(saved, key.replace("__", "."), value)
+    OmegaConf.save(saved, run / "config.yaml")
+    return run
+
+
+def test_a_handed_run_folder_imports_nothing_and_sends_no_key_unless_the_command_gives_them(finished, tmp_path, monkeypatch):
+    # The folder's config.yaml names a module beside it (importable: the current directory is on sys.path), a URL
+    # and an environment variable to send there; resume stops before anything is imported, loaded or sent.
+    monkeypatch.chdir(tmp_path)
+    marker = tmp_path / "marker"
+    (tmp_path / "handed_helper.py").write_text(
+        f"open({str(marker)!r}, 'w').close()\ndef f(prompts, completions):\n    return [0.0] * len(prompts)\n"
+    )
+    handed = {
+        "eval_reward_functions": ["handed_helper:f"],
+        "judge__base_url": "http://127.0.0.1:9/v1",
+        "judge__api_key_env": "AWS_SECRET_ACCESS_KEY",
+    }
+    run = handed_copy(finished, tmp_path, **handed)
+    with pytest.raises(utils.ConfigError) as e:
+        train.main(compose_config([f"resume={run}"]))
+    assert str(e.value) == (
+        f"resume={run}: its config.yaml names code, a secret or an address to send to (eval_reward_functions=[handed_helper:f], "
+        "judge.base_url=http://127.0.0.1:9/v1, judge.api_key_env=AWS_SECRET_ACCESS_KEY), which a folder alone never decides, "
+        "since it may have been handed to you; if you trust them, give them on the command line too: python train.py "
+        f"resume={run} 'eval_reward_functions=[handed_helper:f]' judge.base_url=http://127.0.0.1:9/v1 "
+        "judge.api_key_env=AWS_SECRET_ACCESS_KEY"
+    )
+    assert not marker.exists()
+    given = [
+        "eval_reward_functions=[handed_helper:f]",
+        "judge.base_url=http://127.0.0.1:9/v1",
+        "judge.api_key_env=AWS_SECRET_ACCESS_KEY",
+    ]
+    config = train.effective_config(compose_config([f"resume={run}", *given]))  # given again: taken
+    assert list(config.eval_reward_functions) == ["handed_helper:f"] and config.judge.api_key_env == "AWS_SECRET_ACCESS_KEY"
+
+
+def test_a_run_folders_registered_reward_functions_and_default_keys_are_taken_without_being_given(finished, tmp_path):
+    run = handed_copy(finished, tmp_path, eval_reward_functions=["arithmetic", "length"], reward_functions=["length"])
+    config = train.effective_config(compose_config([f"resume={run}"]))
+    assert list(config.eval_reward_functions) == ["arithmetic", "length"] and list(config.reward_functions) == ["length"]
+    assert config.judge.api_key_env == "OPENAI_API_KEY"  # the saved default: what this command gives too
+
+
+def test_a_handed_evaluation_folder_sends_nothing_unless_the_command_gives_its_judge(tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import evaluate
+
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    judge = {"name": "reward_function", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
+    OmegaConf.save(
+        OmegaConf.create({"policy": "x", "judge": judge, "reward_functions": ["length", "mine:f"]}), folder / "config.yaml"
+    )
+
+    def composed(extra):
+        with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+            return compose(config_name="evaluate", overrides=[f"resume={folder}", *extra])
+
+    with pytest.raises(utils.ConfigError) as e:
+        evaluate.effective_config(composed([]))
+    assert str(e.value) == (
+        f"resume={folder}: its config.yaml names code, a secret or an address to send to (reward_functions=[length,mine:f], "
+        "judge.base_url=http://127.0.0.1:9/v1), which a folder alone never decides, since it may have been handed to you; "
+        f"if you trust them, give them on the command line too: python evaluate.py resume={folder} "
+        "'reward_functions=[length,mine:f]' judge.base_url=http://127.0.0.1:9/v1"
+    )
+    config = evaluate.effective_config(composed(["reward_functions=[length,mine:f]", "judge.base_url=http://127.0.0.1:9/v1"]))
+    assert config.judge.base_url == "http://127.0.0.1:9/v1" and config.output_dir == str(folder)
+
+
+# ----------------------------------------------------------------------------- model folders: no custom code, no pickles (issue 34)
+
+
+def tiny_model_folder(path: Path, auto_map: dict | None = None) -> Path:
+    """A 1-layer Llama's config.json in ``path`` (with ``auto_map`` naming custom code when given)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config.save_pretrained(path)
+    if auto_map is not None:
+        fields = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**fields, "auto_map": auto_map}))
+    return path
+
+
+def test_a_model_folder_naming_custom_code_is_one_sentence_before_anything_loads(tmp_path):
+    from omegaconf import OmegaConf
+
+    folder = tiny_model_folder(tmp_path / "remote", {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    sentence = (
+        f"model.name_or_path={folder} names custom code (config.json's auto_map: modeling_evil.EvilForCausalLM), which this "
+        "project never runs; give a folder that transformers' own classes load (no auto_map), e.g. one saved by "
+        "save_pretrained of a built-in model."
+    )
+    assert models.custom_code_problem(str(folder)) == sentence
+    assert models.custom_code_problem(str(tiny_model_folder(tmp_path / "plain"))) is None
+    with pytest.raises(utils.ConfigError) as e:  # a RULES row: before data or models load
+        checks.validate_config(compose_config(["model=blank_model", f"model.name_or_path={folder}"]))
+    assert str(e.value) == sentence
+    with pytest.raises(utils.ConfigError) as e:  # evaluate.py's and make_pairs.py's loads too
+        models.load_model(OmegaConf.create({"name_or_path": str(folder), "config": None}), None, None, 0)
+    assert str(e.value) == sentence
+
+
+def test_a_pickled_pytorch_model_bin_runs_nothing_and_is_one_sentence(tmp_path):
+    from omegaconf import OmegaConf
+
+    folder = tiny_model_folder(tmp_path / "pickled")
+    marker = tmp_path / "marker"
+    torch.save({"x": Planted(marker)}, folder / "pytorch_model.bin")  # no model.safetensors: transformers unpickles this
+    with pytest.raises(utils.ConfigError) as e:
+        models.load_model(OmegaConf.create({"name_or_path": str(folder), "config": None}), None, None, 0)
+    assert str(e.value) == (
+        f"model.name_or_path={folder} holds a pickled weights file with more than tensors (e.g. exec), and it is "
+        "not loaded because unpickling it could run code; give the model as safetensors (model.safetensors, from "
+        "save_pretrained) from a source you trust."
+    )
+    assert not marker.exists()
+
+
+def test_every_load_from_a_folder_or_hub_id_refuses_remote_code(tmp_path, monkeypatch):
+    import transformers
+    from omegaconf import OmegaConf
+
+    asked = []
+
+    def record(name):
+        def from_pretrained(path, **kwargs):
+            asked.append((name, kwargs.get("trust_remote_code", "not passed")))
+            raise OSError("stopped here")
+
+        return from_pretrained
+
+    for cls in ("AutoTokenizer", "AutoConfig", "AutoModelForCausalLM"):
+        monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", record(cls))
+    model = OmegaConf.create({"name_or_path": "org/name", "config": None, "tokenizer_name_or_path": None})
+    for load in (models.load_tokenizer, models.transformers_config, lambda m: models.load_model(m, None, None, 0)):
+        with contextlib.suppress(utils.ConfigError, OSError):
+            load(model)
+    assert asked == [("AutoTokenizer", False), ("AutoConfig", False), ("AutoModelForCausalLM", False)]

@@ -124,3 +124,86 @@ def test_a_stop_after_setup_is_the_trainers(tmp_path, monkeypatch):
     assert stop == signal.SIGTERM
     assert (Path(run_dir) / "LATEST" / "policy.pt").is_file()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+
+
+# ----------------------------------------------------------------------------- RULES rows on what names and counts a run (issue 34)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "n_examples=0",
+            "n_examples must be a whole number of examples >= 1, or null to train n_epochs, got 0; e.g. n_examples=1000.",
+        ),
+        (
+            "n_examples=-5",
+            "n_examples must be a whole number of examples >= 1, or null to train n_epochs, got -5; e.g. n_examples=1000.",
+        ),
+        (
+            "sft_first.n_examples=0",
+            "sft_first.n_examples must be a whole number of examples >= 1, or null for no SFT stage, got 0.",
+        ),
+        ("seed=-1", "seed must be a whole number from 0 to 4294967295 (NumPy's range), got -1; e.g. seed=0."),
+        ("seed=4294967296", "seed must be a whole number from 0 to 4294967295 (NumPy's range), got 4294967296; e.g. seed=0."),
+        (
+            "exp_name=../../x",
+            "exp_name='../../x' is not a run name: use letters, digits, '_', '-' and '.' (not first), so that the run folder "
+            "is one folder inside output_root that resume=auto finds again; e.g. exp_name=x.",
+        ),
+        (
+            "exp_name=sweep/a",
+            "exp_name='sweep/a' is not a run name: use letters, digits, '_', '-' and '.' (not first), so that the run folder "
+            "is one folder inside output_root that resume=auto finds again; e.g. exp_name=sweep_a.",
+        ),
+    ],
+)
+def test_a_run_name_length_or_seed_out_of_range_is_one_sentence(override, message):
+    import checks
+    import utils
+
+    with pytest.raises(utils.ConfigError) as e:
+        checks.validate_config(compose_config([override]))
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("override", ["exp_name=dpo_nll0.2", "exp_name=rm_lr1e-3", "seed=4294967295", "n_examples=1"])
+def test_the_run_names_and_values_the_docs_use_pass(override):
+    import checks
+
+    checks.validate_config(compose_config([override]))
+
+
+def test_output_root_that_is_a_file_or_inside_one_is_one_sentence(tmp_path):
+    import checks
+    import utils
+
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine\n")
+    for root, where in ((afile, "is a file"), (afile / "runs", f"lies inside the file {afile}")):
+        with pytest.raises(utils.ConfigError) as e:
+            checks.validate_config(compose_config([f"output_root={root}"]))
+        assert (
+            str(e.value)
+            == f"output_root={root} {where}, not a folder; give a folder for the run folders (made if absent), e.g. output_root=outputs."
+        )
+    checks.validate_config(compose_config([f"output_root={tmp_path / 'new' / 'runs'}"]))  # made when the run starts
+    assert afile.read_text() == "mine\n"
+
+
+def test_n_examples_0_on_the_command_line_exits_2_with_one_sentence_and_writes_nothing(tmp_path):
+    args = [a for a in one_run(TINY) if not a.startswith("n_examples=")]
+    done = subprocess.run(
+        [sys.executable, "train.py", *args, "n_examples=0", f"output_root={tmp_path / 'out'}"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("Error:")] == [
+        "Error: n_examples must be a whole number of examples >= 1, or null to train n_epochs, got 0; e.g. n_examples=1000."
+    ]
+    assert not (tmp_path / "out").exists()
