@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SHARED, compose_config, run_train, tiny_llama_scorer
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import checks
 import make_pairs
@@ -388,7 +387,7 @@ def test_make_pairs_train_on_them_runs_on_what_it_wrote(places):
 
 def test_each_sft_first_stage_command_runs_to_its_first_step(places):
     # the default main job's two stages, as train.py prints them, and a README command on the tiny default
-    for overrides in ([], ["loss.nll_weight=1.0"], [f"datasets=[json]", f"data.json.path={places['files']}/pairs.jsonl"]):
+    for overrides in ([], ["loss.nll_weight=1.0"], ["datasets=[json]", f"data.json.path={places['files']}/pairs.jsonl"]):
         config = compose_config(overrides)
         given = checks.given_keys(overrides)
         checks.settle_given(config, given)
