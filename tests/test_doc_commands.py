@@ -240,10 +240,10 @@ def places(tmp_path_factory):
     found = {"run": str(run), "files": str(files), "shared": str(SHARED), "tmp": str(tmp), "chat_model": str(chat_model)}
     # make_pairs.py's own README command on that run writes the pairs.jsonl the README then trains on
     pairs_command = next(line for _, line, _ in COMMANDS if line.startswith("python make_pairs.py"))
-    # reward_functions=[length]: a run of a few seconds answers no sum right, so arithmetic would tie every completion
-    overrides = shell_words(stand_in(pairs_command, found).replace("reward_functions=[arithmetic]", "reward_functions=[length]"))[
-        2:
-    ]
+    # reward_functions=[length]: a run of a few seconds answers no sum right, so arithmetic would tie every completion;
+    # max_pairs_per_prompt=1: one pair a prompt, as few as a policy that answers most sums right gives
+    line = stand_in(pairs_command, found).replace("reward_functions=[arithmetic]", "reward_functions=[length]")
+    overrides = [*shell_words(line)[2:], "max_pairs_per_prompt=1"]
     found["train_on_them"] = run_make_pairs(overrides)
     return found
 
