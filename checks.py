@@ -629,15 +629,17 @@ def n_eval_used(config: DictConfig, n_eval: int) -> int:
     return min(config.n_eval_examples or n_eval, n_eval)
 
 
-def check_eval_size(config: DictConfig, n_eval: int) -> None:
-    """Raise ConfigError if the eval set cannot fill one eval batch."""
+def check_eval_size(config: DictConfig, n_eval: int) -> str | None:
+    """Raise ConfigError if the eval split is empty; the note to print when ``eval_batch_size`` exceeds the eval set, else None."""
     if n_eval == 0:
         raise utils.ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
     used = n_eval_used(config, n_eval)
-    if config.eval_batch_size > used:
-        raise utils.ConfigError(
-            f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}); lower it: eval_batch_size={used} or less."
-        )
+    if config.eval_batch_size <= used:
+        return None
+    return (  # the eval iterator yields the short batch: each metric is a mean over examples, whatever the batch size
+        f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}), "
+        f"so the eval runs as one batch of {used}."
+    )
 
 
 RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")

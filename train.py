@@ -504,7 +504,9 @@ def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: lis
     train_examples, eval_examples = preference_datasets.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
-    checks.check_eval_size(config, len(eval_examples))
+    note = checks.check_eval_size(config, len(eval_examples))
+    if note is not None and rank == 0:
+        print(f"Note: {note}")
     if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
     return train_examples, eval_examples

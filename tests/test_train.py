@@ -167,19 +167,20 @@ def test_batch_size_must_divide_by_world_size():
         checks.validate_config(compose_config(["batch_size=6"]), world_size=4)
 
 
-def test_eval_batch_larger_than_eval_set_fails_before_any_model_loads(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "train.py", "eval_batch_size=64", "data.arithmetic.n_test=10", f"output_root={tmp_path}"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2
-    assert "eval_batch_size (64) is larger than the eval set (10 examples)" in out.stderr
-    assert "Traceback" not in out.stderr
-    assert "Policy:" not in out.stdout  # no model was loaded
-    assert not list(tmp_path.iterdir())  # and no run folder made
+def test_eval_batch_larger_than_eval_set_is_a_note_and_the_eval_is_one_batch_of_the_set():
+    # Regression (issue 34): a README command on a small file was refused for the preset's eval_batch_size=64.
+    import preference_datasets
+
+    config = compose_config(["eval_batch_size=64"])
+    note = checks.check_eval_size(config, 10)
+    assert note == "eval_batch_size (64) is larger than the eval set (10 examples), so the eval runs as one batch of 10."
+    examples = [{"prompt": f"Q{i}", "chosen": " a", "rejected": " b", "truncation_mode": "keep_end"} for i in range(10)]
+    tokenizer = models.load_tokenizer(config.model)
+    batches = list(preference_datasets.get_batch_iterator(examples, tokenizer, 64, 64, 32, n_examples=10))
+    assert [len(b["prompt"]) for b in batches] == [10]
+    assert checks.check_eval_size(config, 64) is None
+    with pytest.raises(utils.ConfigError, match="^The eval split is empty"):
+        checks.check_eval_size(config, 0)
 
 
 def test_unknown_override_is_rejected_by_hydra():
@@ -449,9 +450,8 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path):
 
 def test_eval_size_check_counts_n_eval_examples():
     config = compose_config(["eval_batch_size=64", "n_eval_examples=32"])
-    with pytest.raises(utils.ConfigError, match="eval_batch_size \\(64\\) is larger than the eval set \\(32 examples\\)"):
-        checks.check_eval_size(config, 256)
-    checks.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256)
+    assert "is larger than the eval set (32 examples), so the eval runs as one batch of 32" in checks.check_eval_size(config, 256)
+    assert checks.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256) is None
 
 
 @pytest.mark.parametrize(
