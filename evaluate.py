@@ -746,7 +746,10 @@ def main(config: DictConfig) -> str:
         baseline_label = baseline.label
     baseline_label = config.baseline_label or baseline_label
     settle_datasets(config, policy, say=rank == 0)  # datasets=null: the policy run's own
-    reference, no_reference = kl_reference(config, policy)
+    if config.reference is None and config.baseline == "reference":  # the same model: its archive checked once
+        reference, no_reference = baseline, None
+    else:
+        reference, no_reference = kl_reference(config, policy)
     if reference is not None:
         check_same_vocabulary(policy, reference)
     judge = Judge(config)  # its settings checked before any folder is made
