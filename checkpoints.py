@@ -94,16 +94,21 @@ def local_path(path) -> str:
     return os.path.realpath(expanded) if os.path.exists(expanded) else str(path)
 
 
-def new_run_dir(root: str, exp_name: str, config: DictConfig, command: str | None = None) -> tuple[str, RunLock]:
-    """A new, locked run folder with ``config`` saved as config.yaml (removed again if that fails), and its lock."""
+def new_run_dir(
+    root: str, exp_name: str, config: DictConfig, command: str | None = None, pin: dict | None = None
+) -> tuple[str, RunLock]:
+    """A new, locked run folder with ``config`` saved as config.yaml and ``pin`` (:func:`archive_pin`) as
+    :data:`ARCHIVE_PIN` (removed again if that fails), and its lock."""
     run_dir, lock = make_run_dir(root, exp_name), None
     try:
         lock = lock_run_dir(run_dir)
         path = os.path.join(run_dir, "config.yaml")
         save_run_config(config, path, command, then="start the run again")
+        if pin is not None:
+            write_archive_pin(run_dir, pin)
         return run_dir, lock
     except BaseException:
-        for name in (RUN_LOCK, "config.yaml"):
+        for name in (RUN_LOCK, "config.yaml", ARCHIVE_PIN):
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(run_dir, name))
         if lock is not None:
@@ -185,6 +190,68 @@ def data_change(saved: dict | None, now: dict, checkpoint_dir: str, auto: bool =
             f"learning-rate schedule start anew) with model.archive={os.path.join(os.path.realpath(checkpoint_dir), 'policy.pt')}."
         )
     return None
+
+
+ARCHIVE_PIN = "archive.json"  # in a run folder started from model.archive: the file it resolved to, its size and sha256
+
+
+def archive_pin(archive) -> dict:
+    """``{"archive": model.archive as given, "path": the file it names (links resolved: LATEST -> step-N), "bytes",
+    "sha256"}``, what a run started from; resume and evaluate.py check the file against it."""
+    path = os.path.realpath(os.path.expanduser(str(archive)))
+    return {"archive": str(archive), "path": path, **manifest_entry(path)}
+
+
+def write_archive_pin(run_dir: str, pin: dict) -> None:
+    """Write ``pin`` (:func:`archive_pin`) as ``<run_dir>/archive.json`` (:data:`ARCHIVE_PIN`), atomically."""
+    path = os.path.join(run_dir, ARCHIVE_PIN)
+    utils.write_atomic(path, json.dumps(pin, indent=1) + "\n", then="start the run again")
+
+
+def read_archive_pin(run_dir: str) -> dict | None:
+    """Run ``run_dir``'s :data:`ARCHIVE_PIN`, or None (a run without model.archive, or made before pins); ConfigError
+    if it cannot be read."""
+    path = os.path.join(run_dir, ARCHIVE_PIN)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            pin = json.load(f)
+        if not isinstance(pin, dict) or not all(isinstance(pin.get(k), str) for k in ("archive", "path", "sha256")):
+            raise ValueError("not the archive, path and sha256 it was written with")
+    except (OSError, ValueError) as e:
+        raise utils.ConfigError(
+            f"{path} could not be read ({utils.failure_reason(e)}), so the model.archive this run started from is unknown; "
+            "restore that file."
+        ) from None
+    return pin
+
+
+def pinned_archive(run_dir: str, archive):
+    """The file run ``run_dir`` started from as its ``model.archive`` (:data:`ARCHIVE_PIN`'s path, not a ``LATEST``
+    that has moved on since), else (no pin, or that file is gone: :func:`check_archive_pin` says so) ``archive``."""
+    pin = read_archive_pin(run_dir) if archive is not None else None
+    return pin["path"] if pin is not None and os.path.isfile(pin["path"]) else archive
+
+
+def check_archive_pin(run_dir: str, fix: str) -> None:
+    """Raise ConfigError, ending in ``fix``, when the file run ``run_dir`` pinned as its ``model.archive`` is gone or
+    holds other bytes (its sha256) than when the run started."""
+    pin = read_archive_pin(run_dir)
+    if pin is None:
+        return
+    path = pin["path"]
+    if not os.path.isfile(path):
+        what = "is gone"
+    elif os.path.getsize(path) != pin.get("bytes") or file_sha256(path) != pin["sha256"]:
+        what = "holds other bytes now (another sha256)"
+    else:
+        return
+    step = os.path.basename(os.path.dirname(path))
+    raise utils.ConfigError(
+        f"{run_dir} started from model.archive={pin['archive']}, which was then {path} ({step}, sha256 "
+        f"{pin['sha256'][:12]}, recorded in {ARCHIVE_PIN}), and that file {what}; {fix}."
+    )
 
 
 RUN_LOCK = ".lock"  # the lock file in every run folder (lock_run_dir)
@@ -420,18 +487,52 @@ def publish_checkpoint(run_dir: str, name: str, tmp: str) -> str:
     return final
 
 
-CHECKPOINT_MANIFEST = "manifest.json"  # {relative path: bytes} of a checkpoint's files, written last, checked on resume
+CHECKPOINT_MANIFEST = (
+    "manifest.json"  # {relative path: {"bytes", "sha256"}} of a checkpoint's files, written last, checked on resume
+)
+
+HASH_CHUNK = 1 << 20  # bytes read at a time when hashing a file
+
+
+def file_sha256(path: str) -> str:
+    """The sha256 hex digest of file ``path``, read in chunks of :data:`HASH_CHUNK` bytes."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def manifest_entry(path: str) -> dict:
+    """``{"bytes": size, "sha256": hex digest}`` of file ``path``, as :data:`CHECKPOINT_MANIFEST` lists it."""
+    return {"bytes": os.path.getsize(path), "sha256": file_sha256(path)}
 
 
 def write_checkpoint_manifest(folder: str) -> None:
-    """Write :data:`CHECKPOINT_MANIFEST` into the checkpoint ``folder``: each file's path and size."""
-    sizes = {}
-    for root, _, names in os.walk(folder):
-        for name in names:
-            path = os.path.join(root, name)
-            sizes[os.path.relpath(path, folder)] = os.path.getsize(path)
+    """Write :data:`CHECKPOINT_MANIFEST` into the checkpoint ``folder``: each other file's path, size and sha256."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = sorted(os.path.relpath(os.path.join(root, name), folder) for root, _, files in os.walk(folder) for name in files)
+    names = [name for name in names if name != CHECKPOINT_MANIFEST]
+    with ThreadPoolExecutor(max(1, min(8, len(names)))) as pool:  # hashlib releases the GIL: the files hash side by side
+        entries = dict(zip(names, pool.map(lambda name: manifest_entry(os.path.join(folder, name)), names)))
     with open(os.path.join(folder, CHECKPOINT_MANIFEST), "w") as f:
-        json.dump(dict(sorted(sizes.items())), f, indent=1)
+        json.dump(entries, f, indent=1)
+
+
+def record_in_manifest(folder: str, names: list[str]) -> None:
+    """Record the files ``names`` of checkpoint ``folder`` anew in its manifest (those it lists; sizes only in an
+    earlier version's), atomically."""
+    path = os.path.join(folder, CHECKPOINT_MANIFEST)
+    with open(path) as f:
+        entries = json.load(f)
+    for name in names:
+        if name in entries:
+            file = os.path.join(folder, name)
+            entries[name] = manifest_entry(file) if isinstance(entries[name], dict) else os.path.getsize(file)
+    utils.write_atomic(path, json.dumps(dict(sorted(entries.items())), indent=1))
 
 
 def cut_torch_archive(path: str) -> bool:
@@ -448,9 +549,9 @@ def cut_torch_archive(path: str) -> bool:
         return True
 
 
-def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> str | None:
+def checkpoint_file_problem(folder: str, name: str, size: int | None = None, sha256: str | None = None) -> str | None:
     """What is wrong with file ``name`` of checkpoint ``folder`` (``is missing``, ``is cut short ...``), or None;
-    ``size``: the manifest's bytes (``.pt``/``.metadata`` are judged by their zip directory)."""
+    ``size``, ``sha256``: the manifest's (without a hash, ``.pt``/``.metadata`` are judged by their zip directory)."""
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         return "is missing"
@@ -458,11 +559,21 @@ def checkpoint_file_problem(folder: str, name: str, size: int | None = None) -> 
     written = "" if size is None else f" of the {size} written"
     if have == 0 and size != 0:
         return f"is empty (0 bytes{written})"
-    if name.endswith((".pt", ".metadata")):  # a restricted unpickler reads these: one rewritten whole is left to it
-        return f"is cut short ({have} bytes{written}; its zip directory is gone)" if cut_torch_archive(path) else None
-    if size is None or have == size:
-        return None
-    return f"is cut short ({have} of its {size} bytes)" if have < size else f"has {have} bytes, not the {size} written"
+    if name.endswith((".pt", ".metadata")):
+        if cut_torch_archive(path):
+            return f"is cut short ({have} bytes{written}; its zip directory is gone)"
+        if sha256 is None:  # a restricted unpickler reads these: one rewritten whole is left to it
+            return None
+    if size is not None and have != size:  # a torch archive whose zip directory is whole was rewritten, not cut
+        whole = name.endswith((".pt", ".metadata"))
+        return (
+            f"is cut short ({have} of its {size} bytes)"
+            if have < size and not whole
+            else f"has {have} bytes, not the {size} written"
+        )
+    if sha256 is not None and file_sha256(path) != sha256:
+        return f"holds other bytes than were written (its {have} bytes have another sha256 than {CHECKPOINT_MANIFEST} records)"
+    return None
 
 
 def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
@@ -472,16 +583,29 @@ def checkpoint_damage(folder: str) -> list[tuple[str, str]]:
     if os.path.exists(manifest):
         try:
             with open(manifest) as f:
-                sizes = json.load(f)
+                entries = json.load(f)
+            if not isinstance(entries, dict):
+                raise ValueError("not a JSON object")
         except (OSError, ValueError) as e:
             return [(CHECKPOINT_MANIFEST, f"could not be read ({utils.failure_reason(e)})")]
     else:  # FSDP/TP keep the optimizer in sharded/
         sharded = os.path.isdir(os.path.join(folder, "sharded"))
-        sizes = dict.fromkeys(
+        entries = dict.fromkeys(
             ["policy.pt", "optimizer.pt" if not sharded else "sharded/.metadata", "scheduler.pt", "trainer_state.pt"]
         )
-    found = ((name, checkpoint_file_problem(folder, name, size)) for name, size in sizes.items() if not name.startswith("hf/"))
+    found = (
+        (name, checkpoint_file_problem(folder, name, *_written(entry)))
+        for name, entry in entries.items()
+        if not name.startswith("hf/")
+    )
     return [(name, problem) for name, problem in found if problem is not None]
+
+
+def _written(entry) -> tuple[int | None, str | None]:
+    """(bytes, sha256) of a manifest entry: ``{"bytes", "sha256"}``, or an earlier version's size alone."""
+    if isinstance(entry, dict):
+        return entry.get("bytes"), entry.get("sha256")
+    return entry, None
 
 
 def intact_checkpoint(run_dir: str, but: str | None = None) -> str | None:

@@ -792,7 +792,10 @@ def main(config: DictConfig) -> str:
     problem = output_dir_problem(config)  # before any sample is drawn
     if problem is not None:
         raise ConfigError(problem)
-    reference, no_reference = kl_reference(config, policy)
+    if config.reference is None and config.baseline == "reference":  # the same model: its archive checked once
+        reference, no_reference = baseline, None
+    else:
+        reference, no_reference = kl_reference(config, policy)
     if reference is not None:
         check_same_vocabulary(policy, reference)
     judge = Judge(config)  # its settings checked before any folder is made

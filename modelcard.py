@@ -318,12 +318,8 @@ def add_evaluation(checkpoint: str, run_dir: str, output_dir: str) -> list[str]:
         with utils.replacing(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
             f.write(new)
         written.append(name)
-    manifest = os.path.join(checkpoint, checkpoints.CHECKPOINT_MANIFEST)
-    if written and os.path.isfile(manifest):
-        with open(manifest) as f:
-            sizes = json.load(f)
-        sizes.update({name: os.path.getsize(os.path.join(checkpoint, name)) for name in written if name in sizes})
-        utils.write_atomic(manifest, json.dumps(dict(sorted(sizes.items())), indent=1))
+    if written and os.path.isfile(os.path.join(checkpoint, checkpoints.CHECKPOINT_MANIFEST)):
+        checkpoints.record_in_manifest(checkpoint, written)
     return [os.path.join(checkpoint, name) for name in written]
 
 

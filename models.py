@@ -163,6 +163,28 @@ def load_reference(config: DictConfig, tokenizer, apply_archive: bool = True) ->
     return reference
 
 
+# transformers config fields that say nothing about what the weights compute (names, versions, heads' labels, caching)
+BOOKKEEPING_FIELDS = {
+    "architectures", "dtype", "torch_dtype", "transformers_version", "id2label", "label2id", "num_labels", "problem_type",
+    "output_attentions", "output_hidden_states", "return_dict", "use_cache", "initializer_range", "chunk_size_feed_forward",
+}  # fmt: skip
+# fields that may differ while the weights mean the same: the positions allowed, the tokenizer's special ids
+HARMLESS_FIELDS = {"max_position_embeddings", "pad_token_id", "bos_token_id", "eos_token_id", "pretraining_tp"}
+
+
+def config_field_differences(saved, built) -> tuple[list, list]:
+    """(fields that change what the weights compute, harmless fields) where transformers configs ``saved`` and ``built``
+    differ, each ``(field, saved value, built value)``; dropout and bookkeeping fields left out."""
+    a, b = saved.to_dict(), built.to_dict()
+    changed, harmless = [], []
+    for key in sorted(set(a) | set(b)):
+        if key.startswith("_") or key in BOOKKEEPING_FIELDS or "dropout" in key or "pdrop" in key:
+            continue
+        if a.get(key) != b.get(key):
+            (harmless if key in HARMLESS_FIELDS else changed).append((key, a.get(key), b.get(key)))
+    return changed, harmless
+
+
 TP_FAMILIES = ("llama", "gpt_neox", "gpt2")
 
 

@@ -162,6 +162,10 @@ def _open_run_dir(config: DictConfig, held: contextlib.ExitStack) -> str:
     ray_cfg.name = ray_cfg.name or os.path.basename(run_dir)
     if fresh:  # what resume= reads, with Ray's storage folder and run name, so a resubmitted run finds them
         checkpoints.save_run_config(config, os.path.join(run_dir, "config.yaml"))
+        if config.model.archive is not None:  # the file it names now (LATEST moves on), which the workers load
+            pin = checkpoints.archive_pin(config.model.archive)
+            checkpoints.write_archive_pin(run_dir, pin)
+            config.model.archive = pin["path"]
     print(f"Run folder: {run_dir}")
     return run_dir
 

@@ -170,16 +170,26 @@ def reference_source(policy: Source) -> Source:
             f"baseline=reference needs a policy trained here (a run folder or checkpoint), whose model.archive or base model is "
             f"its reference; {policy.label} is not one: give its base model as baseline=<folder or hub id>."
         )
-    archive = policy.model_config.archive
+    archive = run_archive(policy, "give the model you mean as baseline=<its checkpoint> (reference=<it> for the KL)")
     if archive is not None and not os.path.isfile(archive):
         raise ConfigError(
             f"The reference of {policy.label} is model.archive={archive}, which is not a file here; run evaluate.py from the "
             "folder that run was started in, or give that checkpoint as baseline=<its folder>."
         )
-    label = f"reference ({archive or policy.model_config.get('name_or_path') or 'random init'})"
+    label = f"reference ({policy.model_config.archive or policy.model_config.get('name_or_path') or 'random init'})"
     source = Source(label, "reference", policy.model_config, archive, policy.seed, policy.run_dir, policy.run_config)
     source.fingerprint = _fingerprint(source)
     return source
+
+
+def run_archive(source: Source, fix: str) -> str | None:
+    """The ``model.archive`` of ``source``'s run: the file it started from (checkpoints.ARCHIVE_PIN), ConfigError ending in
+    ``fix`` when that file changed since; as its config.yaml says for a run made before pins."""
+    archive = source.model_config.archive
+    if archive is None or source.run_dir is None:
+        return archive
+    checkpoints.check_archive_pin(source.run_dir, f"restore that file, or {fix}")
+    return checkpoints.pinned_archive(source.run_dir, archive)
 
 
 def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
@@ -215,7 +225,7 @@ def load_source(source: Source, device) -> tuple[torch.nn.Module, object]:
             if checkpoint.get("lora") is None:
                 model.load_state_dict(checkpoint["state"])
             else:
-                archive = source.model_config.archive
+                archive = run_archive(source, "train a new LoRA run on the file there now")  # its base
                 if archive is not None:
                     base = models.load_weights_file(
                         archive, f"{source.label}'s model.archive={archive}", "give the policy.pt of an earlier run"

@@ -96,6 +96,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
         config = run_config
         config.update(budget or {})
         config.resume = resume_dir
+        config.model.archive = checkpoints.pinned_archive(resume_dir, config.model.archive)  # step-N, not LATEST
     OmegaConf.resolve(config)
     return config
 
@@ -229,6 +230,38 @@ def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
         ) from e
 
 
+def check_archive_model(config: DictConfig, model: torch.nn.Module, tokenizer) -> None:
+    """Refuse (utils.ConfigError) a ``model`` whose transformers config computes otherwise than that of the run
+    ``model.archive`` comes from (its config.yaml beside the step), and note harmless differences."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.realpath(config.model.archive)))
+    saved_path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(saved_path):  # a policy.pt outside a run folder: nothing to compare with
+        return
+    saved = checkpoints.load_run_config(saved_path).model
+    if saved.get("config") == config.model.get("config") and saved.get("name_or_path") == config.model.get("name_or_path"):
+        return  # the same model settings
+    try:
+        theirs = models.transformers_config(saved, tokenizer)
+    except (utils.ConfigError, OSError, ValueError):  # e.g. a hub id this machine cannot reach: nothing to compare with
+        return
+    changed, harmless = models.config_field_differences(theirs, model.config)
+
+    def listed(fields: list, which: int) -> str:
+        return ", ".join(f"{field}={utils.override_text(values[which - 1])}" for field, *values in fields)
+
+    if changed:
+        raise utils.ConfigError(
+            f"model.archive={config.model.archive} holds the weights of a model with {listed(changed, 1)} ({saved_path}), "
+            f"and this run builds one with {listed(changed, 2)}, in which the same weights compute something else; give "
+            "this run the archive's model settings, or the policy.pt of a run of this model."
+        )
+    if harmless:
+        print(
+            f"Note: model.archive={config.model.archive} comes from a model with {listed(harmless, 1)}, and this run's "
+            f"has {listed(harmless, 2)}; the weights mean the same in both."
+        )
+
+
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The policy (or reward model) and frozen reference (None without one or with LoRA), with ``model.archive``'s weights."""
     objective = losses.get_objective(config.loss.name)
@@ -270,6 +303,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
                 raise utils.ConfigError(f"model.archive={config.model.archive} does not fit this model (e.g. {body[0]!r}).")
         else:
             load_archive(policy, state["state"], config.model.archive)
+        check_archive_model(config, policy, tokenizer)  # the shapes fit: do the settings that are not shapes?
         return policy
 
     def build_reference() -> torch.nn.Module:
@@ -378,8 +412,8 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     rank = _start_ranks(config) if distributed else 0
     if owns_folder and resume_dir is not None:  # one run at a time in a folder: rank 0 holds it, all ranks hear a refusal
         _hold_run_dir(resume_dir, rank, distributed, held)
-    if resuming and checkpoint_dir is not None:  # a missing or cut file: one sentence before data and models load
-        checkpoints.check_checkpoint(checkpoint_dir)  # (after the lock: a live run's checkpoint is its own business)
+    if resume_dir is not None:  # a missing, cut or changed file: one sentence before data and models load
+        _check_resumed_files(resume_dir, checkpoint_dir if resuming else None, rank, distributed)
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
@@ -399,8 +433,12 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
         scorer = rewards.build_scorer(config, device=device)
 
     recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map
+    pin = None
+    if owns_folder and resume_dir is None and config.model.archive is not None:  # the file it names now, not LATEST
+        pin = checkpoints.archive_pin(config.model.archive) if rank == 0 else None
+        config.model.archive = pin["path"] if pin is not None else checkpoints.local_path(config.model.archive)
     policy, reference = load_models(config, tokenizer, rank, distributed)  # a model that fails leaves no run folder
-    run_dir = _run_folder(config, run_dir or resume_dir, recorded, rank, distributed, held, made)
+    run_dir = _run_folder(config, run_dir or resume_dir, recorded, rank, distributed, held, made, pin)
     RUN_FOLDER = run_dir
     _describe_run(config, run_dir, policy, len(train_examples), len(eval_examples), rank)
 
@@ -479,6 +517,27 @@ def _hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextli
         raise utils.ConfigError(refusal)
 
 
+def _check_resumed_files(resume_dir: str, checkpoint_dir: str | None, rank: int, distributed: bool) -> None:
+    """Rank 0 checks ``checkpoint_dir``'s files against its manifest and the run's model.archive against its pin;
+    every rank raises utils.ConfigError with what it found."""
+    refusal = None
+    if rank == 0:  # hashing is reading every byte: once, not once per rank
+        try:
+            if checkpoint_dir is not None:  # (after the lock: a live run's checkpoint is its own business)
+                checkpoints.check_checkpoint(checkpoint_dir)
+            checkpoints.check_archive_pin(
+                resume_dir,
+                "restore that file to resume this run against the reference it trained with, or start a new run to "
+                "train against the file there now",
+            )
+        except utils.ConfigError as e:
+            refusal = str(e)
+    if distributed:
+        refusal = utils.broadcast_object(refusal)
+    if refusal is not None:
+        raise utils.ConfigError(refusal)
+
+
 def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
     """The train and eval examples, checked, rendered through the chat template and screened for length."""
     sft_mode = losses.get_objective(config.loss.name).sft_data
@@ -538,11 +597,13 @@ def _run_folder(
     distributed: bool,
     held: contextlib.ExitStack,
     made: list[str],
+    pin: dict | None = None,
 ) -> str:
-    """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``), as every rank sees it."""
+    """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``, with the archive's
+    ``pin``), as every rank sees it."""
     if run_dir is None and rank == 0:
         command = None if COMMAND is None else utils.command_text(COMMAND)
-        run_dir, lock = checkpoints.new_run_dir(config.output_root, config.exp_name, recorded, command)
+        run_dir, lock = checkpoints.new_run_dir(config.output_root, config.exp_name, recorded, command, pin)
         made.append(run_dir)
         held.enter_context(lock)  # taken before config.yaml was written
     if distributed:
