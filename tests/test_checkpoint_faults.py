@@ -9,12 +9,14 @@ process of the run (train.py and the ranks it starts) imports at start-up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -618,12 +620,78 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints
     )
 
 
-def test_each_checkpoint_holds_a_manifest_of_its_files_and_their_sizes(two_checkpoints):
+def test_each_checkpoint_holds_a_manifest_of_its_files_their_sizes_and_sha256(two_checkpoints):
     folder = two_checkpoints / "step-24"
     manifest = json.loads((folder / checkpoints.CHECKPOINT_MANIFEST).read_text())
     names = sorted(p.name for p in folder.iterdir() if p.name != checkpoints.CHECKPOINT_MANIFEST)
     assert names == ["optimizer.pt", "policy.pt", "scheduler.pt", "trainer_state.pt"]
-    assert manifest == {name: (folder / name).stat().st_size for name in names}
+    assert manifest == {
+        name: {"bytes": (folder / name).stat().st_size, "sha256": hashlib.sha256((folder / name).read_bytes()).hexdigest()}
+        for name in names
+    }
+
+
+def tensor_checkpoints(run: Path) -> None:
+    """``step-1`` and ``step-2`` of run folder ``run`` (LATEST on step-2), each the files every resume reads holding
+    a tensor of four ones, written as train.py writes checkpoints (checkpoints.save_checkpoint_dir)."""
+    run.mkdir()
+    checkpoints.save_run_config(compose_config(TINY), str(run / "config.yaml"))
+    for step in (1, 2):
+
+        def write(folder, step=step):
+            for name in ("policy.pt", "optimizer.pt", "scheduler.pt", "trainer_state.pt"):
+                torch.save({"step_idx": step, "state": {"w": torch.ones(4)}}, Path(folder, name))
+
+        checkpoints.save_checkpoint_dir(str(run), f"step-{step}", write)
+
+
+def nan_in_place(path: Path) -> int:
+    """Turn the first of the four ones in the torch.save file ``path`` into NaN, the file's size unchanged; returns it."""
+    data = path.read_bytes()
+    ones = struct.pack("<4f", 1, 1, 1, 1)
+    assert data.count(ones) == 1
+    path.write_bytes(data.replace(ones, struct.pack("<4f", float("nan"), 1, 1, 1)))
+    assert path.stat().st_size == len(data)
+    return len(data)
+
+
+def test_bytes_changed_inside_a_checkpoint_file_of_the_same_size_are_one_sentence_naming_the_intact_step(tmp_path):
+    # Seen: a file whose bytes changed at the same size loaded as it is (NaN at step 9, blamed on lr or data).
+    run = tmp_path / "run"
+    tensor_checkpoints(run)
+    size = nan_in_place(run / "step-2" / "optimizer.pt")
+    assert torch.isnan(torch.load(run / "step-2" / "optimizer.pt", weights_only=True)["state"]["w"][0])  # it loads
+    sentence = (
+        f"The checkpoint {run}/step-2 is damaged: optimizer.pt holds other bytes than were written (its {size} bytes "
+        f"have another sha256 than manifest.json records); resume from step-1, which is intact: ln -sfn step-1 "
+        f"{run}/LATEST && python train.py resume={run}."
+    )
+    with pytest.raises(utils.ConfigError) as err:
+        checkpoints.check_checkpoint(str(run / "LATEST"))
+    assert str(err.value) == sentence
+    with pytest.raises(utils.ConfigError) as err:  # resume=: before data and models load
+        train.main(compose_config([f"resume={run}"]))
+    assert str(err.value) == sentence
+    (run / "LATEST").unlink()  # without LATEST, resume takes the newest intact step
+    assert checkpoints.checkpoint_to_resume(str(run)) == (
+        str(run / "step-1"),
+        "LATEST is missing; continuing from step-1, the newest checkpoint with its files.",
+    )
+
+
+def test_a_manifest_of_an_earlier_version_with_sizes_only_still_loads(tmp_path):
+    run = tmp_path / "run"
+    tensor_checkpoints(run)
+    folder = run / "step-2"
+    sizes = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != checkpoints.CHECKPOINT_MANIFEST}
+    (folder / checkpoints.CHECKPOINT_MANIFEST).write_text(json.dumps(sizes))
+    assert checkpoints.checkpoint_damage(str(folder)) == []
+    nan_in_place(folder / "policy.pt")
+    assert checkpoints.checkpoint_damage(str(folder)) == []  # sizes only: what it cannot see
+    os.truncate(folder / "scheduler.pt", 10)
+    assert checkpoints.checkpoint_damage(str(folder)) == [
+        ("scheduler.pt", f"is cut short (10 bytes of the {sizes['scheduler.pt']} written; its zip directory is gone)")
+    ]
 
 
 def test_a_cut_sharded_checkpoint_of_an_earlier_version_names_the_cut_shard(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -97,8 +98,9 @@ def test_the_card_is_inside_the_checkpoint_manifest(pushed_run):
     run_dir, _ = pushed_run
     final = run_dir / f"step-{N_EXAMPLES}"
     manifest = json.loads((final / checkpoints.CHECKPOINT_MANIFEST).read_text())
-    assert manifest["hf/README.md"] == (final / "hf" / "README.md").stat().st_size
-    assert manifest["hf/curves/loss.png"] == (final / "hf" / "curves" / "loss.png").stat().st_size
+    for name in ("hf/README.md", "hf/curves/loss.png"):
+        data = (final / name).read_bytes()
+        assert manifest[name] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     checkpoints.check_checkpoint(str(final))  # raises if anything listed is missing or cut
 
 
@@ -261,7 +263,8 @@ def test_an_evaluation_of_a_checkpoint_goes_into_its_card_and_the_checkpoint_sta
     assert earlier.read_text() == earlier_before  # another checkpoint's card: not this evaluation's
 
     manifest = json.loads((final / checkpoints.CHECKPOINT_MANIFEST).read_text())
-    assert manifest["hf/README.md"] == card.stat().st_size != len(before.encode())
+    assert manifest["hf/README.md"] == {"bytes": card.stat().st_size, "sha256": hashlib.sha256(card.read_bytes()).hexdigest()}
+    assert card.stat().st_size != len(before.encode())
     assert not list(final.rglob("*.tmp-*"))
     checkpoints.check_checkpoint(str(run_dir / "LATEST"))
     _, stop = extend(run_dir, ["num_threads=1", "sample_during_eval=false", f"n_examples={N_EXAMPLES + BATCH}"])
