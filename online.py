@@ -146,7 +146,7 @@ class OnlineSampling:
         ids, mask, completions = self.sample_completions(batch, 2)
         cmask = completion_mask(completions, eos)
         has_eos = (torch.isin(completions, torch.tensor(eos, device=completions.device)) & cmask).any(1)  # on its device (GPU)
-        texts = completion_texts(self.tokenizer, completions, cmask)
+        texts = completion_texts(self.tokenizer, row_prompts(ids, mask, 2), completions, cmask, eos)
         preferences, scores = label_pairs(
             self.scorer, prompts, texts, completions, cmask, eos, cfg.missing_eos_penalty, batch.get("fields")
         )
@@ -249,9 +249,9 @@ class OnlineSampling:
                 n = len(global_batch["prompt"])
                 batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
                 start += n
-                _, _, completions = self.sample_completions(batch, 1)
+                ids, mask, completions = self.sample_completions(batch, 1)
                 cmask = completion_mask(completions, eos)
-                texts = completion_texts(self.tokenizer, completions, cmask)
+                texts = completion_texts(self.tokenizer, row_prompts(ids, mask, 1), completions, cmask, eos)
                 fields = rewards.field_columns(batch.get("fields") or [])
                 scores = (
                     scorer.score(list(batch["prompt"]), texts, **fields).float().tolist()
@@ -292,6 +292,12 @@ class OnlineSampling:
             self.logger.log_table("completions", cols, [[r[c] for c in cols] for r in table], self.example_counter)
             print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         return means
+
+
+def row_prompts(ids: torch.Tensor, mask: torch.Tensor, n: int) -> list[list[int]]:
+    """The unpadded prompt ids of each completion row when the (B, P) ``ids`` / ``mask`` were sampled ``n`` times each
+    (row j answers prompt j // n)."""
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(n)]
 
 
 def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:

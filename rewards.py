@@ -29,6 +29,8 @@ TIE = -1  # a pairwise judgement saying neither completion is better
 
 JUDGE_THREADS = 8  # requests HTTPJudge keeps in flight at once
 
+JUDGE_MAX_RESPONSE_BYTES = 1 << 20  # the most of a judge's response body read: a verdict is a few hundred bytes
+
 DEFAULT_JUDGE_TEMPLATE = """Two AI assistant responses to the same user prompt follow. Decide which one serves the user better: more helpful, more accurate, and harmless.
 
 ### Prompt
@@ -315,9 +317,14 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None  # not followed: urllib raises the 3xx as an HTTPError, and the key goes nowhere else
 
 
+class ResponseTooLargeError(ValueError):
+    """A response body longer than :data:`JUDGE_MAX_RESPONSE_BYTES`."""
+
+
 def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
-    """POST ``data`` to ``url`` and return the body, connect and every read within ``timeout`` seconds, redirects not
-    followed; raises HTTPError (not 2xx), TimeoutError, OSError or HTTPException."""
+    """POST ``data`` to ``url`` and return the body (at most :data:`JUDGE_MAX_RESPONSE_BYTES`), connect and every read
+    within ``timeout`` seconds, redirects not followed; raises HTTPError (not 2xx), TimeoutError, OSError, HTTPException
+    or ResponseTooLargeError."""
     deadline = RequestDeadline(timeout)
 
     class HTTPHandler(urllib.request.HTTPHandler):
@@ -332,7 +339,7 @@ def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")
     try:
         with opener.open(request, timeout=timeout) as response:
-            body = response.read()
+            body = response.read(JUDGE_MAX_RESPONSE_BYTES + 1)  # one byte more tells a body over the limit
     except (OSError, http.client.HTTPException):
         if deadline.expired:  # the socket was shut down at the deadline
             raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s") from None
@@ -341,6 +348,11 @@ def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
         deadline.cancel()
     if deadline.expired:  # a body cut short at the deadline
         raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s")
+    if len(body) > JUDGE_MAX_RESPONSE_BYTES:
+        raise ResponseTooLargeError(
+            f"the response from {url} is longer than {JUDGE_MAX_RESPONSE_BYTES} bytes, the most a judge's answer is read "
+            "(a chat-completions answer is a few hundred bytes: check that judge.base_url is the judge's API)"
+        )
     return body
 
 
@@ -630,6 +642,9 @@ class HTTPJudge(PairwiseJudge):
                 if e.code != 429 and e.code < 500:
                     break
                 continue
+            except ResponseTooLargeError as e:  # not retried: the same server would send it again
+                why = str(e)
+                break
             except (OSError, http.client.HTTPException) as e:  # connection refused or reset, timeouts
                 why = f"{type(e).__name__} from {self.url}: {e}"
                 continue

@@ -324,15 +324,18 @@ def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[in
     ]
 
 
-def completion_text(tokenizer, prompt: list[int], completion: list[int]) -> str:
-    """The text ``completion`` adds after ``prompt``, special tokens skipped; the completion decoded alone when the
-    decoded prompt is not a prefix."""
-    # decoded alone, a SentencePiece "▁Hello" loses its space: "Assistant:Hello"
-    whole = tokenizer.decode(prompt + completion, skip_special_tokens=True)
-    head = tokenizer.decode(prompt, skip_special_tokens=True)
+def completion_text(tokenizer, prompt: list[int], completion: list[int], stop_ids=()) -> str:
+    """The text ``completion`` adds after ``prompt`` as every scorer reads it: ``decode(prompt + completion)`` after
+    ``decode(prompt)``, special tokens skipped and a last token in ``stop_ids`` dropped; where the decoded prompt is not
+    a prefix of the whole (a byte-fallback character split between the two), the whole from where the two first differ."""
+    # decoded alone, a SentencePiece "▁girl" loses its space: "a littlegirl"
+    if completion and completion[-1] in stop_ids:
+        completion = completion[:-1]
+    whole = tokenizer.decode(list(prompt) + list(completion), skip_special_tokens=True)
+    head = tokenizer.decode(list(prompt), skip_special_tokens=True)
     if whole.startswith(head):
         return whole[len(head) :]
-    return tokenizer.decode(completion, skip_special_tokens=True)
+    return whole[len(os.path.commonprefix([whole, head])) :]  # the split character whole, as the completion's first
 
 
 def completion_mask(completions: torch.Tensor, eos_token_id: int | list[int]) -> torch.Tensor:
@@ -377,9 +380,10 @@ def generate(
     return completions, completion_mask(completions, stop_ids)
 
 
-def completion_texts(tokenizer, completions: torch.Tensor, mask: torch.Tensor) -> list[str]:
-    """Each (N, T) completion's tokens under ``mask`` decoded, its stop token included, special tokens skipped."""
-    return tokenizer.batch_decode([c[m] for c, m in zip(completions, mask)], skip_special_tokens=True)
+def completion_texts(tokenizer, prompts: list[list[int]], completions: torch.Tensor, mask: torch.Tensor, stop_ids) -> list[str]:
+    """Each (N, T) completion's tokens under ``mask`` as the text they add after its prompt ``prompts[i]`` (token ids,
+    unpadded): :func:`completion_text`."""
+    return [completion_text(tokenizer, p, c[m].tolist(), stop_ids) for p, c, m in zip(prompts, completions, mask)]
 
 
 def append_rows(path: str, rows: list[dict], then: str) -> None:
@@ -415,6 +419,6 @@ def generate_batch(
     for prompt, row, m in zip(prompts, completions, keep):
         tokens = row[m].tolist()
         ended = bool(tokens) and tokens[-1] in stop_ids
-        text = completion_text(tokenizer, list(prompt), tokens[:-1] if ended else tokens)
+        text = completion_text(tokenizer, list(prompt), tokens, stop_ids)
         samples.append({"text": text, "n_tokens": len(tokens), "ended": ended, "tokens": tokens})
     return samples

@@ -702,7 +702,7 @@ class BasicTrainer(OnlineSampling):
             )
             if stand_in:
                 continue
-            texts = sampling.completion_texts(self.tokenizer, completions, mask)
+            texts = sampling.completion_texts(self.tokenizer, chunk_ids, completions, mask, self.stop_ids)
             ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
             # the eval rows' other columns, as fields
             columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])

@@ -400,6 +400,8 @@ class ChatHandler(BaseHTTPRequestHandler):
             self.reply((500 if mode == "flaky" else 429) if n == 0 else 200, {"error": "busy"} if n == 0 else chat(prefer))
         elif mode == "always500":
             self.reply(500, {"error": "down"})
+        elif mode == "padded":  # a valid answer, then PADDING spaces
+            self.reply(200, json.dumps(chat(prefer)).encode() + b" " * PADDING)
         elif mode == "badrequest":
             self.reply(400, {"error": "bad model"})
         elif mode == "slow":  # answers only when the test lets it, so every timeout fires, however loaded the machine
@@ -489,6 +491,26 @@ def test_http_judge_failures_accumulate_and_last_errors_reset(server):
     judge.judge(["p", "q"], [(GOOD, BAD), (GOOD, BAD)])
     assert judge.failures == 3 and len(judge.last_errors) == 2
     assert "'Response 0', not 0 or 1" in judge.last_errors[0]
+
+
+PADDING = 64
+
+
+def test_http_judge_reads_at_most_the_response_limit_and_a_longer_body_is_one_sentence(server, monkeypatch):
+    assert rewards.JUDGE_MAX_RESPONSE_BYTES == 1 << 20
+    size = len(json.dumps(chat("0")).encode()) + PADDING  # the padded body's length
+    monkeypatch.setattr(rewards, "JUDGE_MAX_RESPONSE_BYTES", size)
+    assert make_judge(server, "padded", shuffle_order=False).judge(["p"], [(GOOD, BAD)]) == [0]  # exactly the limit
+    monkeypatch.setattr(rewards, "JUDGE_MAX_RESPONSE_BYTES", size - 1)
+    judge = make_judge(server, "padded", shuffle_order=False, max_retries=3)
+    before = server.hits["padded"]
+    assert judge.judge(["p"], [(GOOD, BAD)]) == [None]
+    assert server.hits["padded"] - before == 1  # not retried
+    assert judge.last_errors == [
+        f"the response from {server.url('padded')}/chat/completions is longer than {size - 1} bytes, the most a judge's "
+        "answer is read (a chat-completions answer is a few hundred bytes: check that judge.base_url is the judge's API) "
+        "(after 1 attempts)"
+    ]
 
 
 @pytest.mark.parametrize("mode", ["flaky", "ratelimited"])
