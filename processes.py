@@ -13,14 +13,14 @@ import time
 import utils
 
 LAUNCHER_PID_ENV = "DPO_LAUNCHER_PID"
-"""Set by :func:`launch` in each process it starts: the launcher's pid (see :func:`die_with_launcher`)."""
+"""Set by train.py's ``launch`` and ``run_stages`` in each process they start: the launcher's pid (see :func:`die_with_launcher`)."""
 
 PEER_LOST_EXIT = 3
 """A rank's exit code when another rank of its run stopped answering (:func:`lost_peer`)."""
 
 
 def die_with_launcher(poll_s: float = 0.5) -> str | None:
-    """In a rank that :func:`launch` or torchrun started, be SIGKILLed when that launcher dies (``prctl(PR_SET_DEATHSIG)`` on
+    """In a rank that :func:`launch` or torchrun started, or a stage of ``run_stages``, be SIGKILLed when that launcher dies (``prctl(PR_SET_DEATHSIG)`` on
     Linux, else a thread polling every ``poll_s`` s); returns ``"train.py"``, ``"torchrun"`` or None (no launcher)."""
     launcher = os.environ.pop(LAUNCHER_PID_ENV, None)
     if launcher is not None:

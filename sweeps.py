@@ -18,8 +18,8 @@ import utils
 RECORDS = ".jobs"
 """The sweep folder's subfolder where each job leaves its record, ``<job number>.json``."""
 
-STOP_CODES = (130, 138, 143)
-"""Exit codes of a run that saved a checkpoint and stopped on a signal (SIGINT, SIGUSR1, SIGTERM)."""
+STOP_CODES = (130, 138, 140, 143)
+"""Exit codes of a run that saved a checkpoint and stopped on a signal (SIGINT, SIGUSR1, SIGUSR2, SIGTERM)."""
 
 
 def job_result(run_dir: str | None, code: int, failure: str | None) -> dict:

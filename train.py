@@ -778,17 +778,20 @@ def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str],
 
 
 def run_stages(config: DictConfig, overrides: list[str]) -> int:
-    """Run ``sft_first``'s SFT stage, then this command from its policy, forwarding Ctrl-C/SIGTERM; returns the exit code."""
+    """Run ``sft_first``'s SFT stage, then this command from its policy, forwarding the trainer's stop signals; returns the exit code."""
     script = os.path.relpath(SCRIPT)
     sft, dpo = stage_commands(config, overrides)
     child: list[subprocess.Popen] = []
     folders: list[str | None] = []  # each stage's run folder, as the stage says it (tell_launcher)
 
+    received: list[int] = []  # stop signals this runner was sent
+
     def forward(signum, frame):
+        received.append(signum)
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {sig: signal.signal(sig, forward) for sig in trainers.STOP_SIGNALS}
     try:
         for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
             if number == 2:
@@ -797,9 +800,14 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                     return 1
                 args = [*args, f"model.archive={os.path.join(folders[0], 'LATEST', 'policy.pt')}"]
                 what = f"{config.loss.name} from the SFT policy"
+                if received:  # stopped as stage 1 ended: stage 2 is not started
+                    name = signal.Signals(received[0]).name
+                    print(f"Stopped by {name} after stage 1 finished; stage 2: {shell_line(script, args)}", file=sys.stderr)
+                    return 128 + received[0]
             print(f"\n=== Stage {number} of 2: {what}\n    {shell_line(script, args)}\n", flush=True)
             folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
             env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1]), STAGE_ENV: str(number)}
+            env[processes.LAUNCHER_PID_ENV] = str(os.getpid())  # the stage dies with this runner, even by kill -9
             try:
                 command = [sys.executable, script, *args]
                 child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
@@ -922,7 +930,7 @@ def hydra_main(config: DictConfig) -> dict | None:
     global RUN_FOLDER, RUN_FOLDER_TOLD
     RUN_FOLDER = RUN_FOLDER_TOLD = None  # the basic launcher runs every job in this process
     submitit = submitit_job()
-    if submitit:  # submitit's signal before the time limit (signal_delay_s): save a checkpoint and stop, as SIGTERM does
+    if submitit:  # submitit's USR2 before its time limit, outside the trainer's handlers: SIGTERM, not submitit's
         signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     try:
         run_command(config)
@@ -1009,7 +1017,7 @@ def run_command(config: DictConfig) -> None:
 if __name__ == "__main__":
     # a job of Hydra's submitit launcher imports this folder's modules (utils, ...) to unpickle hydra_main
     os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(SCRIPT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    if processes.die_with_launcher() != "train.py":  # not a process launch() started (its launcher checked the command line)
+    if processes.die_with_launcher() != "train.py":  # not a rank or stage train.py started (it checked the command line)
         problem = checks.command_line_error(sys.argv[1:])
         if problem is not None:
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # once per node under torchrun

@@ -41,9 +41,9 @@ from preference_datasets import (
     stop_token_ids,
 )
 
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1: SLURM's
-``--signal=USR1@<seconds>``; absent on Windows); train.py then exits with 128 + the signal."""
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
+``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -1029,7 +1029,7 @@ class BasicTrainer(OnlineSampling):
 
     def _request_stop(self, signum, frame):
         """Handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint; a second SIGINT raises
-        KeyboardInterrupt, a repeated SIGTERM or SIGUSR1 is ignored."""
+        KeyboardInterrupt, another repeated signal is ignored."""
         if self.stop_requested:
             if signum == signal.SIGINT:
                 raise KeyboardInterrupt

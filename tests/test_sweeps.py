@@ -103,7 +103,7 @@ def test_a_failed_job_is_one_sentence_naming_its_log(tmp_path):
 
 @pytest.mark.timeout(180)
 def test_submitits_time_limit_signal_saves_a_checkpoint_and_stops(tmp_path):
-    # submitit sends SIGUSR2 signal_delay_s before a job's time limit: the job saves and stops, as on SIGTERM
+    # submitit sends SIGUSR2 signal_delay_s before a job's time limit: the job saves and stops (140), as on SIGTERM
     command = [sys.executable, str(REPO / "train.py"), "-m", "hydra/launcher=submitit_local", *TINY, "num_threads=1"]
     command += ["loss=dpo", "n_examples=100000", "save_hf_export=false", f"output_root={tmp_path / 'out'}"]
     launcher = subprocess.Popen(command, cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -118,11 +118,11 @@ def test_submitits_time_limit_signal_saves_a_checkpoint_and_stops(tmp_path):
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 1
-    assert re.search(rf"ended with exit code 143: Resume with: python train.py resume={re.escape(str(run))} ", stderr), stderr
-    assert stdout.endswith(f"\n  #0  stopped (exit code 143)  {run}\n"), stdout
+    assert re.search(rf"ended with exit code 140: Resume with: python train.py resume={re.escape(str(run))} ", stderr), stderr
+    assert stdout.endswith(f"\n  #0  stopped (exit code 140)  {run}\n"), stdout
     assert (run / "LATEST" / "policy.pt").is_file() and not (run / "FINISHED").exists()
     (log,) = (tmp_path / "out").glob("multirun_*/.submitit/[0-9]*/*_0_log.out")
-    assert "Received SIGTERM: saving a checkpoint after this step, then stopping." in log.read_text()
+    assert "Received SIGUSR2: saving a checkpoint after this step, then stopping." in log.read_text()
 
 
 @pytest.mark.timeout(120)
@@ -249,3 +249,83 @@ def test_fsdp_ranks_of_a_submitit_job_run_train_py_with_the_jobs_overrides(monke
         with pytest.raises(Started) as started:
             train.launch(config)
         assert started.value.args[0] == [sys.executable, *expected]
+
+
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path("/proc", entry, "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def two_stage_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
+    """The default two-stage command, started and waited for until its SFT stage wrote a checkpoint: (the runner,
+    the stage's run folder, the stage's pid)."""
+    args = [a for a in TINY if not a.startswith("sft_first")] + ["sft_first.n_examples=100000", "n_examples=100000"]
+    command = [sys.executable, str(REPO / "train.py"), *args, "num_threads=1", "save_hf_export=false"]
+    runner = subprocess.Popen(
+        [*command, f"output_root={tmp_path / 'out'}"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 150
+    while not list((tmp_path / "out").glob("*/LATEST")) and time.time() < deadline and runner.poll() is None:
+        time.sleep(0.5)
+    (run,) = [p.parent for p in (tmp_path / "out").glob("*/LATEST")]
+    (stage,) = children_of(runner.pid)
+    assert lock_pid(run) == stage
+    return runner, run, stage
+
+
+@pytest.mark.timeout(240)
+def test_slurms_usr1_to_the_two_stage_runner_checkpoints_the_running_stage_and_leaves_nothing_running(tmp_path):
+    # Regression (issue 40): SIGUSR1 ended the runner at once (138); the SFT stage trained on with parent pid 1.
+    runner, run, stage = two_stage_run(tmp_path)
+    try:
+        before = os.path.realpath(run / "LATEST")
+        os.kill(runner.pid, signal.SIGUSR1)
+        stdout, stderr = runner.communicate(timeout=90)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+    assert runner.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
+    assert not alive(stage)
+    assert os.path.realpath(run / "LATEST") != before and (run / "LATEST" / "policy.pt").is_file()  # saved on the signal
+    assert not (run / "FINISHED").exists() and "Stage 2 of 2" not in stdout
+    said = rf"Stage 1 of 2 ended with exit code 138\. Continue it with python \S*train\.py resume={re.escape(str(run))}, then stage 2: "
+    assert re.search(said, stderr), stderr[-3000:]
+    assert f"model.archive={run}/LATEST/policy.pt" in stderr
+
+
+@pytest.mark.timeout(240)
+def test_kill_9_of_the_two_stage_runner_kills_its_stage(tmp_path):
+    # Regression (issue 40): kill -9 of the runner left the SFT stage training.
+    runner, run, stage = two_stage_run(tmp_path)
+    try:
+        runner.kill()
+        runner.wait(timeout=10)
+        deadline = time.time() + 10
+        while alive(stage) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not alive(stage)
+    finally:
+        if alive(stage):
+            os.kill(stage, signal.SIGKILL)
