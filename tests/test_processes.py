@@ -414,18 +414,18 @@ def test_resume_of_a_folder_a_live_run_holds_is_refused_and_a_killed_holders_loc
 def test_a_fresh_run_holds_its_folder_from_before_config_yaml(tmp_path, monkeypatch):
     # The folder is locked before config.yaml (which resume= needs) exists.
     seen = {}
-    save = OmegaConf.save
+    save = checkpoints.save_run_config
 
-    def spy(config, f, *a, **k):
-        if str(f).endswith("config.yaml") and "locked" not in seen:
+    def spy(config, path, *a, **k):
+        if path.endswith("config.yaml") and "locked" not in seen:
             try:
-                checkpoints.lock_run_dir(os.path.dirname(str(f))).release()
+                checkpoints.lock_run_dir(os.path.dirname(path)).release()
                 seen["locked"] = False
             except utils.ConfigError:
                 seen["locked"] = True
-        return save(config, f, *a, **k)
+        return save(config, path, *a, **k)
 
-    monkeypatch.setattr(OmegaConf, "save", spy)
+    monkeypatch.setattr(checkpoints, "save_run_config", spy)
     run_train([], tmp_path)
     assert seen == {"locked": True}
 

@@ -244,6 +244,7 @@ def test_resume_with_the_same_data_continues_and_an_old_checkpoint_gets_a_note(t
     state = torch.load(path, weights_only=False)
     del state["data"]
     torch.save(state, path)
+    checkpoints.record_in_manifest(str(path.parent), [path.name])  # as the earlier version wrote it
     (run_dir / "LATEST").unlink()
     (run_dir / "LATEST").symlink_to("step-8")
     (run_dir / checkpoints.FINISHED).unlink()

@@ -50,6 +50,13 @@ def plant(path: Path, marker: Path, contents: dict | None = None) -> None:
     contents["x"] = Planted(marker)
     path.unlink()
     torch.save(contents, path)
+    restamp(path)
+
+
+def restamp(path: Path) -> None:
+    """Record checkpoint file ``path`` anew in its folder's manifest, as a whole crafted folder would list it."""
+    folder = next(p for p in path.parents if (p / checkpoints.CHECKPOINT_MANIFEST).exists())
+    checkpoints.record_in_manifest(str(folder), [str(path.relative_to(folder))])
 
 
 def test_planted_object_runs_code_when_unpickled_unsafely(tmp_path):
@@ -197,6 +204,7 @@ def test_resume_from_an_earlier_versions_checkpoint_is_bit_exact(finished, tmp_p
     key = new["state"]["key"].numpy().astype(np.uint32)
     state["rng"]["numpy"] = ("MT19937", key, new["state"]["pos"], new["has_gauss"], new["gauss"])  # as np.random.get_state()
     torch.save(state, path)
+    restamp(path)
     assert "numpy.ndarray" in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
     train.main(compose_config([f"resume={run}"]))
     a = torch.load(finished / "step-48" / "policy.pt", weights_only=True)["state"]
@@ -258,6 +266,7 @@ def test_fsdp_resume_from_a_planted_sharded_metadata_is_one_sentence_on_both_ran
     sharded = (run / "LATEST" / "sharded").resolve()
     marker = tmp_path / "marker"
     (sharded / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    restamp(sharded / ".metadata")
     done = cli([f"resume={run}"], tmp_path)
     assert done.returncode == 2, done.stderr[-3000:]
     assert one_error_line(done) == (
