@@ -10,6 +10,7 @@ import hashlib
 import html
 import html.parser
 import json
+import math
 import os
 import random
 import re
@@ -121,6 +122,13 @@ def require_fields(row, fields: dict[str, type | tuple[type, ...]], source: str,
             raise DataError(
                 f"{source}, row {i}: field {field!r} is missing or not a {kind}; every {name} row needs {', '.join(fields)}."
             )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise DataError(not_finite(f"{source}, row {i}", f"field {field!r}", value))
+
+
+def not_finite(where: str, what: str, value: float) -> str:
+    """The sentence refusing a score ``value`` that is NaN or infinite (it would rank a pair, NaN as the worst)."""
+    return f"{where}: {what} is {value}, not a finite number, so it cannot rank the responses; fix that row or drop it."
 
 
 _LOADING: contextvars.ContextVar[DataReport | None] = contextvars.ContextVar("_LOADING", default=None)  # set by _run_loader
@@ -682,6 +690,8 @@ def se_rows_to_data(rows, report: collections.Counter, source: str = "se") -> Da
             score = answer.get("pm_score") if isinstance(answer, dict) else None
             if not isinstance(answer, dict) or not isinstance(answer.get("text"), str) or not isinstance(score, (int, float)):
                 raise DataError(f"{source}, row {k}: answer {j} needs a string 'text' and a numeric 'pm_score'.")
+            if not math.isfinite(score):
+                raise DataError(not_finite(f"{source}, row {k}", f"answer {j}'s 'pm_score'", score))
         prompt = "\n\nHuman: " + strip_html(row["question"]) + "\n\nAssistant:"
         answers = [(" " + strip_html(a["text"]), a["pm_score"]) for a in row["answers"]]
         for i in range(len(answers)):
@@ -1079,6 +1089,8 @@ def _hf_ranked(
                 f"{where}: response {k} has no numeric score; give {sc!r} or a 'score' in each response object, or set "
                 "data.hf.ranked_order=best_first when the responses are listed best first."
             )
+        if not math.isfinite(score):
+            raise DataError(not_finite(where, f"response {k}'s score", score))
         if conversation:
             text = [{"role": "assistant", "content": text}] if isinstance(text, str) else check_messages(text, where, rc, roles)
             check_ends_with_assistant(text, where, rc)

@@ -464,3 +464,38 @@ def test_an_eval_set_of_one_example_is_named_in_the_singular():
 
     note = checks.check_eval_size(compose_config(["eval_batch_size=8"]), 1)
     assert note == "eval_batch_size (8) is larger than the eval set (1 example), so the eval runs as one batch of 1."
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+@pytest.mark.parametrize(
+    "name, row, what",
+    [
+        ("hf", '{{"prompt": "p", "responses": ["A", "B"], "scores": [1, {v}]}}', "response 2's score"),
+        (
+            "hf",
+            '{{"prompt": "p", "responses": [{{"text": "A", "score": {v}}}, {{"text": "B", "score": 1}}]}}',
+            "response 1's score",
+        ),
+        (
+            "shp",
+            '{{"history": "h", "human_ref_A": "a", "human_ref_B": "b", "score_A": {v}, "score_B": 3, "labels": 1}}',
+            "field 'score_A'",
+        ),
+        (
+            "se",
+            '{{"question": "q", "answers": [{{"text": "a", "pm_score": 2}}, {{"text": "b", "pm_score": {v}}}]}}',
+            "answer 2's 'pm_score'",
+        ),
+    ],
+)
+def test_a_score_that_is_nan_or_infinite_is_one_sentence_naming_the_row(tmp_path, name, row, what, value):
+    # JSON readers take NaN and Infinity; a NaN compares false with every score, so it ranked as the worst and trained.
+    f = tmp_path / "rows.jsonl"
+    f.write_text(row.format(v=2) + "\n" + row.format(v=value) + "\n")  # a good row first: the second is named
+    shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
+    options = {name: {"path": str(f)}} if name != "hf" else {"hf": {"path": str(f), "format": "ranked"}}
+    with pytest.raises(DataError) as e:
+        pd.load_examples([name], "train", options, False, silent=True)
+    assert str(e.value) == (
+        f"{f}, row 2: {what} is {shown}, not a finite number, so it cannot rank the responses; fix that row or drop it."
+    )
