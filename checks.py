@@ -131,7 +131,12 @@ def _datasets_problem(c: DictConfig, _) -> str | None:
     """The first name of ``datasets`` that is unregistered, or prompt-only without online DPO."""
     from preference_datasets import REGISTRY
 
-    for name in c.datasets:
+    for k, name in enumerate(c.datasets):
+        if name in list(c.datasets)[:k]:  # data.<name> holds its one set of options: the same pairs again
+            return (
+                f"datasets lists {name!r} twice, so each of its examples would be trained on twice; list each dataset once "
+                "(n_epochs sets how often the data is seen)."
+            )
         if name in REGISTRY and "pairs" not in REGISTRY[name] and not online_enabled(c):
             return f"Dataset {name!r} has prompts only; use it for online DPO (online.enabled=true)."
         if name not in REGISTRY:

@@ -1580,6 +1580,24 @@ def count_duplicates(data: DatasetDict) -> int:
     )
 
 
+def split_overlap_warning(train: list[dict], test: list[dict]) -> str | None:
+    """The warning when over :data:`DUPLICATE_WARNING_SHARE` of the ``test`` examples are also ``train`` examples (the
+    same prompt and responses, e.g. one file given as both splits), else None."""
+
+    def key(example: dict) -> str:
+        return json.dumps([example.get(k) for k in ("prompt", "chosen", "rejected", "label")], default=str)
+
+    trained = set(map(key, train))
+    n = sum(key(example) in trained for example in test)
+    if not test or n <= DUPLICATE_WARNING_SHARE * len(test):
+        return None
+    return (
+        f"[data] warning: {_share(n, len(test))} of the eval examples are also train examples (the same prompt and "
+        "responses; one file given as both splits?), so the eval metrics measure trained examples, not held-out ones; "
+        "give a test split of other examples unless that is meant."
+    )
+
+
 def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     """One ``{"prompt", "chosen", "rejected", "truncation_mode"}`` example per pair (SFT: per prompt, no ``"rejected"``;
     unpaired: per labelled completion), in a stable order."""

@@ -546,6 +546,9 @@ def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: lis
     load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
+    overlap = preference_datasets.split_overlap_warning(train_examples, eval_examples)
+    if overlap is not None and rank == 0:
+        print(overlap)
     preference_datasets.check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)

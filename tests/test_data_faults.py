@@ -499,3 +499,33 @@ def test_a_score_that_is_nan_or_infinite_is_one_sentence_naming_the_row(tmp_path
     assert str(e.value) == (
         f"{f}, row 2: {what} is {shown}, not a finite number, so it cannot rank the responses; fix that row or drop it."
     )
+
+
+def test_one_file_given_as_both_splits_is_said_in_one_warning(tmp_path):
+    # 10 pairs; the test file holds 2 of them and 1 other: 2 of 3 eval examples were trained on.
+    rows = [{"prompt": f"q{i}", "chosen": f"good {i}", "rejected": f"bad {i}"} for i in range(10)]
+    other = {"prompt": "held out", "chosen": "a", "rejected": "b"}
+    train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+    train_file.write_text(jsonl(rows))
+    test_file.write_text(jsonl([rows[3], other, rows[7]]))
+    options = {"json": {"path": {"train": str(train_file), "test": str(test_file)}}}
+    train_examples, test_examples = (pd.load_examples(["json"], s, options, False, silent=True) for s in ("train", "test"))
+    assert pd.split_overlap_warning(train_examples, test_examples) == (
+        "[data] warning: 66.7% (2 of 3) of the eval examples are also train examples (the same prompt and responses; one "
+        "file given as both splits?), so the eval metrics measure trained examples, not held-out ones; give a test split "
+        "of other examples unless that is meant."
+    )
+    assert pd.split_overlap_warning(train_examples, test_examples[1:2]) is None  # held out: no word
+    swapped = [{**ex, "chosen": ex["rejected"], "rejected": ex["chosen"]} for ex in test_examples]
+    assert pd.split_overlap_warning(train_examples, swapped) is None  # the same prompts, other pairs: not the same example
+
+
+def test_the_same_file_as_train_and_test_warns_through_the_run(tmp_path, capsys):
+    rows = [{"prompt": f"{i} + {i} =", "chosen": f" {2 * i}", "rejected": f" {2 * i + 1}"} for i in range(16)]
+    f = tmp_path / "pairs.jsonl"
+    f.write_text(jsonl(rows))
+    config = compose_config(
+        [*TINY, "datasets=[json]", f"data.json.path={{train: {f}, test: {f}}}", "n_examples=8", f"output_root={tmp_path / 'out'}"]
+    )
+    train.main(config)
+    assert "[data] warning: 100.0% (16 of 16) of the eval examples are also train examples" in capsys.readouterr().out

@@ -127,6 +127,11 @@ def test_reference_presets_keep_reference_learning_rate():
         ),
         (["wandb.mode=sometimes"], "wandb.mode"),
         (["datasets=[hhh]"], "Unknown dataset 'hhh' in datasets; did you mean 'hh'\\?"),
+        (
+            ["datasets=[arithmetic,hh,arithmetic]"],
+            "^datasets lists 'arithmetic' twice, so each of its examples would be trained on twice; list each dataset "
+            "once \\(n_epochs sets how often the data is seen\\).$",
+        ),
         (["loss=ipo", "+loss.label_smoothing=0.1"], "loss=ipo has no key 'label_smoothing'"),
         (["loss=ipo", "+loss.reference_free=true"], "loss=ipo has no key 'reference_free'"),
         (["loss=sft", "+loss.beta=0.1"], "loss=sft has no key 'beta'"),
