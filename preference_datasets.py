@@ -980,6 +980,14 @@ def _conversational_pair(raw_prompt, chosen: Messages, rejected: Messages, colum
                 f"{which}, so its prompt cannot be told from its response; fix the row, or set data.hf.format=implicit to "
                 f"split chosen and rejected at their common messages and ignore {p!r}."
             )
+    for column, messages, cut in zip((c, r), (chosen, rejected), cuts):
+        later = sum(m["role"] == "user" for m in messages[cut:])
+        if later:  # Capybara's layout: the prompt is an earlier turn; format=implicit reads the later ones as prompt
+            raise DataError(
+                f"{where}: {column!r} has {later} user turn{'s' * (later > 1)} after the {p!r} "
+                f"{'text' if text is not None else 'messages'}, so its response would hold the user's words; set "
+                "data.hf.format=implicit to take the turns chosen and rejected share as the prompt, or fix the row."
+            )
     prompts = [messages[:cut] if cut else prompt for messages, cut in zip((chosen, rejected), cuts)]
     if prompts[0] != prompts[1]:
         raise DataError(

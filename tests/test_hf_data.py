@@ -521,3 +521,32 @@ def short_chat_run(tmp_path, path, tokenizer, *options: str):
     assert len(evals) == 3  # at 0, 8 and 16 examples (do_first_eval, eval_every=8)
     assert evals[0]["loss/eval"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at the start
     return run_dir
+
+
+def test_capybara_layout_a_prompt_that_is_an_earlier_turn_never_puts_a_user_turn_in_the_response(tmp_path):
+    # argilla/distilabel-capybara-dpo: prompt is the first user turn, chosen / rejected the whole conversation.
+    f = tmp_path / "capybara.jsonl"
+    rows = [
+        {
+            "prompt": "u1",
+            "chosen": [user("u1"), bot("a1"), user("u2"), bot("good")],
+            "rejected": [user("u1"), bot("a1"), user("u2"), bot("bad")],
+        }
+    ]
+    datasets.Dataset.from_list(rows).to_json(str(f))
+    expected = [(key([user("u1"), bot("a1"), user("u2")]), [bot("good")], [bot("bad")])]
+    assert pairs_of(load("train", tmp_path, path=both(f))) == expected  # auto reads it as implicit
+    assert pairs_of(load("train", tmp_path, path=both(f), format="implicit")) == expected
+    with pytest.raises(DataError) as e:  # conversational would make [a1, u2, good] the response: refused
+        load("train", tmp_path, path=both(f), format="conversational")
+    assert str(e.value) == (
+        f"{f}, row 1: 'chosen' has 1 user turn after the 'prompt' text, so its response would hold the user's words; set "
+        "data.hf.format=implicit to take the turns chosen and rejected share as the prompt, or fix the row."
+    )
+    rows[0]["prompt"] = [user("u1")]  # as messages: the same
+    datasets.Dataset.from_list(rows).to_json(str(f))
+    with pytest.raises(DataError, match=r"'chosen' has 1 user turn after the 'prompt' messages, so its response"):
+        load("train", tmp_path, path=both(f))
+    rows[0]["prompt"] = "u2"  # the last user turn: the prompt is every turn up to it, in both formats
+    datasets.Dataset.from_list(rows).to_json(str(f))
+    assert pairs_of(load("train", tmp_path, path=both(f), format="conversational")) == expected
