@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,10 +80,9 @@ class OnlineSampling:
         self.judged_since_eval += len(failed)
         self.failed_since_eval += int(sum(failed))
 
-    def judge_report(self) -> str | None:
+    def judge_report(self) -> Callable[[str], str] | None:
         """At an eval: print the share of failed judgements since the last one, reset the counts, and return
-        the stop sentence (a ``{checkpoint}`` field to fill) when none was labelled or the share exceeds
-        ``online.max_failure_rate``."""
+        the stop sentence for a checkpoint path when none was labelled or the share exceeds ``online.max_failure_rate``."""
         failed, judged = self.failed_since_eval, self.judged_since_eval
         self.failed_since_eval = self.judged_since_eval = 0
         if not self.online or not judged:
@@ -102,9 +102,10 @@ class OnlineSampling:
             if failed == judged
             else f"{failed} of {judged} judgements since the last eval failed ({share:.0%} > online.max_failure_rate={limit:g}{example})"
         )
-        return (
-            f"Training stopped: {what}; the checkpoint {{checkpoint}} is kept: fix the judge, reward model or reward function "
-            f"(online.scorer={self.config.online.scorer}), then continue with resume={self.run_dir}."
+        scorer, run_dir = self.config.online.scorer, self.run_dir
+        return lambda checkpoint: (  # not str.format: the judge's reason may hold braces (JSON, code)
+            f"Training stopped: {what}; the checkpoint {checkpoint} is kept: fix the judge, reward model or reward function "
+            f"(online.scorer={scorer}), then continue with resume={run_dir}."
         )
 
     @torch.no_grad()

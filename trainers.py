@@ -959,7 +959,7 @@ class BasicTrainer(OnlineSampling):
             return None
         path = self.save()
         if stop:
-            raise JudgeFailureError(stop.format(checkpoint=path))
+            raise JudgeFailureError(stop(path))
         return path
 
     def stop_with_checkpoint(self) -> int:

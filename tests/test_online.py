@@ -516,6 +516,7 @@ def http_judge(server) -> list[str]:
     [
         (500, "HTTP 500 from http://127.0.0.1", []),
         ("maybe", "the judge answered 'maybe'", []),
+        ("{checkpoint} {x}", "the judge answered '{checkpoint} {x}'", []),  # braces in the reason: was a KeyError
         ("maybe", "the judge answered 'maybe'", ["trainer=FSDPTrainer", "world_size=2"]),  # every rank stops, one line
     ],
 )
