@@ -84,7 +84,13 @@ def load_tokenizer(model_config: DictConfig):
 
     path = model_config.get("tokenizer_name_or_path")
     if model_config.get("tokenizer_class") and not path:
-        tokenizer = getattr(transformers, model_config.tokenizer_class)()
+        cls = getattr(transformers, str(model_config.tokenizer_class), None)
+        if not (isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase)):
+            raise utils.ConfigError(
+                f"model.tokenizer_class={model_config.tokenizer_class} is not a tokenizer class of transformers; give one "
+                "that builds without files (e.g. ByT5Tokenizer), or a tokenizer folder as model.tokenizer_name_or_path."
+            )
+        tokenizer = cls()
     else:
         key = "model.tokenizer_name_or_path" if path else "model.name_or_path"
         path = path or model_config.name_or_path
@@ -100,7 +106,40 @@ def load_tokenizer(model_config: DictConfig):
         tokenizer.pad_token = tokenizer.eos_token
     if model_config.get("chat_template"):
         tokenizer.chat_template = read_chat_template(model_config.chat_template)
+    templates = tokenizer.chat_template if isinstance(tokenizer.chat_template, dict) else {None: tokenizer.chat_template}
+    for name, template in templates.items():
+        problem = chat_template_problem(template) if isinstance(template, str) else None
+        if problem is not None:
+            where = (
+                "model.chat_template" if model_config.get("chat_template") else f"the chat template of {tokenizer.name_or_path!r}"
+            )
+            raise utils.ConfigError(f"{where}{f' {name!r}' if name else ''} {problem}")
     return tokenizer
+
+
+def chat_template_problem(template: str) -> str | None:
+    """What keeps the Jinja ``template`` from rendering alone (a syntax error, a template it loads), or None."""
+    import jinja2
+    import jinja2.nodes
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: its own render says what is wrong
+        return None
+    try:
+        tree = _compile_jinja_template(template).environment.parse(template)  # transformers' sandbox, {% generation %}
+    except jinja2.TemplateSyntaxError as e:
+        return f"is not a valid Jinja template (line {e.lineno}: {e.message.rstrip('.')}); fix it or set model.chat_template to one that is."
+    loads = next(tree.find_all((jinja2.nodes.Include, jinja2.nodes.Extends, jinja2.nodes.Import, jinja2.nodes.FromImport)), None)
+    if loads is not None:
+        tag = {"Include": "include", "Extends": "extends", "Import": "import", "FromImport": "from ... import"}[
+            type(loads).__name__
+        ]
+        return (
+            f"loads another template ({{% {tag} %}}, line {loads.lineno}), which a chat template cannot: transformers renders "
+            "it alone, with no files; paste that template's text in its place."
+        )
+    return None
 
 
 def read_chat_template(value: str) -> str:

@@ -357,3 +357,50 @@ def test_a_token_cut_prompt_keeps_a_sequence_bos_but_not_a_turn_marker():
         else:
             assert el["prompt_input_ids"] == whole[-32:]
         assert el["chosen_input_ids"][:32] == el["prompt_input_ids"]
+
+
+@pytest.mark.parametrize(
+    "template, problem",
+    [
+        (
+            "{% include 'base.jinja' %}",
+            "loads another template ({% include %}, line 1), which a chat template cannot: transformers renders it "
+            "alone, with no files; paste that template's text in its place.",
+        ),
+        (
+            "{{ bos_token }}\n{% from 'macros.jinja' import turn %}",
+            "loads another template ({% from ... import %}, line 2), which a chat template cannot: transformers renders it "
+            "alone, with no files; paste that template's text in its place.",
+        ),
+        (
+            "{% for m in messages %}{{ m.content }}",
+            "is not a valid Jinja template (line 1: Unexpected end of template. Jinja was looking for the following tags: "
+            "'endfor' or 'else'. The innermost block that needs to be closed is 'for'); fix it or set model.chat_template "
+            "to one that is.",
+        ),
+    ],
+)
+def test_a_chat_template_that_cannot_render_alone_is_one_sentence_at_load(tmp_path, template, problem):
+    # Before: jinja2's TemplateNotFound at the first row, said as "the chat template rejects this conversation".
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    model = OmegaConf.merge(compose_config([]).model, {"chat_template": str(path)})
+    with pytest.raises(utils.ConfigError) as e:
+        models.load_tokenizer(model)
+    assert str(e.value) == f"model.chat_template {problem}"
+    folder = tmp_path / "tokenizer"  # a handed tokenizer folder's own template: named by its folder
+    tok = models.load_tokenizer(compose_config([]).model)
+    tok.chat_template = template
+    tok.save_pretrained(folder)
+    with pytest.raises(utils.ConfigError) as e:
+        models.load_tokenizer(compose_config([f"model.tokenizer_name_or_path={folder}"]).model)
+    assert str(e.value) == f"the chat template of {str(folder)!r} {problem}"
+
+
+def test_model_tokenizer_class_names_a_tokenizer_class_only():
+    with pytest.raises(utils.ConfigError) as e:
+        models.load_tokenizer(compose_config(["model.tokenizer_class=AutoModel"]).model)
+    assert str(e.value) == (
+        "model.tokenizer_class=AutoModel is not a tokenizer class of transformers; give one that builds without files "
+        "(e.g. ByT5Tokenizer), or a tokenizer folder as model.tokenizer_name_or_path."
+    )
