@@ -809,8 +809,15 @@ def _hf_reader(path: str) -> str | None:
     return HF_READERS.get(base.rsplit(".", 1)[-1]) if "." in base else None
 
 
-def _rows(dataset) -> list[dict]:
-    return dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+def _rows(dataset, source: str) -> list[dict]:
+    try:
+        return dataset.to_list() if hasattr(dataset, "to_list") else list(dataset)
+    except UnicodeDecodeError as e:  # Arrow keeps a JSON file's bytes: they are decoded here
+        raise DataError(_not_utf8(source, e)) from None
+
+
+def _not_utf8(what: str, e: UnicodeDecodeError) -> str:
+    return f"{what} is not UTF-8 text (byte {e.start} of a value cannot be decoded); save it as UTF-8."
 
 
 def _first_line(error: Exception, text: str | None = None) -> str:
@@ -827,6 +834,11 @@ def _read_with_datasets(what: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except Exception as e:  # the readers raise many kinds (DatasetGenerationError, ArrowInvalid, JSON errors, ...)
+        cause = e
+        while cause is not None and not isinstance(cause, UnicodeDecodeError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise DataError(_not_utf8(what, cause)) from None
         detail = _first_line(e)
         raise DataError(
             f"{what} could not be read by the datasets library ({detail}); check that it is complete and in its format."
@@ -883,11 +895,11 @@ def open_hf_source(
             )
 
         got, cast = _as_text(load(), text_columns, (lambda features: load(features=features)) if reader == "csv" else None)
-        return _rows(got), file, cast
+        return _rows(got, file), file, cast
 
     def rows_of(dataset, source: str) -> tuple[list[dict], str, dict[str, str]]:
         got, cast = _as_text(dataset, text_columns)
-        return _rows(got), source, cast
+        return _rows(got, source), source, cast
 
     if isinstance(path, dict):
         return list(path), lambda s: one_file(path[s])

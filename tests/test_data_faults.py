@@ -529,3 +529,17 @@ def test_the_same_file_as_train_and_test_warns_through_the_run(tmp_path, capsys)
     )
     train.main(config)
     assert "[data] warning: 100.0% (16 of 16) of the eval examples are also train examples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "suffix, text",
+    [(".jsonl", b'{"prompt": "caf\xe9", "chosen": "a", "rejected": "b"}\n'), (".csv", b"prompt,chosen,rejected\ncaf\xe9,a,b\n")],
+)
+def test_a_latin_1_file_through_hf_is_one_sentence(tmp_path, suffix, text):
+    # Before: a UnicodeDecodeError traceback (JSON, decoded as Arrow hands the rows over) or "could not be read" (CSV).
+    f = tmp_path / f"latin1{suffix}"
+    f.write_bytes(text)
+    options = {"hf": {"path": {"train": str(f), "test": str(f)}, "cache_dir": str(tmp_path / "c")}}
+    with pytest.raises(DataError) as e:
+        pd.load_examples(["hf"], "train", options, False, silent=True)
+    assert str(e.value) == f"{f} is not UTF-8 text (byte 3 of a value cannot be decoded); save it as UTF-8."
