@@ -20,6 +20,7 @@ import urllib.request
 
 import torch
 
+import models
 import reward_functions
 from checks import SCORERS
 from preference_datasets import DataError
@@ -109,12 +110,12 @@ class RewardModelScorer:
     ):
         import transformers
 
-        config = transformers.AutoConfig.from_pretrained(name_or_path)
+        config = transformers.AutoConfig.from_pretrained(name_or_path, trust_remote_code=False)
         if config.num_labels != 1 and any(a.endswith("ForSequenceClassification") for a in config.architectures or []):
             raise ValueError(f"Reward model {name_or_path} has {config.num_labels} outputs; a reward model needs exactly one.")
         dtype = get_dtype(dtype) if isinstance(dtype, str) else dtype
         model, info = transformers.AutoModelForSequenceClassification.from_pretrained(
-            name_or_path, num_labels=1, dtype=dtype, output_loading_info=True
+            name_or_path, num_labels=1, dtype=dtype, output_loading_info=True, trust_remote_code=False
         )
         random_head = untrained_head(model, info)
         if random_head and not allow_untrained_head:
@@ -123,7 +124,7 @@ class RewardModelScorer:
             print(
                 f"[reward_model] warning: {name_or_path}'s score head is random ({', '.join(random_head)} not in the checkpoint)."
             )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=False)
         self._attach(model, tokenizer, device, batch_size, max_length)
 
     @classmethod
@@ -209,9 +210,13 @@ def check_reward_model_config(name_or_path: str, allow_untrained_head: bool = Fa
     import transformers
 
     path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        problem = models.custom_code_problem(path, "reward_model.name_or_path")
+        if problem is not None:
+            raise ConfigError(problem)
     if allow_untrained_head or not os.path.isfile(os.path.join(path, "config.json")):
         return
-    architectures = transformers.AutoConfig.from_pretrained(path).architectures or []
+    architectures = transformers.AutoConfig.from_pretrained(path, trust_remote_code=False).architectures or []
     if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
         raise ConfigError(untrained_head_error(name_or_path, f"its config.json names {architectures[0]}"))
 

@@ -652,3 +652,36 @@ def test_every_load_from_a_folder_or_hub_id_refuses_remote_code(tmp_path, monkey
         with contextlib.suppress(utils.ConfigError, OSError):
             load(model)
     assert asked == [("AutoTokenizer", False), ("AutoConfig", False), ("AutoModelForCausalLM", False)]
+
+
+def test_a_reward_model_folder_naming_custom_code_is_one_sentence_and_no_load_trusts_remote_code(tmp_path, monkeypatch):
+    import transformers
+
+    import rewards
+
+    folder = tiny_model_folder(tmp_path / "rm", {"AutoModelForSequenceClassification": "modeling_evil.EvilRM"})
+    with pytest.raises(utils.ConfigError) as e:  # online DPO's and evaluate.py's check, before any weight is read
+        rewards.check_reward_model_config(str(folder))
+    assert str(e.value) == (
+        f"reward_model.name_or_path={folder} names custom code (config.json's auto_map: modeling_evil.EvilRM), which this "
+        "project never runs; give a folder that transformers' own classes load (no auto_map), e.g. one saved by "
+        "save_pretrained of a built-in model."
+    )
+    asked = []
+
+    def record(name):
+        def from_pretrained(path, **kwargs):
+            asked.append((name, kwargs.get("trust_remote_code", "not passed")))
+            raise OSError("stopped here")
+
+        return from_pretrained
+
+    for cls in ("AutoConfig", "AutoModelForSequenceClassification"):
+        monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", record(cls))
+    with contextlib.suppress(OSError):
+        rewards.RewardModelScorer("org/reward-model")
+    assert asked == [("AutoConfig", False)]
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kwargs: transformers.LlamaConfig())
+    with contextlib.suppress(OSError):
+        rewards.RewardModelScorer("org/reward-model")
+    assert asked == [("AutoConfig", False), ("AutoModelForSequenceClassification", False)]
