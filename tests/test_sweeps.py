@@ -273,10 +273,11 @@ def alive(pid: int) -> bool:
         return False
 
 
-def two_stage_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
-    """The default two-stage command, started and waited for until its SFT stage wrote a checkpoint: (the runner,
-    the stage's run folder, the stage's pid)."""
-    args = [a for a in TINY if not a.startswith("sft_first")] + ["sft_first.n_examples=100000", "n_examples=100000"]
+def two_stage_run(tmp_path: Path, stage_number: int = 1) -> tuple[subprocess.Popen, Path, int]:
+    """The default two-stage command, started and waited for until stage ``stage_number`` wrote a checkpoint: (the
+    runner, the stage's run folder, the stage's pid)."""
+    sft = 16 if stage_number == 2 else 100000  # a short SFT stage when the signal is for the second
+    args = [a for a in TINY if not a.startswith("sft_first")] + [f"sft_first.n_examples={sft}", "n_examples=100000"]
     command = [sys.executable, str(REPO / "train.py"), *args, "num_threads=1", "save_hf_export=false"]
     runner = subprocess.Popen(
         [*command, f"output_root={tmp_path / 'out'}"],
@@ -286,33 +287,49 @@ def two_stage_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, int]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    prefix = "sft_" if stage_number == 1 else "dpo_"
     deadline = time.time() + 150
-    while not list((tmp_path / "out").glob("*/LATEST")) and time.time() < deadline and runner.poll() is None:
+    while not list((tmp_path / "out").glob(f"{prefix}*/LATEST")) and time.time() < deadline and runner.poll() is None:
         time.sleep(0.5)
-    (run,) = [p.parent for p in (tmp_path / "out").glob("*/LATEST")]
+    (run,) = [p.parent for p in (tmp_path / "out").glob(f"{prefix}*/LATEST")]
     (stage,) = children_of(runner.pid)
     assert lock_pid(run) == stage
     return runner, run, stage
 
 
 @pytest.mark.timeout(240)
-def test_slurms_usr1_to_the_two_stage_runner_checkpoints_the_running_stage_and_leaves_nothing_running(tmp_path):
+@pytest.mark.parametrize("stage_number", [1, 2])
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
+def test_a_stop_signal_to_the_two_stage_runner_checkpoints_the_running_stage_and_leaves_nothing_running(
+    tmp_path, sig, stage_number
+):
     # Regression (issue 40): SIGUSR1 ended the runner at once (138); the SFT stage trained on with parent pid 1.
-    runner, run, stage = two_stage_run(tmp_path)
+    # Each stop signal a scheduler sends (Slurm: USR1, submitit: USR2, Ctrl-C, TERM), during either stage.
+    runner, run, stage = two_stage_run(tmp_path, stage_number)
     try:
         before = os.path.realpath(run / "LATEST")
-        os.kill(runner.pid, signal.SIGUSR1)
+        os.kill(runner.pid, sig)
         stdout, stderr = runner.communicate(timeout=90)
     finally:
         if runner.poll() is None:
             runner.kill()
-    assert runner.returncode == 128 + signal.SIGUSR1, stderr[-3000:]
-    assert not alive(stage)
+    code = 128 + sig
+    assert runner.returncode == code, stderr[-3000:]
+    assert not alive(stage) and not children_of(runner.pid)
     assert os.path.realpath(run / "LATEST") != before and (run / "LATEST" / "policy.pt").is_file()  # saved on the signal
-    assert not (run / "FINISHED").exists() and "Stage 2 of 2" not in stdout
-    said = rf"Stage 1 of 2 ended with exit code 138\. Continue it with python \S*train\.py resume={re.escape(str(run))}, then stage 2: "
-    assert re.search(said, stderr), stderr[-3000:]
-    assert f"model.archive={run}/LATEST/policy.pt" in stderr
+    saved = re.findall(r"Interrupted after \d+ examples; checkpoint saved to (\S+)\.\n", stdout)
+    assert [os.path.realpath(p) for p in saved] == [os.path.realpath(run / "LATEST")]  # one checkpoint, on the signal
+    assert not (run / "FINISHED").exists() and f"Stage {stage_number} of 2" in stdout and "Both stages" not in stdout
+    assert "Resume with: " in stdout and f"resume={run}\n" in stdout  # the stage's own resume line
+    if stage_number == 1:
+        assert "Stage 2 of 2" not in stdout
+        said = rf"Stage 1 of 2 ended with exit code {code}\. Continue it with python \S*train\.py resume={re.escape(str(run))}, then stage 2: "
+        assert re.search(said, stderr), stderr[-3000:]
+        assert f"model.archive={run}/LATEST/policy.pt" in stderr
+    else:
+        assert f"Stage 2 of 2 ended with exit code {code}." in stderr, stderr[-3000:]
+        (sft,) = (tmp_path / "out").glob("sft_*")
+        assert (sft / "FINISHED").exists()  # the first stage is finished and left as it was
 
 
 @pytest.mark.timeout(240)
