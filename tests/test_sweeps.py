@@ -273,12 +273,12 @@ def alive(pid: int) -> bool:
         return False
 
 
-def two_stage_run(tmp_path: Path, stage_number: int = 1) -> tuple[subprocess.Popen, Path, int]:
+def two_stage_run(tmp_path: Path, stage_number: int = 1, extra: tuple = ()) -> tuple[subprocess.Popen, Path, int]:
     """The default two-stage command, started and waited for until stage ``stage_number`` wrote a checkpoint: (the
     runner, the stage's run folder, the stage's pid)."""
     sft = 16 if stage_number == 2 else 100000  # a short SFT stage when the signal is for the second
     args = [a for a in TINY if not a.startswith("sft_first")] + [f"sft_first.n_examples={sft}", "n_examples=100000"]
-    command = [sys.executable, str(REPO / "train.py"), *args, "num_threads=1", "save_hf_export=false"]
+    command = [sys.executable, str(REPO / "train.py"), *args, "num_threads=1", "save_hf_export=false", *extra]
     runner = subprocess.Popen(
         [*command, f"output_root={tmp_path / 'out'}"],
         cwd=tmp_path,
@@ -293,7 +293,7 @@ def two_stage_run(tmp_path: Path, stage_number: int = 1) -> tuple[subprocess.Pop
         time.sleep(0.5)
     (run,) = [p.parent for p in (tmp_path / "out").glob(f"{prefix}*/LATEST")]
     (stage,) = children_of(runner.pid)
-    assert lock_pid(run) == stage
+    assert lock_pid(run) in [stage, *children_of(stage)]  # the stage, or under FSDP its rank 0
     return runner, run, stage
 
 
@@ -333,16 +333,20 @@ def test_a_stop_signal_to_the_two_stage_runner_checkpoints_the_running_stage_and
 
 
 @pytest.mark.timeout(240)
-def test_kill_9_of_the_two_stage_runner_kills_its_stage(tmp_path):
-    # Regression (issue 40): kill -9 of the runner left the SFT stage training.
-    runner, run, stage = two_stage_run(tmp_path)
+@pytest.mark.parametrize("extra", [(), ("trainer=FSDPTrainer", "world_size=2")], ids=["basic", "fsdp"])
+def test_kill_9_of_the_two_stage_runner_kills_its_stage_and_the_stages_ranks(tmp_path, extra):
+    # Regression (issue 40): kill -9 of the runner left the SFT stage training; under FSDP, the stage is the
+    # launcher of its ranks, which die with it.
+    runner, run, stage = two_stage_run(tmp_path, extra=extra)
+    family = [stage, *children_of(stage)]
+    assert len(family) == 1 + 2 * bool(extra), family
     try:
         runner.kill()
         runner.wait(timeout=10)
         deadline = time.time() + 10
-        while alive(stage) and time.time() < deadline:
+        while any(map(alive, family)) and time.time() < deadline:
             time.sleep(0.2)
-        assert not alive(stage)
+        assert not any(map(alive, family))
     finally:
-        if alive(stage):
-            os.kill(stage, signal.SIGKILL)
+        for pid in filter(alive, family):
+            os.kill(pid, signal.SIGKILL)
