@@ -54,9 +54,10 @@ def plant(path: Path, marker: Path, contents: dict | None = None) -> None:
 
 
 def restamp(path: Path) -> None:
-    """Record checkpoint file ``path`` anew in its folder's manifest, as a whole crafted folder would list it."""
-    folder = next(p for p in path.parents if (p / checkpoints.CHECKPOINT_MANIFEST).exists())
-    checkpoints.record_in_manifest(str(folder), [str(path.relative_to(folder))])
+    """Record checkpoint file ``path`` anew in its folder's manifest (if it is in one), as a whole crafted folder would."""
+    folder = next((p for p in path.parents if (p / checkpoints.CHECKPOINT_MANIFEST).exists()), None)
+    if folder is not None:
+        checkpoints.record_in_manifest(str(folder), [str(path.relative_to(folder))])
 
 
 def test_planted_object_runs_code_when_unpickled_unsafely(tmp_path):
