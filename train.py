@@ -753,9 +753,18 @@ STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
     """Whether ``sft_first``'s SFT stage runs first; a preset's stage that cannot apply is noted, a command line's raises."""
     stage = config.sft_first or {}  # sft_first=null: no stage
-    if stage.get("n_examples") is None or "RANK" in os.environ:
-        return False
+    if stage.get("n_examples") is None or "RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False  # a rank train.py started: its launcher ran the stages
     reason = checks.sft_first_skip(config, given)
+    if reason is None and "TORCHELASTIC_RUN_ID" in os.environ:  # was: each rank trained DPO alone, from the random model
+        source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
+        n = stage.n_examples
+        raise utils.ConfigError(
+            f"sft_first.n_examples={n}{source} runs two runs (SFT, then this one), and torchrun runs each rank as one; run "
+            f"the SFT stage first (loss=sft n_examples={n} sft_first.n_examples=null), then this command with "
+            "sft_first.n_examples=null model.archive=<SFT run>/LATEST/policy.pt, or both stages on one node with "
+            "python train.py trainer=FSDPTrainer world_size=<processes> (no torchrun)."
+        )
     if reason is None:
         return True
     if says_once() and config.resume in (None, "auto"):  # a resume= is one run whatever the preset says: no note

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, one_run, run_torchrun
+from conftest import REPO, compose_config, one_run, run_torchrun
 
 import utils
 
@@ -436,3 +436,19 @@ def test_fsdp_online_dpo_samples_scores_and_logs_completions_without_hanging(tmp
     assert train_recs[0]["objective/kl"] == pytest.approx(0.0, abs=1e-4)  # policy = reference at step 0
     if train_recs[0].get("loss/train") is not None:
         assert train_recs[0]["loss/train"] == pytest.approx(math.log(2), abs=1e-4)
+
+
+def test_under_torchrun_the_presets_sft_stage_is_one_sentence_not_dpo_from_the_random_model(tmp_path):
+    # Before: each rank skipped model=tiny's SFT stage without a word and trained DPO from the random model.
+    args = [a for a in COMMON if not a.startswith("sft_first")]
+    code, text = run_torchrun(["train.py", *args, "trainer=FSDPTrainer", f"output_root={tmp_path / 'out'}"], timeout=180)
+    assert code != 0, text[-3000:]  # (torchrun reports its failed ranks with its own traceback)
+    n = compose_config([]).sft_first.n_examples
+    sentence = (
+        f"Error: sft_first.n_examples={n} (set by the model preset) runs two runs (SFT, then this one), and torchrun runs "
+        f"each rank as one; run the SFT stage first (loss=sft n_examples={n} sft_first.n_examples=null), then this command "
+        "with sft_first.n_examples=null model.archive=<SFT run>/LATEST/policy.pt, or both stages on one node with python "
+        "train.py trainer=FSDPTrainer world_size=<processes> (no torchrun)."
+    )
+    assert text.count(sentence) == 1, text[-3000:]  # said once, by the node
+    assert not (tmp_path / "out").exists()
