@@ -123,9 +123,9 @@ def mark_finished(run_dir: str, examples: int) -> None:
     utils.write_atomic(os.path.join(run_dir, FINISHED), f"{examples}\n")
 
 
-def resumable_runs(root: str, exp_name: str) -> list[str]:
+def resumable_runs(root: str, exp_name: str, finished: bool = False) -> list[str]:
     """Run folders ``<root>/<exp_name>_<timestamp>`` that ``resume=auto`` may continue (a ``LATEST`` checkpoint, a
-    config.yaml, no :data:`FINISHED`), newest first."""
+    config.yaml, no :data:`FINISHED`; with ``finished``, finished ones too), newest first."""
     import re
 
     if not os.path.isdir(root):
@@ -140,7 +140,7 @@ def resumable_runs(root: str, exp_name: str) -> list[str]:
         if (
             os.path.exists(os.path.join(path, "config.yaml"))
             and checkpoint_to_resume(path)[0] is not None
-            and not os.path.exists(os.path.join(path, FINISHED))
+            and (finished or not os.path.exists(os.path.join(path, FINISHED)))
         ):
             found.append((match.group(1), path))
     return [path for _, path in sorted(found, reverse=True)]  # by the name's timestamp: every node orders them alike

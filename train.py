@@ -101,11 +101,12 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
     return config
 
 
-def auto_resume_run(config: DictConfig) -> tuple[str | None, tuple[str, list] | None]:
-    """``resume=auto``'s find: (newest unfinished run of ``exp_name`` with this config or None, newer differing run or None)."""
+def auto_resume_run(config: DictConfig, finished: bool = False) -> tuple[str | None, tuple[str, list] | None]:
+    """``resume=auto``'s find: (newest unfinished run of ``exp_name`` with this config or None, newer differing run or
+    None); with ``finished``, finished runs count too."""
     new = OmegaConf.create(OmegaConf.to_container(config, resolve=True))
     newest_other = None
-    for run in checkpoints.resumable_runs(config.output_root, config.exp_name):
+    for run in checkpoints.resumable_runs(config.output_root, config.exp_name, finished):
         try:
             saved = checkpoints.load_run_config(os.path.join(run, "config.yaml"))
         except Exception as e:  # an unreadable config.yaml: that run cannot be matched

@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
-from test_distributed import assert_same_run
+from test_distributed import assert_same_run, weights
 
 SCRIPTS = REPO / "scripts"
 # 2 nodes x 1 process, 16 steps of 8 examples: long enough to be signalled after the first eval.
@@ -309,6 +310,65 @@ def test_slurm_warning_checkpoints_requeues_and_the_requeued_job_continues_to_th
     assert run_dirs(out) == [run_dir]
     assert (run_dir / "FINISHED").exists()
     assert_same_run(two_node_run, run_dir)
+
+
+TWO_STAGES = [a for a in ARGS if not a.startswith("sft_first")] + ["sft_first.n_examples=128"]  # model=tiny's SFT stage
+
+
+def sbatch_two_stages(env: dict[str, str], out: Path) -> Command:
+    """The batch script in the default two-stage mode (sft_first): an SFT launch, then DPO from its policy."""
+    return Command(["bash", str(SCRIPTS / "slurm_dpo.sbatch"), *TWO_STAGES, f"output_root={out}"], env)
+
+
+def wait_after(job: Command, banner: str, line_start: str, timeout: float = 240) -> None:
+    """Wait until a line starting with ``line_start`` follows the line starting with ``banner``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        lines = list(job.lines)
+        starts = [k for k, line in enumerate(lines) if line.startswith(banner)]
+        if starts and any(line.startswith(line_start) for line in lines[starts[0] :]):
+            return
+        if job.proc.poll() is not None or time.monotonic() > deadline:
+            job.kill(f"no {line_start!r} after {banner!r}")
+        time.sleep(0.05)
+
+
+def test_slurm_two_stage_job_requeued_in_each_stage_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
+    # Regression (issue 40): under the batch script's torchrun each rank skipped model=tiny's SFT stage without a
+    # word. Now each stage is a launch; a job warned in stage 1 continues it when requeued, then runs stage 2; one
+    # warned in stage 2 leaves the finished SFT run as it is and continues the DPO run.
+    env, requeues = fake_slurm(tmp_path)
+    code, text = sbatch_two_stages(env, tmp_path / "whole").finish(400)
+    assert code == 0, text[-4000:]
+    assert "=== Stage 1 of 2" in text and "=== Stage 2 of 2" in text and not requeues.exists()
+    whole_sft, whole_dpo = run_dirs(tmp_path / "whole")[::-1]  # dpo_run_... sorts before sft_run_...
+    assert whole_sft.name.startswith("sft_run_") and whole_dpo.name.startswith("dpo_run_")
+
+    out = tmp_path / "out"
+    job = sbatch_two_stages(env, out)  # warned during stage 1
+    wait_after(job, "=== Stage 1 of 2", "[eval] after 0 examples")
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    code, text = job.finish()
+    assert code == 138 and requeues.read_text() == f"requeue {JOB_ID}\n", text[-4000:]
+    [sft] = run_dirs(out)
+    assert not (sft / "FINISHED").exists() and "=== Stage 2 of 2" not in text
+
+    job = sbatch_two_stages(env, out)  # requeued: continues stage 1, then is warned during stage 2
+    wait_after(job, "=== Stage 2 of 2", "[eval] after 0 examples")
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    code, text = job.finish()
+    assert code == 138 and requeues.read_text() == f"requeue {JOB_ID}\n" * 2, text[-4000:]
+    assert f"resume=auto: continuing {sft}" in text and (sft / "FINISHED").exists()
+    dpo = next(p for p in run_dirs(out) if p != sft)
+    assert f"model.archive={sft}/LATEST/policy.pt" in text and not (dpo / "FINISHED").exists()
+
+    code, text = sbatch_two_stages(env, out).finish(400)  # requeued again: stage 2 continues to the end
+    assert code == 0, text[-4000:]
+    assert "=== Stage 1 of 2" not in text and f"resume=auto: continuing {dpo}" in text
+    assert run_dirs(out) == [dpo, sft] and (dpo / "FINISHED").exists()
+    a, b = weights(whole_sft), weights(sft)  # SFT has no rejected log-probs to compare: its weights
+    assert set(a) == set(b) and all(torch.allclose(b[k], a[k], rtol=1e-4, atol=5e-5) for k in a)
+    assert_same_run(whole_dpo, dpo)
 
 
 # ---------------------------------------------------------------------------- ray_job.sh
