@@ -271,7 +271,7 @@ def load_model(
             model = auto.from_pretrained(model_config.name_or_path, **kwargs)
         except (OSError, ValueError, pickle.UnpicklingError) as e:  # no such id or folder, offline, no weights, no model_type
             pickled = pickled_weights_problem(e, model_config.name_or_path, "model.name_or_path")
-            if pickled is not None:  # one sentence, not torch's advice to load it with weights_only=False
+            if pickled is not None:  # one sentence, not torch's advice to unpickle it unsafely
                 raise utils.ConfigError(pickled) from None
             raise utils.ConfigError(
                 f"Could not load model.name_or_path={model_config.name_or_path}: {_sentence(e)} {_LOAD_HINT}"

@@ -754,7 +754,7 @@ STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "
 def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
     """Whether ``sft_first``'s SFT stage runs first; a preset's stage that cannot apply is noted, a command line's raises."""
     stage = config.sft_first or {}  # sft_first=null: no stage
-    if stage.get("n_examples") is None or "RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
+    if stage.get("n_examples") is None or ("RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ):
         return False  # a rank train.py started: its launcher ran the stages
     reason = checks.sft_first_skip(config, given)
     if reason is None and "TORCHELASTIC_RUN_ID" in os.environ:  # was: each rank trained DPO alone, from the random model

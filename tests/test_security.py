@@ -5,6 +5,7 @@ judge follows no redirect and keeps to its timeout, checkpoint folders respect t
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import json
 import os
@@ -633,19 +634,22 @@ def test_a_pickled_pytorch_model_bin_runs_nothing_and_is_one_sentence(tmp_path):
     assert not marker.exists()
 
 
+def recording_from_pretrained(asked: list, name: str):
+    """A stand-in ``from_pretrained`` of class ``name`` that appends (name, its trust_remote_code) to ``asked`` and stops."""
+
+    def from_pretrained(path, **kwargs):
+        asked.append((name, kwargs.get("trust_remote_code", "not passed")))
+        raise OSError("stopped here")
+
+    return from_pretrained
+
+
 def test_every_load_from_a_folder_or_hub_id_refuses_remote_code(tmp_path, monkeypatch):
     import transformers
     from omegaconf import OmegaConf
 
     asked = []
-
-    def record(name):
-        def from_pretrained(path, **kwargs):
-            asked.append((name, kwargs.get("trust_remote_code", "not passed")))
-            raise OSError("stopped here")
-
-        return from_pretrained
-
+    record = functools.partial(recording_from_pretrained, asked)
     for cls in ("AutoTokenizer", "AutoConfig", "AutoModelForCausalLM"):
         monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", record(cls))
     model = OmegaConf.create({"name_or_path": "org/name", "config": None, "tokenizer_name_or_path": None})
@@ -669,14 +673,7 @@ def test_a_reward_model_folder_naming_custom_code_is_one_sentence_and_no_load_tr
         "save_pretrained of a built-in model."
     )
     asked = []
-
-    def record(name):
-        def from_pretrained(path, **kwargs):
-            asked.append((name, kwargs.get("trust_remote_code", "not passed")))
-            raise OSError("stopped here")
-
-        return from_pretrained
-
+    record = functools.partial(recording_from_pretrained, asked)
     for cls in ("AutoConfig", "AutoModelForSequenceClassification"):
         monkeypatch.setattr(getattr(transformers, cls), "from_pretrained", record(cls))
     with contextlib.suppress(OSError):
