@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
+import os
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -25,6 +30,8 @@ TINY = [
     "warmup_steps=2",
     "lr=3e-3",
     "sft_first.n_examples=null",
+    "sample_during_eval=false",  # eval-time generation is about a third of a tiny run: on only where a test is about it
+    "eval_reward_functions=null",
 ]
 
 
@@ -106,3 +113,247 @@ def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None)
         text, _ = proc.communicate()
         pytest.fail(f"torchrun {' '.join(args[:1])} did not finish in {timeout:g} s (killed):\n{text[-3000:]}")
     return proc.returncode, text
+
+
+# ----------------------------------------------------------------------------- tiers
+# Every test gets one marker, worked out at collection from what it (with its fixtures and the test
+# helpers they call) uses:
+#   unit         none of the below: seconds at most
+#   integration  an in-process training run (train.main)
+#   system       a process of its own (subprocess, torchrun, the launch scripts) or a Ray cluster
+# `pytest -m unit` is the fast loop. While a test runs, what it really starts is recorded: a test that
+# trains or starts a Python process beyond its marker fails with the reason, so the tiers stay true.
+# `xdist_group("launch")` keeps the multi-process runs (torchrun, FSDP/TP ranks, Ray) on one pytest-xdist
+# worker, one at a time: two of them at once on 2 cores would each time out.
+TIERS = ("unit", "integration", "system")
+TIER_DOC = {
+    "unit": "no training run and no process of its own (tests/conftest.py sets it)",
+    "integration": "an in-process training run (tests/conftest.py sets it)",
+    "system": "a process of its own (subprocess, torchrun, launch scripts) or a Ray cluster (tests/conftest.py sets it)",
+}
+PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty")  # calls into these start processes
+PROCESS_CALLS = {"os.fork", "os.system", "os.execv", "os.execvp", "os.spawnv", "os.posix_spawn"}
+# Words in a test's code that mean more than one training process (kept on the "launch" worker).
+LAUNCH_WORDS = ("world_size=", "torch.distributed.run", "torchrun", "run_torchrun", "NNODES", "ray.", "launcher=ray", "srun")
+
+
+def _called_names(tree: ast.AST) -> list[str]:
+    """The dotted names called in ``tree`` (``a.b.c(...)`` gives ``a.b.c``), and names imported inside it."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            parts, func = [], node.func
+            while isinstance(func, ast.Attribute):
+                parts.append(func.attr)
+                func = func.value
+            if isinstance(func, ast.Name):
+                names.append(".".join([func.id, *reversed(parts)]))
+        elif isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
+            # a helper passed along rather than called (e.g. ``map(run_train, ...)``, a fixture's function)
+            if isinstance(node, ast.Name):
+                names.append(node.id)
+    return names
+
+
+def _imports_in(tree: ast.AST) -> dict[str, str]:
+    """Names bound by import statements inside ``tree``: local name -> module (or module.attr)."""
+    bound = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                bound[(a.asname or a.name).split(".")[0]] = a.name.split(".")[0] if not a.asname else a.name
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                bound[a.asname or a.name] = f"{node.module}.{a.name}"
+    return bound
+
+
+def _resolve(name: str, scope: dict, local_imports: dict[str, str]):
+    """The object ``name`` (dotted) refers to in a function whose globals are ``scope``, or None."""
+    import importlib
+    import sys
+
+    head, *rest = name.split(".")
+    if head in local_imports:
+        target = local_imports[head]
+        module, _, attr = target.rpartition(".")
+        obj = sys.modules.get(target)
+        if obj is None and module:
+            try:
+                obj = getattr(importlib.import_module(module), attr, None)
+            except Exception:  # noqa: BLE001 - an optional package absent: nothing to follow
+                obj = None
+    else:
+        obj = scope.get(head)
+    for part in rest:
+        if obj is None:
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _in_tests(obj) -> bool:
+    """Whether ``obj`` is a function or class written in tests/."""
+    try:
+        return (inspect.isfunction(obj) or inspect.isclass(obj)) and Path(inspect.getfile(obj)).resolve().parent == REPO / "tests"
+    except TypeError:  # a built-in
+        return False
+
+
+@functools.cache
+def _uses(func) -> frozenset[str]:
+    """What ``func`` and the test helpers it reaches use: "train" (train.main), "process", "launch"."""
+    func = inspect.unwrap(func)
+    if func in _VISITING:  # helpers that call each other
+        return frozenset()
+    _VISITING.add(func)
+    try:
+        return _uses_of(func)
+    finally:
+        _VISITING.discard(func)
+
+
+_VISITING: set = set()
+
+
+def _uses_of(func) -> frozenset[str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(func))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return frozenset()
+    found = set()
+    if any(word in source for word in LAUNCH_WORDS):
+        found.add("launch")
+    scope = getattr(func, "__globals__", {})
+    local_imports = _imports_in(tree)
+    for name in _called_names(tree):
+        head = name.split(".")[0]
+        module_name = local_imports.get(head, "")
+        obj = _resolve(name, scope, local_imports)
+        if name in PROCESS_CALLS or head in PROCESS_MODULES or module_name.split(".")[0] in PROCESS_MODULES:
+            found.add("process")
+        elif inspect.ismodule(obj) and obj.__name__.split(".")[0] in PROCESS_MODULES:
+            found.add("process")
+        if obj is None:
+            continue
+        if getattr(obj, "__module__", None) == "train" and getattr(obj, "__name__", "") == "main":
+            found.add("train")
+        elif _in_tests(obj):  # a test helper: follow it (a class: its methods)
+            for helper in [obj] if inspect.isfunction(obj) else [f for f in vars(obj).values() if inspect.isfunction(f)]:
+                found |= _uses(helper)
+    return frozenset(found)
+
+
+def _tier(item) -> tuple[str, bool]:
+    """(tier, whether it launches several training processes) from the test and its fixtures."""
+    funcs = [item.function] if hasattr(item, "function") else []
+    for name in getattr(item, "fixturenames", []):
+        for fixturedef in item._fixtureinfo.name2fixturedefs.get(name, ()):
+            if (
+                fixturedef.argname != "_record_what_tests_start"
+                and Path(inspect.getfile(fixturedef.func)).resolve().parent == REPO / "tests"
+            ):
+                funcs.append(fixturedef.func)
+    uses = set().union(*map(_uses, funcs)) if funcs else set()
+    tier = "system" if "process" in uses else "integration" if "train" in uses else "unit"
+    return tier, tier == "system" and "launch" in uses
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one thread per pytest-xdist worker: 2 workers on 2 cores, no oversubscription
+        import torch
+
+        torch.set_num_threads(1)
+        os.environ["OMP_NUM_THREADS"] = "1"
+    for name in TIERS:
+        config.addinivalue_line("markers", f"{name}: {TIER_DOC[name]}")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by these markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        given = [m.name for m in item.iter_markers() if m.name in TIERS]
+        tier, launch = _tier(item)
+        if given:  # a marker written on the test (or module) wins
+            tier = max(given, key=TIERS.index)
+        item.add_marker(getattr(pytest.mark, tier))
+        item.stash[TIER_KEY] = tier
+        if launch or item.get_closest_marker("launch_group"):
+            item.add_marker(pytest.mark.xdist_group("launch"))
+
+
+TIER_KEY = pytest.StashKey[str]()
+OBSERVED_KEY = pytest.StashKey[set]()
+_RUNNING: list = []  # the item whose setup or call is running
+
+
+def _observe(what: str) -> None:
+    if _RUNNING:
+        _RUNNING[-1].stash.setdefault(OBSERVED_KEY, set()).add(what)
+
+
+def _is_python_process(args) -> bool:
+    import sys
+
+    argv = [args] if isinstance(args, str | os.PathLike) else list(args or [])
+    first = os.path.basename(str(argv[0])) if argv else ""
+    return (
+        first == os.path.basename(sys.executable)
+        or first.startswith(("python", "torchrun", "ray"))
+        or first.endswith(".sh")
+        or first in ("bash", "sh", "sbatch")
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _record_what_tests_start():
+    """Record, per test, the training runs and Python processes it really starts (see ``TIERS``)."""
+    import subprocess
+
+    import train
+
+    popen_init, main = subprocess.Popen.__init__, train.main
+
+    def recording_popen(self, args, *rest, **kwargs):
+        if _is_python_process(args):
+            _observe("process")
+        return popen_init(self, args, *rest, **kwargs)
+
+    @functools.wraps(main)
+    def recording_main(*args, **kwargs):
+        _observe("train")
+        return main(*args, **kwargs)
+
+    subprocess.Popen.__init__, train.main = recording_popen, recording_main
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__, train.main = popen_init, main
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    _RUNNING.append(item)
+    try:
+        return (yield)
+    finally:
+        _RUNNING.pop()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    _RUNNING.append(item)
+    try:
+        result = yield
+    finally:
+        _RUNNING.pop()
+    observed = item.stash.get(OBSERVED_KEY, set())
+    tier = item.stash.get(TIER_KEY, "system")
+    needed = "system" if "process" in observed else "integration" if "train" in observed else "unit"
+    if TIERS.index(needed) > TIERS.index(tier):
+        pytest.fail(
+            f"{item.nodeid} is marked {tier} but {'started a Python process' if needed == 'system' else 'ran train.main'}: "
+            f"mark it @pytest.mark.{needed} (tests/conftest.py's reading of its code missed it)"
+        )
+    return result

@@ -295,7 +295,14 @@ def test_tiny_run_on_conversations_with_smollm2_tokenizer(tmp_path, monkeypatch,
 
     monkeypatch.setattr(train, "load_examples", fake_load)
     run_dir = run_train(
-        [f"model.tokenizer_name_or_path={path}", f"loss={loss}", "n_examples=16", "eval_every=8", "n_eval_examples=8"],
+        [
+            f"model.tokenizer_name_or_path={path}",
+            f"loss={loss}",
+            "n_examples=16",
+            "eval_every=8",
+            "n_eval_examples=8",
+            "sample_during_eval=true",
+        ],
         tmp_path,
     )
     records = metric_records(run_dir)

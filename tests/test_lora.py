@@ -112,7 +112,7 @@ def lora_run(tmp_path_factory) -> Path:
     real = models.load_model
     with pytest.MonkeyPatch.context() as m:
         m.setattr(models, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
-        run_dir = run_train([*LORA, "model.lora.export_merged=true"], out)
+        run_dir = run_train([*LORA, "model.lora.export_merged=true", "sample_during_eval=true"], out)
     return run_dir, len(loaded)
 
 

@@ -62,7 +62,9 @@ def pushed_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(HfApi, "create_repo", create_repo)
         mp.setattr(HfApi, "upload_folder", upload_folder)
-        run_dir = run_train(["num_threads=1", *PUSH], tmp_path_factory.mktemp("pushed"))
+        run_dir = run_train(
+            ["num_threads=1", *PUSH, "eval_reward_functions=auto"], tmp_path_factory.mktemp("pushed")
+        )  # answers_eval/n: a count
     return run_dir, calls
 
 

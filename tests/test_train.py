@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -78,11 +79,15 @@ def test_model_and_loss_lists_are_complete():
     assert {"sft", "dpo", "ipo"} <= set(LOSS_YAMLS)
 
 
-@pytest.mark.parametrize("model", MODEL_YAMLS)
-@pytest.mark.parametrize("loss", LOSS_YAMLS)
-def test_every_model_and_loss_yaml_composes(model, loss):
+def composed(model: str = "tiny", loss: str = "dpo"):
+    """``python train.py model=<model> loss=<loss>``'s config (a hub id for blank_model, which names none)."""
     extra = ["model.name_or_path=some/model"] if model == "blank_model" else []
-    config = compose_config([f"model={model}", f"loss={loss}", *extra])
+    return compose_config([f"model={model}", f"loss={loss}", *extra])
+
+
+def assert_complete_and_valid(config, loss: str) -> None:
+    """The reference repository's keys are all there, the loss is ``loss`` and the shipped config passes every check."""
+    config = copy.deepcopy(config)
     OmegaConf.resolve(config)
     for key in REFERENCE_KEYS:
         assert key in config, key
@@ -99,7 +104,35 @@ def test_every_model_and_loss_yaml_composes(model, loss):
     ):
         assert key in config.model
     assert config.loss.name == ("mix" if loss == "mpo" else loss)  # mpo.yaml is a preset of loss=mix
-    checks.validate_config(config)  # every shipped combination is valid as is
+    checks.validate_config(config)
+
+
+@pytest.mark.parametrize("model", MODEL_YAMLS)
+def test_every_model_yaml_composes(model):
+    assert_complete_and_valid(composed(model=model), "dpo")
+
+
+@pytest.mark.parametrize("loss", LOSS_YAMLS)
+def test_every_loss_yaml_composes(loss):
+    assert_complete_and_valid(composed(loss=loss), loss)
+
+
+def test_every_model_and_loss_pair_is_valid():
+    # Every shipped pair passes the checks (a rule may join a model's keys and a loss's): each yaml composed once,
+    # each pair put together from them, as Hydra does: the loss group is the `loss` node, and no model yaml sets it.
+    models = {model: composed(model=model) for model in MODEL_YAMLS}
+    loss_nodes = {loss: composed(loss=loss).loss for loss in LOSS_YAMLS}
+    assert not any("loss" in OmegaConf.load(CONFIG_DIR / "model" / f"{m}.yaml") for m in MODEL_YAMLS)
+    for config in models.values():
+        for loss, node in loss_nodes.items():
+            pair = copy.deepcopy(config)
+            pair.loss = node
+            assert_complete_and_valid(pair, loss)
+    # the put-together pair is what Hydra composes (two pairs that are neither yaml's default)
+    for model, loss in (("pythia28", "ipo"), ("blank_model", "mpo")):
+        pair = copy.deepcopy(models[model])
+        pair.loss = loss_nodes[loss]
+        assert OmegaConf.to_container(pair) == OmegaConf.to_container(composed(model=model, loss=loss))
 
 
 def test_reference_presets_keep_reference_learning_rate():
@@ -200,7 +233,7 @@ def test_unknown_override_is_rejected_by_hydra():
 def test_dpo_run_writes_reference_layout_and_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_dir = run([], tmp_path)
+    run_dir = run(["sample_during_eval=true"], tmp_path)
     assert run_dir.parent == tmp_path
     assert OmegaConf.load(run_dir / "config.yaml").loss.name == "dpo"
     latest = run_dir / "LATEST"
