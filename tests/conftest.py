@@ -6,6 +6,7 @@ import ast
 import functools
 import inspect
 import os
+import re
 import textwrap
 from pathlib import Path
 
@@ -134,7 +135,18 @@ TIER_DOC = {
 PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty")  # calls into these start processes
 PROCESS_CALLS = {"os.fork", "os.system", "os.execv", "os.execvp", "os.spawnv", "os.posix_spawn"}
 # Words in a test's code that mean more than one training process (kept on the "launch" worker).
-LAUNCH_WORDS = ("world_size=", "torch.distributed.run", "torchrun", "run_torchrun", "NNODES", "ray.", "launcher=ray", "srun")
+LAUNCH_WORDS = (
+    "world_size=",
+    "FSDPTrainer",
+    "TensorParallelTrainer",
+    "torch.distributed.run",
+    "torchrun",
+    "run_torchrun",
+    "NNODES",
+    "ray.",
+    "launcher=ray",
+    "srun",
+)
 
 
 def _called_names(tree: ast.AST) -> list[str]:
@@ -227,6 +239,10 @@ def _uses_of(func) -> frozenset[str]:
         found.add("launch")
     scope = getattr(func, "__globals__", {})
     local_imports = _imports_in(tree)
+    for node in ast.walk(tree):  # a constant the code reads (e.g. FSDP = [..., "world_size=2"]) may name a launch
+        if isinstance(node, ast.Name) and isinstance(scope.get(node.id), str | list | tuple | dict):
+            if any(word in repr(scope[node.id]) for word in LAUNCH_WORDS):
+                found.add("launch")
     for name in _called_names(tree):
         head = name.split(".")[0]
         module_name = local_imports.get(head, "")
@@ -255,7 +271,10 @@ def _tier(item) -> tuple[str, bool]:
                 and Path(inspect.getfile(fixturedef.func)).resolve().parent == REPO / "tests"
             ):
                 funcs.append(fixturedef.func)
-    uses = set().union(*map(_uses, funcs)) if funcs else set()
+    uses = set().union(*map(_uses, funcs))
+    params = repr(getattr(getattr(item, "callspec", None), "params", ""))
+    if any(word in params for word in LAUNCH_WORDS) or re.search(r"fsdp|torchrun|tensor_parallel|ray|rank|node", item.name):
+        uses.add("launch")
     tier = "system" if "process" in uses else "integration" if "train" in uses else "unit"
     return tier, tier == "system" and "launch" in uses
 

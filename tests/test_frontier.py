@@ -85,6 +85,7 @@ def test_preferred_ft_takes_each_prompts_best_completion():
     ]
 
 
+@pytest.mark.system  # frontier.main starts train.py and evaluate.py as processes
 def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
     model = needs_shared("models", "stories260K")
     out, plot = tmp_path / "frontier", tmp_path / "docs" / "frontier.png"
