@@ -376,3 +376,53 @@ def pytest_runtest_call(item):
             f"mark it @pytest.mark.{needed} (tests/conftest.py's reading of its code missed it)"
         )
     return result
+
+
+# ----------------------------------------------------------------------------- the zoo of finished runs
+# Runs that several tests read, trained once per test session (once for all pytest-xdist workers: the first to ask
+# trains it under a file lock, the others wait and read it). Read-only: a test that resumes, damages or extends one
+# copies it first (copy_run); at the end of the session every zoo run must be byte for byte what it was when built.
+ZOO = {
+    "default": [],  # TINY as it is: 48 examples, checkpoints (with their Hugging Face export) at 24 and 48
+    "no_export": ["save_hf_export=false", "keep_checkpoints=0"],  # the same without the exports: checkpoint files only
+}
+
+
+def _files_of(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file and link under ``folder``: relative path -> (size, modification time in ns)."""
+    return {str(p.relative_to(folder)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """``zoo(name)``: the folder of the finished run ``ZOO[name]`` (TINY plus those overrides). Read it; copy it to change it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "zoo"  # the workers share base.parent
+    root.mkdir(exist_ok=True)
+    built = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            with FileLock(str(root / f"{name}.lock")):
+                done = root / f"{name}.done"
+                if not done.exists():
+                    run_dir = run_train(ZOO[name], root / name)
+                    done.write_text(str(run_dir))
+                run_dir = Path(done.read_text())
+            built[name] = (run_dir, _files_of(run_dir))
+        return built[name][0]
+
+    yield get
+    for name, (run_dir, files) in built.items():
+        assert _files_of(run_dir) == files, f"a test wrote into the zoo's {name} run {run_dir}: copy it first (copy_run)"
+
+
+def copy_run(run_dir: Path, parent: Path) -> Path:
+    """A copy of the run folder ``run_dir`` in ``parent`` (links kept as links), to resume, damage or extend."""
+    import shutil
+
+    copy = parent / run_dir.name
+    shutil.copytree(run_dir, copy, symlinks=True)
+    return copy

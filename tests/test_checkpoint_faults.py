@@ -514,11 +514,12 @@ DAMAGE_ARGS = [*CLI_TINY, "save_hf_export=false", "keep_checkpoints=0"]
 
 
 @pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory) -> Path:
-    """A finished tiny DPO run (the command line ``cli`` gives) with checkpoints at 24 and 48 examples."""
-    from conftest import run_train
+def two_checkpoints(zoo) -> Path:
+    """A finished tiny DPO run (the command line ``cli`` with DAMAGE_ARGS gives) with checkpoints at 24 and 48 examples."""
+    from conftest import ZOO
 
-    return run_train(DAMAGE_ARGS, tmp_path_factory.mktemp("two_checkpoints"))
+    assert compose_config(DAMAGE_ARGS) == compose_config([*TINY, *ZOO["no_export"]])  # the same run
+    return zoo("no_export")
 
 
 def unfinished_copy(run: Path, parent: Path) -> Path:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, SHARED, compose_config, run_train, tiny_llama_scorer
+from conftest import REPO, SHARED, compose_config, tiny_llama_scorer
 from hydra import compose, initialize_config_dir
 
 import checks
@@ -223,7 +223,7 @@ def small_files(folder: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def places(tmp_path_factory):
+def places(tmp_path_factory, zoo):
     """Where the stand-ins are: ``run`` (a finished tiny run), ``files`` (small data files), ``shared``, ``tmp``."""
     if not SHARED.exists():
         pytest.skip(f"{SHARED} is absent (the ../shared folder beside the repository)")
@@ -231,7 +231,7 @@ def places(tmp_path_factory):
     files = tmp / "files"
     files.mkdir()
     small_files(files)
-    run = run_train(["sample_during_eval=false"], tmp / "runs")
+    run = zoo("default")
     chat_model = tmp / "chat_model"  # a chat tokenizer and a tiny model config: nothing reads weights before the first step
     chat_model.mkdir()
     for name in ("chat_template.jinja", "tokenizer.json", "tokenizer_config.json"):

@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, run_train
+from conftest import REPO, TINY
 from hydra import compose, initialize_config_dir
 
 import make_pairs
@@ -28,8 +28,8 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Path:
-    return run_train([], tmp_path_factory.mktemp("run"))
+def run(zoo) -> Path:
+    return zoo("default")
 
 
 def test_pairs_by_hand_ties_and_failures_counted():

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY, compose_config, run_train
+from conftest import REPO, TINY, compose_config
 from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
@@ -70,9 +70,9 @@ def test_planted_object_runs_code_when_unpickled_unsafely(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory) -> Path:
-    """A finished tiny DPO run with checkpoints at 24 and 48 examples."""
-    return run_train([*QUICK, "keep_checkpoints=0"], tmp_path_factory.mktemp("finished"))
+def finished(zoo) -> Path:
+    """A finished tiny DPO run with checkpoints at 24 and 48 examples (QUICK, keep_checkpoints=0: the zoo's no_export run)."""
+    return zoo("no_export")
 
 
 def checkpoint_of(run: Path, tmp_path: Path, step: int = 24) -> Path:
