@@ -277,7 +277,8 @@ def write_cards(folder: str, config: DictConfig, run_dir: str, step: int, update
     saved = os.path.join(run_dir, "config.yaml")
     run_config = checkpoints.load_run_config(saved) if os.path.exists(saved) else config
     curves_dir = os.path.join(folder, "curves")
-    curves = [os.path.basename(f)[: -len(".png")] for f in tracking.plot_curves(run_dir, out_dir=curves_dir, panels=CURVE_PANELS)]
+    plotted = tracking.plot_curves(run_dir, out_dir=curves_dir, panels=CURVE_PANELS) if config.get("plot_curves", True) else []
+    curves = [os.path.basename(f)[: -len(".png")] for f in plotted]
     if not curves:
         shutil.rmtree(curves_dir, ignore_errors=True)
     targets = [(folder, "adapter" if adapter else "model")]

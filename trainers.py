@@ -966,8 +966,9 @@ class BasicTrainer(OnlineSampling):
         """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
         path = self.save()
         memory = self.log_peak_memory()
-        if self.is_main:
+        if self.is_main and self.config.get("plot_curves", True):  # .get: a config saved before the key existed
             tracking.plot_curves(self.run_dir)
+        if self.is_main:
             print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
             self.say_peak_memory(memory)
             how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
@@ -980,7 +981,7 @@ class BasicTrainer(OnlineSampling):
         path = self.evaluate_and_save(final=True)
         memory = self.log_peak_memory()
         if self.is_main:
-            written = tracking.plot_curves(self.run_dir)
+            written = tracking.plot_curves(self.run_dir) if self.config.get("plot_curves", True) else []
             export = ""
             if self.config.save_hf_export:
                 failed = self.hf_export_failure

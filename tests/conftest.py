@@ -33,6 +33,7 @@ TINY = [
     "sft_first.n_examples=null",
     "sample_during_eval=false",  # eval-time generation is about a third of a tiny run: on only where a test is about it
     "eval_reward_functions=null",
+    "plot_curves=false",  # the curves' PNGs are a few seconds a run: on only where a test is about them
 ]
 
 
@@ -124,8 +125,9 @@ def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None)
 #   system       a process of its own (subprocess, torchrun, the launch scripts) or a Ray cluster
 # `pytest -m unit` is the fast loop. While a test runs, what it really starts is recorded: a test that
 # trains or starts a Python process beyond its marker fails with the reason, so the tiers stay true.
-# `xdist_group("launch")` keeps the multi-process runs (torchrun, FSDP/TP ranks, Ray) on one pytest-xdist
-# worker, one at a time: two of them at once on 2 cores would each time out.
+# `xdist_group("launch")` keeps torchrun (its rendezvous, the launch scripts, the node tests) and Ray (one local
+# cluster) on one pytest-xdist worker, one at a time. FSDP and TP runs that train.py starts itself pick free ports
+# and run on either worker.
 TIERS = ("unit", "integration", "system")
 TIER_DOC = {
     "unit": "no training run and no process of its own (tests/conftest.py sets it)",
@@ -134,11 +136,8 @@ TIER_DOC = {
 }
 PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty")  # calls into these start processes
 PROCESS_CALLS = {"os.fork", "os.system", "os.execv", "os.execvp", "os.spawnv", "os.posix_spawn"}
-# Words in a test's code that mean more than one training process (kept on the "launch" worker).
+# Words in a test's code (or its parameters) that mean torchrun or Ray (kept on the "launch" worker).
 LAUNCH_WORDS = (
-    "world_size=",
-    "FSDPTrainer",
-    "TensorParallelTrainer",
     "torch.distributed.run",
     "torchrun",
     "run_torchrun",
@@ -273,7 +272,7 @@ def _tier(item) -> tuple[str, bool]:
                 funcs.append(fixturedef.func)
     uses = set().union(*map(_uses, funcs))
     params = repr(getattr(getattr(item, "callspec", None), "params", ""))
-    if any(word in params for word in LAUNCH_WORDS) or re.search(r"fsdp|torchrun|tensor_parallel|ray|rank|node", item.name):
+    if any(word in params for word in LAUNCH_WORDS) or re.search(r"torchrun|ray|node", item.name):
         uses.add("launch")
     tier = "system" if "process" in uses else "integration" if "train" in uses else "unit"
     return tier, tier == "system" and "launch" in uses
@@ -384,7 +383,7 @@ def pytest_runtest_call(item):
 # copies it first (copy_run); at the end of the session every zoo run must be byte for byte what it was when built.
 ZOO = {
     "default": [],  # TINY as it is: 48 examples, checkpoints (with their Hugging Face export) at 24 and 48
-    "no_export": ["save_hf_export=false", "keep_checkpoints=0"],  # the same without the exports: checkpoint files only
+    "no_export": ["save_hf_export=false", "keep_checkpoints=0", "plot_curves=true"],  # no exports; its curves/ plotted
 }
 
 

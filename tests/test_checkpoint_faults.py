@@ -510,7 +510,7 @@ def test_saving_again_at_the_same_step_keeps_latest_on_a_complete_checkpoint_thr
 
 # ----------------------------------------------------------------------------- 7. damaged checkpoints on resume (issue 24)
 
-DAMAGE_ARGS = [*CLI_TINY, "save_hf_export=false", "keep_checkpoints=0"]
+DAMAGE_ARGS = [*CLI_TINY, "save_hf_export=false", "keep_checkpoints=0", "plot_curves=true"]
 
 
 @pytest.fixture(scope="module")

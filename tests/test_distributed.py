@@ -35,6 +35,7 @@ COMMON = [
     "keep_checkpoints=0",
     "optimizer_foreach=true",  # torch's default on CUDA: one foreach kernel per param group
     "sft_first.n_examples=null",  # one run, not model=tiny's two stages
+    "plot_curves=false",  # a few seconds a run; tests/test_model_card.py and test_train.py look at the curves
 ]
 FAMILIES = {
     "llama": [],

@@ -38,6 +38,7 @@ ARGS = [
     "keep_checkpoints=0",
     "sample_during_eval=false",
     "sft_first.n_examples=null",  # one run, not model=tiny's two stages
+    "plot_curves=false",
 ]
 JOB_ID = "4242"
 

@@ -62,9 +62,9 @@ def pushed_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(HfApi, "create_repo", create_repo)
         mp.setattr(HfApi, "upload_folder", upload_folder)
-        run_dir = run_train(
-            ["num_threads=1", *PUSH, "eval_reward_functions=auto"], tmp_path_factory.mktemp("pushed")
-        )  # answers_eval/n: a count
+        # answers_eval/n (a count) and the curves are in the card
+        overrides = ["num_threads=1", *PUSH, "eval_reward_functions=auto", "plot_curves=true"]
+        run_dir = run_train(overrides, tmp_path_factory.mktemp("pushed"))
     return run_dir, calls
 
 
@@ -122,7 +122,7 @@ def test_push_uploads_the_final_export_once_with_the_repo_id_and_private_flag(pu
 def test_lora_cards_say_peft_for_the_adapters_and_transformers_for_the_merged_model(tmp_path):
     stories = needs_shared("models", "stories260K")
     overrides = ["model=blank_model", f"model.name_or_path={stories}", "model.lora.r=8", "model.lora.export_merged=true"]
-    run_dir = run_train([*overrides, "num_threads=1", "sample_during_eval=false", "n_examples=16", "eval_every=16"], tmp_path)
+    run_dir = run_train([*overrides, "num_threads=1", "n_examples=16", "eval_every=16", "plot_curves=true"], tmp_path)
     hf = run_dir / "LATEST" / "hf"
     adapter, merged = ModelCard.load(hf / "README.md"), ModelCard.load(hf / "merged" / "README.md")
     assert adapter.data.library_name == "peft" and merged.data.library_name == "transformers"
@@ -240,7 +240,7 @@ def run_evaluate(overrides: list[str]) -> Path:
 
 
 def test_an_evaluation_of_a_checkpoint_goes_into_its_card_and_the_checkpoint_stays_whole(tmp_path, capsys):
-    run_dir = run_train(["num_threads=1", "sample_during_eval=false"], tmp_path)
+    run_dir = run_train(["num_threads=1", "plot_curves=true"], tmp_path)
     final = run_dir / f"step-{N_EXAMPLES}"
     card, earlier = final / "hf" / "README.md", run_dir / f"step-{EVAL_EVERY}" / "hf" / "README.md"
     before, earlier_before = card.read_text(), earlier.read_text()

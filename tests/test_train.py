@@ -233,7 +233,7 @@ def test_unknown_override_is_rejected_by_hydra():
 def test_dpo_run_writes_reference_layout_and_loads_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_dir = run(["sample_during_eval=true"], tmp_path)
+    run_dir = run(["sample_during_eval=true", "plot_curves=true"], tmp_path)
     assert run_dir.parent == tmp_path
     assert OmegaConf.load(run_dir / "config.yaml").loss.name == "dpo"
     latest = run_dir / "LATEST"
