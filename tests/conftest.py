@@ -125,9 +125,9 @@ def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None)
 #   system       a process of its own (subprocess, torchrun, the launch scripts) or a Ray cluster
 # `pytest -m unit` is the fast loop. While a test runs, what it really starts is recorded: a test that
 # trains or starts a Python process beyond its marker fails with the reason, so the tiers stay true.
-# `xdist_group("launch")` keeps torchrun (its rendezvous, the launch scripts, the node tests) and Ray (one local
-# cluster) on one pytest-xdist worker, one at a time. FSDP and TP runs that train.py starts itself pick free ports
-# and run on either worker.
+# `xdist_group("launch")` keeps the runs of several processes (FSDP/TP ranks, torchrun and the launch scripts, a Ray
+# cluster) on one pytest-xdist worker, one at a time: two at once on 2 cores (4-8 busy processes) each ran slower
+# than both one after the other.
 TIERS = ("unit", "integration", "system")
 TIER_DOC = {
     "unit": "no training run and no process of its own (tests/conftest.py sets it)",
@@ -136,8 +136,11 @@ TIER_DOC = {
 }
 PROCESS_MODULES = ("subprocess", "multiprocessing", "ray", "pty")  # calls into these start processes
 PROCESS_CALLS = {"os.fork", "os.system", "os.execv", "os.execvp", "os.spawnv", "os.posix_spawn"}
-# Words in a test's code (or its parameters) that mean torchrun or Ray (kept on the "launch" worker).
+# Words in a test's code (or its parameters) that mean several processes (kept on the "launch" worker).
 LAUNCH_WORDS = (
+    "world_size=",
+    "FSDPTrainer",
+    "TensorParallelTrainer",
     "torch.distributed.run",
     "torchrun",
     "run_torchrun",
@@ -272,7 +275,7 @@ def _tier(item) -> tuple[str, bool]:
                 funcs.append(fixturedef.func)
     uses = set().union(*map(_uses, funcs))
     params = repr(getattr(getattr(item, "callspec", None), "params", ""))
-    if any(word in params for word in LAUNCH_WORDS) or re.search(r"torchrun|ray|node", item.name):
+    if any(word in params for word in LAUNCH_WORDS) or re.search(r"fsdp|torchrun|tensor_parallel|ray|rank|node", item.name):
         uses.add("launch")
     tier = "system" if "process" in uses else "integration" if "train" in uses else "unit"
     return tier, tier == "system" and "launch" in uses

@@ -166,7 +166,14 @@ def test_when_the_sft_stage_applies(capsys, tmp_path):
 
 
 def stage_args(tmp_path: Path) -> list[str]:
-    return [*STAGED, "sft_first.n_examples=64", "n_examples=32", "eval_every=32", f"output_root={tmp_path}"]
+    return [
+        *STAGED,
+        "eval_reward_functions=auto",
+        "sft_first.n_examples=64",
+        "n_examples=32",
+        "eval_every=32",
+        f"output_root={tmp_path}",
+    ]
 
 
 def test_two_stages_in_one_command(tmp_path):

@@ -209,7 +209,8 @@ def test_a_lora_run_starts_at_ln2_loads_one_model_and_precompute_gives_the_live_
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {"policy", "reference"} <= set(samples[0])  # the reference samples too (adapters off)
 
-    pre = run_train([*LORA, "model.lora.export_merged=true", "precompute_ref_log_probs=true", f"cache_dir={tmp_path}"], tmp_path)
+    pre_args = ["model.lora.export_merged=true", "precompute_ref_log_probs=true", "sample_during_eval=true"]
+    pre = run_train([*LORA, *pre_args, f"cache_dir={tmp_path}"], tmp_path)  # samples as lora_run does: same RNG draws
     live_evals = [r for r in rows if "loss/eval" in r]
     pre_evals = [r for r in metric_records(pre) if "loss/eval" in r]
     assert len(live_evals) == len(pre_evals) == 3
