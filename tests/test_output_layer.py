@@ -549,21 +549,3 @@ def test_output_layer_chunk_null_and_zero_are_the_previous_path():
     for value in ("null", "0", "1024"):
         checks.validate_config(compose_config([f"output_layer_chunk={value}"]))
     assert compose_config([]).output_layer_chunk == packing.DEFAULT_OUTPUT_LAYER_CHUNK == 1024
-
-
-# ----------------------------------------------------------------------------- FSDP and tensor parallelism
-
-
-def test_fsdp_and_tensor_parallel_with_small_chunks_match_basic_unchunked(tmp_path):
-    # 2 processes each: FSDP2 (the root's lm_head, tied to the embeddings, unsharded only inside
-    # the root's forward and its backward) and DTensor tensor parallelism, chunks of 5 positions,
-    # against one process taking all logits at once.
-    from test_distributed import COMMON, assert_same_run, cli, finished_run
-
-    base = [*COMMON, "sample_during_eval=false", "n_examples=32", "eval_every=16"]
-    basic = finished_run([*base, "output_layer_chunk=null"], tmp_path / "basic")
-    for trainer in ("FSDPTrainer", "TensorParallelTrainer"):
-        code, text = cli([*base, f"trainer={trainer}", "world_size=2", "output_layer_chunk=5"], tmp_path / trainer)
-        assert code == 0, text[-4000:]
-        assert "unchunked output layer" not in text  # the chunks were taken, not the fallback
-        assert_same_run(basic, next((tmp_path / trainer).iterdir()))
