@@ -149,9 +149,9 @@ def test_a_reference_free_objective_loads_and_runs_no_reference(tmp_path, monkey
 
 COMMON = [*TINY, "sample_during_eval=false", "keep_checkpoints=0"]
 FAMILIES = {
-    "pairwise_mix": ["loss=mpo"],  # dpo + bco_pair + nll, with a reference
+    "pairwise_mix": ["loss=mpo"],  # dpo + bco_pair + nll, with a live reference
     "reference_free": ["loss=simpo"],
-    "precomputed_reference": ["loss=hinge", "precompute_ref_log_probs=true"],
+    "pairwise_mix_precomputed_reference": ["loss=mpo", "precompute_ref_log_probs=true"],  # the mix's reference from the cache
 }
 
 
@@ -174,7 +174,12 @@ def policy(run_dir: Path, step: str = "LATEST") -> dict:
 
 
 @pytest.mark.parametrize(
-    ("family", "trainer"), [(family, "FSDPTrainer") for family in FAMILIES] + [("pairwise_mix", "TensorParallelTrainer")]
+    ("family", "trainer"),
+    [
+        ("pairwise_mix_precomputed_reference", "FSDPTrainer"),
+        ("reference_free", "FSDPTrainer"),
+        ("pairwise_mix", "TensorParallelTrainer"),  # (a live reference under FSDP: test_distributed.py)
+    ],
 )
 def test_each_family_trains_sharded_as_under_basic_and_resumes_exactly(family, trainer, tmp_path):
     extra = [*FAMILIES[family], f"cache_dir={tmp_path / 'cache'}"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, TINY, compose_config
+from conftest import REPO, TINY, compose_config, copy_run
 from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
@@ -256,14 +256,10 @@ def test_a_planted_sharded_entry_runs_nothing_and_is_one_sentence(tmp_path):
     assert not marker.exists()
 
 
-def test_fsdp_resume_from_a_planted_sharded_metadata_is_one_sentence_on_both_ranks(tmp_path):
+def test_fsdp_resume_from_a_planted_sharded_metadata_is_one_sentence_on_both_ranks(zoo, tmp_path):
     import pickle
 
-    from test_checkpoint_faults import FSDP
-
-    done = cli([*FSDP, "save_hf_export=false"], tmp_path / "first")
-    assert done.returncode == 0, done.stderr[-3000:]
-    run = next(p for p in (tmp_path / "first" / "out").iterdir() if p.is_dir())
+    run = copy_run(zoo("fsdp"), tmp_path / "first")  # FSDP, save_hf_export=false: sharded checkpoints at 8 and 16
     (run / "FINISHED").unlink(missing_ok=True)
     sharded = (run / "LATEST" / "sharded").resolve()
     marker = tmp_path / "marker"
