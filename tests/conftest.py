@@ -248,7 +248,7 @@ def _uses_of(func) -> frozenset[str]:
     for node in ast.walk(tree):  # zoo("fsdp"): a zoo run of several processes, trained in a process of its own
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "zoo" and node.args:
             arg = node.args[0]
-            if isinstance(arg, ast.Constant) and any(word in repr(_zoo_overrides(arg.value)) for word in LAUNCH_WORDS):
+            if isinstance(arg, ast.Constant) and any(word in repr(ZOO.get(arg.value)) for word in LAUNCH_WORDS):
                 found |= {"process", "launch"}
     for name in _called_names(tree):
         head = name.split(".")[0]
@@ -389,26 +389,13 @@ def pytest_runtest_call(item):
 # Runs that several tests read, trained once per test session (once for all pytest-xdist workers: the first to ask
 # trains it under a file lock, the others wait and read it). Read-only: a test that resumes, damages or extends one
 # copies it first (copy_run); at the end of the session every zoo run must be byte for byte what it was when built.
-# A run's overrides are a list, or a function of ``zoo`` for a run that starts from another zoo run.
 ZOO = {
     "default": [],  # TINY as it is: 48 examples, checkpoints (with their Hugging Face export) at 24 and 48
     "no_export": ["save_hf_export=false", "keep_checkpoints=0", "plot_curves=true"],  # no exports; its curves/ plotted
-    "sft": ["loss=sft", "exp_name=sft"],  # an SFT stage ...
-    "dpo_from_sft": lambda zoo: [
-        "loss=dpo",
-        "exp_name=dpo",
-        f"model.archive={zoo('sft')}/LATEST/policy.pt",
-    ],  # ... and DPO from it
     # 2 FSDP processes, started by train.py in a process of its own: 16 examples, sharded checkpoints at 8 and 16
     "fsdp": ["trainer=FSDPTrainer", "world_size=2", "n_examples=16", "eval_every=8", "data.arithmetic.n_train=16"]
     + ["save_hf_export=false", "num_threads=1"],
 }
-
-
-def _zoo_overrides(name: str) -> list[str] | None:
-    """ZOO[name]'s overrides where they are a plain list (a function's are known only when the zoo runs)."""
-    overrides = ZOO.get(name)
-    return overrides if isinstance(overrides, list) else None
 
 
 def _train_in_a_process(overrides: list[str], out: Path) -> Path:
@@ -445,7 +432,7 @@ def zoo(tmp_path_factory):
             with FileLock(str(root / f"{name}.lock")):
                 done = root / f"{name}.done"
                 if not done.exists():
-                    overrides = ZOO[name] if isinstance(ZOO[name], list) else ZOO[name](get)
+                    overrides = ZOO[name]
                     several = any(word in repr(overrides) for word in LAUNCH_WORDS)
                     run_dir = (_train_in_a_process if several else run_train)(overrides, root / name)
                     done.write_text(str(run_dir))
