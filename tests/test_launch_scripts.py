@@ -273,23 +273,11 @@ def sbatch(env: dict[str, str], out: Path) -> Command:
     return Command(["bash", str(SCRIPTS / "slurm_dpo.sbatch"), *ARGS, f"output_root={out}"], env)
 
 
-def test_slurm_script_trains_two_nodes_to_the_end_without_requeue(tmp_path, two_node_run):
-    env, requeues = fake_slurm(tmp_path)
-    code, text = sbatch(env, tmp_path / "out").finish()
-    assert code == 0, text[-4000:]
-    assert not requeues.exists()
-    assert "resume=auto: no unfinished run" in text
-    [run_dir] = run_dirs(tmp_path / "out")
-    assert (run_dir / "FINISHED").exists()
-    assert_same_run(two_node_run, run_dir)
-
-
-@pytest.mark.parametrize("proctrack", ["cgroup", "pgid"])
-def test_slurm_warning_checkpoints_requeues_and_the_requeued_job_continues_to_the_same_weights(tmp_path, two_node_run, proctrack):
-    # cgroup: srun's signal reaches every process of the step, the ranks too (run_nodes.sh must
-    # not pass it on: a rank told twice stops without a checkpoint); pgid: only the tasks'
-    # process groups, not the ranks (run_nodes.sh must pass it on).
-    env, requeues = fake_slurm(tmp_path, proctrack)
+def test_slurm_warning_checkpoints_requeues_and_the_requeued_job_continues_to_the_same_weights(tmp_path, two_node_run):
+    # pgid: srun's signal reaches only the tasks' process groups, not the ranks (run_nodes.sh must
+    # pass it on). With cgroup, where it reaches every process (the two-stage test below), run_nodes.sh
+    # must not pass it on: a rank told twice stops without a checkpoint.
+    env, requeues = fake_slurm(tmp_path, "pgid")
     out = tmp_path / "out"
     job = sbatch(env, out)
     job.wait_for("[eval] after 0 examples", timeout=240)
@@ -337,11 +325,13 @@ def wait_after(job: Command, banner: str, line_start: str, timeout: float = 240)
 def test_slurm_two_stage_job_requeued_in_each_stage_ends_with_the_weights_of_an_uninterrupted_one(tmp_path):
     # Regression (issue 40): under the batch script's torchrun each rank skipped model=tiny's SFT stage without a
     # word. Now each stage is a launch; a job warned in stage 1 continues it when requeued, then runs stage 2; one
-    # warned in stage 2 leaves the finished SFT run as it is and continues the DPO run.
-    env, requeues = fake_slurm(tmp_path)
+    # warned in stage 2 leaves the finished SFT run as it is and continues the DPO run. The stand-in srun
+    # signals every process of the step (proctrack/cgroup), the ranks too: each rank must be told once.
+    env, requeues = fake_slurm(tmp_path, "cgroup")
     code, text = sbatch_two_stages(env, tmp_path / "whole").finish(400)
     assert code == 0, text[-4000:]
     assert "=== Stage 1 of 2" in text and "=== Stage 2 of 2" in text and not requeues.exists()
+    assert text.count("resume=auto: no unfinished run") == 2, text[-4000:]  # each stage, on its first launch
     whole_sft, whole_dpo = run_dirs(tmp_path / "whole")[::-1]  # dpo_run_... sorts before sft_run_...
     assert whole_sft.name.startswith("sft_run_") and whole_dpo.name.startswith("dpo_run_")
 
@@ -351,14 +341,17 @@ def test_slurm_two_stage_job_requeued_in_each_stage_ends_with_the_weights_of_an_
     os.kill(job.proc.pid, signal.SIGUSR1)
     code, text = job.finish()
     assert code == 138 and requeues.read_text() == f"requeue {JOB_ID}\n", text[-4000:]
+    assert text.count("Received SIGUSR1") == 2, text[-4000:]  # each of the 2 ranks, once
     [sft] = run_dirs(out)
     assert not (sft / "FINISHED").exists() and "=== Stage 2 of 2" not in text
+    assert 0 < int(os.readlink(sft / "LATEST").removeprefix("step-")) < 128
 
     job = sbatch_two_stages(env, out)  # requeued: continues stage 1, then is warned during stage 2
     wait_after(job, "=== Stage 2 of 2", "[eval] after 0 examples")
     os.kill(job.proc.pid, signal.SIGUSR1)
     code, text = job.finish()
     assert code == 138 and requeues.read_text() == f"requeue {JOB_ID}\n" * 2, text[-4000:]
+    assert text.count("Received SIGUSR1") == 2, text[-4000:]
     assert f"resume=auto: continuing {sft}" in text and (sft / "FINISHED").exists()
     dpo = next(p for p in run_dirs(out) if p != sft)
     assert f"model.archive={sft}/LATEST/policy.pt" in text and not (dpo / "FINISHED").exists()

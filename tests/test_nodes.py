@@ -214,8 +214,8 @@ def test_run_identity_covers_every_key_but_output_root(tmp_path):
 # ----------------------------------------------------------------------------- SIGUSR1, FINISHED, resume=auto
 
 
-def stop_with_sigusr1(args: list[str], out: Path, after_lines: int) -> tuple[int, str]:
-    """Start ``train.py args``, send SIGUSR1 once its metrics.jsonl has ``after_lines`` lines
+def stop_with(args: list[str], out: Path, after_lines: int, signum: int = signal.SIGUSR1) -> tuple[int, str]:
+    """Start ``train.py args``, send ``signum`` once its metrics.jsonl has ``after_lines`` lines
     (training steps logged), and wait for it; kill its group on timeout."""
     proc = start_train(args, out)
     try:
@@ -225,7 +225,7 @@ def stop_with_sigusr1(args: list[str], out: Path, after_lines: int) -> tuple[int
             if runs and sum(1 for _ in runs[0].open()) >= after_lines:
                 break
             time.sleep(0.05)
-        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signum)
         text, _ = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
@@ -262,7 +262,7 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
     (full,) = run_dirs(tmp_path / "full")
 
     cut_root = tmp_path / "cut"
-    code, text = stop_with_sigusr1([*args, "resume=auto"], cut_root, after_lines=6)
+    code, text = stop_with([*args, "resume=auto"], cut_root, after_lines=6)
     assert code == 128 + signal.SIGUSR1 == 138, text[-3000:]
     assert text.count(f"resume=auto: no unfinished run of exp_name=dpo_run in {cut_root}; starting a fresh run.") == 1
     assert "Received SIGUSR1" in text and text.count("Interrupted after") == 1 and "Traceback" not in text
@@ -275,16 +275,36 @@ def test_sigusr1_checkpoints_exits_138_and_resume_auto_finishes_the_same_run(tmp
         leftover = subprocess.run(["pgrep", "-f", f"output_root={cut_root}"], capture_output=True, text=True).stdout
         assert not leftover.strip(), "worker processes outlived train.py"
 
-    code, text = cli([*args, "resume=auto"], cut_root)  # the same command again: continues that run
-    assert code == 0, text[-3000:]
-    assert text.count(f"resume=auto: continuing {cut}, the newest unfinished run of exp_name=dpo_run.") == 1
-    assert "ignoring" not in text and "Error" not in text  # the same command: the run's own config
-    assert f"Resuming after {stopped_at} examples" in text
+    continuing = f"resume=auto: continuing {cut}, the newest unfinished run of exp_name=dpo_run."
+    if trainer == "basic":
+        # The same command again continues that run; a SIGTERM (143: a scheduler sees it did not finish) stops it
+        # a second time, after a few more steps, and resume=<run> continues it to the end.
+        lines = sum(1 for _ in (cut / "metrics.jsonl").open())
+        code, text = stop_with([*args, "resume=auto"], cut_root, after_lines=lines + 6, signum=signal.SIGTERM)
+        assert code == 128 + signal.SIGTERM == 143, text[-3000:]
+        assert text.count(continuing) == 1 and f"Resuming after {stopped_at} examples" in text
+        assert "Interrupted after" in text and "Resume with: python train.py resume=" in text and "Traceback" not in text
+        stopped_again = torch.load(cut / "LATEST" / "trainer_state.pt", weights_only=False)["example_counter"]
+        assert stopped_at < stopped_again < n
+        code, text = cli([f"resume={cut}"], tmp_path / "unused")
+        assert code == 0, text[-3000:]
+        assert f"Resuming after {stopped_again} examples" in text
+    else:
+        code, text = cli([*args, "resume=auto"], cut_root)  # the same command again: continues that run
+        assert code == 0, text[-3000:]
+        assert text.count(continuing) == 1
+        assert "ignoring" not in text and "Error" not in text  # the same command: the run's own config
+        assert f"Resuming after {stopped_at} examples" in text
     assert (cut / checkpoints.FINISHED).read_text() == f"{n}\n"
     a, b = weights(full), weights(cut)
     assert set(a) == set(b)
     for name in a:
         torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-6, msg=name)
+    if trainer == "basic":
+        policy_full, policy_cut = (torch.load(r / "LATEST" / "policy.pt", weights_only=False) for r in (full, cut))
+        assert policy_full["step_idx"] == policy_cut["step_idx"] == n
+        optim_full, optim_cut = (torch.load(r / "LATEST" / "optimizer.pt", weights_only=False)["state"] for r in (full, cut))
+        assert optim_full["state"].keys() == optim_cut["state"].keys()
 
     # Once finished, resume=auto starts a fresh run, and its overrides apply (n_examples=16).
     code, text = cli([*args, "resume=auto", "n_examples=16"], cut_root)

@@ -212,7 +212,7 @@ def test_a_killed_fsdp_rank_is_named_with_its_signal_and_the_resume_command_whic
     # exit 1); rank 0 killed printed Hydra's "Error executing job" (exit 247). Now the launcher names
     # the rank and its signal and gives the resume command (rank 0's: the folder came from it).
     out = tmp_path / "out"
-    args = [*long_fsdp_args(out), "n_examples=1200", "world_size=2"]
+    args = [*long_fsdp_args(out), "n_examples=320", "world_size=2"]  # 36 steps left after the first checkpoint: seconds
     log = tmp_path / "log"
     launcher = subprocess.Popen(
         [sys.executable, "train.py", *args],

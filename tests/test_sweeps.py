@@ -273,20 +273,23 @@ def alive(pid: int) -> bool:
         return False
 
 
-def two_stage_run(tmp_path: Path, stage_number: int = 1, extra: tuple = ()) -> tuple[subprocess.Popen, Path, int]:
-    """The default two-stage command, started and waited for until stage ``stage_number`` wrote a checkpoint: (the
-    runner, the stage's run folder, the stage's pid)."""
+def start_two_stage(tmp_path: Path, stage_number: int = 1, extra: tuple = ()) -> subprocess.Popen:
+    """Start the default two-stage command in ``tmp_path`` (made here), its output in ``tmp_path``/stdout and /stderr
+    (files: several runners at once must never block on a full pipe); long enough to be stopped during stage
+    ``stage_number``."""
     sft = 16 if stage_number == 2 else 100000  # a short SFT stage when the signal is for the second
     args = [a for a in TINY if not a.startswith("sft_first")] + [f"sft_first.n_examples={sft}", "n_examples=100000"]
     command = [sys.executable, str(REPO / "train.py"), *args, "num_threads=1", "save_hf_export=false", *extra]
-    runner = subprocess.Popen(
-        [*command, f"output_root={tmp_path / 'out'}"],
-        cwd=tmp_path,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    with open(tmp_path / "stdout", "w") as stdout, open(tmp_path / "stderr", "w") as stderr:
+        return subprocess.Popen(
+            [*command, f"output_root={tmp_path / 'out'}"], cwd=tmp_path, env=ENV, stdout=stdout, stderr=stderr, text=True
+        )
+
+
+def stage_started(runner: subprocess.Popen, tmp_path: Path, stage_number: int = 1) -> tuple[Path, int]:
+    """Wait until stage ``stage_number`` of ``runner`` (started in ``tmp_path``) wrote a checkpoint: (the stage's run
+    folder, the stage's pid)."""
     prefix = "sft_" if stage_number == 1 else "dpo_"
     deadline = time.time() + 150
     while not list((tmp_path / "out").glob(f"{prefix}*/LATEST")) and time.time() < deadline and runner.poll() is None:
@@ -294,42 +297,60 @@ def two_stage_run(tmp_path: Path, stage_number: int = 1, extra: tuple = ()) -> t
     (run,) = [p.parent for p in (tmp_path / "out").glob(f"{prefix}*/LATEST")]
     (stage,) = children_of(runner.pid)
     assert lock_pid(run) in [stage, *children_of(stage)]  # the stage, or under FSDP its rank 0
-    return runner, run, stage
+    return run, stage
 
 
-@pytest.mark.timeout(240)
+def two_stage_run(tmp_path: Path, stage_number: int = 1, extra: tuple = ()) -> tuple[subprocess.Popen, Path, int]:
+    """The default two-stage command, started and waited for until stage ``stage_number`` wrote a checkpoint: (the
+    runner, the stage's run folder, the stage's pid)."""
+    runner = start_two_stage(tmp_path, stage_number, extra)
+    return (runner, *stage_started(runner, tmp_path, stage_number))
+
+
+STOP_SIGNALS = [signal.SIGUSR1, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2]  # Slurm: USR1, submitit: USR2, Ctrl-C, TERM
+
+
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("stage_number", [1, 2])
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGINT, signal.SIGTERM, signal.SIGUSR2], ids=lambda s: s.name)
-def test_a_stop_signal_to_the_two_stage_runner_checkpoints_the_running_stage_and_leaves_nothing_running(
-    tmp_path, sig, stage_number
+def test_each_stop_signal_to_the_two_stage_runner_checkpoints_the_running_stage_and_leaves_nothing_running(
+    tmp_path, stage_number
 ):
     # Regression (issue 40): SIGUSR1 ended the runner at once (138); the SFT stage trained on with parent pid 1.
-    # Each stop signal a scheduler sends (Slurm: USR1, submitit: USR2, Ctrl-C, TERM), during either stage.
-    runner, run, stage = two_stage_run(tmp_path, stage_number)
+    # Each stop signal a scheduler sends, during either stage: one runner per signal, all four at once.
+    runners = {sig: start_two_stage(tmp_path / sig.name, stage_number) for sig in STOP_SIGNALS}
     try:
-        before = os.path.realpath(run / "LATEST")
-        os.kill(runner.pid, sig)
-        stdout, stderr = runner.communicate(timeout=90)
+        stopped = {}
+        for sig, runner in runners.items():
+            run, stage = stage_started(runner, tmp_path / sig.name, stage_number)
+            before = os.path.realpath(run / "LATEST")
+            os.kill(runner.pid, sig)
+            stopped[sig] = (run, stage, before)
+        for runner in runners.values():
+            runner.wait(timeout=120)
     finally:
-        if runner.poll() is None:
-            runner.kill()
-    code = 128 + sig
-    assert runner.returncode == code, stderr[-3000:]
-    assert not alive(stage) and not children_of(runner.pid)
-    assert os.path.realpath(run / "LATEST") != before and (run / "LATEST" / "policy.pt").is_file()  # saved on the signal
-    saved = re.findall(r"Interrupted after \d+ examples; checkpoint saved to (\S+)\.\n", stdout)
-    assert [os.path.realpath(p) for p in saved] == [os.path.realpath(run / "LATEST")]  # one checkpoint, on the signal
-    assert not (run / "FINISHED").exists() and f"Stage {stage_number} of 2" in stdout and "Both stages" not in stdout
-    assert "Resume with: " in stdout and f"resume={run}\n" in stdout  # the stage's own resume line
-    if stage_number == 1:
-        assert "Stage 2 of 2" not in stdout
-        said = rf"Stage 1 of 2 ended with exit code {code}\. Continue it with python \S*train\.py resume={re.escape(str(run))}, then stage 2: "
-        assert re.search(said, stderr), stderr[-3000:]
-        assert f"model.archive={run}/LATEST/policy.pt" in stderr
-    else:
-        assert f"Stage 2 of 2 ended with exit code {code}." in stderr, stderr[-3000:]
-        (sft,) = (tmp_path / "out").glob("sft_*")
-        assert (sft / "FINISHED").exists()  # the first stage is finished and left as it was
+        for runner in runners.values():
+            if runner.poll() is None:
+                runner.kill()
+    for sig, (run, stage, before) in stopped.items():
+        runner, folder = runners[sig], tmp_path / sig.name
+        stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+        code = 128 + sig
+        assert runner.returncode == code, (sig.name, stderr[-3000:])
+        assert not alive(stage) and not children_of(runner.pid)
+        assert os.path.realpath(run / "LATEST") != before and (run / "LATEST" / "policy.pt").is_file()  # saved on the signal
+        saved = re.findall(r"Interrupted after \d+ examples; checkpoint saved to (\S+)\.\n", stdout)
+        assert [os.path.realpath(p) for p in saved] == [os.path.realpath(run / "LATEST")]  # one checkpoint, on the signal
+        assert not (run / "FINISHED").exists() and f"Stage {stage_number} of 2" in stdout and "Both stages" not in stdout
+        assert "Resume with: " in stdout and f"resume={run}\n" in stdout  # the stage's own resume line
+        if stage_number == 1:
+            assert "Stage 2 of 2" not in stdout
+            said = rf"Stage 1 of 2 ended with exit code {code}\. Continue it with python \S*train\.py resume={re.escape(str(run))}, then stage 2: "
+            assert re.search(said, stderr), stderr[-3000:]
+            assert f"model.archive={run}/LATEST/policy.pt" in stderr
+        else:
+            assert f"Stage 2 of 2 ended with exit code {code}." in stderr, stderr[-3000:]
+            (sft,) = (folder / "out").glob("sft_*")
+            assert (sft / "FINISHED").exists()  # the first stage is finished and left as it was
 
 
 @pytest.mark.timeout(240)
