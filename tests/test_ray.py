@@ -169,14 +169,23 @@ def kinds(run_dir: Path) -> list[tuple[int, str]]:
 
 
 @pytest.mark.timeout(300)
-def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged(cluster, tmp_path):
+def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged_and_the_driver_pushes_once(
+    cluster, tmp_path, monkeypatch
+):
     # Rank 0 exits once as it is about to write its first checkpoint, having logged the evals (and
     # 2 samples each) at 0 and 8 examples and the train record between them; no checkpoint was
-    # reported, so Ray restarts the worker from scratch in the same run folder.
+    # reported, so Ray restarts the worker from scratch in the same run folder. The run pushes to the
+    # hub (a stub): the driver pushes once, the final export, however many times a worker started.
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or "url")
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload_folder", kw["repo_id"], kw)))
     marker = tmp_path / "exited"
     run = ["n_examples=16", "eval_every=8", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "n_eval_model_samples=2"]
     run += ["progress_bar=false", "minimum_log_interval_secs=0", "data.arithmetic.n_train=16", "data.arithmetic.n_test=8"]
     run += ["launcher=ray", "ray.num_workers=1", "ray.max_failures=1", "ray.cpus_per_worker=1"]
+    run += ["hub.push=true", "hub.model_id=me/ray-dpo"]
     exiting = functools.partial(ray_faults.exit_before_first_save, str(marker))
     assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), exiting) == 0
     assert marker.exists()
@@ -188,6 +197,11 @@ def test_a_ray_restart_from_scratch_drops_what_the_failed_attempt_logged(cluster
     assert samples == [0, 0, 8, 8, 16, 16]  # 2 prompts' samples at each eval
     sections = [line for line in (run_dir / "samples.md").read_text().splitlines() if line.startswith("## ")]
     assert sections == ["## after 0 examples", "## after 8 examples", "## after 16 examples"]
+    # the workers are other processes (the stub is the driver's): one create and one upload means the driver pushed
+    assert [(c[0], c[1]) for c in calls] == [("create_repo", "me/ray-dpo"), ("upload_folder", "me/ray-dpo")]
+    assert calls[0][2]["private"] is True
+    assert Path(calls[1][2]["folder_path"]).resolve() == (run_dir / "step-16" / "hf").resolve()
+    assert (Path(calls[1][2]["folder_path"]) / "README.md").is_file()
 
 
 @pytest.mark.timeout(300)
@@ -404,22 +418,3 @@ def test_missing_ray_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
     with pytest.raises(utils.ConfigError, match="pip install -r requirements-ray.txt"):
         ray_launcher.import_ray()
-
-
-@pytest.mark.timeout(300)
-def test_hub_push_under_ray_is_done_by_the_driver_once_with_the_final_export(cluster, tmp_path, monkeypatch):
-    from huggingface_hub import HfApi
-
-    calls = []
-    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create_repo", repo_id, kw)) or "url")
-    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload_folder", kw["repo_id"], kw)))
-    run = ["n_examples=16", "eval_every=16", "batch_size=8", "eval_batch_size=8", "n_eval_examples=8", "sample_during_eval=false"]
-    run += ["progress_bar=false", "data.arithmetic.n_train=16", "data.arithmetic.n_test=8", "sft_first.n_examples=null"]
-    run += ["launcher=ray", "ray.num_workers=1", "ray.cpus_per_worker=1", "hub.push=true", "hub.model_id=me/ray-dpo"]
-    assert ray_launcher.launch(compose_config([*run, f"output_root={tmp_path / 'out'}"]), train.main) == 0
-    run_dir = run_folder(tmp_path / "out")
-    # the workers are other processes (the stub is the driver's): one create and one upload means the driver pushed
-    assert [(c[0], c[1]) for c in calls] == [("create_repo", "me/ray-dpo"), ("upload_folder", "me/ray-dpo")]
-    assert calls[0][2]["private"] is True
-    assert Path(calls[1][2]["folder_path"]).resolve() == (run_dir / "step-16" / "hf").resolve()
-    assert (Path(calls[1][2]["folder_path"]) / "README.md").is_file()
