@@ -20,20 +20,16 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
-import checks
 import losses
-import modelcard
-import models
 import preference_datasets
-import processes
-import reward_functions
-import rewards
-import tracking
 import trainers
 import utils
-from models import load_reference
+from evaluation import reward_functions, rewards
+from export import modelcard
+from modeling import models
+from modeling.models import load_reference
 from preference_datasets import DataError, load_examples
+from runs import checkpoints, checks, processes, tracking
 from utils import shell_line
 
 AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config), for the cross-rank config check to say
@@ -938,7 +934,7 @@ def hydra_main(config: DictConfig) -> dict | None:
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return run_command(config)
-    import sweeps
+    from runs import sweeps
 
     global RUN_FOLDER, RUN_FOLDER_TOLD
     RUN_FOLDER = RUN_FOLDER_TOLD = None  # the basic launcher runs every job in this process
@@ -980,7 +976,7 @@ def run_command(config: DictConfig) -> None:
                 raise utils.ConfigError(problem)
         config = effective_config(config, budget)  # resume=auto resolved (a fresh run keeps the overrides)
         if config.launcher == "ray":
-            import ray_launcher
+            from parallel import ray_launcher
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send
 
             sys.exit(ray_launcher.launch(config, functools.partial(rank_main, budget=budget)))

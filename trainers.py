@@ -19,19 +19,14 @@ import numpy as np
 import torch
 import tqdm
 
-import checkpoints
-import checks
 import losses
-import modelcard
-import models
-import reward_functions
-import rewards
-import sampling
-import tracking
 import utils
-from models import check_tensor_parallel
-from online import JudgeFailureError, OnlineSampling, decode_completions
-from packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
+from evaluation import reward_functions, rewards, sampling
+from export import modelcard
+from modeling import models
+from modeling.models import check_tensor_parallel
+from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
+from online.trainer import JudgeFailureError, OnlineSampling, decode_completions
 from preference_datasets import (
     as_pair_batch,
     declared_reward_functions,
@@ -40,6 +35,7 @@ from preference_datasets import (
     mismatched_pairs,
     stop_token_ids,
 )
+from runs import checkpoints, checks, tracking
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's

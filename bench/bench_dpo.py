@@ -309,11 +309,11 @@ def _our_trainer(spec: dict, run_dir: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import checks
-    import models
     import preference_datasets as pdata
     import trainers
     import utils
+    from modeling import models
+    from runs import checks
 
     overrides = [
         "model=blank_model",

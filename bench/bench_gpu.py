@@ -62,8 +62,8 @@ def packed_forward_counts(
     sys.path.insert(0, str(REPO))
     from transformers import ByT5Tokenizer
 
-    import packing
     import preference_datasets as pdata
+    from modeling import packing
 
     tokenizer = ByT5Tokenizer()
     train = [p for p in pairs if not pdata.in_holdout(p["prompt"], HOLDOUT)]

@@ -119,8 +119,8 @@ def worker_prepare(spec: dict) -> dict:
     import torch
     from transformers import ByT5Tokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import packing
     import preference_datasets as pdata
+    from modeling import packing
 
     tokenizer = ByT5Tokenizer()
     torch.manual_seed(spec["seed"])
@@ -190,8 +190,8 @@ def forwarded_per_batch(elements: list[dict], pairs: list[dict], bs: int, suppor
     """
     from transformers.utils import is_triton_available
 
-    import packing
     import preference_datasets as pdata
+    from modeling import packing
 
     keep_bool, share = support
     out: dict = {"forwarded_ours": [], "forwarded_trl": [], "forwarded_useful": []}

@@ -53,8 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import evaluate  # noqa: E402  (the repository's modules, from the repository root)
-import sampling  # noqa: E402
+from evaluation import evaluate, sampling  # noqa: E402  (the repository's modules, from the repository root)
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 REWARD = "sentiment"

@@ -30,7 +30,7 @@ def compose_config(overrides: list[str]):
     """``config/config.yaml`` with ``overrides``, as train.py's command line composes it (the given keys settled)."""
     from hydra import compose, initialize_config_dir
 
-    import checks
+    from runs import checks
 
     with initialize_config_dir(config_dir=os.path.join(REPO, "config"), version_base="1.3"):
         config = compose(config_name="config", overrides=overrides)
@@ -40,9 +40,8 @@ def compose_config(overrides: list[str]):
 
 def next_stage(overrides: list[str]) -> tuple[str, list[str]]:
     """(``k/n``, the overrides of the run to start next) for ``python train.py <overrides>`` (see the module)."""
-    import checkpoints
-    import checks
     import train
+    from runs import checkpoints, checks
 
     given = checks.given_keys(overrides)
     config = compose_config(overrides)

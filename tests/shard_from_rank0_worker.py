@@ -18,9 +18,9 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import models
 import trainers  # noqa: E402
 import utils  # noqa: E402
+from modeling import models
 
 CONFIGS = {
     "llama": dict(
@@ -83,6 +83,6 @@ def main() -> None:
 if __name__ == "__main__":
     # leave without the interpreter's teardown, as training ranks do (processes.exit_rank): freeing
     # gloo's last collective during teardown sometimes aborts a rank that has finished its work
-    import processes
+    from runs import processes
 
     processes.exit_rank(main)

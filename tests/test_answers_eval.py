@@ -17,12 +17,11 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
-import checkpoints
-import checks
-import reward_functions
 import train
 import utils
+from evaluation import reward_functions
 from preference_datasets import declared_reward_functions
+from runs import checkpoints, checks
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # TINY without its two test settings: the preset's two stages (lr 3e-3 for SFT, 3e-4 after)

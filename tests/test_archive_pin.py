@@ -11,12 +11,11 @@ import pytest
 import torch
 from conftest import TINY, compose_config, run_train
 
-import checkpoints
-import checks
-import models
-import sampling
 import train
 import utils
+from evaluation import sampling
+from modeling import models
+from runs import checkpoints, checks
 
 FAST = ["num_threads=1", "sample_during_eval=false", "save_hf_export=false"]
 

@@ -13,8 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import flops  # noqa: E402
 
 import losses  # noqa: E402
-import packing  # noqa: E402
 import preference_datasets as pdata  # noqa: E402
+from modeling import packing  # noqa: E402
 
 # 2 layers, hidden 8, MLP 16, 2 heads of 4, vocab 10, plain MLP (GPT-NeoX)
 NEOX = {

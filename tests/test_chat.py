@@ -13,12 +13,12 @@ from conftest import TINY, compose_config, metric_records, needs_shared, run_tra
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer, ByT5Tokenizer
 
-import models
 import preference_datasets as pd
-import sampling
 import trainers
 import utils
+from evaluation import sampling
 from losses import IGNORE_INDEX
+from modeling import models
 
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 """SmolLM2's default system message (its template adds it when the first message is not a system one)."""

@@ -26,13 +26,11 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, copy_run, metric_records, one_run
 
-import checkpoints
-import checks
-import models
-import tracking
 import train
 import trainers
 import utils
+from modeling import models
+from runs import checkpoints, checks, tracking
 
 QUICK = ["sample_during_eval=false", "save_hf_export=true"]
 CLI_TINY = [*TINY, "sample_during_eval=false", "num_threads=1"]

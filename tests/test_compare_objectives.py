@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, TINY
 
-import checks
 from bench import compare_objectives as co
+from runs import checks
 
 T0 = 1_700_000_000.0  # the config.yaml's modification time in the hand-written runs
 

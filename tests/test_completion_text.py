@@ -13,12 +13,10 @@ import torch
 from conftest import needs_shared
 from omegaconf import OmegaConf
 
-import evaluate
-import make_pairs
-import online
-import rewards
-import sampling
 import trainers
+from evaluation import evaluate, rewards, sampling
+from online import make_pairs
+from online import trainer as online
 
 PROMPT = "Once upon a time there was a little"
 # what " girl named Lily." adds after PROMPT: '▁g', 'ir', 'l', '▁named', '▁Lily', '.', then EOS

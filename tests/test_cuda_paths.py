@@ -26,12 +26,11 @@ from conftest import compose_config, run_torchrun
 from test_distributed import cli, weights
 from test_distributed import finished_run as finished
 
-import checkpoints
-import checks
-import packing
 import train
 import trainers
 import utils
+from modeling import packing
+from runs import checkpoints, checks
 
 # 16 train and 8 eval examples, two batches of 8; checkpoints after 8 and 16 examples
 SMALL = [

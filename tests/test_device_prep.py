@@ -73,6 +73,8 @@ def _local(name: str) -> Path | None:
     for d in LOCAL_DIRS:
         if (d / f"{name}.py").is_file():
             return d / f"{name}.py"
+        if (d / name / "__init__.py").is_file():  # a package of the repository's: its modules, one after the other
+            return d / name
     return None
 
 
@@ -87,6 +89,9 @@ def imported_modules(roots: list[Path]) -> dict[str, set[str]]:
         if path in seen:
             continue
         seen.add(path)
+        if path.is_dir():
+            todo.extend(sorted(path.glob("*.py")))
+            continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]

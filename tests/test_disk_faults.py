@@ -24,12 +24,11 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, metric_records, one_run
 
-import checkpoints
-import online
-import tracking
 import train
 import trainers
 import utils
+from online import trainer as online
+from runs import checkpoints, tracking
 
 MIB = 2**20
 FREE_MIB = 3  # what the patched shutil.disk_usage says is free

@@ -20,12 +20,12 @@ import pytest
 from conftest import REPO, SHARED, compose_config, tiny_llama_scorer
 from hydra import compose, initialize_config_dir
 
-import checks
-import make_pairs
-import models
 import preference_datasets
-import reward_functions
 import train
+from evaluation import reward_functions
+from modeling import models
+from online import make_pairs
+from runs import checks
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -305,8 +305,7 @@ def dry_train(overrides: list[str], places: dict, world_size: int | None = None)
 
 def dry_evaluate(overrides: list[str], places: dict) -> None:
     """``python evaluate.py <overrides>`` up to its first sample: composed, checked, its policy and baseline resolved."""
-    import evaluate
-    import sampling
+    from evaluation import evaluate, sampling
 
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
         config = compose(config_name="evaluate", overrides=overrides)

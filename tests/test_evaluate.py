@@ -24,9 +24,7 @@ from conftest import REPO, needs_shared, run_torchrun, run_train
 from hydra import compose, initialize_config_dir
 from test_online import LocalChatServer, LongerIsBetterJudgeServer, save_tiny_reward_model
 
-import evaluate
-import rewards
-import sampling
+from evaluation import evaluate, rewards, sampling
 from preference_datasets import DataError
 from utils import ConfigError
 

@@ -20,9 +20,7 @@ from omegaconf import OmegaConf
 from test_evaluate import FAST, eval_config, results, rm_args, run_eval, verdicts
 from test_online import save_tiny_reward_model
 
-import evaluate
-import rewards
-import sampling
+from evaluation import evaluate, rewards, sampling
 from utils import ConfigError
 
 # ----------------------------------------------------------------------------- the t interval by hand

@@ -15,11 +15,10 @@ from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-import checkpoints
-import checks
 import train
 import trainers
 import utils
+from runs import checkpoints, checks
 
 FAST = ["num_threads=1", "sample_during_eval=false", "save_hf_export=false"]
 

@@ -21,13 +21,13 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
-import checks
 import losses
-import models
 import preference_datasets as pd
 import trainers
 import utils
 from losses import IGNORE_INDEX
+from modeling import models
+from runs import checks
 
 EOS = 1
 

@@ -23,14 +23,13 @@ from conftest import TINY, compose_config, metric_records, needs_shared, run_tra
 from omegaconf import OmegaConf
 from test_distributed import COMMON, assert_resumes_exactly_from_step_32, assert_same_run, cli, finished_run, weights
 
-import checkpoints
-import checks
 import losses
-import models
 import train
 import trainers
 import utils
+from modeling import models
 from preference_datasets import load_examples
+from runs import checkpoints, checks
 
 LORA = ["model.lora.r=8"]
 # the tiny Llama: 2 blocks of q, k, v, o, gate, up and down projections, each with lora_A and lora_B
@@ -307,7 +306,7 @@ def test_lora_on_an_archive_starts_from_its_weights_and_the_export_names_it_as_t
 def test_online_dpo_with_lora_samples_with_the_adapters_on_and_references_the_base(tmp_path, monkeypatch):
     from test_online import ONLINE, save_tiny_reward_model
 
-    import online
+    from online import trainer as online
 
     enabled_when_sampling = []
     real = online.OnlineSampling.sample_completions

@@ -75,9 +75,9 @@ def test_a_threshold_above_2_mib_leaves_a_2_mib_block_on_the_heap():
 
 
 def test_out_of_range_or_non_number_is_one_sentence_before_any_model_loads(monkeypatch):
-    import checks
-    import models
     import utils
+    from modeling import models
+    from runs import checks
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     for value in ("0", "64", "abc", "-1", "true"):
@@ -91,8 +91,8 @@ def test_out_of_range_or_non_number_is_one_sentence_before_any_model_loads(monke
 def test_train_sets_it_in_each_process_before_the_model_loads(tmp_path, monkeypatch):
     from conftest import run_train
 
-    import models
     import utils
+    from modeling import models
 
     calls = []
     real = models.load_model

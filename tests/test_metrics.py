@@ -25,8 +25,8 @@ from conftest import TINY, compose_config, metric_records
 from omegaconf import OmegaConf
 
 import losses
-import models
 import trainers
+from modeling import models
 from preference_datasets import load_examples, load_prompt_examples
 
 BETA = 0.5

@@ -16,10 +16,9 @@ from conftest import REPO, TINY, compose_config, metric_records, needs_shared, r
 from huggingface_hub import ModelCard
 from test_extend import extend
 
-import checkpoints
-import checks
-import modelcard
 import utils
+from export import modelcard
+from runs import checkpoints, checks
 
 BATCH = int(next(a for a in TINY if a.startswith("batch_size=")).split("=")[1])
 N_EXAMPLES = int(next(a for a in TINY if a.startswith("n_examples=")).split("=")[1])
@@ -233,7 +232,7 @@ def run_evaluate(overrides: list[str]) -> Path:
     """evaluate.main on EVAL_FAST plus ``overrides``; returns the evaluation folder."""
     from hydra import compose, initialize_config_dir
 
-    import evaluate
+    from evaluation import evaluate
 
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
         return Path(evaluate.main(compose(config_name="evaluate", overrides=[*EVAL_FAST, *overrides])))

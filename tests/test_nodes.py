@@ -26,10 +26,9 @@ from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 from test_distributed import COMMON, assert_same_run, cli, start_train, weights
 
-import checkpoints
-import checks
 import train
 import utils
+from runs import checkpoints, checks
 
 FSDP = [*COMMON, "trainer=FSDPTrainer", "sample_during_eval=false", "save_hf_export=false"]
 HOST = socket.gethostname()
@@ -147,6 +146,8 @@ def test_a_node_with_other_code_stops_with_one_sentence_naming_the_file(tmp_path
     checkout.mkdir()
     for path in REPO.glob("*.py"):
         shutil.copy(path, checkout / path.name)
+    for package in REPO.glob("*/__init__.py"):
+        shutil.copytree(package.parent, checkout / package.parent.name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(REPO / "config", checkout / "config")
     with open(checkout / "train.py", "a") as f:
         f.write("# changed\n")
@@ -207,7 +208,7 @@ def test_run_identity_covers_every_key_but_output_root(tmp_path):
             != checks.run_identity(base)["config_hash"]
         ), override
     files = checks.code_files()
-    assert {"train.py", "trainers.py", "utils.py", "config/config.yaml", "config/model/tiny.yaml"} <= set(files)
+    assert {"train.py", "trainers.py", "utils.py", "runs/checks.py", "config/config.yaml", "config/model/tiny.yaml"} <= set(files)
     assert not any(p.startswith("tests/") for p in files)
 
 

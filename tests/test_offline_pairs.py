@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, TINY
 from hydra import compose, initialize_config_dir
 
-import make_pairs
 import preference_datasets
 import train
+from online import make_pairs
 from utils import ConfigError
 
 
@@ -136,7 +136,7 @@ def test_offline_pairs_by_length_end_to_end_then_trains(run, tmp_path, capsys):
 
 
 def test_a_failed_score_is_left_out_and_counted(run, tmp_path, monkeypatch):
-    import reward_functions
+    from evaluation import reward_functions
 
     # None for every completion with an even length: those are failures, never in a pair
     monkeypatch.setitem(
@@ -187,7 +187,7 @@ def test_a_conversation_pair_is_a_row_the_hf_loader_reads_and_a_text_pair_one_js
     ],
 )
 def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_path, monkeypatch):
-    import sampling
+    from evaluation import sampling
 
     monkeypatch.setattr(sampling, "load_source", lambda *a: pytest.fail("a model was loaded"))
     config = pairs_config(["policy=nowhere/run", f"output={tmp_path}/p.jsonl", *overrides])
@@ -198,7 +198,7 @@ def test_bad_input_is_one_sentence_before_any_model_loads(overrides, says, tmp_p
 
 
 def test_text_prompts_and_conversations_mixed_are_refused_before_any_model_loads(run, tmp_path, monkeypatch):
-    import sampling
+    from evaluation import sampling
 
     items = [
         {"id": "a/0", "prompt": "Q: 1+1=\nA:", "conversation": False},
@@ -215,8 +215,8 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
     """A policy given by name (an hf folder) needs model=blank_model: model=tiny, the default, refuses a name_or_path."""
     from conftest import compose_config, needs_shared
 
-    import checks
-    import sampling
+    from evaluation import sampling
+    from runs import checks
 
     folder = str(needs_shared("models", "stories260K"))
     model_config = compose_config(["model=blank_model", f"model.name_or_path={folder}"]).model
@@ -231,7 +231,7 @@ def test_the_printed_train_command_for_a_named_model_composes_and_names_it(tmp_p
 
 def test_an_output_that_is_what_it_reads_or_a_folder_is_refused_before_any_model_loads(tmp_path, monkeypatch):
     # Regression (issue 34): output= its own input file turned 200 rows into 6; output=<a folder> failed after sampling.
-    import sampling
+    from evaluation import sampling
 
     monkeypatch.setattr(sampling, "load_source", lambda *a: pytest.fail("a model was loaded"))
     data = tmp_path / "data"

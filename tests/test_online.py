@@ -15,16 +15,14 @@ import torch
 from conftest import TINY, compose_config, metric_records, needs_shared, run_train, tiny_llama_scorer
 from omegaconf import OmegaConf
 
-import checkpoints
-import checks
 import losses
-import models
-import online
-import rewards
-import sampling
 import train
 import trainers
 import utils
+from evaluation import rewards, sampling
+from modeling import models
+from online import trainer as online
+from runs import checkpoints, checks
 
 # ----------------------------------------------------------------------------- small pieces
 

@@ -18,14 +18,13 @@ import pytest
 import torch
 from conftest import compose_config, needs_shared
 
-import checks
 import losses
-import models
-import packing
 import trainers
 import utils
 from losses import IGNORE_INDEX
+from modeling import models, packing
 from preference_datasets import collate
+from runs import checks
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import losses
-import models
-import packing
 import trainers
 from losses import IGNORE_INDEX
+from modeling import models, packing
 from preference_datasets import collate
 
 transformers = pytest.importorskip("transformers")

@@ -20,12 +20,10 @@ import pytest
 from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 
-import checkpoints
-import checks
-import processes
 import train
 import trainers
 import utils
+from runs import checkpoints, checks, processes
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -196,7 +194,7 @@ def test_kill_9_of_torchrun_kills_both_ranks_and_frees_the_run_folder(tmp_path):
 def test_a_torchrun_rank_arms_its_death_signal_and_says_so():
     # die_with_launcher under torchrun (TORCHELASTIC_RUN_ID, no launcher pid) reports torchrun; in a
     # process no launcher started it does nothing.
-    code = "import processes; print(processes.die_with_launcher(), flush=True)"
+    code = "from runs import processes; print(processes.die_with_launcher(), flush=True)"
     env = {k: v for k, v in ENV.items() if k not in (processes.LAUNCHER_PID_ENV, "TORCHELASTIC_RUN_ID")}
     for extra, said in (({"TORCHELASTIC_RUN_ID": "none"}, "torchrun"), ({}, "None")):
         done = subprocess.run(
@@ -326,7 +324,7 @@ def test_how_to_continue_names_the_resume_command_only_when_there_is_a_checkpoin
 def test_a_rank_whose_launcher_is_already_gone_exits_at_once():
     # The race: the launcher dies between starting the rank and the rank arming its death signal.
     # Here the "launcher" pid is not this process's parent at all.
-    code = "import processes; processes.die_with_launcher(); print('still alive', flush=True)"
+    code = "from runs import processes; processes.die_with_launcher(); print('still alive', flush=True)"
     done = subprocess.run(
         [sys.executable, "-c", code],
         cwd=REPO,
@@ -496,7 +494,7 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
 @pytest.mark.timeout(120)
 def test_ray_refuses_a_held_folder_before_ray_starts(tmp_path):
     ray = pytest.importorskip("ray")
-    import ray_launcher
+    from parallel import ray_launcher
 
     folder = fake_run_folder(tmp_path, ["launcher=ray"])
     proc = holder(folder)
@@ -609,8 +607,8 @@ def test_a_rank_leaves_with_its_code_and_without_interpreter_teardown(body, code
         import atexit, sys
         sys.path.insert(0, {str(REPO)!r})
         import train
-        import checks
-        import processes
+        from runs import checks
+        from runs import processes
         atexit.register(lambda: print("teardown ran"))
         def run():
             print("trained", flush=False)

@@ -34,12 +34,12 @@ import torch  # noqa: E402
 from conftest import REPO, compose_config  # noqa: E402
 from test_distributed import COMMON, assert_same_run, cli, evals, weights  # noqa: E402
 
-import models
-import ray_launcher  # noqa: E402
-import rewards  # noqa: E402
 import train  # noqa: E402
 import trainers  # noqa: E402
 import utils  # noqa: E402
+from evaluation import rewards  # noqa: E402
+from modeling import models
+from parallel import ray_launcher  # noqa: E402
 
 RUN = [*COMMON, "sample_during_eval=false", "trainer=FSDPTrainer"]  # 64 examples, eval and checkpoint every 32
 ON_RAY = [*RUN, "launcher=ray", "ray.num_workers=2"]

@@ -19,10 +19,10 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, run_train
 
-import checks
-import models
 import trainers
 import utils
+from modeling import models
+from runs import checks
 
 
 def state(path: Path) -> dict:

@@ -19,11 +19,9 @@ import pytest
 from conftest import REPO, metric_records, needs_shared, run_train
 from hydra import compose, initialize_config_dir
 
-import evaluate
-import make_pairs
 import preference_datasets as pd
-import rewards
-import sampling
+from evaluation import evaluate, rewards, sampling
+from online import make_pairs
 from preference_datasets import DataError
 
 EXACT = """

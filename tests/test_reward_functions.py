@@ -20,13 +20,11 @@ import pytest
 import torch
 from conftest import TINY, compose_config, metric_records, run_train
 
-import checkpoints
-import evaluate
 import preference_datasets
-import reward_functions
-import rewards
 import trainers
-from reward_functions import arithmetic, length, sentiment
+from evaluation import evaluate, reward_functions, rewards
+from evaluation.reward_functions import arithmetic, length, sentiment
+from runs import checkpoints
 from utils import ConfigError
 
 ONLINE = ["online.enabled=true", "online.scorer=reward_function", "online.max_new_tokens=8", "loss.beta=0.1"]
@@ -264,8 +262,8 @@ def test_a_reward_function_that_does_not_import_stops_train_py_before_any_model_
 
 RIGHT_ANSWER_SAMPLE = """
 import torch
-import online
-import reward_functions
+from online import trainer as online
+from evaluation import reward_functions
 
 _sample = online.OnlineSampling.sample_completions
 
@@ -357,7 +355,7 @@ def test_a_function_raising_on_some_rows_counts_them_and_runs_on_only_under_the_
     user_module(
         "odd",
         """
-        import reward_functions
+        from evaluation import reward_functions
 
         def score(prompts, completions, **fields):
             for p in prompts:

@@ -28,9 +28,8 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-import checks
-import rewards
-from rewards import (
+from evaluation import rewards
+from evaluation.rewards import (
     TIE,
     HTTPJudge,
     PairwiseJudge,
@@ -39,6 +38,7 @@ from rewards import (
     apply_missing_eos_penalty,
     build_scorer,
 )
+from runs import checks
 from utils import ConfigError
 
 # ----------------------------------------------------------------------------- tiny reward models

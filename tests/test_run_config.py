@@ -17,12 +17,11 @@ from conftest import REPO, TINY, compose_config, needs_shared, one_run, run_trai
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import checkpoints
-import checks
 import train
 import trainers
 import utils
 from preference_datasets import DataError
+from runs import checkpoints, checks
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

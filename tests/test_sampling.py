@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import sampling
+from evaluation import sampling
 
 
 @pytest.fixture(scope="module")

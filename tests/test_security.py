@@ -24,13 +24,12 @@ from conftest import REPO, TINY, compose_config, copy_run
 from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
-import checkpoints
-import checks
-import models
-import rewards
 import train
 import trainers
 import utils
+from evaluation import rewards
+from modeling import models
+from runs import checkpoints, checks
 
 QUICK = ["sample_during_eval=false", "save_hf_export=false", "num_threads=1"]
 
@@ -481,7 +480,7 @@ def test_a_link_anywhere_a_run_writes_is_refused_before_anything_is_written(fini
 
 
 def test_plots_replace_a_link_and_a_linked_curves_folder_is_refused(finished, tmp_path):
-    import tracking
+    from runs import tracking
 
     run = checkpoint_of(finished, tmp_path)
     target = tmp_path / "users_file"
@@ -555,7 +554,7 @@ def test_a_handed_evaluation_folder_sends_nothing_unless_the_command_gives_its_j
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import evaluate
+    from evaluation import evaluate
 
     folder = tmp_path / "eval"
     folder.mkdir()
@@ -658,7 +657,7 @@ def test_every_load_from_a_folder_or_hub_id_refuses_remote_code(tmp_path, monkey
 def test_a_reward_model_folder_naming_custom_code_is_one_sentence_and_no_load_trusts_remote_code(tmp_path, monkeypatch):
     import transformers
 
-    import rewards
+    from evaluation import rewards
 
     folder = tiny_model_folder(tmp_path / "rm", {"AutoModelForSequenceClassification": "modeling_evil.EvilRM"})
     with pytest.raises(utils.ConfigError) as e:  # online DPO's and evaluate.py's check, before any weight is read

@@ -40,8 +40,8 @@ def test_each_job_of_a_multirun_reports_its_own_peak_memory(tmp_path):
 
 def test_a_peak_that_cannot_be_reset_says_it_is_the_processes(monkeypatch):
     """Where the kernel's peak cannot be reset (not Linux), a later job's line says whose peak it is."""
-    import tracking
     import trainers
+    from runs import tracking
 
     monkeypatch.setitem(tracking._PEAK, "jobs", 2)
     monkeypatch.setitem(tracking._PEAK, "reset", False)
@@ -159,8 +159,8 @@ def test_a_stop_after_setup_is_the_trainers(tmp_path, monkeypatch):
     ],
 )
 def test_a_run_name_length_or_seed_out_of_range_is_one_sentence(override, message):
-    import checks
     import utils
+    from runs import checks
 
     with pytest.raises(utils.ConfigError) as e:
         checks.validate_config(compose_config([override]))
@@ -169,14 +169,14 @@ def test_a_run_name_length_or_seed_out_of_range_is_one_sentence(override, messag
 
 @pytest.mark.parametrize("override", ["exp_name=dpo_nll0.2", "exp_name=rm_lr1e-3", "seed=4294967295", "n_examples=1"])
 def test_the_run_names_and_values_the_docs_use_pass(override):
-    import checks
+    from runs import checks
 
     checks.validate_config(compose_config([override]))
 
 
 def test_output_root_that_is_a_file_or_inside_one_is_one_sentence(tmp_path):
-    import checks
     import utils
+    from runs import checks
 
     afile = tmp_path / "notes.txt"
     afile.write_text("mine\n")

@@ -16,13 +16,12 @@ import torch
 from conftest import REPO, TINY, compose_config, metric_records, run_train
 from omegaconf import OmegaConf
 
-import checks
-import models
-import tracking
 import train
 import trainers
 import utils
+from modeling import models
 from preference_datasets import load_examples
+from runs import checks, tracking
 
 CONFIG_DIR = REPO / "config"
 MODEL_YAMLS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
@@ -567,9 +566,9 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path):
 
 def test_a_non_number_or_out_of_range_number_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch):
     """``lr=abc`` reached torch's optimizer after the models loaded (a TypeError traceback)."""
-    import checks
-    import models
     import utils
+    from modeling import models
+    from runs import checks
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model loaded"))
     for override, message in [

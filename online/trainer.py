@@ -12,12 +12,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-import checkpoints
 import losses
-import rewards
-import tracking
 import utils
-from sampling import append_rows, completion_mask, completion_texts, generate
+from evaluation import rewards
+from evaluation.sampling import append_rows, completion_mask, completion_texts, generate
+from runs import checkpoints, tracking
 
 
 class JudgeFailureError(RuntimeError):

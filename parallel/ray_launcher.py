@@ -17,14 +17,13 @@ import sys
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
-import checks
 import losses
-import modelcard
-import models
-import rewards
 import trainers
 import utils
+from evaluation import rewards
+from export import modelcard
+from modeling import models
+from runs import checkpoints, checks
 
 # ----------------------------------------------------------------------------- config
 
@@ -367,7 +366,7 @@ def start_reference(config: DictConfig) -> RemoteReference:
 class ScorerActor:
     """A Ray actor holding online DPO's scorer or judge, built by ``build`` ("module.function") on its GPU if any."""
 
-    def __init__(self, config: dict, build: str = "rewards.build_scorer"):
+    def __init__(self, config: dict, build: str = "evaluation.rewards.build_scorer"):
         module, name = build.rsplit(".", 1)
         config = OmegaConf.create(config)
         utils.set_threads(config.num_threads)
@@ -476,7 +475,7 @@ class RemoteJudge(_RemoteScoring):
             ray.get([actor.load_state_dict.remote(s) for actor, s in zip(self.actors, state["actors"])])
 
 
-def start_scorer(config: DictConfig, build: str = "rewards.build_scorer") -> RemoteScorer | RemoteJudge:
+def start_scorer(config: DictConfig, build: str = "evaluation.rewards.build_scorer") -> RemoteScorer | RemoteJudge:
     """Start ``ray.reward_workers`` :class:`ScorerActor` s: a :class:`RemoteScorer`, or a :class:`RemoteJudge` for a judge."""
     actors, kinds = _start_actors(config, ScorerActor, config.ray.reward_workers, config.ray.reward_resources, "kind", build)
     kind, has_scorer = kinds[0]

@@ -11,9 +11,9 @@ import socket
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
 import losses
 import utils
+from runs import checkpoints
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
@@ -211,7 +211,7 @@ def _output_root_problem(c: DictConfig, _) -> str | None:
 
 def _custom_code_problem(c: DictConfig, _) -> str | None:
     """:func:`models.custom_code_problem` of the local folders ``model.*`` loads from (a hub id is loaded without its code)."""
-    import models
+    from modeling import models
 
     if c.model.get("config") is not None:  # a random model: only the tokenizer is read
         keys = ["tokenizer_name_or_path"]
@@ -534,7 +534,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
 
 def config_default(key: str):
     """The value ``key`` has in config/config.yaml (for examples in error messages)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config", "config.yaml")
+    path = os.path.join(REPO_DIR, "config", "config.yaml")
     return OmegaConf.load(path).get(key)
 
 
@@ -725,15 +725,18 @@ def describe_differences(differences: list[tuple[str, object, object]], limit: i
 
 # ----------------------------------------------------------------------------- several nodes: the same run everywhere
 
-REPO_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # runs/ -> the repository root
 
 
 def code_files(repo: str = REPO_DIR) -> dict[str, str]:
-    """``{path relative to repo: sha256}`` of the checkout's top-level ``.py`` files and ``config/**/*.yaml``."""
+    """``{path relative to repo: sha256}`` of the checkout's code (the top-level ``.py`` files and its packages'
+    modules) and ``config/**/*.yaml``."""
     import glob
     import hashlib
 
+    packages = [os.path.dirname(p) for p in glob.glob(os.path.join(repo, "*", "__init__.py"))]
     paths = glob.glob(os.path.join(repo, "*.py")) + glob.glob(os.path.join(repo, "config", "**", "*.yaml"), recursive=True)
+    paths += [p for package in packages for p in glob.glob(os.path.join(package, "**", "*.py"), recursive=True)]
     files = {}
     for path in sorted(paths):
         with open(path, "rb") as f:

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
 import losses
 import utils
+from runs import checkpoints
 
 _PEAK = {"reset": False, "jobs": 0}  # whether reset_peak_memory could reset the resident peak; jobs it started
 

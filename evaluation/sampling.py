@@ -10,11 +10,10 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
-import checks
-import models
 import preference_datasets
 import utils
+from modeling import models
+from runs import checkpoints, checks
 from utils import ConfigError
 
 

@@ -20,10 +20,10 @@ import urllib.request
 
 import torch
 
-import models
-import reward_functions
-from checks import SCORERS
+from evaluation import reward_functions
+from modeling import models
 from preference_datasets import DataError
+from runs.checks import SCORERS
 from utils import ConfigError, get_dtype
 
 TIE = -1  # a pairwise judgement saying neither completion is better

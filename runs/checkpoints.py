@@ -59,7 +59,7 @@ def save_run_config(config: DictConfig, path: str, command: str | None = None, t
     utils.write_atomic(path, first + OmegaConf.to_yaml(config), then)  # a link at path is replaced, not written through
 
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "config")  # runs/ -> the repository root
 
 
 @functools.cache

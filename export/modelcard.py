@@ -12,11 +12,9 @@ import shutil
 
 from omegaconf import DictConfig, OmegaConf
 
-import checkpoints
-import checks
 import losses
-import tracking
 import utils
+from runs import checkpoints, checks, tracking
 
 CURVE_PANELS = ("loss", "accuracy")  # tracking.plot_curves panels copied into each export (curves/<panel>.png)
 

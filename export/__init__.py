@@ -1,0 +1,1 @@
+"""Export: the model card and the Hugging Face folder a run publishes."""

@@ -1,0 +1,1 @@
+"""Models: loading tokenizers, models, the reference and LoRA adapters; the packed forward."""

@@ -1,0 +1,1 @@
+"""Parallel plugins: Ray Train (FSDP and tensor parallelism are in trainers.py)."""
