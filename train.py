@@ -21,6 +21,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import preference_datasets
 import trainers
 import utils

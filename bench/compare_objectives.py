@@ -139,6 +139,7 @@ def averages_log_probs(loss: dict) -> bool:
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     import losses
+    import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 
     objective = losses.OBJECTIVES.get(str(loss.get("name")))
     if objective is not None:

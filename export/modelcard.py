@@ -13,6 +13,7 @@ import shutil
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import utils
 from runs import checkpoints, checks, tracking
 

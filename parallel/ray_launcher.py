@@ -18,6 +18,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import losses
+import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import trainers
 import utils
 from evaluation import rewards

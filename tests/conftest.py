@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO, as train.py does)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 

@@ -3,7 +3,7 @@ reference point z0, unpaired rows {prompt, completion, label}, and the losses th
 
 Hand values: ByT5 ids are byte + 3, EOS is 1, padding 0, no BOS. Log-probs are computed here one
 sequence at a time with a plain forward and log_softmax, independent of the trainer's packed
-forward; the loss then follows from ``losses.kto_objective`` (Eq. 8) or, when policy and
+forward; the loss then follows from ``kto.kto_objective`` (Eq. 8) or, when policy and
 reference are equal (step 0), from its formula: r = 0, z0 = 0, so a desirable completion loses
 lambda_D * (1 - sigmoid(0)) = lambda_D / 2 and an undesirable one lambda_U / 2.
 """
@@ -27,6 +27,7 @@ import trainers
 import utils
 from losses import IGNORE_INDEX
 from modeling import models
+from objectives import kto
 from runs import checks
 
 EOS = 1
@@ -157,7 +158,7 @@ def test_one_kto_step_loss_equals_the_hand_value(tmp_path, kind):
     else:
         label_of = {r["prompt"]: r["label"] for r in rows}  # from the file: each prompt has one row
         extra["label"] = torch.tensor([label_of[p] for p in x])
-    want, *_ = losses.kto_objective(pc, rc, pk, rk, beta=0.5, desirable_weight=1.5, undesirable_weight=0.75, **extra)
+    want, *_ = kto.kto_objective(pc, rc, pk, rk, beta=0.5, desirable_weight=1.5, undesirable_weight=0.75, **extra)
     z0 = float((pk - rk).mean())
     assert z0 > 0.05  # the reference point matters here
 

@@ -17,6 +17,7 @@ import torch
 import yaml
 
 import losses
+from objectives import kto, reference_free
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "config"
 NAMES = ("simpo", "cpo", "orpo", "kto")
@@ -49,7 +50,7 @@ SIMPO_PAIRS = [(-0.8, -1.3), (-2.0, -0.5), (-1.0, -1.0), (-0.05, -40.0), (-45.0,
 @pytest.mark.parametrize(("beta", "gamma", "eps"), [(2.0, 1.0, 0.0), (2.5, 0.3, 0.2)])
 def test_simpo_by_hand(beta, gamma, eps):
     w, lo = t64([p[0] for p in SIMPO_PAIRS]), t64([p[1] for p in SIMPO_PAIRS])
-    out, cr, rr = losses.simpo_objective(w, lo, beta, gamma, eps)
+    out, cr, rr = reference_free.simpo_objective(w, lo, beta, gamma, eps)
     gw, gl = grads(out, w, lo)
     for i, (aw, al) in enumerate(SIMPO_PAIRS):
         u = beta * aw - beta * al - gamma  # Eq. 6: beta/|y_w| log pi(y_w) - beta/|y_l| log pi(y_l) - gamma
@@ -68,7 +69,7 @@ CPO_ROWS = [(-20.0, -35.0, 1.2), (-50.0, -12.0, 2.5), (-7.0, -7.0, 0.3), (-250.0
 @pytest.mark.parametrize(("beta", "eps", "alpha"), [(0.1, 0.0, 1.0), (0.5, 0.1, 0.0), (0.2, 0.0, 0.7)])
 def test_cpo_by_hand(beta, eps, alpha):
     w, lo, nll = (t64([r[k] for r in CPO_ROWS]) for k in range(3))
-    out, cr, rr, metrics = losses.cpo_objective(w, lo, nll, beta, eps, alpha)
+    out, cr, rr, metrics = reference_free.cpo_objective(w, lo, nll, beta, eps, alpha)
     gw, gl, gn = grads(out, w, lo, nll)
     for i, (lw, ll, n) in enumerate(CPO_ROWS):
         u = beta * (lw - ll)
@@ -93,7 +94,7 @@ ORPO_ROWS = [(-0.7, -1.4, 0.7), (-2.2, -0.3, 2.2), (-1e-6, -5.0, 1e-6), (-0.9, -
 @pytest.mark.parametrize("lam", [0.1, 1.0])
 def test_orpo_by_hand(lam):
     w, lo, nll = (t64([r[k] for r in ORPO_ROWS]) for k in range(3))
-    out, cr, rr, metrics = losses.orpo_objective(w, lo, nll, lam)
+    out, cr, rr, metrics = reference_free.orpo_objective(w, lo, nll, lam)
     gw, gl, gn = grads(out, w, lo, nll)
     for i, (aw, al, n) in enumerate(ORPO_ROWS):
         z = hand_log_odds(aw) - hand_log_odds(al)  # Eq. 6: log(odds(y_w) / odds(y_l))
@@ -112,7 +113,7 @@ def test_orpo_certain_or_empty_response_stays_finite(dtype):
     """p = 1 exactly (mean log-prob 0: a response the model is sure of, or one with no token)."""
     w = torch.tensor([0.0, -1e-9, -3e-8], dtype=dtype, requires_grad=True)
     lo = torch.tensor([-2.0, 0.0, -1.0], dtype=dtype, requires_grad=True)
-    out, *_ = losses.orpo_objective(w, lo, torch.ones(3, dtype=dtype), 0.1)
+    out, *_ = reference_free.orpo_objective(w, lo, torch.ones(3, dtype=dtype), 0.1)
     gw, gl = torch.autograd.grad(out.sum(), (w, lo))
     assert torch.isfinite(out).all() and torch.isfinite(gw).all() and torch.isfinite(gl).all()
     assert out[0].item() == pytest.approx(1.0, abs=1e-6)  # the odds-ratio term vanishes: p_w = 1 beats p_l < 1
@@ -139,7 +140,7 @@ def test_kto_paired_by_hand(kl_diffs, beta, lam_d, lam_u):
     pl, rl = t64([x[0] for x in KTO_L]), torch.tensor([x[1] for x in KTO_L], dtype=torch.float64)
     pkl = t64([d - 10.0 for d in kl_diffs])
     rkl = torch.full((4,), -10.0, dtype=torch.float64)
-    out, cr, rr, metrics = losses.kto_objective(pw, rw, pkl, rkl, beta, lam_d, lam_u, pl, rl)
+    out, cr, rr, metrics = kto.kto_objective(pw, rw, pkl, rkl, beta, lam_d, lam_u, pl, rl)
     gw, gl, gkl = torch.autograd.grad(out.sum(), (pw, pl, pkl), allow_unused=True, materialize_grads=True)
     z0 = max(0.0, sum(kl_diffs) / len(kl_diffs))
     for i in range(4):
@@ -159,7 +160,7 @@ def test_kto_unpaired_by_hand():
     label = torch.tensor([True, True, True, False, False, False])
     p, r = t64([x[0] for x in rows]), torch.tensor([x[1] for x in rows], dtype=torch.float64)
     pkl, rkl = torch.tensor([-4.0, -6.0], dtype=torch.float64), torch.tensor([-5.0, -4.0], dtype=torch.float64)
-    out, cr, rr, metrics = losses.kto_objective(p, r, pkl, rkl, 0.2, 1.5, 0.5, label=label)
+    out, cr, rr, metrics = kto.kto_objective(p, r, pkl, rkl, 0.2, 1.5, 0.5, label=label)
     (g,) = torch.autograd.grad(out.sum(), (p,))
     z0 = 0.0  # mean of (1, -2) = -0.5, clamped
     for i, (lp, lr) in enumerate(rows):
@@ -169,10 +170,10 @@ def test_kto_unpaired_by_hand():
     assert metrics["rewards_desirable"].tolist() == pytest.approx([0.2 * (a - b) for a, b in rows[:3]])
     assert metrics["rewards_undesirable"].tolist() == pytest.approx([0.2 * (a - b) for a, b in rows[3:]])
     assert metrics["kl"].tolist() == [0.0] * 6
-    only_desirable = losses.kto_objective(p[:2], r[:2], pkl, rkl, 0.2, 1.0, 1.0, label=label[:2])[3]
+    only_desirable = kto.kto_objective(p[:2], r[:2], pkl, rkl, 0.2, 1.0, 1.0, label=label[:2])[3]
     assert set(only_desirable) == {"kl", "rewards_desirable"}
     with pytest.raises(ValueError, match="not both or neither"):
-        losses.kto_objective(p, r, pkl, rkl, 0.1, 1.0, 1.0)
+        kto.kto_objective(p, r, pkl, rkl, 0.1, 1.0, 1.0)
 
 
 # ---------------------------------------------------------------------------- 2. TRL 1.16's own loss code
@@ -206,10 +207,10 @@ def test_simpo_and_cpo_match_trl_cpo_loss(trl, loss_type, beta, gamma, eps):
     trl_losses, trl_cr, trl_rr = CPOTrainer.cpo_loss(stub, w, lo)
     trl_gw, trl_gl = grads(trl_losses, w, lo)
     if loss_type == "simpo":
-        ours, cr, rr = losses.simpo_objective(w, lo, beta, gamma, eps)
+        ours, cr, rr = reference_free.simpo_objective(w, lo, beta, gamma, eps)
     else:
         # TRL adds cpo_alpha * NLL in get_batch_loss_metrics; with alpha = 0 ours is the preference part alone
-        ours, cr, rr, _ = losses.cpo_objective(w, lo, torch.zeros(5, dtype=torch.float64), beta, eps, 0.0)
+        ours, cr, rr, _ = reference_free.cpo_objective(w, lo, torch.zeros(5, dtype=torch.float64), beta, eps, 0.0)
     gw, gl = grads(ours, w, lo)
     torch.testing.assert_close(ours, trl_losses, rtol=0, atol=1e-6)
     torch.testing.assert_close(torch.tensor(gw), torch.tensor(trl_gw), rtol=0, atol=1e-6)
@@ -218,7 +219,7 @@ def test_simpo_and_cpo_match_trl_cpo_loss(trl, loss_type, beta, gamma, eps):
     torch.testing.assert_close(rr, trl_rr, rtol=0, atol=1e-6)
     if loss_type == "sigmoid":  # the NLL combination, TRL's `losses.mean() + cpo_alpha * nll`, by hand
         nll = torch.tensor([1.0, 2.0, 0.5, 3.0, 0.25], dtype=torch.float64)
-        full = losses.cpo_objective(w, lo, nll, beta, eps, 0.6)[0]
+        full = reference_free.cpo_objective(w, lo, nll, beta, eps, 0.6)[0]
         torch.testing.assert_close(full, trl_losses + 0.6 * nll, rtol=0, atol=1e-6)
 
 
@@ -231,7 +232,7 @@ def test_orpo_matches_trl_odds_ratio_loss(trl, lam):
     trl_terms, trl_cr, trl_rr, trl_ratio_mean, trl_log_odds_mean = ORPOTrainer.odds_ratio_loss(stub, w, lo)
     trl_gw, trl_gl = grads(-trl_terms, w, lo)  # TRL's loss is `nll - losses.mean()`; it computes in float32
     nll = torch.tensor([0.8, 2.0, 1e-6, 0.05, 45.0], dtype=torch.float64)
-    ours, cr, rr, metrics = losses.orpo_objective(w, lo, nll, lam)
+    ours, cr, rr, metrics = reference_free.orpo_objective(w, lo, nll, lam)
     gw, gl = grads(ours, w, lo)
     torch.testing.assert_close(ours, nll - trl_terms, rtol=0, atol=1e-6)
     # gradients up to 1 / (1 - p) = 100 here: TRL's float32 rounding is relative
@@ -286,7 +287,7 @@ def test_kto_matches_trl(trl, kl_shift, beta, lam_d, lam_u):
     )
     (trl_grad,) = torch.autograd.grad(trl_loss, (trl_in,))
     w, lo = t64(pw), t64(pl)
-    ours, cr, rr, metrics = losses.kto_objective(
+    ours, cr, rr, metrics = kto.kto_objective(
         w, torch.tensor(rw).double(), pkl, rkl, beta, lam_d, lam_u, lo, torch.tensor(rl).double()
     )
     gw, gl = torch.autograd.grad(ours.mean(), (w, lo))  # the trainer's loss: sum over pairs / pairs
@@ -302,7 +303,7 @@ def test_kto_matches_trl(trl, kl_shift, beta, lam_d, lam_u):
     trl_loss, trl_metrics = run_trl_kto(trl_in, torch.tensor(refs, dtype=torch.float64), labels, pkl, rkl, beta, lam_d, lam_u)
     (trl_grad,) = torch.autograd.grad(trl_loss, (trl_in,))
     p = t64(logps)
-    ours, _, _, metrics = losses.kto_objective(
+    ours, _, _, metrics = kto.kto_objective(
         p, torch.tensor(refs).double(), pkl, rkl, beta, lam_d, lam_u, label=torch.tensor(labels)
     )
     (g,) = torch.autograd.grad(ours.mean(), (p,))

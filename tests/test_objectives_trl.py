@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import losses
+from objectives import mix
 
 REPO = Path(__file__).resolve().parents[1]
 NAMES = [
@@ -470,7 +471,7 @@ def test_every_config_composes_through_hydra_and_validates():
         (
             {"name": "mix", "losses": ["dpo", "bco_pairr"], "weights": [1, 1]},
             "loss.losses of loss=mix names 'bco_pairr', which is not a pairwise objective; did you mean bco_pair? choose from "
-            + ", ".join(sorted([n for n, d in losses.OBJECTIVES.items() if losses._mixable(d)] + ["nll"]))
+            + ", ".join(sorted([n for n, d in losses.OBJECTIVES.items() if mix._mixable(d)] + ["nll"]))
             + ".",
         ),
         (
@@ -500,5 +501,5 @@ def test_validate_loss_config_sentences(cfg, sentence):
 
 
 def test_mix_components_are_pairwise_objectives():
-    assert {"dpo", "ipo", "hinge", "bco_pair", "aot"} <= {n for n, d in losses.OBJECTIVES.items() if losses._mixable(d)}
-    assert not any(losses._mixable(losses.OBJECTIVES[n]) for n in ("sft", "reward", "mix"))
+    assert {"dpo", "ipo", "hinge", "bco_pair", "aot"} <= {n for n, d in losses.OBJECTIVES.items() if mix._mixable(d)}
+    assert not any(mix._mixable(losses.OBJECTIVES[n]) for n in ("sft", "reward", "mix"))

@@ -21,6 +21,7 @@ import trainers
 import utils
 from evaluation import rewards, sampling
 from modeling import models
+from objectives import reward
 from online import trainer as online
 from runs import checkpoints, checks
 
@@ -103,7 +104,7 @@ def test_completions_table_is_jsonl_and_escaped_html(tmp_path):
 
 def test_bradley_terry_loss_by_hand():
     # -log sigmoid(d): d = 0 -> ln 2; d = 2 -> log(1 + e^-2); d = -1 -> log(1 + e).
-    got = losses.bradley_terry_loss(torch.tensor([0.0, 3.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
+    got = reward.bradley_terry_loss(torch.tensor([0.0, 3.0, 1.0]), torch.tensor([0.0, 1.0, 2.0]))
     expected = torch.tensor([math.log(2), math.log1p(math.exp(-2)), math.log1p(math.e)])
     torch.testing.assert_close(got, expected)
 
