@@ -20,11 +20,13 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
 import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import preference_datasets
 import trainers
 import utils
+from data import chat, screening
 from evaluation import reward_functions, rewards
 from export import modelcard
 from modeling import models
@@ -550,7 +552,7 @@ def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: lis
     preference_datasets.check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
-        preference_datasets.render_conversations(
+        chat.render_conversations(
             examples,
             tokenizer,
             config.max_length,
@@ -561,7 +563,7 @@ def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: lis
         )
         for examples, split in ((train_examples, "train"), (eval_examples, "test"))
     )
-    train_examples, eval_examples = preference_datasets.screen_splits(
+    train_examples, eval_examples = screening.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
     note = checks.check_eval_size(config, len(eval_examples))

@@ -47,7 +47,7 @@ def length(prompts: list[str], completions: list[str], **fields) -> list[float |
 
 
 ARITHMETIC_PROMPT = re.compile(r"Q: (\d+)\+(\d+)=\nA:")
-"""The embedded arithmetic dataset's prompt (preference_datasets.get_arithmetic), e.g. ``"Q: 17+25=\\nA:"``."""
+"""The embedded arithmetic dataset's prompt (data.arithmetic.get_arithmetic), e.g. ``"Q: 17+25=\\nA:"``."""
 
 
 @register_reward_function("arithmetic")

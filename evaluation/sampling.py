@@ -10,8 +10,10 @@ import os
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
 import preference_datasets
 import utils
+from data import chat
 from modeling import models
 from runs import checkpoints, checks
 from utils import ConfigError
@@ -312,7 +314,7 @@ def prompt_ids(items: list[dict], tokenizer, config: DictConfig) -> list[list[in
         }
         for it in items
     ]
-    examples = preference_datasets.render_conversations(
+    examples = chat.render_conversations(
         examples, tokenizer, config.max_length, config.max_prompt_length, silent=True, split="test"
     )
     return [

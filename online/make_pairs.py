@@ -15,6 +15,7 @@ import sys
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
 import preference_datasets
 import utils
 from evaluation import rewards, sampling
@@ -132,8 +133,8 @@ def train_command(policy: sampling.Source, output: str, conversational: bool = F
         start += [f"model.{k}={model[k]}" for k in ("tokenizer_name_or_path", "tokenizer_class", "block_name") if model.get(k)]
     if policy.weights:
         start.append(f"model.archive={policy.weights}")
-    data = f"datasets=[hf] data.hf.path={output}" if conversational else f"datasets=[json] data.json.path={output}"
-    return " ".join(["python train.py", data, *start])
+    dataset_args = f"datasets=[hf] data.hf.path={output}" if conversational else f"datasets=[json] data.json.path={output}"
+    return " ".join(["python train.py", dataset_args, *start])
 
 
 def main(config: DictConfig) -> dict:

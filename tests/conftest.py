@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO, as train.py does)
 
 REPO = Path(__file__).resolve().parents[1]

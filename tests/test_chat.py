@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer
 import preference_datasets as pd
 import trainers
 import utils
+from data import chat, screening
 from evaluation import sampling
 from losses import IGNORE_INDEX
 from modeling import models
@@ -86,7 +87,7 @@ def test_smollm2_pair_ids_and_labels_by_hand(capsys):
     tok = smollm2()
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
     plain = {"prompt": "1+1=", "chosen": " 2", "rejected": " 3", "truncation_mode": "keep_start"}
-    out = pd.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")]), plain], tok, 256, 128)
+    out = chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")]), plain], tok, 256, 128)
     assert out[1] is plain  # plain text passes unchanged
     ex = out[0]
     assert ex["prompt"] == SYS + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -120,7 +121,7 @@ def test_llama3_style_template_eot_and_its_own_bos():
     )
     assert pd.end_of_turn_token(tok) == "<|eot_id|>"
     assert pd.stop_token_ids(tok) == [tok.eos_token_id, eot]
-    (ex,) = pd.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")])], tok, 256, 128, silent=True)
+    (ex,) = chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")])], tok, 256, 128, silent=True)
     assert ex["end_token_id"] == eot
     prompt = [bos, header, *enc(tok, "user"), header_end, *enc(tok, "\n\nHi"), eot, header, *enc(tok, "assistant"), header_end]
     prompt += enc(tok, "\n\n")
@@ -130,7 +131,7 @@ def test_llama3_style_template_eot_and_its_own_bos():
     assert tok.eos_token_id not in el["chosen_input_ids"]  # no EOS after <|eot_id|>
     # a response cut by max_length still ends with the end-of-turn token, and keep_end keeps the BOS
     long = conv([user("Hi " * 40)], [assistant("word " * 40)], [assistant("No")])
-    (cut,) = pd.render_conversations([long], tok, 24, 12, silent=True)
+    (cut,) = chat.render_conversations([long], tok, 24, 12, silent=True)
     el = element(tok, cut, 24, 12)
     assert el["prompt_input_ids"][0] == bos and len(el["prompt_input_ids"]) == 12
     assert el["chosen_input_ids"][-1] == eot and len(el["chosen_input_ids"]) == 24
@@ -141,7 +142,7 @@ def test_template_that_breaks_the_prefix_is_said_once_and_labels_do_not_shift(ca
     tok.chat_template = ONE_SIDED
     start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
     examples = [conv([user("Hi")], [assistant("Yes")], [assistant("No")]), conv([user("Ok")], [assistant("A")], [assistant("B")])]
-    out = pd.render_conversations(examples, tok, 256, 128, split="train")
+    out = chat.render_conversations(examples, tok, 256, 128, split="train")
     printed = capsys.readouterr().out
     assert printed.count("warning") == 1 and "100.0% (2 of 2)" in printed
     ex = out[0]
@@ -167,14 +168,14 @@ def test_multi_turn_prompt_loses_whole_earliest_turns_first(capsys):
     assert n_one_dropped > max_prompt_length  # so two turns must go
     fits = conv([user("Hi")], [assistant("Yes")], [assistant("No")])
     only_turn = conv([user(long)], [assistant("Yes")], [assistant("No")])  # one user turn: cut by tokens later
-    out = pd.render_conversations(
+    out = chat.render_conversations(
         [conv(messages, [assistant("Yes")], [assistant("No")]), fits, only_turn], tok, max_prompt_length + 8, max_prompt_length
     )
     assert out[0]["messages"] == [system, user("Last?")] and out[0]["prompt"] == kept
     assert out[2]["messages"] == [user(long)]
     assert "1 prompts lost their earliest turns (2 turns in all)" in capsys.readouterr().out
     # a prompt alone (online DPO), without a system message: still starts at a user turn
-    (alone,) = pd.render_conversations(
+    (alone,) = chat.render_conversations(
         [{"prompt": [user(long), assistant(long), user("Last?")], "truncation_mode": "keep_end", "conversation": True}],
         tok, 64, 40, silent=True,
     )  # fmt: skip
@@ -194,23 +195,23 @@ def test_sft_on_every_assistant_turn_and_multi_turn_responses():
     def trained(el):
         return [t for t, label in zip(el["chosen_input_ids"], el["chosen_labels"]) if label != IGNORE_INDEX]
 
-    (only_target,) = pd.render_conversations([ex], tok, 256, 128, silent=True)
+    (only_target,) = chat.render_conversations([ex], tok, 256, 128, silent=True)
     assert trained(element(tok, only_target)) == enc(tok, "A2") + [end]
-    (every,) = pd.render_conversations([ex], tok, 256, 128, silent=True, all_assistant_turns=True)
+    (every,) = chat.render_conversations([ex], tok, 256, 128, silent=True, all_assistant_turns=True)
     el = element(tok, every)
     assert trained(el) == enc(tok, "A1") + [end] + enc(tok, "A2") + [end]
     assert el["chosen_input_ids"] == element(tok, only_target)["chosen_input_ids"]  # same tokens, more labels
     labels = el["chosen_labels"]
     assert all(label in (IGNORE_INDEX, t) for t, label in zip(el["chosen_input_ids"], labels))
     # a response of several messages: its user turn (and the next assistant header) are not trained
-    (multi,) = pd.render_conversations(
+    (multi,) = chat.render_conversations(
         [conv([user("U1")], [assistant("A1"), user("U2"), assistant("A2")])], tok, 256, 128, silent=True
     )
     el = element(tok, multi)
     assert trained(el) == enc(tok, "A1") + [end] + enc(tok, "A2") + [end]
     assert multi["chosen"] == "A1<|im_end|>\n<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\nA2<|im_end|>"
     # screening decides on exactly these ids
-    (t,) = pd.truncated_ids([multi], tok, 256, 128)
+    (t,) = screening.truncated_ids([multi], tok, 256, 128)
     assert t.prompt_ids == el["prompt_input_ids"] and t.response_ids == [el["chosen_input_ids"][len(t.prompt_ids) :]]
 
 
@@ -219,7 +220,7 @@ def test_bad_conversations_are_one_sentence_naming_the_row():
     with pytest.raises(
         pd.DataError, match=r"prefs.parquet, row 3 is a conversation .* model.chat_template=<file or Jinja string>"
     ):
-        pd.render_conversations([ex], ByT5Tokenizer(), 64, 32)
+        chat.render_conversations([ex], ByT5Tokenizer(), 64, 32)
     tok = smollm2()
     tok.chat_template = (
         "{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
@@ -229,9 +230,9 @@ def test_bad_conversations_are_one_sentence_naming_the_row():
     with pytest.raises(
         pd.DataError, match=r"f.jsonl, row 7: the chat template rejects .*Only user and assistant roles are supported"
     ):
-        pd.render_conversations([bad_role], tok, 64, 32)
+        chat.render_conversations([bad_role], tok, 64, 32)
     with pytest.raises(pd.DataError, match=r"train example 1: the rejected response ends with a 'user' message"):
-        pd.render_conversations([conv([user("Hi")], [assistant("Yes")], [user("No")])], smollm2(), 64, 32)
+        chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [user("No")])], smollm2(), 64, 32)
 
 
 def test_random_model_takes_any_tokenizer_and_chat_template_setting(tmp_path):
@@ -262,7 +263,7 @@ def test_generation_stops_at_end_of_turn(tmp_path):
     torch.nn.init.zeros_(policy.lm_head.weight)
     with torch.no_grad():
         policy.lm_head.bias.zero_()[eot] = 50.0
-    examples = pd.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")])], tok, 48, 24, silent=True)
+    examples = chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")])], tok, 48, 24, silent=True)
     t = trainers.BasicTrainer(policy, config, str(tmp_path), tok, examples, examples, None)
     lengths = []
     real = policy.generate
@@ -355,7 +356,7 @@ def test_a_token_cut_prompt_keeps_a_sequence_bos_but_not_a_turn_marker():
     long = "word " * 60
     for tok, kept in ((smollm2(), False), (llama3_tokenizer(), True)):
         ex = conv([user(long)], [assistant("Yes.")], [assistant("No.")])
-        (rendered,) = pd.render_conversations([ex], tok, 64, 32, silent=True, split="train", all_assistant_turns=False)
+        (rendered,) = chat.render_conversations([ex], tok, 64, 32, silent=True, split="train", all_assistant_turns=False)
         el = element(tok, rendered, max_length=64, max_prompt_length=32)
         whole = pd._encode(tok, rendered["prompt"], True)
         assert len(whole) > 32 and len(el["prompt_input_ids"]) == 32

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 
 import preference_datasets as pd
 import train
+from data import chat
 from losses import IGNORE_INDEX
 from preference_datasets import DataError
 
@@ -90,7 +91,7 @@ def test_ultrafeedback_layout_read_as_conversational_takes_the_earlier_turns_as_
     # rendered and tokenized: the prompt is the whole earlier conversation, the trained tokens only the last answer
     tok = smollm2()
     start, end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
-    rendered = pd.render_conversations(examples, tok, 256, 128, split="train")
+    rendered = chat.render_conversations(examples, tok, 256, 128, split="train")
     out = capsys.readouterr().out
     assert "warning" not in out  # no prefix-breaking rendering (the old symptom's warning)
     ex = rendered[1]
@@ -253,7 +254,7 @@ def test_rendering_refuses_a_role_a_loader_let_through():
     ex = {"prompt": [{"role": "human", "content": "hi"}], "chosen": [bot("a")], "rejected": [bot("b")]}
     ex.update(truncation_mode="keep_end", conversation=True, row="mine.jsonl, row 4")
     with pytest.raises(DataError) as e:
-        pd.render_conversations([ex], smollm2(), 64, 32)
+        chat.render_conversations([ex], smollm2(), 64, 32)
     assert str(e.value) == (
         "mine.jsonl, row 4: message 1 of the prompt has role 'human', which is not one of system, user, assistant, tool; "
         "map it to one of them where the data is read (datasets=[hf]: data.hf.roles)."
@@ -286,12 +287,12 @@ def tool_example(row: str) -> dict:
 
 def test_a_tool_message_the_template_cannot_render_is_one_sentence():
     tok = smollm2()
-    (ok,) = pd.render_conversations([tool_example("t.jsonl, row 1")], tok, 256, 128, silent=True)
+    (ok,) = chat.render_conversations([tool_example("t.jsonl, row 1")], tok, 256, 128, silent=True)
     assert "<|im_start|>tool\nsunny 21C<|im_end|>\n" in ok["prompt"]  # SmolLM2's template renders it
     name = tok.name_or_path
     tok.chat_template = ONLY_CHAT_ROLES
     with pytest.raises(DataError) as e:
-        pd.render_conversations([tool_example("t.jsonl, row 2")], tok, 256, 128, silent=True)
+        chat.render_conversations([tool_example("t.jsonl, row 2")], tok, 256, 128, silent=True)
     assert str(e.value) == (
         f"t.jsonl, row 2 holds a 'tool' message, which the chat template of {name!r} cannot render (its rendering leaves "
         "the tool message's content out); set model.chat_template to a template that renders tool messages, or leave "
@@ -299,7 +300,7 @@ def test_a_tool_message_the_template_cannot_render_is_one_sentence():
     )
     tok.chat_template = RAISES_ON_TOOL
     with pytest.raises(DataError) as e:
-        pd.render_conversations([tool_example("t.jsonl, row 3")], tok, 256, 128, silent=True)
+        chat.render_conversations([tool_example("t.jsonl, row 3")], tok, 256, 128, silent=True)
     assert str(e.value) == (
         f"t.jsonl, row 3 holds a 'tool' message, which the chat template of {name!r} cannot render (it raises: no tool "
         "role); set model.chat_template to a template that renders tool messages, or leave such rows out."
@@ -318,7 +319,7 @@ def test_empty_assistant_turns_inside_conversations_are_one_warning_per_split(ca
         ex([user("u1"), bot(""), user("u2")], [bot("x")], "c.jsonl, row 2"),  # empty turn in the prompt
         ex([user("v")], [bot(" "), user("v2"), bot("y")], "c.jsonl, row 3"),  # empty (blank) turn in a response
     ]
-    pd.render_conversations(examples, smollm2(), 256, 128, split="test")
+    chat.render_conversations(examples, smollm2(), 256, 128, split="test")
     lines = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert lines == [
         "[data] warning: eval: 66.7% (2 of 3) conversations hold an empty assistant message before their last turn "
@@ -343,7 +344,7 @@ def test_hh_conversations_with_an_empty_assistant_turn_are_warned_too(tmp_path, 
         f.writelines(json.dumps(r) + "\n" for r in rows)
     examples = pd.load_examples(["hh"], "train", {"hh": {"local_dir": str(tmp_path / "hh"), "conversation": True}}, False, True)
     assert examples[0]["prompt"] == [user("a"), bot(""), user("b")]
-    pd.render_conversations(examples, smollm2(), 256, 128)
+    chat.render_conversations(examples, smollm2(), 256, 128)
     assert "[data] warning: train: 50.0% (1 of 2) conversations hold an empty assistant message" in capsys.readouterr().out
 
 

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer
 
 import preference_datasets as pd
 import train
+from data import screening
 from losses import IGNORE_INDEX
 from preference_datasets import DataError
 
@@ -322,7 +323,7 @@ def test_screen_skips_only_pairs_left_identical_and_reports_the_cuts(capsys):
         # the same tokens before any cut: " a</s>" loses its EOS string, then both are [35, 100, 1]
         {"prompt": "Q", "chosen": " a</s>", "rejected": " a", "truncation_mode": "keep_end"},
     ]
-    kept = pd.screen_examples(examples, "train", tok, 9, 8)
+    kept = screening.screen_examples(examples, "train", tok, 9, 8)
     assert kept == examples[1:3]
     out = capsys.readouterr().out.splitlines()
     assert out == [
@@ -334,14 +335,14 @@ def test_screen_skips_only_pairs_left_identical_and_reports_the_cuts(capsys):
     ]
     # SFT examples (no rejected) are never skipped, only reported
     sft = [{k: v for k, v in e.items() if k != "rejected"} for e in examples]
-    assert pd.screen_examples(sft, "test", tok, 9, 8) == sft
+    assert screening.screen_examples(sft, "test", tok, 9, 8) == sft
     assert capsys.readouterr().out == (
         # prompts cut: example 0 (10 + 3 > 9); responses cut: 0 (room 1), 2 (room 6 < 10)
         "[data] eval: truncation to max_length=9 / max_prompt_length=8 cuts 25.0% (1 of 4) of prompts and 50.0% (2 of 4) of responses\n"
     )
     # prompts alone (online DPO): cut to max_prompt_length, nothing skipped
     prompts = [{"prompt": p, "truncation_mode": "keep_end"} for p in ("0123456789", "Q", "abcdefgh")]
-    assert pd.screen_examples(prompts, "train", tok, 9, 8) == prompts
+    assert screening.screen_examples(prompts, "train", tok, 9, 8) == prompts
     assert capsys.readouterr().out == "[data] train: truncation to max_prompt_length=8 cuts 33.3% (1 of 3) of prompts\n"
 
 
@@ -369,7 +370,7 @@ def test_screening_decides_exactly_as_tokenize_element(hh_examples, tokenizer):
     prompts = [{"prompt": e["prompt"], "truncation_mode": e["truncation_mode"]} for e in pairs]
     for max_length, max_prompt_length in ((512, 256), (64, 48), (12, 4), (2, 1)):
         for examples in (pairs, sft):
-            got = list(pd.truncated_ids(examples, tok, max_length, max_prompt_length, chunk_size=64))
+            got = list(screening.truncated_ids(examples, tok, max_length, max_prompt_length, chunk_size=64))
             assert len(got) == len(examples)
             for ex, t in zip(examples, got):
                 el = pd.tokenize_element(
@@ -387,7 +388,7 @@ def test_screening_decides_exactly_as_tokenize_element(hh_examples, tokenizer):
                 assert t.responses_cut == [
                     len(el[f"{s}_labels"]) - n < len(whole[f"{s}_labels"]) - len(whole["prompt_input_ids"]) for s in sides
                 ]
-        for ex, t in zip(prompts, pd.truncated_ids(prompts, tok, max_length, max_prompt_length, chunk_size=64)):
+        for ex, t in zip(prompts, screening.truncated_ids(prompts, tok, max_length, max_prompt_length, chunk_size=64)):
             assert (
                 t.prompt_ids
                 == pd.tokenize_prompt(ex["prompt"], tok, max_prompt_length, ex["truncation_mode"])["prompt_input_ids"]

@@ -21,6 +21,7 @@ from conftest import TINY, compose_config, needs_shared
 
 import preference_datasets as pd
 import train
+from data import formats
 from preference_datasets import DataError
 
 
@@ -257,13 +258,13 @@ def test_ranked_responses_become_pairs_with_ties_skipped_and_a_cap(tmp_path):
     objects = [{"text": "A", "score": 3}, {"text": "B", "score": 1}, {"text": "C", "score": 3}, {"text": "D", "score": 2}]
     datasets.Dataset.from_list([{"prompt": "p", "completions": objects}]).to_parquet(str(f))
     report = pd.DataReport()
-    data = pd.get_hf("train", report, path=both(f), columns={"responses": "completions"})
+    data = formats.get_hf("train", report, path=both(f), columns={"responses": "completions"})
     # pairs in order (a, b), a < b: AB (gap 2), AC tie, AD (1), CB (2), DB (1), CD (1)
     assert data["p"]["responses"] == ["A", "B", "D", "C"]
     assert data["p"]["pairs"] == [(0, 1), (0, 2), (3, 1), (2, 1), (3, 2)]
     assert data["p"]["sft_target"] == "A" and report == {"skipped: score tie": 1}
     report = pd.DataReport()
-    capped = pd.get_hf("train", report, path=both(f), columns={"responses": "completions"}, max_pairs_per_prompt=3)
+    capped = formats.get_hf("train", report, path=both(f), columns={"responses": "completions"}, max_pairs_per_prompt=3)
     assert capped["p"]["pairs"] == [(0, 1), (0, 2), (3, 1)]  # the gaps 2, 2 and the first gap 1, in their order
     assert capped["p"]["rows"] == [f"{f}, row 1"] * 3
     assert report == {"skipped: score tie": 1, "skipped: over max_pairs_per_prompt": 2}

@@ -18,6 +18,7 @@ from test_hf_data import bot, key, short_chat_run, user
 from transformers import AutoTokenizer
 
 import preference_datasets as pd
+from data import chat, formats
 from preference_datasets import DataError
 
 LF_RANKING = "data.hf.columns={prompt: instruction, input: input, responses: output, history: history}"
@@ -36,7 +37,7 @@ def write_jsonl(tmp_path: Path, rows: list[dict], name: str = "rows.jsonl") -> s
 
 def load(tmp_path: Path, f: str, report=None, **options) -> dict:
     options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return pd.get_hf("train", pd.DataReport() if report is None else report, **options)
+    return formats.get_hf("train", pd.DataReport() if report is None else report, **options)
 
 
 def pairs_of(data: dict) -> list[tuple]:
@@ -190,7 +191,7 @@ def test_llamafactory_ranking_file_loads_with_the_documented_overrides(tmp_path)
     assert all(ex["conversation"] for ex in examples)
     # rendered by SmolLM2's chat template: the earlier turns come first, in order, then the question
     tok = AutoTokenizer.from_pretrained(str(needs_shared("tokenizers", "smollm2-135m-instruct")))
-    rendered = pd.render_conversations(examples, tok, 256, 128, silent=True)
+    rendered = chat.render_conversations(examples, tok, 256, 128, silent=True)
     assert rendered[3]["prompt"] == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
         "<|im_start|>user\nIs the sky blue?<|im_end|>\n<|im_start|>assistant\nYes.<|im_end|>\n"
@@ -207,7 +208,7 @@ def test_malformed_history_is_one_sentence_naming_the_row(history):
     rows = [ranking_rows()[0], {**ranking_rows()[1], "history": history}]
     columns = {"prompt": "instruction", "input": "input", "responses": "output", "history": "history"}
     with pytest.raises(DataError) as e:
-        pd.hf_rows_to_data(rows, pd.DataReport(), "lf.jsonl", "ranked", columns, ranked_order="best_first")
+        formats.hf_rows_to_data(rows, pd.DataReport(), "lf.jsonl", "ranked", columns, ranked_order="best_first")
     assert str(e.value) == (
         "lf.jsonl, row 2: column 'history' (data.hf.columns history) is not a list of [user, assistant] string pairs "
         f"({json.dumps(history)}); give earlier turns as [[question, answer], ...] or []."

@@ -18,13 +18,14 @@ from omegaconf import OmegaConf
 from test_hf_data import bot, key, pairs_of, user
 
 import preference_datasets as pd
+from data import formats
 from preference_datasets import DataError
 
 
 def load(tmp_path: Path, f, split: str = "train", report: pd.DataReport | None = None, **options) -> dict:
     """get_hf on ``f`` read for both splits (no held-out slice), counting into ``report``."""
     options = {"path": {"train": str(f), "test": str(f)}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return pd.get_hf(split, pd.DataReport() if report is None else report, **options)
+    return formats.get_hf(split, pd.DataReport() if report is None else report, **options)
 
 
 def sharegpt(text: str, speaker: str) -> dict:
@@ -158,7 +159,7 @@ def test_hh_text_pairs_from_a_hand_made_file(tmp_path, suffix):
     assert report == HAND_REPORT
     assert [e["rows"] for e in data.values()] == [[f"{f}, row 1"], [f"{f}, row 2"]]
     assert [e["fields"] for e in data.values()] == [{"id": 1}, {"id": 2}]  # the other columns, for reward functions
-    assert pd.detect_hf_format(["chosen", "rejected"], HAND_ROWS[0], pd._hf_columns(None, []), "x") == "hh"
+    assert formats.detect_hf_format(["chosen", "rejected"], HAND_ROWS[0], formats._hf_columns(None, []), "x") == "hh"
 
 
 def test_hh_format_named_with_mapped_columns_and_a_bad_row(tmp_path):

@@ -25,6 +25,7 @@ import losses
 import preference_datasets as pd
 import trainers
 import utils
+from data import formats
 from losses import IGNORE_INDEX
 from modeling import models
 from objectives import kto
@@ -238,7 +239,7 @@ def test_a_paired_objective_on_unpaired_rows_is_one_sentence_and_exit_2(tmp_path
 def test_a_malformed_unpaired_row_is_one_sentence_naming_file_and_row(tmp_path, bad, message):
     f = write_jsonl(tmp_path / "u.jsonl", [UNPAIRED[0], {**UNPAIRED[1], **bad}])
     with pytest.raises(pd.DataError) as e:
-        pd.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+        formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
     assert str(e.value).startswith(f"{f}, {message}")
     assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
 
@@ -246,7 +247,7 @@ def test_a_malformed_unpaired_row_is_one_sentence_naming_file_and_row(tmp_path, 
 def test_mixed_paired_and_unpaired_rows_are_refused_in_one_sentence(tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [PAIRED[0], PAIRED[1], UNPAIRED[2]])
     with pytest.raises(pd.DataError) as e:
-        pd.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+        formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
     assert str(e.value) == (
         f"{f}, row 3 is unpaired {{prompt, completion, label}} but row 1 is paired {{prompt, chosen, rejected}}; a file "
         "holds one kind: write each pair as two unpaired rows (chosen with label true, rejected with label false)."
@@ -260,7 +261,7 @@ def test_mixed_paired_and_unpaired_rows_are_refused_in_one_sentence(tmp_path):
 
 def test_unpaired_rows_become_examples_and_label_tensors(tmp_path):
     f = write_jsonl(tmp_path / "u.jsonl", [*UNPAIRED[:3], {"prompt": "q0?", "completion": " other", "label": False}])
-    data = pd.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+    data = formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
     assert data["q0?"]["pairs"] == [] and data["q0?"]["labels"] == [(0, True), (1, False)]
     examples = pd.flatten("json", data, sft_mode=False)
     assert [(e["prompt"], e["chosen"], e["label"], e["row"]) for e in examples] == [

@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 
 import preference_datasets
 import train
+from data import formats
 from online import make_pairs
 from utils import ConfigError
 
@@ -168,12 +169,12 @@ def test_a_conversation_pair_is_a_row_the_hf_loader_reads_and_a_text_pair_one_js
     item = {"prompt": [{"role": "user", "content": "Hi?"}], "conversation": True, "id": "hh/0"}
     row = make_pairs.pair_record(item, " Hello there. ", " No.", 13.0, 4.0)
     assert row["chosen"] == [{"role": "assistant", "content": "Hello there."}]
-    data = preference_datasets.hf_rows_to_data([row], collections.Counter(), "pairs.jsonl")
+    data = formats.hf_rows_to_data([row], collections.Counter(), "pairs.jsonl")
     assert len(data) == 1 and [len(e["pairs"]) for e in data.values()] == [1]
     text = make_pairs.pair_record({"prompt": "Q: 1+1=\nA:", "conversation": False, "id": "a/0"}, " 2", " 3", 1.0, 0.0)
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps(text) + "\n")
-    data = preference_datasets.get_json("train", collections.Counter(), str(path), holdout_fraction=0)
+    data = formats.get_json("train", collections.Counter(), str(path), holdout_fraction=0)
     assert list(data) == ["Q: 1+1=\nA:"] and data["Q: 1+1=\nA:"]["sft_target"] == " 2"
 
 

@@ -9,6 +9,7 @@ structurally. Tests that need ../shared skip when it is absent.
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import random
 import re
@@ -19,16 +20,16 @@ import torch
 from transformers import AutoTokenizer, ByT5Tokenizer
 
 import preference_datasets as pd
+from data.arithmetic import get_arithmetic
+from data.formats import get_json
 from losses import IGNORE_INDEX
 from preference_datasets import (
     ASSISTANT_TAG,
     REGISTRY,
     DataError,
     collate,
-    get_arithmetic,
     get_batch_iterator,
     get_hh,
-    get_json,
     get_se,
     get_shp,
     hh_rows_to_data,
@@ -921,3 +922,28 @@ def test_collate_prompts_left_pads_by_hand():
     assert batch["prompt_input_ids"].dtype == batch["prompt_attention_mask"].dtype == torch.long
     with pytest.raises(ValueError, match="at least one element"):
         pd.collate_prompts([], 0)
+
+
+def test_the_docs_adding_a_dataset_example_registers_and_loads_as_written(tmp_path, monkeypatch):
+    """docs/data.md's "Adding a dataset" file, run as written: ``datasets=[mine]`` loads its rows, the held-out slice
+    (the prompts whose sha256 falls below holdout_fraction of 2**64) is the eval split, and the prompts and responses are
+    built as the example builds them."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    start = doc.index("**Adding a dataset**")
+    code = re.search(r"```python\n(.*?)```", doc[start:], re.S).group(1)
+    rows = [{"question": f"q{i}", "good": f"good {i}", "bad": f"bad {i}"} for i in range(4)]
+    path = tmp_path / "all.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.delitem(pd.REGISTRY, "mine", raising=False)
+    try:
+        exec(code, {})
+        train = pd.load_dataset_dict("mine", "train", {"path": str(path), "holdout_fraction": 0.5}, silent=True)
+        test = pd.load_dataset_dict("mine", "test", {"path": str(path), "holdout_fraction": 0.5}, silent=True)
+    finally:
+        pd.REGISTRY.pop("mine", None)
+    prompts = {f"\n\nHuman: q{i}\n\nAssistant:" for i in range(4)}
+    held_out = {p for p in prompts if int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "big") < 2**63}
+    assert set(test) == held_out and set(train) == prompts - held_out and 0 < len(held_out) < 4
+    for prompt, entry in {**train, **test}.items():
+        i = prompt.split("q")[1][0]
+        assert entry["responses"] == [f" good {i}", f" bad {i}"] and entry["pairs"] == [(0, 1)]

@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import TINY, compose_config, metric_records, run_train
 
-import preference_datasets
 import trainers
+from data import arithmetic as arithmetic_data
 from evaluation import evaluate, reward_functions, rewards
 from evaluation.reward_functions import arithmetic, length, sentiment
 from runs import checkpoints
@@ -83,7 +83,7 @@ def test_arithmetic_is_exact_on_the_embedded_datasets_questions():
     # Not such a question: None (not scorable).
     assert arithmetic(["Q: 17-25=\nA:", "hello", "Q: 17+25=\nA: "], [" -8", " 42", " 42"]) == [None, None, None]
     # The loader's own pairs: every chosen is right, every rejected wrong.
-    data = preference_datasets.get_arithmetic("test", collections.Counter(), n_train=10, n_test=20)
+    data = arithmetic_data.get_arithmetic("test", collections.Counter(), n_train=10, n_test=20)
     prompts = list(data)
     assert len(prompts) == 20
     assert arithmetic(prompts, [data[p]["sft_target"] for p in prompts]) == [1.0] * 20
