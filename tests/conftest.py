@@ -195,11 +195,13 @@ def _resolve(name: str, scope: dict, local_imports: dict[str, str]):
         target = local_imports[head]
         module, _, attr = target.rpartition(".")
         obj = sys.modules.get(target)
-        if obj is None and module:
-            try:
+        try:
+            if obj is None and module:
                 obj = getattr(importlib.import_module(module), attr, None)
-            except Exception:  # noqa: BLE001 - an optional package absent: nothing to follow
-                obj = None
+            elif obj is None:  # ``import train`` in a helper, before any test module imported train
+                obj = importlib.import_module(target)
+        except Exception:  # noqa: BLE001 - an optional package absent: nothing to follow
+            obj = None
     else:
         obj = scope.get(head)
     for part in rest:

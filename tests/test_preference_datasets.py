@@ -9,7 +9,6 @@ structurally. Tests that need ../shared skip when it is absent.
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import random
 import re
@@ -665,7 +664,7 @@ def test_docs_add_a_dataset_example_works_as_written(tmp_path):
     import preference_datasets
 
     doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
-    code = re.search(r"```python\n(@register_dataset\(\"mine\".*?)```", doc, re.S).group(1)
+    code = re.search(r"```python\n(# data/mine.py\n.*?)```", doc, re.S).group(1)
     rows = [{"question": f"q{i}", "good": "yes", "bad": "no"} for i in range(30)]
     path = write_jsonl(tmp_path / "all.jsonl", rows)
     namespace = vars(preference_datasets).copy()
@@ -923,27 +922,3 @@ def test_collate_prompts_left_pads_by_hand():
     with pytest.raises(ValueError, match="at least one element"):
         pd.collate_prompts([], 0)
 
-
-def test_the_docs_adding_a_dataset_example_registers_and_loads_as_written(tmp_path, monkeypatch):
-    """docs/data.md's "Adding a dataset" file, run as written: ``datasets=[mine]`` loads its rows, the held-out slice
-    (the prompts whose sha256 falls below holdout_fraction of 2**64) is the eval split, and the prompts and responses are
-    built as the example builds them."""
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
-    start = doc.index("**Adding a dataset**")
-    code = re.search(r"```python\n(.*?)```", doc[start:], re.S).group(1)
-    rows = [{"question": f"q{i}", "good": f"good {i}", "bad": f"bad {i}"} for i in range(4)]
-    path = tmp_path / "all.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.delitem(pd.REGISTRY, "mine", raising=False)
-    try:
-        exec(code, {})
-        train = pd.load_dataset_dict("mine", "train", {"path": str(path), "holdout_fraction": 0.5}, silent=True)
-        test = pd.load_dataset_dict("mine", "test", {"path": str(path), "holdout_fraction": 0.5}, silent=True)
-    finally:
-        pd.REGISTRY.pop("mine", None)
-    prompts = {f"\n\nHuman: q{i}\n\nAssistant:" for i in range(4)}
-    held_out = {p for p in prompts if int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "big") < 2**63}
-    assert set(test) == held_out and set(train) == prompts - held_out and 0 < len(held_out) < 4
-    for prompt, entry in {**train, **test}.items():
-        i = prompt.split("q")[1][0]
-        assert entry["responses"] == [f" good {i}", f" bad {i}"] and entry["pairs"] == [(0, 1)]
