@@ -921,4 +921,3 @@ def test_collate_prompts_left_pads_by_hand():
     assert batch["prompt_input_ids"].dtype == batch["prompt_attention_mask"].dtype == torch.long
     with pytest.raises(ValueError, match="at least one element"):
         pd.collate_prompts([], 0)
-
