@@ -5,13 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import json
 import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,15 +29,9 @@ from export import modelcard
 from modeling import models
 from modeling.models import load_reference
 from preference_datasets import DataError, load_examples
-from runs import checkpoints, checks, processes, tracking
-from utils import shell_line
+from runs import checkpoints, checks, launch, processes, tracking
 
 AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config), for the cross-rank config check to say
-
-
-def says_once() -> bool:
-    """Whether this process speaks for the run before it starts: torchrun's rank 0 or the user's process (not a launched rank)."""
-    return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)
 
 
 BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
@@ -55,7 +46,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
         AUTO_RESUMED = True
         root, exp_name = config.output_root, config.exp_name
         found, other = auto_resume_run(config)
-        if says_once():
+        if processes.says_once():
             if found is None and other is None:
                 print(f"resume=auto: no unfinished run of exp_name={exp_name} in {root}; starting a fresh run.")
             elif found is None:
@@ -76,7 +67,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
         saved = os.path.join(resume_dir, "config.yaml")
         checkpoint, _ = checkpoints.checkpoint_to_resume(resume_dir)
         if os.path.exists(saved) and checkpoint is None:
-            if says_once():  # held for a moment: a live run is named, and what a killed first save left is removed
+            if processes.says_once():  # held for a moment: a live run is named, and what a killed first save left is removed
                 checkpoints.lock_run_dir(resume_dir).release()
             raise utils.ConfigError(
                 f"resume={resume_dir} has no checkpoint yet (the run stopped before its first): there is nothing to "
@@ -405,7 +396,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     resuming = checkpoint_dir is None and resume_dir is not None  # not Ray's own checkpoint copy
     if resuming:
         checkpoint_dir, note = checkpoints.checkpoint_to_resume(resume_dir)
-        if note is not None and says_once():
+        if note is not None and processes.says_once():
             print(f"Note: {note}")
     distributed = config.trainer != "BasicTrainer"
     answer_functions = _check_config(config)
@@ -468,8 +459,8 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     _finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
-    if rank == 0 and stop_signal is None and STAGE_ENV not in os.environ:  # run_stages sums up both stages itself
-        for line in stage_summary(None, run_dir):
+    if rank == 0 and stop_signal is None and launch.STAGE_ENV not in os.environ:  # launch.run_stages sums up both stages itself
+        for line in launch.stage_summary(None, run_dir):
             print(line)
     return run_dir, stop_signal
 
@@ -619,7 +610,7 @@ def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval
     if rank != 0:
         return
     print(f"Run folder: {run_dir}")
-    tell_launcher(run_dir)
+    launch.tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
     n_eval = checks.n_eval_used(config, n_eval_examples)
     trainable = ""
@@ -653,280 +644,8 @@ def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int
         print(modelcard.push_final(run_dir, config))
 
 
-STAGE_ENV = "DPO_STAGE"  # set by run_stages in each stage's process
-RUN_FOLDER_FD_ENV = "DPO_RUN_FOLDER_FD"  # set by launch in rank 0: a pipe main writes the run folder into, named if a rank dies
 RUN_FOLDER: str | None = None  # this process's run folder once main knows it, named when another rank dies
-RUN_FOLDER_TOLD: str | None = None  # the run folder this command made or continued (tell_launcher), for a sweep's summary
 COMMAND: list[str] | None = None  # the overrides train.py was started with (hydra_main), atop a new run's config.yaml
-
-
-def tell_launcher(run_dir: str) -> None:
-    """Write ``run_dir`` into :func:`launch`'s pipe (``DPO_RUN_FOLDER_FD``), if any, and keep it as :data:`RUN_FOLDER_TOLD`."""
-    global RUN_FOLDER_TOLD
-    RUN_FOLDER_TOLD = run_dir
-    fd = os.environ.pop(RUN_FOLDER_FD_ENV, None)
-    if fd is not None:
-        with contextlib.suppress(OSError, ValueError):
-            os.write(int(fd), run_dir.encode())
-            os.close(int(fd))
-
-
-def launch(config: DictConfig) -> int | None:
-    """For FSDP/TP not under torchrun, start and wait for one process per GPU; returns the exit code, or None to train here."""
-    if config.trainer == "BasicTrainer" or "RANK" in os.environ:
-        return None
-    n = config.world_size or torch.cuda.device_count() or 1
-    checks.validate_config(config, n)
-    utils.check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
-    models.check_parallel_model(config, n)
-    lock = checkpoints.lock_run_dir(config.resume) if config.resume is not None else checkpoints.RunLock(None, "")
-    with lock:
-        return _run_processes(config, n, lock)
-
-
-def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int:
-    """launch()'s work: start the ``n`` processes with ``lock``, forward signals, wait; returns the exit code."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    print(f"Starting {n} {config.trainer} processes (gloo on CPU, NCCL on GPUs).")
-    procs = []
-    shared = {checkpoints.RUN_LOCK_FD_ENV: str(lock.fd)} if lock.fd is not None else {}
-    folder_pipe = os.pipe()  # rank 0 writes the run folder into it once it has made it (tell_launcher)
-    for rank in range(n):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), **shared}
-        env |= {"LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        env |= {processes.LAUNCHER_PID_ENV: str(os.getpid())}
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-        fds = (lock.fd,) if lock.fd is not None else ()
-        if rank == 0:
-            env[RUN_FOLDER_FD_ENV], fds = str(folder_pipe[1]), (*fds, folder_pipe[1])
-        procs.append(subprocess.Popen([sys.executable, *this_command()], env=env, start_new_session=True, pass_fds=fds))
-    os.close(folder_pipe[1])
-
-    received: list[int] = []
-
-    def forward(signum, frame):
-        received.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in trainers.STOP_SIGNALS}
-    stopped = {128 + s for s in trainers.STOP_SIGNALS}  # the exit codes of a rank that saved and stopped
-    codes: dict[int, int] = {}  # in the order the ranks were seen to end
-    killed: set[int] = set()  # ranks stopped here because another one failed
-    run_dir = None
-    try:
-        deadline = None  # when to kill the ranks still running
-        while len(codes) < n:
-            for rank, p in enumerate(procs):
-                if rank not in codes and p.poll() is not None:
-                    codes[rank] = p.returncode
-                    if p.returncode == processes.PEER_LOST_EXIT:  # the rank that died is about to be seen: let it
-                        deadline = deadline or time.time() + 5
-                    elif p.returncode != 0 and p.returncode not in stopped:
-                        deadline = time.time()
-            if deadline is not None and time.time() >= deadline:
-                for rank, p in enumerate(procs):  # the others would wait for the failed one forever
-                    if p.poll() is None:
-                        p.kill()
-                        killed.add(rank)
-            time.sleep(0.1)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        os.set_blocking(folder_pipe[0], False)
-        with contextlib.suppress(OSError):
-            run_dir = os.read(folder_pipe[0], 1 << 16).decode() or None
-        os.close(folder_pipe[0])
-    if run_dir is not None:
-        tell_launcher(run_dir)  # sft_first's run_stages started this launcher: it names the stage's folder
-    return processes.rank_failure(codes, killed, stopped, config.resume or run_dir)
-
-
-SCRIPT = os.path.abspath(__file__)  # not sys.argv[0], which is submitit's in a submitit job
-# keys (with sub-keys) the SFT stage sets itself; hub: only the second stage pushes
-STAGE_KEYS = ("loss", "n_examples", "n_epochs", "sft_first", "exp_name", "lr", "hub")
-
-
-def sft_stage_wanted(config: DictConfig, given: set[str]) -> bool:
-    """Whether ``sft_first``'s SFT stage runs first; a preset's stage that cannot apply is noted, a command line's raises."""
-    stage = config.sft_first or {}  # sft_first=null: no stage
-    if stage.get("n_examples") is None or ("RANK" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ):
-        return False  # a rank train.py started: its launcher ran the stages
-    reason = checks.sft_first_skip(config, given)
-    if reason is None and "TORCHELASTIC_RUN_ID" in os.environ:  # was: each rank trained DPO alone, from the random model
-        source = "" if any(k.startswith("sft_first") for k in given) else " (set by the model preset)"
-        n = stage.n_examples
-        raise utils.ConfigError(
-            f"sft_first.n_examples={n}{source} runs two runs (SFT, then this one), and torchrun runs each rank as one; run "
-            f"the SFT stage first (loss=sft n_examples={n} sft_first.n_examples=null), then this command with "
-            "sft_first.n_examples=null model.archive=<SFT run>/LATEST/policy.pt, or both stages on one node with "
-            "python train.py trainer=FSDPTrainer world_size=<processes> (no torchrun)."
-        )
-    if reason is None:
-        return True
-    if says_once() and config.resume in (None, "auto"):  # a resume= is one run whatever the preset says: no note
-        print(f"Note: no SFT stage (sft_first.n_examples={stage.n_examples} from the preset): {reason}.")
-    return False
-
-
-def stage_commands(config: DictConfig, overrides: list[str]) -> tuple[list[str], list[str]]:
-    """The overrides of ``sft_first``'s SFT stage and of this run (``model.archive`` appended once the first finishes)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    kept = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") not in STAGE_KEYS]
-    stage = config.sft_first
-    sft = [*kept, "loss=sft", f"n_examples={stage.n_examples}", "sft_first.n_examples=null"]
-    if stage.lr is not None:
-        sft.append(f"lr={stage.lr}")
-    given_name = next((o.value() for o in parsed if o.key_or_group == "exp_name"), None)
-    if given_name is not None:
-        sft.append(f"exp_name={given_name}_sft")
-    second = [text for text, o in zip(overrides, parsed) if o.key_or_group.split(".")[0].lstrip("+~") != "sft_first"]
-    return sft, [*second, "sft_first.n_examples=null"]  # the stage's own sft_first.* said once
-
-
-def run_stages(config: DictConfig, overrides: list[str]) -> int:
-    """Run ``sft_first``'s SFT stage, then this command from its policy, forwarding the trainer's stop signals; returns the exit code."""
-    script = os.path.relpath(SCRIPT)
-    sft, dpo = stage_commands(config, overrides)
-    child: list[subprocess.Popen] = []
-    folders: list[str | None] = []  # each stage's run folder, as the stage says it (tell_launcher)
-
-    received: list[int] = []  # stop signals this runner was sent
-
-    def forward(signum, frame):
-        received.append(signum)
-        if child and child[0].poll() is None:
-            child[0].send_signal(signum)
-
-    previous = {sig: signal.signal(sig, forward) for sig in trainers.STOP_SIGNALS}
-    try:
-        for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
-            if number == 2:
-                if folders[0] is None or not os.path.exists(os.path.join(folders[0], checkpoints.FINISHED)):
-                    print("Error: the SFT stage finished without a finished run folder in output_root.", file=sys.stderr)
-                    return 1
-                args = [*args, f"model.archive={os.path.join(folders[0], 'LATEST', 'policy.pt')}"]
-                what = f"{config.loss.name} from the SFT policy"
-                if received:  # stopped as stage 1 ended: stage 2 is not started
-                    name = signal.Signals(received[0]).name
-                    print(f"Stopped by {name} after stage 1 finished; stage 2: {shell_line(script, args)}", file=sys.stderr)
-                    return 128 + received[0]
-            print(f"\n=== Stage {number} of 2: {what}\n    {shell_line(script, args)}\n", flush=True)
-            folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
-            env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1]), STAGE_ENV: str(number)}
-            env[processes.LAUNCHER_PID_ENV] = str(os.getpid())  # the stage dies with this runner, even by kill -9
-            try:
-                command = [sys.executable, script, *args]
-                child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
-            finally:
-                os.close(folder_pipe[1])
-            code = child[0].wait()
-            os.set_blocking(folder_pipe[0], False)  # a process the stage left behind may hold the write end
-            said = b""
-            with contextlib.suppress(OSError):  # nothing written: the stage made no run folder
-                said = os.read(folder_pipe[0], 1 << 16)
-            os.close(folder_pipe[0])
-            folders.append(said.decode() or None)
-            if folders[-1] is not None:
-                tell_launcher(folders[-1])  # this command's run folder is its last stage's
-            if code != 0:
-                if code != 2:  # 2: the stage said its one-sentence error already
-                    folder, hint = folders[-1], ""
-                    if number == 1 and folder is not None and os.path.exists(os.path.join(folder, "LATEST")):
-                        hint = (
-                            f" Continue it with {shell_line(script, [f'resume={folder}'])}, then stage 2: "
-                            f"{shell_line(script, [*dpo, 'model.archive=' + os.path.join(folder, 'LATEST', 'policy.pt')])}"
-                        )
-                    print(f"Stage {number} of 2 ended with exit code {code}.{hint}", file=sys.stderr)
-                return code
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    sft_dir, run_dir = folders
-    print(f"\nBoth stages finished: the SFT run {sft_dir}, then the {config.loss.name} run {run_dir}.")
-    for line in stage_summary(sft_dir, run_dir):
-        print(line)
-    return 0
-
-
-def stage_summary(sft_dir: str | None, run_dir: str) -> list[str]:
-    """Lines comparing the evals at the start, after the SFT stage in ``sft_dir`` (if any) and at the end of ``run_dir``:
-    answers_eval scores and reward accuracy."""
-
-    def evals(folder):
-        path = os.path.join(folder, "metrics.jsonl")
-        rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-        return [r for r in rows if any(k.endswith("_eval/accuracies") or k.startswith("answers_eval/") for k in r)]
-
-    second = evals(run_dir)
-    if sft_dir is None and not (len(second) > 1 and second[0].get("step") == 0):
-        return []  # one run alone is compared with its own step-0 eval
-    first = evals(sft_dir) if sft_dir is not None else second[:1]
-    loss = checkpoints.load_run_config(os.path.join(run_dir, "config.yaml")).loss
-    loss_name = loss.name
-    n = second[-1].get("answers_eval/n") if second else None
-    n = int(n) if isinstance(n, (int, float)) else "the"
-    lines = []
-    if first and second:
-        for key in sorted(k for k in second[-1] if k.startswith("answers_eval/") and not k.endswith(("_failed", "/ended", "/n"))):
-            values = [first[0].get(key), first[-1].get(key), second[-1].get(key)]
-            if all(isinstance(v, (int, float)) for v in values):
-                after_sft = f"{values[1]:.2f} after SFT, " if sft_dir is not None else ""
-                lines.append(
-                    f"{key} (mean score of the greedy answers to the held-out prompts): {values[0]:.2f} at the start, "
-                    f"{after_sft}{values[2]:.2f} after {loss_name} ({n} prompts)."
-                )
-    accuracy = [r.get("rewards_eval/accuracies") for r in (second[:1] + second[-1:])] if second else []
-    if len(accuracy) == 2 and all(isinstance(v, (int, float)) for v in accuracy):
-        start = (
-            "policy = reference: every margin 0; chance 0.5"
-            if losses.get_objective(loss_name).uses_reference(loss)
-            else "chance 0.5"
-        )
-        lines.append(
-            f"rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): {accuracy[0]:.2f} at the start of "
-            f"{loss_name} ({start}), {accuracy[1]:.2f} at its end."
-        )
-    return lines
-
-
-def submitit_job() -> bool:
-    """Whether this process is a job of Hydra's submitit launcher (``hydra/launcher=slurm``, ``submitit_*``)."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized():  # train.main() or launch() called from Python
-        return False
-    hydra_config = HydraConfig.get()
-    return hydra_config.mode == RunMode.MULTIRUN and "submitit" in str(hydra_config.launcher.get("_target_", ""))
-
-
-def this_command() -> list[str]:
-    """The command that reruns this one for FSDP/TP ranks: ``sys.argv``, or train.py with a submitit job's overrides."""
-    if not submitit_job():
-        return sys.argv
-    from hydra.core.hydra_config import HydraConfig
-
-    return [SCRIPT, *HydraConfig.get().overrides.task]
-
-
-def job_failure(code: int) -> str:
-    """The sentence for a submitit job that ended with ``code``: its last output line and where its output is."""
-    import submitit
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    env = submitit.JobEnvironment()
-    paths = env.paths
-    log = paths.stderr if code <= 128 and paths.stderr.exists() else paths.stdout  # stderr_to_stdout=true: one file
-    lines = [line.split("\r")[-1].strip() for line in log.read_text(errors="replace").splitlines()] if log.exists() else []
-    said = next((line for line in reversed(lines) if line), "").removeprefix("Error: ")
-    return f"Job {env.job_id} ended with exit code {code}{': ' + said if said else ''} (its output: {paths.stdout})"
 
 
 @hydra.main(version_base="1.3", config_path="config", config_name="config")
@@ -939,9 +658,9 @@ def hydra_main(config: DictConfig) -> dict | None:
         return run_command(config)
     from runs import sweeps
 
-    global RUN_FOLDER, RUN_FOLDER_TOLD
-    RUN_FOLDER = RUN_FOLDER_TOLD = None  # the basic launcher runs every job in this process
-    submitit = submitit_job()
+    global RUN_FOLDER
+    RUN_FOLDER = launch.RUN_FOLDER_TOLD = None  # the basic launcher runs every job in this process
+    submitit = launch.submitit_job()
     if submitit:  # submitit's USR2 before its time limit, outside the trainer's handlers: SIGTERM, not submitit's
         signal.signal(signal.SIGUSR2, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
     try:
@@ -951,7 +670,7 @@ def hydra_main(config: DictConfig) -> dict | None:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
         if code != 0 and not submitit:
             raise
-    return sweeps.job_result(RUN_FOLDER_TOLD or RUN_FOLDER, code, job_failure(code) if code else None)
+    return sweeps.job_result(launch.RUN_FOLDER_TOLD or RUN_FOLDER, code, launch.job_failure(code) if code else None)
 
 
 def run_command(config: DictConfig) -> None:
@@ -964,14 +683,14 @@ def run_command(config: DictConfig) -> None:
         COMMAND = overrides = list(HydraConfig.get().overrides.task)
         given = checks.given_keys(overrides)
         checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
-        if sft_stage_wanted(config, given):
+        if launch.sft_stage_wanted(config, given):
             checks.validate_config(config)  # a bad value is said once, before either stage starts
             declared = preference_datasets.declared_reward_functions(config.datasets)
             reward_functions.eval_functions(config.eval_reward_functions, declared)
             options = OmegaConf.to_container(config.data, resolve=True)
             for split in ("train", "test"):  # a bad data file is said before the first stage's banner, not inside it
                 load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
-            sys.exit(run_stages(config, overrides))
+            sys.exit(launch.run_stages(config, overrides))
         budget = budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
         if config.resume not in (None, "auto"):
             problem = resume_override_error(config, given)
@@ -983,7 +702,7 @@ def run_command(config: DictConfig) -> None:
             from train import main as rank_main  # this module by its name (not __main__), for Ray to send
 
             sys.exit(ray_launcher.launch(config, functools.partial(rank_main, budget=budget)))
-        code = launch(config)
+        code = launch.launch(config)
         if code is not None:
             sys.exit(code)
         _, stop_signal = main(config, budget=budget)
@@ -1028,7 +747,9 @@ def run_command(config: DictConfig) -> None:
 
 if __name__ == "__main__":
     # a job of Hydra's submitit launcher imports this folder's modules (utils, ...) to unpickle hydra_main
-    os.environ["PYTHONPATH"] = os.pathsep.join([os.path.dirname(SCRIPT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(os.path.abspath(__file__)), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     if processes.die_with_launcher() != "train.py":  # not a rank or stage train.py started (it checked the command line)
         problem = checks.command_line_error(sys.argv[1:])
         if problem is not None:

@@ -256,7 +256,7 @@ def check_archive_pin(run_dir: str, fix: str) -> None:
 
 RUN_LOCK = ".lock"  # the lock file in every run folder (lock_run_dir)
 
-RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"  # set by train.launch in its children: the descriptor of the run lock it holds
+RUN_LOCK_FD_ENV = "DPO_RUN_LOCK_FD"  # set by launch.launch in its children: the descriptor of the run lock it holds
 
 
 class RunLock:

@@ -131,3 +131,8 @@ def say_once_per_node(error: Exception, rank: int) -> None:
         print(f"Error: {error}", file=sys.stderr, flush=True)
     else:
         time.sleep(1)
+
+
+def says_once() -> bool:
+    """Whether this process speaks for the run before it starts: torchrun's rank 0 or the user's process (not a launched rank)."""
+    return int(os.environ.get("RANK", 0)) == 0 and ("RANK" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ)

@@ -24,7 +24,7 @@ STOP_CODES = (130, 138, 140, 143)
 
 def job_result(run_dir: str | None, code: int, failure: str | None) -> dict:
     """A sweep job's return value: its run folder, exit code and, if not 0, the sentence the sweep ends with
-    (train.job_failure)."""
+    (runs.launch.job_failure)."""
     return {"run_dir": run_dir, "code": code, "failure": failure}
 
 

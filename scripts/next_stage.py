@@ -41,7 +41,7 @@ def compose_config(overrides: list[str]):
 def next_stage(overrides: list[str]) -> tuple[str, list[str]]:
     """(``k/n``, the overrides of the run to start next) for ``python train.py <overrides>`` (see the module)."""
     import train
-    from runs import checkpoints, checks
+    from runs import checkpoints, checks, launch
 
     given = checks.given_keys(overrides)
     config = compose_config(overrides)
@@ -51,7 +51,7 @@ def next_stage(overrides: list[str]) -> tuple[str, list[str]]:
     config = compose_config(rest)
     if checks.sft_first_skip(config, given - {"resume"}) is not None:  # a preset's stage that cannot apply
         return "1/1", overrides
-    sft, dpo = train.stage_commands(config, rest)
+    sft, dpo = launch.stage_commands(config, rest)
     sft_config = compose_config([*RUN_NODES_OVERRIDES, *sft])  # the config the SFT launch's ranks saved
     found, _ = train.auto_resume_run(sft_config, finished=True)  # the newest SFT run of this config
     if found is not None and os.path.exists(os.path.join(found, checkpoints.FINISHED)):

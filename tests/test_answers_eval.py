@@ -21,7 +21,7 @@ import train
 import utils
 from evaluation import reward_functions
 from preference_datasets import declared_reward_functions
-from runs import checkpoints, checks
+from runs import checkpoints, checks, launch
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # TINY without its two test settings: the preset's two stages (lr 3e-3 for SFT, 3e-4 after)
@@ -117,7 +117,7 @@ def test_no_answers_eval_for_data_without_a_check(tmp_path):
 def test_stage_commands_drop_what_the_sft_stage_sets_itself():
     overrides = ["datasets=[json]", "loss=ipo", "loss.beta=0.5", "n_epochs=2", "exp_name=mine", "lr=1e-4", "seed=3"]
     config = compose_config(overrides)
-    sft, second = train.stage_commands(config, overrides)
+    sft, second = launch.stage_commands(config, overrides)
     assert sft == [
         "datasets=[json]",
         "seed=3",
@@ -135,9 +135,9 @@ def test_the_stage_banner_pastes_back_into_a_shell_and_names_sft_first_once():
     import shlex
 
     overrides = ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=32"]
-    sft, second = train.stage_commands(compose_config(overrides), overrides)
+    sft, second = launch.stage_commands(compose_config(overrides), overrides)
     assert second == ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=null"]
-    line = train.shell_line("train.py", second)
+    line = utils.shell_line("train.py", second)
     assert (
         line == "python train.py 'datasets=[hf]' 'data.hf.columns={prompt: instruction, input: input}' sft_first.n_examples=null"
     )
@@ -146,7 +146,7 @@ def test_the_stage_banner_pastes_back_into_a_shell_and_names_sft_first_once():
 
 def wanted(overrides: list[str]) -> bool:
     config = compose_config(overrides)
-    return train.sft_stage_wanted(config, checks.given_keys(overrides))
+    return launch.sft_stage_wanted(config, checks.given_keys(overrides))
 
 
 def test_when_the_sft_stage_applies(capsys, tmp_path):

@@ -30,7 +30,7 @@ import train
 import trainers
 import utils
 from modeling import packing
-from runs import checkpoints, checks
+from runs import checkpoints, checks, launch
 
 # 16 train and 8 eval examples, two batches of 8; checkpoints after 8 and 16 examples
 SMALL = [
@@ -286,7 +286,7 @@ def test_more_processes_than_gpus_is_one_sentence_before_any_process_starts(monk
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process was started"))
     with pytest.raises(utils.ConfigError) as e:
-        train.launch(compose_config(["trainer=FSDPTrainer", "world_size=2"]))
+        launch.launch(compose_config(["trainer=FSDPTrainer", "world_size=2"]))
     assert str(e.value) == (
         "world_size=2 asks for 2 processes on this machine, one per GPU, but it has 1 GPU; "
         "start at most 1 (world_size=1, or torchrun --nproc_per_node=1)."

@@ -32,7 +32,7 @@ OPTIONAL = {  # imported only with options the device run leaves off
     "wandb": "utils.WandbLogger, only with wandb.enabled=true",
     "ray": "ray_launcher, only with launcher=ray",
     "vaderSentiment": "reward_functions.sentiment, only with reward_functions=[sentiment]",
-    "submitit": "train.job_failure, only in a job of -m hydra/launcher=slurm or submitit_local",
+    "submitit": "launch.job_failure, only in a job of -m hydra/launcher=slurm or submitit_local",
 }
 OVERRIDES = {"transformers": "the image's 5.17 lacks slice_logits_to_keep (bench/README.md, device run)"}
 

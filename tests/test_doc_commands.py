@@ -25,7 +25,7 @@ import train
 from evaluation import reward_functions
 from modeling import models
 from online import make_pairs
-from runs import checks
+from runs import checks, launch
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -266,7 +266,7 @@ def run_make_pairs(overrides: list[str]) -> str:
 def dry_train(overrides: list[str], places: dict, world_size: int | None = None) -> None:
     """``python train.py <overrides>`` up to its first training step: the command-line check, composition, the config
     rules, then (first job of a sweep) the data loaded, rendered, screened and the eval set sized; each stage of
-    ``sft_first`` the same way, from the commands train.stage_commands gives."""
+    ``sft_first`` the same way, from the commands launch.stage_commands gives."""
     problem = checks.command_line_error(overrides)
     assert problem is None, problem
     multirun = [o for o in overrides if o in ("-m", "--multirun")]
@@ -283,8 +283,8 @@ def dry_train(overrides: list[str], places: dict, world_size: int | None = None)
     config = compose_config([*overrides, f"output_root={places['tmp']}/outputs"])
     given = checks.given_keys(overrides)
     checks.settle_given(config, given)
-    if train.sft_stage_wanted(config, given):
-        sft, second = train.stage_commands(config, overrides)
+    if launch.sft_stage_wanted(config, given):
+        sft, second = launch.stage_commands(config, overrides)
         dry_train(sft, places)
         dry_train([*second, f"model.archive={places['run']}/LATEST/policy.pt"], places)
         return
@@ -390,8 +390,8 @@ def test_each_sft_first_stage_command_runs_to_its_first_step(places):
         config = compose_config(overrides)
         given = checks.given_keys(overrides)
         checks.settle_given(config, given)
-        assert train.sft_stage_wanted(config, given)
-        sft, second = train.stage_commands(config, overrides)
+        assert launch.sft_stage_wanted(config, given)
+        sft, second = launch.stage_commands(config, overrides)
         assert "loss=sft" in sft and "sft_first.n_examples=null" in second
         dry_train(sft, places)
         dry_train([*second, f"model.archive={places['run']}/LATEST/policy.pt"], places)

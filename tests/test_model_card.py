@@ -18,7 +18,7 @@ from test_extend import extend
 
 import utils
 from export import modelcard
-from runs import checkpoints, checks
+from runs import checkpoints, checks, launch
 
 BATCH = int(next(a for a in TINY if a.startswith("batch_size=")).split("=")[1])
 N_EXAMPLES = int(next(a for a in TINY if a.startswith("n_examples=")).split("=")[1])
@@ -182,9 +182,8 @@ def test_hub_settings_are_checked_before_training(overrides, message):
 
 
 def test_the_sft_stage_is_not_pushed():
-    import train
 
-    sft, dpo = train.stage_commands(compose_config([]), ["lr=1e-3", *PUSH])
+    sft, dpo = launch.stage_commands(compose_config([]), ["lr=1e-3", *PUSH])
     assert not any(a.startswith("hub.") for a in sft) and all(a in dpo for a in PUSH)
 
 

@@ -80,7 +80,7 @@ def kill_all(procs: list[subprocess.Popen], pids: list[int] = ()) -> None:
 def holder(folder: Path) -> subprocess.Popen:
     """A process holding ``folder``'s lock (``checkpoints.lock_run_dir``) until it is killed; returns
     once it holds it."""
-    code = f"import sys, time, checkpoints; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
+    code = f"import sys, time; from runs import checkpoints; lock = checkpoints.lock_run_dir({str(folder)!r}); print('held', flush=True); time.sleep(300)"
     proc = subprocess.Popen(
         [sys.executable, "-c", code], cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True, start_new_session=True
     )
@@ -353,7 +353,7 @@ def test_an_evaluate_py_rank_dies_with_its_launcher_too():
 @pytest.mark.timeout(180)
 def test_without_prctl_a_watch_thread_kills_the_rank_when_its_launcher_dies():
     # What other OSes get (no PR_SET_DEATHSIG): a thread that notices the parent is gone.
-    rank = "import sys, time, processes; sys.platform = 'darwin'; processes.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
+    rank = "import sys, time; from runs import processes; sys.platform = 'darwin'; processes.die_with_launcher(poll_s=0.1); print('armed', flush=True); time.sleep(300)"
     parent = (
         "import os, subprocess, sys, time\n"
         f"child = subprocess.Popen([sys.executable, '-c', {rank!r}], env={{**os.environ, {processes.LAUNCHER_PID_ENV!r}: str(os.getpid())}})\n"
@@ -468,7 +468,7 @@ def test_under_torchrun_every_rank_raises_the_refusal_before_loading(tmp_path):
     folder = fake_run_folder(tmp_path, ["trainer=FSDPTrainer"])
     script = tmp_path / "rank.py"
     script.write_text(
-        "import os, sys, models, train, utils\n"
+        "import os, sys, train, utils\nfrom modeling import models\n"
         "from conftest import compose_config\n"
         "train.load_tokenizer = models.load_tokenizer = None  # loading anything fails loudly\n"
         "try:\n"

@@ -16,6 +16,8 @@ from conftest import REPO, TINY
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from runs import launch
+
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
@@ -141,7 +143,7 @@ def test_a_basic_launcher_sweep_goes_on_after_a_job_that_ends_with_sys_exit_0(tm
     import train
 
     def run_command(config):
-        train.tell_launcher(str(tmp_path / f"{config.loss.name}_run"))
+        launch.tell_launcher(str(tmp_path / f"{config.loss.name}_run"))
         sys.exit(0)
 
     monkeypatch.setattr(train, "run_command", run_command)
@@ -179,13 +181,12 @@ def test_the_slurm_launcher_config_composes_into_an_sbatch_script(tmp_path, monk
 
 
 class FakeStage:
-    """Stands in for a stage's ``subprocess.Popen`` in :func:`train.run_stages`: makes a finished run
+    """Stands in for a stage's ``subprocess.Popen`` in :func:`launch.run_stages`: makes a finished run
     folder under ``root`` and names it, as train.py does, through the pipe its launcher gave it."""
 
     commands: list[list[str]] = []
 
     def __init__(self, command, env=None, **kwargs):
-        import train
 
         FakeStage.commands.append(command)
         root = Path(next(a for a in command if a.startswith("output_root=")).split("=", 1)[1])
@@ -194,8 +195,8 @@ class FakeStage:
         (run / "LATEST").symlink_to("step-8")
         (run / "FINISHED").write_text("ok\n")
         (run / "config.yaml").write_text("loss: {name: dpo}\n")
-        if env is not None and train.RUN_FOLDER_FD_ENV in env:
-            os.write(int(env[train.RUN_FOLDER_FD_ENV]), str(run).encode())
+        if env is not None and launch.RUN_FOLDER_FD_ENV in env:
+            os.write(int(env[launch.RUN_FOLDER_FD_ENV]), str(run).encode())
 
     def wait(self):
         return 0
@@ -208,7 +209,6 @@ def test_sft_first_in_a_submitit_job_runs_train_py_from_its_own_sft_stage(tmp_pa
     # In a submitit job sys.argv[0] is submitit's _submit.py, and the sweep's other jobs make run
     # folders in the same output_root at the same time: the stages must run train.py, and stage 2
     # must start from the policy of its own stage 1, not from the newest finished folder there.
-    import train
 
     overrides = [*TINY[:-1], "sft_first.n_examples=8", f"output_root={tmp_path}"]
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
@@ -217,9 +217,9 @@ def test_sft_first_in_a_submitit_job_runs_train_py_from_its_own_sft_stage(tmp_pa
     (other / "LATEST").mkdir(parents=True)
     (other / "FINISHED").write_text("ok\n")
     monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/sweep/.submitit/123"])
-    monkeypatch.setattr(train.subprocess, "Popen", FakeStage)
+    monkeypatch.setattr(launch.subprocess, "Popen", FakeStage)
     FakeStage.commands = []
-    assert train.run_stages(config, overrides) == 0
+    assert launch.run_stages(config, overrides) == 0
     assert [Path(c[1]).resolve() for c in FakeStage.commands] == [REPO / "train.py"] * 2
     assert FakeStage.commands[1][-1] == f"model.archive={tmp_path / 'stage1_run' / 'LATEST' / 'policy.pt'}"
 
@@ -228,8 +228,6 @@ def test_fsdp_ranks_of_a_submitit_job_run_train_py_with_the_jobs_overrides(monke
     # launch() started its ranks with sys.argv, which in a submitit job is submitit's _submit.py and its folder
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
-
-    import train
 
     class Started(Exception):
         """The first rank's command (nothing is started)."""
@@ -242,12 +240,12 @@ def test_fsdp_ranks_of_a_submitit_job_run_train_py_with_the_jobs_overrides(monke
         hydra_config = compose(config_name="config", overrides=["hydra/launcher=submitit_local", *job], return_hydra_config=True)
         config = compose(config_name="config", overrides=job)
     monkeypatch.setattr(sys, "argv", ["/site-packages/submitit/core/_submit.py", "/sweep/.submitit/123"])
-    monkeypatch.setattr(train.subprocess, "Popen", popen)
+    monkeypatch.setattr(launch.subprocess, "Popen", popen)
     monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # restored afterwards
     for mode, expected in ((RunMode.MULTIRUN, [str(REPO / "train.py"), *job]), (RunMode.RUN, sys.argv)):  # RUN: a rank, or no -m
         HydraConfig.instance().set_config(OmegaConf.merge(hydra_config, {"hydra": {"mode": mode}}))
         with pytest.raises(Started) as started:
-            train.launch(config)
+            launch.launch(config)
         assert started.value.args[0] == [sys.executable, *expected]
 
 

@@ -21,7 +21,7 @@ import trainers
 import utils
 from modeling import models
 from preference_datasets import load_examples
-from runs import checks, tracking
+from runs import checks, launch, tracking
 
 CONFIG_DIR = REPO / "config"
 MODEL_YAMLS = sorted(p.stem for p in (CONFIG_DIR / "model").glob("*.yaml"))
@@ -606,13 +606,13 @@ def test_a_run_alone_ends_comparing_its_last_eval_with_its_step_0_eval(tmp_path)
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "config.yaml").write_text("loss:\n  name: dpo\n")
-    assert train.stage_summary(None, str(tmp_path)) == [
+    assert launch.stage_summary(None, str(tmp_path)) == [
         "answers_eval/arithmetic (mean score of the greedy answers to the held-out prompts): 0.50 at the start, "
         "0.90 after dpo (20 prompts).",
         "rewards_eval/accuracies (chosen ranked above rejected, held-out pairs): 0.00 at the start of dpo "
         "(policy = reference: every margin 0; chance 0.5), 0.75 at its end.",
     ]
     (tmp_path / "config.yaml").write_text("loss:\n  name: simpo\n")  # no reference: the start is not margin 0
-    assert train.stage_summary(None, str(tmp_path))[1].endswith("0.00 at the start of simpo (chance 0.5), 0.75 at its end.")
+    assert launch.stage_summary(None, str(tmp_path))[1].endswith("0.00 at the start of simpo (chance 0.5), 0.75 at its end.")
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[1:]))  # do_first_eval=false
-    assert train.stage_summary(None, str(tmp_path)) == []
+    assert launch.stage_summary(None, str(tmp_path)) == []
