@@ -29,7 +29,7 @@ from export import modelcard
 from modeling import models
 from modeling.models import load_reference
 from preference_datasets import DataError, load_examples
-from runs import checkpoints, checks, launch, processes, tracking
+from runs import checkpoints, checks, launch, processes, reference_cache, tracking
 
 AUTO_RESUMED = False  # whether resume=auto was resolved here (effective_config), for the cross-rank config check to say
 
@@ -630,7 +630,7 @@ def _reference_cache(
     if not precompute:
         return precompute, None, None
     source = policy if lora_reference else reference  # LoRA: the policy's base (models.base_state_dict names its weights)
-    return (precompute, *trainers.cached_reference(source, examples, tokenizer, config, distributed, rank))
+    return (precompute, *reference_cache.cached_reference(source, examples, tokenizer, config, distributed, rank))
 
 
 def _finish(config: DictConfig, run_dir: str, stop_signal: int | None, rank: int, distributed: bool, owns_folder: bool) -> None:

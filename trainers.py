@@ -4,8 +4,6 @@ objective of ``config.loss.name`` (losses.py) declares, the reference's side thr
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import math
 import os
@@ -24,9 +22,10 @@ import utils
 from evaluation import reward_functions, rewards, sampling
 from export import modelcard
 from modeling import models
-from modeling.models import check_tensor_parallel
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from online.trainer import JudgeFailureError, OnlineSampling, decode_completions
+from parallel.fsdp import find_block_classes, fully_shard_blocks
+from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
 from preference_datasets import (
     as_pair_batch,
     declared_reward_functions,
@@ -36,6 +35,9 @@ from preference_datasets import (
     stop_token_ids,
 )
 from runs import checkpoints, checks, tracking
+from runs.reference_cache import write_reference_cache
+from runs.resume import numpy_rng_state, read_checkpoint_file, read_sharded_checkpoint, set_numpy_rng_state
+from runs.tracking import format_peak_memory
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
@@ -1220,142 +1222,6 @@ class BasicTrainer(OnlineSampling):
         return dropped
 
 
-def numpy_rng_state() -> dict:
-    """NumPy's global RNG state as plain values and a tensor, which ``torch.load(weights_only=True)``
-    reads: ``np.random.get_state(legacy=False)`` with its 624-word key as an int64 tensor."""
-    state = np.random.get_state(legacy=False)
-    key = torch.from_numpy(state["state"]["key"].astype(np.int64))
-    return {**state, "state": {**state["state"], "key": key}}
-
-
-def set_numpy_rng_state(state) -> None:
-    """Restore NumPy's global RNG from :func:`numpy_rng_state`'s dict, or from the tuple of
-    ``np.random.get_state()`` that checkpoints of earlier versions hold."""
-    if isinstance(state, dict):
-        key = state["state"]["key"].numpy().astype(np.uint32)  # the int64 copy of MT19937's uint32 words
-        state = {**state, "state": {**state["state"], "key": key}}
-    np.random.set_state(state)
-
-
-def read_checkpoint_file(checkpoint_dir: str, name: str):
-    """Load ``name`` from ``checkpoint_dir`` onto the CPU with ``weights_only=True`` (trainer_state.pt: also NumPy's
-    uint32 RNG key of older checkpoints); utils.ConfigError naming the file if it is missing, cut short or unsafe."""
-    path = os.path.join(checkpoint_dir, name)
-    problem = checkpoints.checkpoint_file_problem(checkpoint_dir, name)
-    if problem is not None:  # also where no manifest was checked first (a checkpoint of an earlier version, Ray's copy)
-        raise utils.ConfigError(checkpoints.damaged_checkpoint_message(checkpoint_dir, [(name, problem)]))
-    reconstruct = np.empty(0).__reduce__()[0]  # numpy(._)core.multiarray._reconstruct: an empty ndarray of a given class
-    old_numpy = (reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32)))  # the key's dtype: numpy.dtypes.UInt32DType
-    return models.load_weights_file(
-        path,
-        f"The checkpoint file {os.path.realpath(path)}",  # step-N/, not LATEST/, which moves
-        "resume only from checkpoints written by this repository's train.py",
-        # only what rebuilds the array: no code of the file's choosing runs
-        safe_globals=old_numpy if name == "trainer_state.pt" else (),
-    )
-
-
-SHARDED_METADATA_CLASSES = {
-    "torch.distributed.checkpoint.metadata": None,  # None: every class defined there (the metadata's dataclasses, enums)
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch": {"Size"},  # and torch's dtypes (``torch float32``)
-    "torch.serialization": {"_get_layout"},  # a layout by its name
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"},  # StorageMeta.checkpoint_id
-}
-"""The globals a DCP ``.metadata`` pickle may name (:func:`read_sharded_checkpoint`); any other is refused."""
-
-
-def read_sharded_checkpoint(state: dict, folder: str) -> None:
-    """``torch.distributed.checkpoint.load(state, folder)`` unpickling only :data:`SHARDED_METADATA_CLASSES` and
-    ``weights_only=True`` entries; utils.ConfigError naming ``folder`` if it holds more, or a file is missing or cut short."""
-    import pickle
-    import sys
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    def refuse(what: str) -> utils.ConfigError:
-        return utils.ConfigError(
-            f"The sharded checkpoint {os.path.realpath(folder)} holds more than tensors and plain values (e.g. {what}), and is not "
-            "loaded because unpickling it could run code; resume only from checkpoints written by this repository's train.py."
-        )
-
-    class MetadataUnpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            allowed = SHARDED_METADATA_CLASSES.get(module, set())
-            found = getattr(sys.modules.get(module), name, None)
-            if allowed is None and isinstance(found, type) and found.__module__ == module:
-                return found
-            if (module == "torch" and isinstance(found, torch.dtype)) or (allowed and name in allowed):
-                return super().find_class(module, name)
-            raise refuse(f"{module}.{name}")
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args, **kwargs):  # FileSystemReader.read_metadata with the unpickler above
-            rank = kwargs.get("rank")  # newer DCP: a rank's own __<rank>.metadata when there is no global one
-            name = ".metadata" if rank is None else f"__{rank}.metadata"
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
-                metadata = MetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = getattr(self, "load_id", None)
-            return metadata
-
-    class Planner(dcp.DefaultLoadPlanner):
-        def load_bytes(self, read_item, value):  # DefaultLoadPlanner.load_bytes with weights_only=True
-            try:
-                loaded = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError:
-                raise refuse(f"the entry {read_item.dest_index.fqn}") from None
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    def damaged(name: str, problem: str) -> utils.ConfigError:
-        return utils.ConfigError(checkpoints.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
-
-    metadata = os.path.join(folder, ".metadata")
-    if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
-        with open(metadata, "rb") as f:
-            try:
-                storage = getattr(MetadataUnpickler(f).load(), "storage_data", None) or {}
-            except (EOFError, pickle.UnpicklingError) as e:  # cut short
-                raise damaged(".metadata", f"could not be read ({utils.failure_reason(e)})") from None
-        ends = {}  # each shard file's length, from where its last entry ends
-        for info in storage.values():
-            ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-        for name, end in sorted(ends.items()):
-            path = os.path.join(folder, name)
-            if not os.path.isfile(path) or os.path.getsize(path) < end:
-                problem = f"is cut short ({os.path.getsize(path)} of its {end} bytes)" if os.path.isfile(path) else "is missing"
-                raise damaged(name, problem)
-    try:
-        dcp.load(state, storage_reader=Reader(folder), planner=Planner())
-    except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
-        failures = [exc for exc, _ in e.failures.values()]
-        refusal = next((exc for exc in failures if isinstance(exc, utils.ConfigError)), None)
-        if refusal is not None:
-            raise refusal from None
-        raise damaged("", f"could not be read ({utils.failure_reason(failures[0])})") from None
-
-
-def format_peak_memory(memory: dict[str, list[float]]) -> str:
-    """One line for the end of a run from :meth:`BasicTrainer.log_peak_memory`'s figures, e.g.
-    ``Peak memory: 812 MiB resident (640 MiB by the end of model loading)``; one clause per rank
-    when there are several, plus CUDA's peak allocation on a GPU."""
-    n = len(memory["rss"])
-    parts = []
-    for rank in range(n):
-        text = f"{memory['rss'][rank]:.0f} MiB resident ({memory['setup_rss'][rank]:.0f} MiB by the end of model loading)"
-        if "cuda" in memory:
-            text += f", {memory['cuda'][rank]:.0f} MiB CUDA"
-        parts.append(f"rank {rank} {text}" if n > 1 else text)
-    whose = " (this process's, over the earlier jobs of this multirun too: its peak cannot be reset here)"
-    return "Peak memory" + (whose if tracking.peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."
-
-
 def count_tokens(batch: dict) -> int:
     """Non-padding tokens of a batch: prompt + responses of every sequence (prompts alone for a
     batch of prompts)."""
@@ -1399,104 +1265,7 @@ def _postfix(means: dict) -> dict:
 # ============================================================================ precomputed reference
 
 
-def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:
-    """The file in ``cache_dir`` for the reference log-probs of ``examples``, named by a hash of the
-    reference's whole weights (LoRA: its base's; call it where they are whole), the tokenizer, the
-    examples' texts, the truncation settings and ``loss.average_log_prob``."""
-    from preference_datasets import example_key
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(models.base_state_dict(reference).items()):  # a LoRA policy: its base, the reference
-        digest.update(name.encode())
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
-    settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
-    average = losses.get_objective(config.loss.name).averages(config.loss)
-    settings += [config.max_length, config.max_prompt_length, average]
-    digest.update(json.dumps(settings).encode())
-    for ex in examples:
-        digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
-    return os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
-
-
-def read_reference_cache(path: str) -> dict | None:
-    """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such
-    file or it was cut short (saying so: the log-probs are computed again and the file rewritten)."""
-    if not os.path.exists(path):
-        return None
-    if os.path.getsize(path) == 0 or checkpoints.cut_torch_archive(path):
-        print(f"Note: the reference log-prob cache {path} is cut short ({os.path.getsize(path)} bytes); computing them again.")
-        return None
-    cache = models.load_weights_file(
-        path,
-        f"The reference log-prob cache {path}",
-        "delete that file (this run then computes the log-probs again) and check who else can write to cache_dir",
-    )
-    print(f"Reference log-probs: reusing {path}")
-    return cache
-
-
-def write_reference_cache(path: str, cache: dict) -> str | None:
-    """Write ``cache`` to ``path`` atomically; returns None, or why it could not be written."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        torch.save(cache, tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        return utils.failure_reason(e)
-    return None
-
-
-def cached_reference(
-    reference, examples: list[dict], tokenizer, config, distributed: bool = False, rank: int = 0
-) -> tuple[str, dict | None]:
-    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
-    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
-    found = None
-    if rank == 0:
-        path = reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
-        try:
-            found = (path, read_reference_cache(path))
-        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
-            found = (path, e)
-    if distributed:
-        found = utils.broadcast_object(found)
-    if isinstance(found[1], utils.ConfigError):
-        raise found[1]
-    return found
-
-
 # ============================================================================ distributed trainers
-
-
-def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
-    """The transformer-block classes of ``model``: ``block_name`` if given, else its ``_no_split_modules``;
-    utils.ConfigError if no module has that class name."""
-    own = set(getattr(model, "_no_split_modules", None) or [])
-    names = {block_name} if block_name else own
-    classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        present = sorted({type(m).__name__ for m in model.modules()} & own)
-        hint = (
-            f"its blocks are {present}: set model.block_name={present[0]} or model.block_name=null"
-            if present
-            else "set model.block_name to the class name of its decoder layer"
-        )
-        raise utils.ConfigError(f"model.block_name={block_name} is not a module of {type(model).__name__}; {hint}.")
-    return classes
-
-
-def fully_shard_blocks(model: torch.nn.Module, blocks: set[type], **kwargs) -> None:
-    """FSDP2: ``fully_shard`` every module of ``model`` whose class is in ``blocks``, then the root
-    (``kwargs``: ``mesh``, ``mp_policy``)."""
-    from torch.distributed.fsdp import fully_shard
-
-    for module in model.modules():
-        if type(module) in blocks:
-            fully_shard(module, **kwargs)
-    fully_shard(model, **kwargs)
 
 
 class _DistributedTrainer(BasicTrainer):
@@ -1696,57 +1465,6 @@ class FSDPTrainer(_DistributedTrainer):
         return {"synced_gpus": True}
 
 
-def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
-    """Megatron-LM's plan for every block (Shoeybi et al. 2019, Sec. 3): q/k/v and MLP-in column-wise, attention-out
-    and MLP-out row-wise, the rest replicated (GPT-2: Conv1D made ``nn.Linear`` first); utils.ConfigError for a family
-    other than Llama, GPT-NeoX and GPT-2, or heads not divisible by ``world_size``."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    check_tensor_parallel(model.config, world_size)
-    family = model.config.model_type
-    col, row = ColwiseParallel(), RowwiseParallel()
-    if family == "llama":
-        prefix = "model.layers.*."
-        names = {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col, "self_attn.o_proj": row}
-        names |= {"mlp.gate_proj": col, "mlp.up_proj": col, "mlp.down_proj": row}
-    elif family == "gpt_neox":
-        prefix = "gpt_neox.layers.*."
-        names = {"attention.query_key_value": col, "attention.dense": row, "mlp.dense_h_to_4h": col, "mlp.dense_4h_to_h": row}
-    else:
-        prefix = "transformer.h.*."
-        _gpt2_to_linear(model, world_size)
-        names = {"attn.c_attn": col, "attn.c_proj": row, "mlp.c_fc": col, "mlp.c_proj": row}
-    return {prefix + k: v for k, v in names.items()}
-
-
-def _gpt2_to_linear(model: torch.nn.Module, world_size: int) -> None:
-    from transformers.pytorch_utils import Conv1D
-
-    def linear(conv: Conv1D, order: torch.Tensor | None = None) -> torch.nn.Linear:
-        weight = conv.weight.detach().t()  # Conv1D stores (in, out); Linear (out, in)
-        bias = conv.bias.detach()
-        if order is not None:
-            weight, bias = weight[order], bias[order]
-        layer = torch.nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
-        layer.weight.data.copy_(weight)
-        layer.bias.data.copy_(bias)
-        return layer
-
-    for block in model.transformer.h:
-        attn = block.attn
-        e = attn.embed_dim
-        local = e // world_size
-        # output rows regrouped so that rank r's contiguous shard is [q_r | k_r | v_r]
-        order = torch.cat(
-            [torch.arange(part * e + r * local, part * e + (r + 1) * local) for r in range(world_size) for part in range(3)]
-        )
-        attn.c_attn = linear(attn.c_attn, order)
-        attn.c_proj = linear(attn.c_proj)
-        attn.split_size = local
-        block.mlp.c_fc = linear(block.mlp.c_fc)
-        block.mlp.c_proj = linear(block.mlp.c_proj)
-
-
 class TensorParallelTrainer(_DistributedTrainer):
     """Tensor parallelism with PyTorch's DTensor (``parallelize_module``) for Llama, GPT-NeoX (Pythia) and
     GPT-2: each process holds a slice of every block (:func:`tensor_parallel_plan`) and sees the whole batch."""
@@ -1765,21 +1483,3 @@ class TensorParallelTrainer(_DistributedTrainer):
         import torch.distributed as dist
 
         return dist.get_world_size()
-
-
-def _gpt2_state_to_conv1d(state: dict, config, world_size: int) -> dict:
-    """Undo :func:`_gpt2_to_linear` on a full state dict: GPT-2's own Conv1D layout and q|k|v order."""
-    e = config.n_embd
-    local = e // world_size
-    order = torch.cat(
-        [torch.arange(part * e + r * local, part * e + (r + 1) * local) for r in range(world_size) for part in range(3)]
-    )
-    inverse = torch.argsort(order)
-    out = {}
-    for k, v in state.items():
-        if k.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            v = v[inverse]
-        if k.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
-            v = v.t().contiguous()
-        out[k] = v
-    return out

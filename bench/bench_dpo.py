@@ -313,7 +313,7 @@ def _our_trainer(spec: dict, run_dir: str):
     import trainers
     import utils
     from modeling import models
-    from runs import checks
+    from runs import checks, reference_cache
 
     overrides = [
         "model=blank_model",
@@ -366,7 +366,7 @@ def _our_trainer(spec: dict, run_dir: str):
 
     # as train.py loads them (float32 here; bench_gpu_dpo.py: bfloat16 on a GPU); no reference for SFT
     policy, reference = train.load_models(config, tokenizer, 0, False)
-    if torch.cuda.is_available() and reference is not None:  # as train.py does (trainers.cached_reference)
+    if torch.cuda.is_available() and reference is not None:  # as train.py does (reference_cache.cached_reference)
         reference.to("cuda")
     os.makedirs(Path(run_dir) / "run", exist_ok=True)
     trainer = trainers.BasicTrainer(
@@ -375,7 +375,7 @@ def _our_trainer(spec: dict, run_dir: str):
     precompute_s = None
     if spec["mode"] == "precomputed":  # as train.py: the cache file's name (a hash of the reference), one pass, then freed
         t0 = time.perf_counter()
-        path, cache = trainers.cached_reference(reference, examples, tokenizer, config)
+        path, cache = reference_cache.cached_reference(reference, examples, tokenizer, config)
         trainer.reference_cache = cache if cache is not None else trainer.precompute_reference(examples, path)
         trainer.reference_model = None
         precompute_s = time.perf_counter() - t0

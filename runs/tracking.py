@@ -296,3 +296,18 @@ def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...
 def formatted_dict(d: dict) -> dict:
     """Round floats for printing."""
     return {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def format_peak_memory(memory: dict[str, list[float]]) -> str:
+    """One line for the end of a run from :meth:`BasicTrainer.log_peak_memory`'s figures, e.g.
+    ``Peak memory: 812 MiB resident (640 MiB by the end of model loading)``; one clause per rank
+    when there are several, plus CUDA's peak allocation on a GPU."""
+    n = len(memory["rss"])
+    parts = []
+    for rank in range(n):
+        text = f"{memory['rss'][rank]:.0f} MiB resident ({memory['setup_rss'][rank]:.0f} MiB by the end of model loading)"
+        if "cuda" in memory:
+            text += f", {memory['cuda'][rank]:.0f} MiB CUDA"
+        parts.append(f"rank {rank} {text}" if n > 1 else text)
+    whose = " (this process's, over the earlier jobs of this multirun too: its peak cannot be reset here)"
+    return "Peak memory" + (whose if peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."

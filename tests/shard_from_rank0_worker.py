@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trainers  # noqa: E402
 import utils  # noqa: E402
 from modeling import models
+from parallel import fsdp, tensor_parallel
 
 CONFIGS = {
     "llama": dict(
@@ -57,12 +58,12 @@ def main() -> None:
             model = models.rank0_model(build, rank)
             assert all(p.is_meta for p in model.parameters()) == (rank != 0), (family, how, rank)
             if how == "fsdp":
-                blocks = trainers.find_block_classes(model, None)
+                blocks = fsdp.find_block_classes(model, None)
                 trainers._DistributedTrainer.shard_from_rank0(
-                    trainer, model, lambda m, blocks=blocks: trainers.fully_shard_blocks(m, blocks, mesh=mesh)
+                    trainer, model, lambda m, blocks=blocks: fsdp.fully_shard_blocks(m, blocks, mesh=mesh)
                 )
             else:
-                plan = trainers.tensor_parallel_plan(model, 2)
+                plan = tensor_parallel.tensor_parallel_plan(model, 2)
                 trainers._DistributedTrainer.shard_from_rank0(
                     trainer, model, lambda m, plan=plan: parallelize_module(m, mesh, plan)
                 )

@@ -30,7 +30,7 @@ import train
 import trainers
 import utils
 from modeling import models
-from runs import checkpoints, checks, tracking
+from runs import checkpoints, checks, resume, tracking
 
 QUICK = ["sample_during_eval=false", "save_hf_export=true"]
 CLI_TINY = [*TINY, "sample_during_eval=false", "num_threads=1"]
@@ -437,7 +437,7 @@ def test_peak_memory_is_printed_at_the_end_as_logged(tmp_path, capsys):
 
 
 def test_peak_memory_line_names_every_rank_and_cuda():
-    line = trainers.format_peak_memory({"rss": [812.4, 640.0], "setup_rss": [600.2, 500.0], "cuda": [1024.0, 900.6]})
+    line = tracking.format_peak_memory({"rss": [812.4, 640.0], "setup_rss": [600.2, 500.0], "cuda": [1024.0, 900.6]})
     assert line == (
         "Peak memory: rank 0 812 MiB resident (600 MiB by the end of model loading), 1024 MiB CUDA; "
         "rank 1 640 MiB resident (500 MiB by the end of model loading), 901 MiB CUDA."
@@ -604,7 +604,7 @@ def test_a_checkpoint_without_a_manifest_is_checked_by_its_files(two_checkpoints
         ("policy.pt", "is cut short (1000 bytes; its zip directory is gone)")
     ]
     with pytest.raises(utils.ConfigError) as err:
-        trainers.read_checkpoint_file(str(run / "LATEST"), "policy.pt")
+        resume.read_checkpoint_file(str(run / "LATEST"), "policy.pt")
     assert "Error: " + str(err.value) == damaged_sentence(run, "policy.pt is cut short (1000 bytes; its zip directory is gone)")
     assert size > 1000
     (run / "step-48" / "scheduler.pt").unlink()
@@ -702,14 +702,14 @@ def test_a_cut_sharded_checkpoint_of_an_earlier_version_names_the_cut_shard(tmp_
     (shard,) = folder.glob("*.distcp")
     size = cut(shard, 100)
     with pytest.raises(utils.ConfigError) as err:
-        trainers.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
+        resume.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
     assert str(err.value) == (
         f"The checkpoint {tmp_path}/step-16 is damaged: sharded/{shard.name} is cut short (100 of its {size} bytes); "
         "restore that file."
     )
     cut(folder / ".metadata", 50)
     with pytest.raises(utils.ConfigError, match=r"damaged: sharded/\.metadata could not be read \((EOFError|UnpicklingError)"):
-        trainers.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
+        resume.read_sharded_checkpoint({"w": torch.zeros(1000), "v": torch.zeros(10)}, str(folder))
 
 
 def test_fsdp_resume_from_a_cut_shard_is_one_sentence_naming_the_intact_step(zoo, tmp_path):

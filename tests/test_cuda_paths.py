@@ -30,7 +30,7 @@ import train
 import trainers
 import utils
 from modeling import packing
-from runs import checkpoints, checks, launch
+from runs import checkpoints, checks, launch, reference_cache
 
 # 16 train and 8 eval examples, two batches of 8; checkpoints after 8 and 16 examples
 SMALL = [
@@ -205,9 +205,9 @@ def test_fsdp_precompute_is_shared_by_the_ranks_and_equals_one_process(tmp_path,
 
 def test_a_cache_that_cannot_be_written_is_a_reason_not_an_error(tmp_path):
     (tmp_path / "file").write_text("")
-    reason = trainers.write_reference_cache(str(tmp_path / "file" / "cache.pt"), {"k": (1.0, 2.0)})
+    reason = reference_cache.write_reference_cache(str(tmp_path / "file" / "cache.pt"), {"k": (1.0, 2.0)})
     assert reason.startswith(("NotADirectoryError", "FileExistsError")), reason
-    assert trainers.write_reference_cache(str(tmp_path / "ok" / "cache.pt"), {"k": (1.0, 2.0)}) is None
+    assert reference_cache.write_reference_cache(str(tmp_path / "ok" / "cache.pt"), {"k": (1.0, 2.0)}) is None
     assert torch.load(tmp_path / "ok" / "cache.pt") == {"k": (1.0, 2.0)}
 
 

@@ -29,7 +29,7 @@ import trainers
 import utils
 from modeling import models
 from preference_datasets import load_examples
-from runs import checkpoints, checks
+from runs import checkpoints, checks, reference_cache
 
 LORA = ["model.lora.r=8"]
 # the tiny Llama: 2 blocks of q, k, v, o, gate, up and down projections, each with lora_A and lora_B
@@ -223,8 +223,8 @@ def test_a_lora_run_starts_at_ln2_loads_one_model_and_precompute_gives_the_live_
     lora_policy = models.apply_lora(models.load_model(config.model, tokenizer, torch.float32, 0), config.model.lora)
     plain = models.load_model(config.model, tokenizer, torch.float32, 0)
     examples = load_examples(["arithmetic"], "test", {"arithmetic": {"n_train": 8, "n_test": 8}}, False, silent=True)
-    path = trainers.reference_cache_path(lora_policy, examples, tokenizer, config, "c")
-    assert path == trainers.reference_cache_path(plain, examples, tokenizer, config, "c")
+    path = reference_cache.reference_cache_path(lora_policy, examples, tokenizer, config, "c")
+    assert path == reference_cache.reference_cache_path(plain, examples, tokenizer, config, "c")
 
 
 # ----------------------------------------------------------------------------- checkpoints and exports

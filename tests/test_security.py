@@ -25,11 +25,10 @@ from test_checkpoint_faults import cli, one_error_line
 from test_online import LocalChatServer
 
 import train
-import trainers
 import utils
 from evaluation import rewards
 from modeling import models
-from runs import checkpoints, checks
+from runs import checkpoints, checks, resume
 
 QUICK = ["sample_during_eval=false", "save_hf_export=false", "num_threads=1"]
 
@@ -162,7 +161,7 @@ def test_a_planted_reference_cache_in_cache_dir_runs_nothing_and_is_one_sentence
 def test_a_file_that_is_no_checkpoint_at_all_could_not_be_read(tmp_path):
     (tmp_path / "policy.pt").write_text("not a checkpoint")
     with pytest.raises(utils.ConfigError) as got:
-        trainers.read_checkpoint_file(str(tmp_path), "policy.pt")
+        resume.read_checkpoint_file(str(tmp_path), "policy.pt")
     assert str(got.value) == (
         f"The checkpoint file {tmp_path / 'policy.pt'} could not be read (UnpicklingError); resume only from "
         "checkpoints written by this repository's train.py."
@@ -175,10 +174,10 @@ def test_a_file_that_is_no_checkpoint_at_all_could_not_be_read(tmp_path):
 def test_numpy_rng_state_is_saved_as_plain_values_and_restored_exactly(tmp_path):
     np.random.seed(7)
     np.random.standard_normal()  # a cached second gaussian: has_gauss=1
-    torch.save({"numpy": trainers.numpy_rng_state()}, tmp_path / "s.pt")
+    torch.save({"numpy": resume.numpy_rng_state()}, tmp_path / "s.pt")
     after = np.random.standard_normal(3), np.random.random(3)
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(tmp_path / "s.pt")) == []
-    trainers.set_numpy_rng_state(torch.load(tmp_path / "s.pt", weights_only=True)["numpy"])
+    resume.set_numpy_rng_state(torch.load(tmp_path / "s.pt", weights_only=True)["numpy"])
     again = np.random.standard_normal(3), np.random.random(3)
     assert all(np.array_equal(a, b) for a, b in zip(after, again))
 
@@ -189,12 +188,12 @@ def test_an_earlier_versions_trainer_state_with_a_numpy_array_still_loads_and_re
     torch.save({"rng": {"numpy": np.random.get_state()}}, tmp_path / "trainer_state.pt")  # the old format
     expected = np.random.random(4)
     np.random.seed(0)
-    state = trainers.read_checkpoint_file(str(tmp_path), "trainer_state.pt")
-    trainers.set_numpy_rng_state(state["rng"]["numpy"])
+    state = resume.read_checkpoint_file(str(tmp_path), "trainer_state.pt")
+    resume.set_numpy_rng_state(state["rng"]["numpy"])
     assert np.array_equal(np.random.random(4), expected)
     os.replace(tmp_path / "trainer_state.pt", tmp_path / "policy.pt")  # only trainer_state.pt may hold the array
     with pytest.raises(utils.ConfigError, match=r"\(e\.g\. numpy\._core\.multiarray\._reconstruct\)|\(e\.g\. numpy\.core"):
-        trainers.read_checkpoint_file(str(tmp_path), "policy.pt")
+        resume.read_checkpoint_file(str(tmp_path), "policy.pt")
 
 
 def test_resume_from_an_earlier_versions_checkpoint_is_bit_exact(finished, tmp_path):
@@ -226,7 +225,7 @@ def test_a_sharded_checkpoint_reads_back_tensors_and_plain_values(tmp_path):
     saved = {"w": torch.arange(6.0).reshape(2, 3), "groups": {"lr": 0.5, "betas": (0.9, 0.99), "name": "a", "n": None}}
     dcp_save(saved, tmp_path / "sharded")
     state = {"w": torch.zeros(2, 3), "groups": {"lr": 0.0, "betas": None, "name": None, "n": 1}}
-    trainers.read_sharded_checkpoint(state, str(tmp_path / "sharded"))
+    resume.read_sharded_checkpoint(state, str(tmp_path / "sharded"))
     assert torch.equal(state["w"], saved["w"]) and state["groups"] == {"lr": 0.5, "betas": (0.9, 0.99), "name": "a", "n": None}
 
 
@@ -237,7 +236,7 @@ def test_a_planted_sharded_metadata_runs_nothing_and_is_one_sentence(tmp_path):
     marker = tmp_path / "marker"
     (tmp_path / "sharded" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
     with pytest.raises(utils.ConfigError) as got:
-        trainers.read_sharded_checkpoint({"w": torch.zeros(2)}, str(tmp_path / "sharded"))
+        resume.read_sharded_checkpoint({"w": torch.zeros(2)}, str(tmp_path / "sharded"))
     assert str(got.value) == (
         f"The sharded checkpoint {tmp_path / 'sharded'} holds more than tensors and plain values (e.g. builtins.exec), "
         "and is not loaded because unpickling it could run code; resume only from checkpoints written by this "
@@ -251,7 +250,7 @@ def test_a_planted_sharded_entry_runs_nothing_and_is_one_sentence(tmp_path):
     dcp_save({"w": torch.ones(2), "extra": Planted(marker)}, tmp_path / "sharded")  # a non-tensor entry: torch.save'd bytes
     assert not marker.exists()
     with pytest.raises(utils.ConfigError, match=r"holds more than tensors and plain values \(e\.g\. the entry extra\)"):
-        trainers.read_sharded_checkpoint({"w": torch.zeros(2), "extra": 0}, str(tmp_path / "sharded"))
+        resume.read_sharded_checkpoint({"w": torch.zeros(2), "extra": 0}, str(tmp_path / "sharded"))
     assert not marker.exists()
 
 

@@ -40,15 +40,14 @@ def test_each_job_of_a_multirun_reports_its_own_peak_memory(tmp_path):
 
 def test_a_peak_that_cannot_be_reset_says_it_is_the_processes(monkeypatch):
     """Where the kernel's peak cannot be reset (not Linux), a later job's line says whose peak it is."""
-    import trainers
     from runs import tracking
 
     monkeypatch.setitem(tracking._PEAK, "jobs", 2)
     monkeypatch.setitem(tracking._PEAK, "reset", False)
-    line = trainers.format_peak_memory({"rss": [812.0], "setup_rss": [600.0]})
+    line = tracking.format_peak_memory({"rss": [812.0], "setup_rss": [600.0]})
     assert line.startswith("Peak memory (this process's, over the earlier jobs of this multirun too")
     monkeypatch.setitem(tracking._PEAK, "reset", True)
-    assert trainers.format_peak_memory({"rss": [812.0], "setup_rss": [600.0]}) == (
+    assert tracking.format_peak_memory({"rss": [812.0], "setup_rss": [600.0]}) == (
         "Peak memory: 812 MiB resident (600 MiB by the end of model loading)."
     )
 

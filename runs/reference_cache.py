@@ -1,0 +1,89 @@
+"""The precomputed reference's cache (precompute_ref_log_probs): reference log-probs on disk, named by a hash of the\nreference's weights, the tokenizer, the examples and the truncation settings."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import signal
+
+import torch
+
+import losses
+import utils
+from modeling import models
+from runs import checkpoints
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
+``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
+
+
+def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:
+    """The file in ``cache_dir`` for the reference log-probs of ``examples``, named by a hash of the
+    reference's whole weights (LoRA: its base's; call it where they are whole), the tokenizer, the
+    examples' texts, the truncation settings and ``loss.average_log_prob``."""
+    from preference_datasets import example_key
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(models.base_state_dict(reference).items()):  # a LoRA policy: its base, the reference
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
+    average = losses.get_objective(config.loss.name).averages(config.loss)
+    settings += [config.max_length, config.max_prompt_length, average]
+    digest.update(json.dumps(settings).encode())
+    for ex in examples:
+        digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
+    return os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
+
+
+def read_reference_cache(path: str) -> dict | None:
+    """The log-probs an earlier run cached in ``path`` (saying so), or None when there is no such
+    file or it was cut short (saying so: the log-probs are computed again and the file rewritten)."""
+    if not os.path.exists(path):
+        return None
+    if os.path.getsize(path) == 0 or checkpoints.cut_torch_archive(path):
+        print(f"Note: the reference log-prob cache {path} is cut short ({os.path.getsize(path)} bytes); computing them again.")
+        return None
+    cache = models.load_weights_file(
+        path,
+        f"The reference log-prob cache {path}",
+        "delete that file (this run then computes the log-probs again) and check who else can write to cache_dir",
+    )
+    print(f"Reference log-probs: reusing {path}")
+    return cache
+
+
+def write_reference_cache(path: str, cache: dict) -> str | None:
+    """Write ``cache`` to ``path`` atomically; returns None, or why it could not be written."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        torch.save(cache, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        return utils.failure_reason(e)
+    return None
+
+
+def cached_reference(
+    reference, examples: list[dict], tokenizer, config, distributed: bool = False, rank: int = 0
+) -> tuple[str, dict | None]:
+    """Where ``examples``' reference log-probs are cached and what an earlier run's file holds (None: the trainer computes them);
+    rank 0 hashes and reads, then broadcasts under FSDP/TP."""
+    found = None
+    if rank == 0:
+        path = reference_cache_path(reference, examples, tokenizer, config, config.cache_dir)
+        try:
+            found = (path, read_reference_cache(path))
+        except utils.ConfigError as e:  # a file that is not a cache: every rank stops with the sentence
+            found = (path, e)
+    if distributed:
+        found = utils.broadcast_object(found)
+    if isinstance(found[1], utils.ConfigError):
+        raise found[1]
+    return found
