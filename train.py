@@ -18,8 +18,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
+import evaluation.in_training  # noqa: F401  (registers answers_eval and samples with each eval)
+import export.hf  # noqa: F401  (registers the Hugging Face folder hf/ with each checkpoint)
 import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
+import online  # noqa: F401  (registers online DPO's trainer)
 import preference_datasets
 import trainers
 import utils
@@ -434,7 +437,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     _describe_run(config, run_dir, policy, len(train_examples), len(eval_examples), rank)
 
     logger = tracking.MetricsLogger(run_dir, config, resume_id=resume_state and resume_state["wandb_id"], enabled=rank == 0)
-    trainer_cls = getattr(trainers, config.trainer)
+    trainer_cls = trainers.trainer_class(config)  # online DPO's trainer when online.enabled (online/)
     precompute, cache_path, reference_cache = _reference_cache(
         config, policy, reference, train_examples + eval_examples, tokenizer, distributed, rank
     )
@@ -532,9 +535,9 @@ def _check_resumed_files(resume_dir: str, checkpoint_dir: str | None, rank: int,
 def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
     """The train and eval examples, checked, rendered through the chat template and screened for length."""
     sft_mode = losses.get_objective(config.loss.name).sft_data
-    online = config.online.enabled
+    online_run = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
-    load = preference_datasets.load_prompt_examples if online else functools.partial(load_examples, sft_mode=sft_mode)
+    load = preference_datasets.load_prompt_examples if online_run else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
     overlap = preference_datasets.split_overlap_warning(train_examples, eval_examples)
@@ -560,7 +563,7 @@ def _load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: lis
     note = checks.check_eval_size(config, len(eval_examples))
     if note is not None and rank == 0:
         print(f"Note: {note}")
-    if answer_functions or (online and config.online.scorer == "reward_function"):  # a column they cannot take: now
+    if answer_functions or (online_run and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
     return train_examples, eval_examples
 
@@ -711,7 +714,7 @@ def run_command(config: DictConfig) -> None:
         sys.exit(2)
     except (
         trainers.NonFiniteLossError,
-        trainers.JudgeFailureError,
+        trainers.RunStoppedError,
         checkpoints.CheckpointError,
         utils.DiskFullError,
         modelcard.PushError,

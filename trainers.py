@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -19,18 +20,13 @@ import tqdm
 
 import losses
 import utils
-from evaluation import reward_functions, rewards, sampling
-from export import modelcard
 from modeling import models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
-from online.trainer import JudgeFailureError, OnlineSampling, decode_completions
 from parallel.fsdp import find_block_classes, fully_shard_blocks
 from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
 from preference_datasets import (
     as_pair_batch,
-    declared_reward_functions,
     get_batch_iterator,
-    left_pad,
     mismatched_pairs,
     stop_token_ids,
 )
@@ -67,6 +63,11 @@ def beta_for_epoch(beta, epoch: int) -> float:
 
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient became NaN or inf; the message names the step."""
+
+
+class RunStoppedError(RuntimeError):
+    """A trainer that extends BasicTrainer stopped the run after a checkpoint (online DPO: its judge failed too often);
+    the message names the checkpoint kept."""
 
 
 def concatenated_inputs(batch: dict) -> dict:
@@ -201,7 +202,7 @@ def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values()) or [[]]  # torch's foreach kernels refuse a mix of kinds
 
 
-class BasicTrainer(OnlineSampling):
+class BasicTrainer:
     """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
     a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
     ``reference_model`` is the frozen reference (None when the objective needs none)."""
@@ -223,7 +224,6 @@ class BasicTrainer(OnlineSampling):
         self.train_examples = train_examples
         self.loss_config = config.loss
         self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
-        self.online = checks.online_enabled(config)  # online DPO: pairs sampled each step
         self.average_log_prob = self.objective.averages(config.loss)
         self.uses_reference = self.objective.uses_reference(config.loss)
         self.uses_nll = self.objective.uses_nll(config.loss)
@@ -247,11 +247,6 @@ class BasicTrainer(OnlineSampling):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
         )
-        declared = declared_reward_functions(config.datasets)
-        self.answer_functions = [  # one scorer per function: each is reported on its own
-            (name, rewards.RewardFunctionScorer([name], [fn], [1.0]))
-            for name, fn in reward_functions.eval_functions(config.eval_reward_functions, declared)
-        ]
         n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
         self.eval_batches = list(
             get_batch_iterator(
@@ -521,13 +516,10 @@ class BasicTrainer(OnlineSampling):
         per_example = out.losses
         assert n == len(per_example)
         normaliser = n_batch_tokens if objective.per_token else n_batch_examples
-        if "weight" not in batch:  # offline pairs: every pair counts
-            loss, keep = per_example.sum() / normaliser, slice(None)
-        else:  # online pairs: ties (with ties=skip) and failed judgements weigh 0
-            loss, keep = self.weighted_loss(batch, inputs, per_example, normaliser, metrics)
+        loss, keep = self.batch_loss(batch, inputs, per_example, normaliser, metrics)
         if out.chosen_rewards is not None:
             if objective.reward_metric == "rewards":
-                prefix = "rewards" if self.online and split == "train" else f"rewards_{split}"  # TRL's names online
+                prefix = self.train_rewards if split == "train" else f"rewards_{split}"
             else:
                 prefix = f"{objective.reward_metric}_{split}"
             chosen_rewards, rejected_rewards = out.chosen_rewards.detach(), out.rejected_rewards.detach()
@@ -636,13 +628,28 @@ class BasicTrainer(OnlineSampling):
         epoch = self.example_counter // max(len(self.train_examples), 1)
         return beta_for_epoch(self.loss_config.get("beta", self.objective.keys["beta"].default), epoch)
 
+    # ------------------------------------------------------------------ what a trainer that extends this one overrides
+    # (online/trainer.py: online DPO samples and labels each step's pairs, weighs them and stops on a failing judge)
+
+    train_rewards = "rewards_train"  # the train rewards' metric prefix (online DPO: TRL's "rewards")
+
+    def step_pairs(self, batch: dict, weight: float, collected: dict, n_examples: float) -> tuple[dict, float]:
+        """The pairs this step trains on and how many count over all ranks: the batch as it is."""
+        return batch, n_examples
+
+    def batch_loss(self, batch: dict, inputs, per_example: torch.Tensor, normaliser: float, metrics: dict):
+        """(the micro-batch's loss, which pairs its metrics keep): every pair counts, (B,) ``per_example`` summed."""
+        return per_example.sum() / normaliser, slice(None)
+
+    def after_eval(self) -> Callable[[str], None] | None:
+        """After each eval, before its checkpoint: None, or a function of the checkpoint's path that raises RunStoppedError."""
+        return None
+
     # ------------------------------------------------------------------ eval and samples
 
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Mean metrics over the eval set (``n_eval_examples``), logged as ``*_eval/*``."""
-        if self.online:
-            return self.evaluate_online()
         self.policy.eval()
         collected = defaultdict(list)
         bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.is_main))
@@ -654,129 +661,13 @@ class BasicTrainer(OnlineSampling):
                 collected[k].extend(v)
         collected = self.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
-        if self.answer_functions and not self.objective.score_head:
-            means |= self.score_answers()
-        if self.config.sample_during_eval and not self.objective.score_head:  # a reward model does not generate
-            self.sample()
+        for extend in EVAL_EXTENSIONS:  # evaluation/: the greedy answers scored, samples written
+            means |= extend(self)
         if self.is_main:
             self.logger.log(means, step=self.example_counter)
             print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         self.policy.train()
         return means
-
-    @torch.no_grad()
-    def score_answers(self) -> dict:
-        """The policy's greedy answers to the eval prompts, scored by each of ``eval_reward_functions``:
-        ``answers_eval/<name>`` (mean score over the prompts it scored), ``answers_eval/<name>_failed`` (share
-        not scorable), ``answers_eval/ended`` (share stopped at EOS within ``max_length - max_prompt_length`` tokens)."""
-        prompts, ids, fields = [], [], []
-        for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
-            prompts.extend(batch["prompt"])
-            ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
-            fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
-        world, size = self.data_world_size, self.config.eval_batch_size
-        part = split_batch({"prompt": prompts, "ids": ids, "fields": fields}, world)
-        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
-        n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
-        pad_id = self.tokenizer.pad_token_id
-        rows = []
-        for call in range(n_calls):
-            chunk_prompts, chunk_ids = (
-                mine["prompt"][call * size : (call + 1) * size],
-                mine["ids"][call * size : (call + 1) * size],
-            )
-            stand_in = not chunk_prompts  # this rank has no prompts left: generate for one, keep nothing
-            batch_ids, masks = left_pad(chunk_ids or ids[:1], pad_id)
-            completions, mask = sampling.generate(
-                self.policy,
-                batch_ids,
-                masks,
-                self.stop_ids,
-                pad_id,
-                device=self.device,
-                generate_kwargs=self.generate_kwargs(),
-                max_new_tokens=max(1, self.config.max_length - self.config.max_prompt_length),  # the same for every prompt
-                do_sample=False,
-            )
-            if stand_in:
-                continue
-            texts = sampling.completion_texts(self.tokenizer, chunk_ids, completions, mask, self.stop_ids)
-            ended = [bool(torch.isin(c[m], torch.tensor(self.stop_ids)).any()) for c, m in zip(completions, mask)]
-            # the eval rows' other columns, as fields
-            columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
-            for name, scorer in self.answer_functions:
-                scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
-                rows.extend({"function": name, "score": score} for score in scores)
-            rows.extend({"function": None, "ended": e} for e in ended)
-        rows = self.gather_metrics({"rows": rows})["rows"]
-        means = {}
-        for name, _ in self.answer_functions:
-            scores = [r["score"] for r in rows if r["function"] == name]
-            scored = [s for s in scores if math.isfinite(s)]
-            means[f"answers_eval/{name}"] = float(np.mean(scored)) if scored else float("nan")
-            if len(scored) < len(scores):
-                means[f"answers_eval/{name}_failed"] = 1 - len(scored) / len(scores)
-        ended = [r["ended"] for r in rows if r["function"] is None]
-        means["answers_eval/ended"] = float(np.mean(ended)) if ended else float("nan")
-        means["answers_eval/n"] = len(ended)  # the prompts answered (the means' sample size)
-        return means
-
-    @torch.no_grad()
-    def sample(self) -> list[dict]:
-        """Sample completions from the policy (and the reference, if any) for the first
-        ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
-        ``samples.md`` in the run folder and log them as W&B tables."""
-        n = self.config.n_eval_model_samples
-        prompts, ids = [], []
-        for batch in self.eval_batches:  # unpadded ids: eval batches are padded to different widths
-            prompts.extend(batch["prompt"])
-            ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
-            if len(prompts) >= n:
-                break
-        part = split_batch({"prompt": prompts[:n], "ids": ids[:n]}, self.data_world_size)
-        mine = part[self.data_rank] if self.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
-        pad_id = self.tokenizer.pad_token_id
-        prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
-        models = {"policy": self.policy}
-        if self.reference_model is not None or (self.peft_model is not None and self.uses_reference):
-            models["reference"] = self.reference_model  # None: the LoRA policy with its adapters off
-        completions = {}
-        for name, model in models.items():
-            with self.adapters_off() if model is None else contextlib.nullcontext(model) as model:
-                out, _ = sampling.generate(
-                    model,
-                    ids,
-                    masks,
-                    self.stop_ids,
-                    pad_id,
-                    device=self.device,
-                    generate_kwargs=self.generate_kwargs(),
-                    max_new_tokens=self.config.max_length - ids.shape[1],
-                    do_sample=True,
-                    top_p=self.config.sample_top_p,
-                )
-            completions[name] = decode_completions(self.tokenizer, out, self.stop_ids)
-            if name == "reference":
-                self.reshard_reference()
-        rows = [
-            {"step": self.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}}
-            for i, p in enumerate(prompts)
-        ]
-        if self.data_rank >= len(part):
-            rows = []  # a stand-in: more processes than samples
-        rows = self.gather_metrics({"rows": rows})["rows"]
-        if not self.is_main:
-            return rows
-        sampling.append_rows(os.path.join(self.run_dir, "samples.jsonl"), rows, checkpoints.resume_hint(self.run_dir))
-        write_samples_md(self.run_dir)
-        for name in completions:
-            self.logger.log_table(
-                f"{name}_samples",
-                ["step", "prompt", "sample"],
-                [[r["step"], r["prompt"], r[name]] for r in rows],
-                self.example_counter,
-            )
-        return rows
 
     # ------------------------------------------------------------------ training
 
@@ -787,9 +678,7 @@ class BasicTrainer(OnlineSampling):
         self.step_tokens = count_tokens(batch)
         batch, weight = self.local_batch(batch)
         collected = defaultdict(list)
-        if self.online:  # sample and label this step's pairs; only labelled pairs count
-            batch, n_examples = self.labelled_batch(batch, weight, collected)
-            self.step_tokens = int(self.global_sum(count_tokens(batch) * weight))
+        batch, n_examples = self.step_pairs(batch, weight, collected, n_examples)
         n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
@@ -805,8 +694,6 @@ class BasicTrainer(OnlineSampling):
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
         collected = defaultdict(list, self.gather_metrics(collected))
-        if self.online:
-            self.count_judgements(collected)
         collected["lr"].append(self.optimizer.param_groups[0]["lr"])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
@@ -948,16 +835,16 @@ class BasicTrainer(OnlineSampling):
 
     def evaluate_and_save(self, final: bool) -> str | None:
         """Evaluate, schedule the next eval past this point, and checkpoint (before any training only when ``final``);
-        returns the checkpoint's path, and raises JudgeFailureError after it when online DPO's judge failed too often."""
+        returns the checkpoint's path; :meth:`after_eval`'s RunStoppedError comes after it."""
         self.evaluate()
         while self.next_eval_at <= self.example_counter:  # before saving: a resume or an extension does not evaluate again
             self.next_eval_at += self.config.eval_every
-        stop = self.judge_report()  # online DPO: too many failed judgements since the last eval
+        stop = self.after_eval()  # None, or (an extending trainer) a function that raises RunStoppedError naming the checkpoint
         if not (final or self.example_counter > 0):
             return None
         path = self.save()
-        if stop:
-            raise JudgeFailureError(stop(path))
+        if stop is not None:
+            stop(path)
         return path
 
     def stop_with_checkpoint(self) -> int:
@@ -1044,7 +931,6 @@ class BasicTrainer(OnlineSampling):
         checkpoints.CheckpointError on every process if it cannot be written."""
         step = self.example_counter
         self.hf_export_failure = None
-        self.collect_rank_states()  # every rank's judge and sampling RNG, before trainer_state.pt is written
         path = self.save_checkpoint_dir(f"step-{step}", lambda folder: self.write_checkpoint(folder, step))
         if self.is_main:
             self.warn_export_failure(path)
@@ -1088,8 +974,8 @@ class BasicTrainer(OnlineSampling):
         torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
         if self.updates_reference:  # TR-DPO: the reference has moved; resume needs it
             torch.save({"step_idx": step, "state": self.reference_model.state_dict()}, os.path.join(folder, "reference.pt"))
-        if self.config.save_hf_export:
-            self.hf_export_failure = self.write_hf_export(os.path.join(folder, "hf"))
+        for write in CHECKPOINT_EXTENSIONS:  # export/: the Hugging Face folder hf/ when save_hf_export
+            self.hf_export_failure = write(self, folder, None) or self.hf_export_failure
 
     hf_export_failure: str | None = None
     """Why the last checkpoint has no ``hf/`` export (None: it has one, or none was asked for)."""
@@ -1115,33 +1001,6 @@ class BasicTrainer(OnlineSampling):
         if unexpected or lost:
             raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
 
-    def write_hf_export(self, folder: str, state_dict: dict | None = None) -> str | None:
-        """Write the Hugging Face export (LoRA: the adapter folder, and ``merged/`` with ``model.lora.export_merged``)
-        of the policy or its full ``state_dict`` into ``folder``; returns None, or why it failed (``folder`` removed)."""
-        import shutil
-
-        try:
-            if self.peft_model is not None:
-                state = self.policy.state_dict() if state_dict is None else state_dict
-                exporter = models.lora_export_model(self.policy.config, self.lora, state, models.lora_base_path(self.config))
-                exporter.save_pretrained(folder, save_embedding_layers=False)
-                self.tokenizer.save_pretrained(folder)
-                if self.lora.get("export_merged"):
-                    merged = exporter.merge_and_unload(safe_merge=True)  # a copy sharing the weights: the policy is untouched
-                    merged.generation_config = self.policy.generation_config
-                    merged.save_pretrained(os.path.join(folder, "merged"))
-                    self.tokenizer.save_pretrained(os.path.join(folder, "merged"))
-            else:
-                self.policy.save_pretrained(folder, **({} if state_dict is None else {"state_dict": state_dict}))
-                self.tokenizer.save_pretrained(folder)
-            modelcard.write_cards(
-                folder, self.config, self.run_dir, self.example_counter, self.batch_counter, adapter=self.peft_model is not None
-            )
-        except Exception as e:
-            shutil.rmtree(folder, ignore_errors=True)
-            return utils.failure_reason(e)
-        return None
-
     def warn_export_failure(self, path: str) -> None:
         """Print one sentence when checkpoint ``path`` was published without its ``hf/`` export."""
         if self.hf_export_failure and self.is_main:
@@ -1157,7 +1016,7 @@ class BasicTrainer(OnlineSampling):
     kept in trainer_state.pt so that resume can tell when the data changed."""
 
     def trainer_state(self) -> dict:
-        """Counters, RNG states, the W&B run id, online DPO's judge state and the data's fingerprint: what resume needs besides the weights."""
+        """Counters, RNG states, the W&B run id and the data's fingerprint: what resume needs besides the weights."""
         state = {
             "example_counter": self.example_counter,
             "batch_counter": self.batch_counter,
@@ -1169,7 +1028,6 @@ class BasicTrainer(OnlineSampling):
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
             },
             "wandb_id": self.logger.run_id,
-            "online": self.online_state(),  # each rank's judge (RNG, failures) and sampling RNG
         }
         if self.data_fingerprint is not None:
             state["data"] = self.data_fingerprint
@@ -1204,7 +1062,6 @@ class BasicTrainer(OnlineSampling):
         torch.set_rng_state(state["rng"]["torch"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.restore_online_state(state.get("online"))
         dropped = self.rewind_logs(self.example_counter)
         if dropped:
             print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
@@ -1218,7 +1075,8 @@ class BasicTrainer(OnlineSampling):
         dropped = self.logger.rewind(step)
         for name in ("samples.jsonl", "completions.jsonl"):
             tracking.rewind_jsonl(os.path.join(self.run_dir, name), step)
-        write_samples_md(self.run_dir)  # its view of samples.jsonl, rewound with it
+        for rewound in REWIND_EXTENSIONS:  # evaluation/: samples.md, its view of samples.jsonl, rewound with it
+            rewound(self.run_dir)
         return dropped
 
 
@@ -1227,29 +1085,6 @@ def count_tokens(batch: dict) -> int:
     batch of prompts)."""
     keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
     return sum(int(batch[k].sum()) for k in keys)
-
-
-def write_samples_md(run_dir: str) -> None:
-    """Rewrite ``samples.md`` from ``samples.jsonl`` (atomically; a full disk: utils.DiskFullError):
-    a table per eval, its prompts and each model's sample; nothing when there are no samples."""
-    path = os.path.join(run_dir, "samples.jsonl")
-    if not os.path.exists(path):
-        return
-    sections: dict[int, list[dict]] = {}
-    for row in tracking.jsonl_records(path):
-        sections.setdefault(row["step"], []).append(row)
-    tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
-    then = checkpoints.resume_hint(run_dir)
-    with utils.replacing(os.path.join(run_dir, "samples.md"), then, tmp), open(tmp, "w") as f:
-        for step, rows in sections.items():
-            cols = ["prompt", *(k for k in rows[0] if k not in ("step", "prompt"))]
-            f.write(f"\n## after {step} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
-            for row in rows:
-                f.write("| " + " | ".join(_md_cell(row.get(c, "")) for c in cols) + " |\n")
-
-
-def _md_cell(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", "<br>")
 
 
 def _postfix(means: dict) -> dict:
@@ -1380,8 +1215,8 @@ class _DistributedTrainer(BasicTrainer):
         torch.save(self.policy_checkpoint(step, full_state), os.path.join(folder, "policy.pt"))
         torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
         torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
-        if self.config.save_hf_export:
-            self.hf_export_failure = self.write_hf_export(os.path.join(folder, "hf"), full_state)
+        for write in CHECKPOINT_EXTENSIONS:  # export/: the Hugging Face folder hf/ when save_hf_export
+            self.hf_export_failure = write(self, folder, full_state) or self.hf_export_failure
 
     def load(self, checkpoint_dir: str) -> None:
         """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard; LoRA: the
@@ -1483,3 +1318,27 @@ class TensorParallelTrainer(_DistributedTrainer):
         import torch.distributed as dist
 
         return dist.get_world_size()
+
+
+CHECKPOINT_EXTENSIONS: list[Callable[[BasicTrainer, str, dict | None], str | None]] = []
+"""A plugin's ``fn(trainer, folder, full_state_dict or None)`` that writes beside a checkpoint's weights (export/: the
+Hugging Face folder ``hf/``); returns None, or why it failed (the checkpoint is kept without it)."""
+
+EVAL_EXTENSIONS: list[Callable[[BasicTrainer], dict]] = []
+"""A plugin's ``fn(trainer) -> dict`` of more eval means, run after the eval set's (evaluation/: answers_eval, samples)."""
+
+REWIND_EXTENSIONS: list[Callable[[str], None]] = []
+"""A plugin's ``fn(run_dir)`` run after a resume rewinds the run folder's logs (evaluation/: samples.md rewritten)."""
+
+TRAINER_EXTENSIONS: list[Callable] = []
+"""A plugin's ``fn(config, cls) -> cls`` that may give another trainer class for ``config`` (online/: online DPO's)."""
+
+
+def trainer_class(config) -> type:
+    """``config.trainer``'s class (BasicTrainer, FSDPTrainer, TensorParallelTrainer), as the plugins extend it."""
+    cls = {"BasicTrainer": BasicTrainer, "FSDPTrainer": FSDPTrainer, "TensorParallelTrainer": TensorParallelTrainer}[
+        config.trainer
+    ]
+    for extend in TRAINER_EXTENSIONS:
+        cls = extend(config, cls)
+    return cls

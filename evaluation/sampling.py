@@ -423,3 +423,16 @@ def generate_batch(
         text = completion_text(tokenizer, list(prompt), tokens, stop_ids)
         samples.append({"text": text, "n_tokens": len(tokens), "ended": ended, "tokens": tokens})
     return samples
+
+
+def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
+    """Each (N, T) row's text up to its first stop token, special tokens skipped, ending with the stop token's
+    own text when it stopped at one (a chat model's ``<|im_end|>``)."""
+    mask = completion_mask(completions, stop_ids)
+    texts = []
+    for row, m in zip(completions, mask):
+        row = row[m].tolist()
+        stopped = bool(row) and row[-1] in stop_ids
+        text = tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True)
+        texts.append(text + (tokenizer.convert_ids_to_tokens(row[-1]) if stopped else ""))
+    return texts

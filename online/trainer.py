@@ -1,5 +1,6 @@
-"""Online DPO's data step (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback",
-Algorithm 1): sample completions from the policy, label them with a scorer or judge, log TRL's metrics."""
+"""Online DPO (Guo et al. 2024, "Direct Language Model Alignment from Online AI Feedback", Algorithm 1): a trainer that
+extends BasicTrainer (and its FSDP and tensor-parallel subclasses) to sample completions from the policy each step, label
+them with a scorer or judge, train on the labelled pairs and log TRL's metrics."""
 
 from __future__ import annotations
 
@@ -13,19 +14,73 @@ import numpy as np
 import torch
 
 import losses
+import trainers
 import utils
 from evaluation import rewards
 from evaluation.sampling import append_rows, completion_mask, completion_texts, generate
-from runs import checkpoints, tracking
+from runs import checkpoints, checks, tracking
 
 
-class JudgeFailureError(RuntimeError):
+class JudgeFailureError(trainers.RunStoppedError):
     """Too many of online DPO's judgements failed since the last eval; the message names the checkpoint kept."""
 
 
 class OnlineSampling:
-    """Online DPO's sampling, labelling and evaluation, a mixin of ``trainers.BasicTrainer`` (its ``policy``,
-    ``tokenizer``, ``config``, ``stop_ids`` and parallel hooks), so it runs under every trainer."""
+    """Online DPO's sampling, labelling and evaluation over a trainer of trainers.py (its ``policy``, ``tokenizer``,
+    ``config``, ``stop_ids`` and parallel hooks): :class:`OnlineDPOTrainer` and its FSDP and tensor-parallel kin."""
+
+    train_rewards = "rewards"  # TRL's OnlineDPOTrainer's metric names
+
+    # ---- BasicTrainer's hooks
+
+    def step_pairs(self, batch: dict, weight: float, collected: dict, n_examples: float) -> tuple[dict, float]:
+        """This step's sampled and labelled pairs (:meth:`labelled_batch`); only labelled pairs count."""
+        batch, n_examples = self.labelled_batch(batch, weight, collected)
+        self.step_tokens = int(self.global_sum(trainers.count_tokens(batch) * weight))
+        return batch, n_examples
+
+    def batch_loss(self, batch: dict, inputs, per_example: torch.Tensor, normaliser: float, metrics: dict):
+        """Ties (with ties=skip) and failed judgements weigh 0 (:meth:`weighted_loss`); pairs without weights all count."""
+        if "weight" not in batch:  # pairs read from a file, not sampled and labelled here
+            return super().batch_loss(batch, inputs, per_example, normaliser, metrics)
+        return self.weighted_loss(batch, inputs, per_example, normaliser, metrics)
+
+    def train_step(self, batch: dict) -> dict:
+        """BasicTrainer's step on this step's sampled pairs, its failed judgements counted toward the next eval's report."""
+        collected = super().train_step(batch)
+        self.count_judgements(collected)
+        return collected
+
+    def evaluate(self) -> dict:
+        """:meth:`evaluate_online`: the eval prompts' sampled completions scored, not eval pairs."""
+        return self.evaluate_online()
+
+    def after_eval(self) -> Callable[[str], None] | None:
+        """:meth:`judge_report`, whose stop sentence is raised as JudgeFailureError once the checkpoint is written."""
+        report = self.judge_report()
+        if report is None:
+            return None
+
+        def stop(checkpoint: str) -> None:
+            raise JudgeFailureError(report(checkpoint))
+
+        return stop
+
+    def save(self) -> str:
+        """Every rank's judge and sampling RNG gathered (:meth:`collect_rank_states`), then BasicTrainer's save."""
+        self.collect_rank_states()  # a collective, before trainer_state.pt is written
+        return super().save()
+
+    def trainer_state(self) -> dict:
+        """BasicTrainer's state and ``online``: each rank's judge (RNG, failures) and sampling RNG."""
+        return {**super().trainer_state(), "online": self.online_state()}
+
+    def restore_trainer_state(self, state: dict) -> None:
+        """BasicTrainer's restore, then :meth:`restore_online_state`."""
+        super().restore_trainer_state(state)
+        self.restore_online_state(state.get("online"))
+
+    # ---- online DPO's own
 
     scorer = None  # set by train.py: a rewards scorer (.score) or pairwise judge (.judge), local or on remote workers
 
@@ -46,12 +101,10 @@ class OnlineSampling:
 
     def collect_rank_states(self) -> None:
         """Gather every rank's :meth:`rank_state` into :attr:`rank_states` (a collective: every rank calls it when saving)."""
-        self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"] if self.online else None
+        self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"]
 
     def online_state(self) -> dict | None:
-        """What trainer_state.pt keeps of online DPO (every rank's :meth:`rank_state`, the failure counts); None offline."""
-        if not self.online:
-            return None
+        """What trainer_state.pt keeps of online DPO: every rank's :meth:`rank_state`, the failure counts."""
         return {
             "ranks": self.rank_states,
             "judged_since_eval": self.judged_since_eval,
@@ -60,7 +113,7 @@ class OnlineSampling:
 
     def restore_online_state(self, state: dict | None) -> None:
         """Restore :meth:`online_state`'s saving: this rank's judge and sampling RNG, and the counts."""
-        if not self.online or not state:
+        if not state:
             return
         self.judged_since_eval, self.failed_since_eval = int(state["judged_since_eval"]), int(state["failed_since_eval"])
         ranks = state.get("ranks") or []
@@ -84,7 +137,7 @@ class OnlineSampling:
         the stop sentence for a checkpoint path when none was labelled or the share exceeds ``online.max_failure_rate``."""
         failed, judged = self.failed_since_eval, self.judged_since_eval
         self.failed_since_eval = self.judged_since_eval = 0
-        if not self.online or not judged:
+        if not judged:
             return None
         limit = float(self.config.online.max_failure_rate)
         share = failed / judged
@@ -300,19 +353,6 @@ def row_prompts(ids: torch.Tensor, mask: torch.Tensor, n: int) -> list[list[int]
     return [row[m.bool()].tolist() for row, m in zip(ids, mask) for _ in range(n)]
 
 
-def decode_completions(tokenizer, completions: torch.Tensor, stop_ids: list[int]) -> list[str]:
-    """Each (N, T) row's text up to its first stop token, special tokens skipped, ending with the stop token's
-    own text when it stopped at one (a chat model's ``<|im_end|>``)."""
-    mask = completion_mask(completions, stop_ids)
-    texts = []
-    for row, m in zip(completions, mask):
-        row = row[m].tolist()
-        stopped = bool(row) and row[-1] in stop_ids
-        text = tokenizer.decode(row[:-1] if stopped else row, skip_special_tokens=True)
-        texts.append(text + (tokenizer.convert_ids_to_tokens(row[-1]) if stopped else ""))
-    return texts
-
-
 def label_pairs(
     scorer,
     prompts: list[str],
@@ -356,3 +396,27 @@ def write_completions(run_dir: str, rows: list[dict]) -> None:
     )
     with utils.replacing(os.path.join(run_dir, "completions.html"), then) as tmp, open(tmp, "w") as f:
         f.write(page)
+
+
+class OnlineDPOTrainer(OnlineSampling, trainers.BasicTrainer):
+    """Online DPO on one process (``online.enabled=true`` with ``trainer=BasicTrainer``)."""
+
+
+class OnlineFSDPTrainer(OnlineSampling, trainers.FSDPTrainer):
+    """Online DPO under FSDP (``trainer=FSDPTrainer``)."""
+
+
+class OnlineTensorParallelTrainer(OnlineSampling, trainers.TensorParallelTrainer):
+    """Online DPO under tensor parallelism (``trainer=TensorParallelTrainer``)."""
+
+
+ONLINE_TRAINERS = {
+    "BasicTrainer": OnlineDPOTrainer,
+    "FSDPTrainer": OnlineFSDPTrainer,
+    "TensorParallelTrainer": OnlineTensorParallelTrainer,
+}
+
+
+def online_trainer(config, cls: type) -> type:
+    """``cls`` (config.trainer's class) as online DPO's trainer on the same parallelism when ``online.enabled``."""
+    return ONLINE_TRAINERS[cls.__name__] if checks.online_enabled(config) else cls

@@ -14,7 +14,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
+import evaluation.in_training  # noqa: F401  (registers answers_eval and samples with evaluate, as train.py does)
+import export.hf  # noqa: F401  (registers the hf/ folder with each checkpoint, as train.py does)
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO, as train.py does)
+import online  # noqa: F401  (registers online DPO's trainer, as train.py does)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

@@ -17,7 +17,7 @@ import preference_datasets as pd
 import trainers
 import utils
 from data import chat, screening
-from evaluation import sampling
+from evaluation import in_training, sampling
 from losses import IGNORE_INDEX
 from modeling import models
 
@@ -268,11 +268,11 @@ def test_generation_stops_at_end_of_turn(tmp_path):
     lengths = []
     real = policy.generate
     policy.generate = lambda **kw: lengths.append(real(**kw).shape[1] - kw["input_ids"].shape[1]) or real(**kw)
-    rows = t.sample()
+    rows = in_training.sample(t)
     assert rows[0]["policy"] == "<|eot_id|>" and lengths == [1]  # stopped at once, not after max_new_tokens
     t.stop_ids = [tok.eos_token_id]  # the old behaviour: EOS only, it runs to max_length
     lengths.clear()
-    t.sample()
+    in_training.sample(t)
     assert lengths[0] > 1
     completions = torch.tensor([[5, eot, 7, 7], [5, 6, 7, 8]])
     assert sampling.completion_mask(completions, [tok.eos_token_id, eot]).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]

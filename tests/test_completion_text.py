@@ -13,8 +13,7 @@ import torch
 from conftest import needs_shared
 from omegaconf import OmegaConf
 
-import trainers
-from evaluation import evaluate, rewards, sampling
+from evaluation import evaluate, in_training, rewards, sampling
 from online import make_pairs
 from online import trainer as online
 
@@ -40,7 +39,6 @@ class FixedPolicy(torch.nn.Module):
 class Trainer(online.OnlineSampling):
     """The trainer attributes online DPO's sampling and answers_eval read, on one process."""
 
-    score_answers = trainers.BasicTrainer.score_answers
     rank = data_rank = batch_counter = 0
     data_world_size = 1
     is_main = False
@@ -143,8 +141,8 @@ def test_online_dpo_evaluate_make_pairs_and_answers_eval_hand_a_reward_function_
     assert trainer.evaluate_online()["eval/scores"] == 1.0
 
     # answers_eval: the trainer's greedy answers to the eval prompts
-    trainer.answer_functions = [("first_is_space", recording_scorer(seen.setdefault("answers_eval", [])))]
-    assert trainer.score_answers()["answers_eval/first_is_space"] == 1.0
+    answer_functions = [("first_is_space", recording_scorer(seen.setdefault("answers_eval", [])))]
+    assert in_training.score_answers(trainer, answer_functions)["answers_eval/first_is_space"] == 1.0
 
     # make_pairs.py: k completions per prompt, scored
     make_pairs._generate_and_score(config, recording_scorer(seen.setdefault("make_pairs", [])), policy, tokenizer, [eos], [item])

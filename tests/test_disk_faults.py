@@ -27,6 +27,7 @@ from conftest import REPO, TINY, compose_config, metric_records, one_run
 import train
 import trainers
 import utils
+from evaluation import in_training
 from online import trainer as online
 from runs import checkpoints, tracking
 
@@ -218,7 +219,7 @@ def test_samples_md_on_a_full_disk_is_one_sentence_and_leaves_no_temporary_file(
     (tmp_path / "samples.jsonl").write_text(json.dumps({"step": 8, "prompt": "1+1=", "policy": "2"}) + "\n")
     disk_full_under(monkeypatch, tmp_path)
     with pytest.raises(OSError) as err:
-        trainers.write_samples_md(str(tmp_path))
+        in_training.write_samples_md(str(tmp_path))
     assert_one_sentence(err.value, tmp_path / "samples.md")
     assert leftovers(tmp_path) == [] and not (tmp_path / "samples.md").exists()
 

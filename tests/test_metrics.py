@@ -75,7 +75,7 @@ def build(tmp_path: Path, overrides: list[str], online: bool = False) -> trainer
     policy = models.load_model(config.model, tokenizer, torch.float32, config.seed, reward_head=name == "reward")
     reference = None if name in ("sft", "reward") else models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(parents=True, exist_ok=True)
-    return trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
+    return trainers.trainer_class(config)(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
 
 
 def fix_logps(trainer, policy_batches, reference_batches=None, n_tokens=None):

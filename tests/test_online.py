@@ -195,7 +195,7 @@ ONLINE += ["reward_model.name_or_path=org/reward-model"]  # a hub id that is nev
 
 
 def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> trainers.BasicTrainer:
-    """A BasicTrainer for online DPO built as train.main builds it, without running it."""
+    """Online DPO's trainer (online.OnlineDPOTrainer) built as train.main builds it, without running it."""
     from preference_datasets import load_prompt_examples
 
     config = compose_config([*TINY, f"output_root={tmp_path}", *ONLINE, *overrides])
@@ -208,7 +208,7 @@ def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> t
     policy = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     reference = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(parents=True, exist_ok=True)
-    trainer = trainers.BasicTrainer(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
+    trainer = trainers.trainer_class(config)(policy, config, str(tmp_path / "run"), tokenizer, tr, ev, reference)
     trainer.scorer = scorer
     return trainer
 
@@ -553,7 +553,7 @@ def test_a_judge_failing_a_share_stops_only_above_max_failure_rate(tmp_path, cap
     config.output_root = str(tmp_path)
     try:
         if stops:
-            with pytest.raises(trainers.JudgeFailureError) as stopped:
+            with pytest.raises(online.JudgeFailureError) as stopped:
                 train.main(config)
         else:
             run_dir = Path(train.main(config)[0])

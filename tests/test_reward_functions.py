@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import TINY, compose_config, metric_records, run_train
 
-import trainers
+import online
 from data import arithmetic as arithmetic_data
 from evaluation import evaluate, reward_functions, rewards
 from evaluation.reward_functions import arithmetic, length, sentiment
@@ -290,16 +290,16 @@ online.OnlineSampling.sample_completions = _with_right_answers
 def test_online_dpo_with_arithmetic_under_basic_trainer_labels_the_right_answer_chosen(tmp_path, monkeypatch):
     namespace: dict = {}
     exec(RIGHT_ANSWER_SAMPLE.replace("online.OnlineSampling.sample_completions = _with_right_answers", ""), namespace)
-    monkeypatch.setattr(trainers.BasicTrainer, "sample_completions", namespace["_with_right_answers"])
+    monkeypatch.setattr(online.OnlineSampling, "sample_completions", namespace["_with_right_answers"])
     seen = []
-    real_pairs = trainers.BasicTrainer.online_pairs
+    real_pairs = online.OnlineSampling.online_pairs
 
     def recorded(self, batch):
         pairs, metrics = real_pairs(self, batch)
         seen.append((self.tokenizer, batch["prompt"], pairs, metrics))
         return pairs, metrics
 
-    monkeypatch.setattr(trainers.BasicTrainer, "online_pairs", recorded)
+    monkeypatch.setattr(online.OnlineSampling, "online_pairs", recorded)
     run_dir = run_train([*ONLINE_RF, "n_examples=16", "eval_every=8"], tmp_path)
     assert len(seen) == 2  # 16 examples, 8 a step
     for tokenizer, prompts, pairs, metrics in seen:
@@ -335,7 +335,7 @@ def test_online_dpo_with_arithmetic_under_two_process_fsdp(tmp_path):
 
 def test_a_reward_function_raising_on_every_row_stops_online_dpo_naming_the_row(tmp_path, user_module, capsys):
     user_module("boom", "def score(prompts, completions, **fields):\n    raise ValueError('no model here')\n")
-    with pytest.raises(trainers.JudgeFailureError) as stopped:
+    with pytest.raises(online.JudgeFailureError) as stopped:
         run_train([*ONLINE, "reward_functions=[boom:score]", "n_examples=16", "eval_every=8"], tmp_path / "out")
     message = str(stopped.value)
     assert message.startswith(
@@ -370,7 +370,7 @@ def test_a_function_raising_on_some_rows_counts_them_and_runs_on_only_under_the_
 
     if stops:
         with pytest.raises(
-            trainers.JudgeFailureError,
+            online.JudgeFailureError,
             match=r"judgements since the last eval failed \(\d+% > online.max_failure_rate=0.1; e.g. reward function odd:score raised ValueError: odd",
         ):
             train.main(config)

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 import train
 import trainers
 import utils
+from evaluation import in_training
 from modeling import models
 from preference_datasets import load_examples
 from runs import checks, launch, tracking
@@ -490,7 +491,7 @@ def test_eval_samples_continue_a_left_padded_prompt_as_alone_on_gpt2(tmp_path):
     def first_row_continuation(batches, n, width):
         generated.clear()
         t.eval_batches, t.config.n_eval_model_samples = batches, n
-        rows = t.sample()
+        rows = in_training.sample(t)
         assert [r["prompt"] for r in rows] == [short["prompt"], long["prompt"]][:n]
         return [out[0, width:].tolist() for out in generated]
 
@@ -589,7 +590,7 @@ def test_samples_md_is_rewound_with_samples_jsonl(tmp_path):
     rows = [{"step": s, "prompt": f"Q{i}|", "policy": f"p{s}\n", "reference": "r"} for s in (0, 24, 48) for i in range(2)]
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     tracking.rewind_jsonl(str(tmp_path / "samples.jsonl"), 24)
-    trainers.write_samples_md(str(tmp_path))
+    in_training.write_samples_md(str(tmp_path))
     text = (tmp_path / "samples.md").read_text()
     assert text.count("## after 0 examples") == 1 and text.count("## after 24 examples") == 1
     assert "## after 48" not in text

@@ -1,0 +1,178 @@
+"""What each eval adds while training (registered with trainers.py on import; train.py imports it): the policy's greedy answers
+to the eval prompts scored by ``eval_reward_functions`` (``answers_eval/*``), and completions sampled from the policy and
+the reference (samples.jsonl, samples.md, W&B tables)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import numpy as np
+import torch
+
+import trainers
+import utils
+from evaluation import reward_functions, rewards, sampling
+from preference_datasets import declared_reward_functions, left_pad
+from runs import checkpoints, tracking
+from trainers import split_batch
+
+
+def eval_means(trainer) -> dict:
+    """``answers_eval/*`` when ``eval_reward_functions`` names any, after writing samples when ``sample_during_eval``;
+    nothing for a reward model, which does not generate."""
+    if trainer.objective.score_head:
+        return {}
+    config = trainer.config
+    declared = declared_reward_functions(config.datasets)
+    functions = [  # one scorer per function: each is reported on its own
+        (name, rewards.RewardFunctionScorer([name], [fn], [1.0]))
+        for name, fn in reward_functions.eval_functions(config.eval_reward_functions, declared)
+    ]
+    means = score_answers(trainer, functions) if functions else {}
+    if config.sample_during_eval:
+        sample(trainer)
+    return means
+
+
+@torch.no_grad()
+def score_answers(trainer, answer_functions: list) -> dict:
+    """The policy's greedy answers to the eval prompts, scored by each ``(name, scorer)`` of ``answer_functions``:
+    ``answers_eval/<name>`` (mean score over the prompts it scored), ``answers_eval/<name>_failed`` (share
+    not scorable), ``answers_eval/ended`` (share stopped at EOS within ``max_length - max_prompt_length`` tokens)."""
+    prompts, ids, fields = [], [], []
+    for batch in trainer.eval_batches:  # unpadded ids: eval batches are padded to different widths
+        prompts.extend(batch["prompt"])
+        ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
+        fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
+    world, size = trainer.data_world_size, trainer.config.eval_batch_size
+    part = split_batch({"prompt": prompts, "ids": ids, "fields": fields}, world)
+    mine = part[trainer.data_rank] if trainer.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
+    n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
+    pad_id = trainer.tokenizer.pad_token_id
+    rows = []
+    for call in range(n_calls):
+        chunk_prompts, chunk_ids = (
+            mine["prompt"][call * size : (call + 1) * size],
+            mine["ids"][call * size : (call + 1) * size],
+        )
+        stand_in = not chunk_prompts  # this rank has no prompts left: generate for one, keep nothing
+        batch_ids, masks = left_pad(chunk_ids or ids[:1], pad_id)
+        completions, mask = sampling.generate(
+            trainer.policy,
+            batch_ids,
+            masks,
+            trainer.stop_ids,
+            pad_id,
+            device=trainer.device,
+            generate_kwargs=trainer.generate_kwargs(),
+            max_new_tokens=max(1, trainer.config.max_length - trainer.config.max_prompt_length),  # the same for every prompt
+            do_sample=False,
+        )
+        if stand_in:
+            continue
+        texts = sampling.completion_texts(trainer.tokenizer, chunk_ids, completions, mask, trainer.stop_ids)
+        ended = [bool(torch.isin(c[m], torch.tensor(trainer.stop_ids)).any()) for c, m in zip(completions, mask)]
+        # the eval rows' other columns, as fields
+        columns = rewards.field_columns(mine["fields"][call * size : (call + 1) * size])
+        for name, scorer in answer_functions:
+            scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
+            rows.extend({"function": name, "score": score} for score in scores)
+        rows.extend({"function": None, "ended": e} for e in ended)
+    rows = trainer.gather_metrics({"rows": rows})["rows"]
+    means = {}
+    for name, _ in answer_functions:
+        scores = [r["score"] for r in rows if r["function"] == name]
+        scored = [s for s in scores if math.isfinite(s)]
+        means[f"answers_eval/{name}"] = float(np.mean(scored)) if scored else float("nan")
+        if len(scored) < len(scores):
+            means[f"answers_eval/{name}_failed"] = 1 - len(scored) / len(scores)
+    ended = [r["ended"] for r in rows if r["function"] is None]
+    means["answers_eval/ended"] = float(np.mean(ended)) if ended else float("nan")
+    means["answers_eval/n"] = len(ended)  # the prompts answered (the means' sample size)
+    return means
+
+
+@torch.no_grad()
+def sample(trainer) -> list[dict]:
+    """Sample completions from the policy (and the reference, if any) for the first
+    ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
+    ``samples.md`` in the run folder and log them as W&B tables."""
+    n = trainer.config.n_eval_model_samples
+    prompts, ids = [], []
+    for batch in trainer.eval_batches:  # unpadded ids: eval batches are padded to different widths
+        prompts.extend(batch["prompt"])
+        ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
+        if len(prompts) >= n:
+            break
+    part = split_batch({"prompt": prompts[:n], "ids": ids[:n]}, trainer.data_world_size)
+    mine = part[trainer.data_rank] if trainer.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
+    pad_id = trainer.tokenizer.pad_token_id
+    prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
+    models = {"policy": trainer.policy}
+    if trainer.reference_model is not None or (trainer.peft_model is not None and trainer.uses_reference):
+        models["reference"] = trainer.reference_model  # None: the LoRA policy with its adapters off
+    completions = {}
+    for name, model in models.items():
+        with trainer.adapters_off() if model is None else contextlib.nullcontext(model) as model:
+            out, _ = sampling.generate(
+                model,
+                ids,
+                masks,
+                trainer.stop_ids,
+                pad_id,
+                device=trainer.device,
+                generate_kwargs=trainer.generate_kwargs(),
+                max_new_tokens=trainer.config.max_length - ids.shape[1],
+                do_sample=True,
+                top_p=trainer.config.sample_top_p,
+            )
+        completions[name] = sampling.decode_completions(trainer.tokenizer, out, trainer.stop_ids)
+        if name == "reference":
+            trainer.reshard_reference()
+    rows = [
+        {"step": trainer.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}} for i, p in enumerate(prompts)
+    ]
+    if trainer.data_rank >= len(part):
+        rows = []  # a stand-in: more processes than samples
+    rows = trainer.gather_metrics({"rows": rows})["rows"]
+    if not trainer.is_main:
+        return rows
+    sampling.append_rows(os.path.join(trainer.run_dir, "samples.jsonl"), rows, checkpoints.resume_hint(trainer.run_dir))
+    write_samples_md(trainer.run_dir)
+    for name in completions:
+        trainer.logger.log_table(
+            f"{name}_samples",
+            ["step", "prompt", "sample"],
+            [[r["step"], r["prompt"], r[name]] for r in rows],
+            trainer.example_counter,
+        )
+    return rows
+
+
+def write_samples_md(run_dir: str) -> None:
+    """Rewrite ``samples.md`` from ``samples.jsonl`` (atomically; a full disk: utils.DiskFullError):
+    a table per eval, its prompts and each model's sample; nothing when there are no samples."""
+    path = os.path.join(run_dir, "samples.jsonl")
+    if not os.path.exists(path):
+        return
+    sections: dict[int, list[dict]] = {}
+    for row in tracking.jsonl_records(path):
+        sections.setdefault(row["step"], []).append(row)
+    tmp = os.path.join(run_dir, f".samples.md.tmp-{os.getpid()}")
+    then = checkpoints.resume_hint(run_dir)
+    with utils.replacing(os.path.join(run_dir, "samples.md"), then, tmp), open(tmp, "w") as f:
+        for step, rows in sections.items():
+            cols = ["prompt", *(k for k in rows[0] if k not in ("step", "prompt"))]
+            f.write(f"\n## after {step} examples\n\n| {' | '.join(cols)} |\n|{'---|' * len(cols)}\n")
+            for row in rows:
+                f.write("| " + " | ".join(_md_cell(row.get(c, "")) for c in cols) + " |\n")
+
+
+def _md_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", "<br>")
+
+
+trainers.EVAL_EXTENSIONS.append(eval_means)
+trainers.REWIND_EXTENSIONS.append(write_samples_md)
