@@ -4,7 +4,7 @@ importing this package registers them all (train.py does, once). Adding one: doc
 from __future__ import annotations
 
 from losses import OBJECTIVES
-from objectives import kto, mix, pairwise, reference_free, reward  # noqa: F401  (each registers its objectives)
+from objectives import f_divergence, kto, mix, pairwise, reference_free, reward  # noqa: F401  (each registers its objectives)
 
 
 def objectives_table() -> str:

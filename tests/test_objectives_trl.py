@@ -286,7 +286,7 @@ class _Model:
         return SimpleNamespace(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
 
 
-def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs):
+def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs, dtype=torch.float64, **trl_options):
     """(TRL's scalar loss, its gradient per response token, our mean loss, our gradient per response
     token); the gradients are zeroed outside the responses (TRL sums log-probs over every position,
     relying on the model's zeros there, except for its sft, which masks)."""
@@ -297,15 +297,13 @@ def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs):
     summed = [p[0] for p in pairs] + [p[1] for p in pairs]
     t = max(lengths)
     mask = torch.zeros(2 * b, t + 1, dtype=torch.long)  # completion_mask; position 0 is the prompt
-    values = torch.zeros(2 * b, t, dtype=torch.float64)
+    values = torch.zeros(2 * b, t, dtype=dtype)
     for row, (n, total) in enumerate(zip(lengths, summed)):
         mask[row, 1 : n + 1] = 1
-        values[row, :n] = (
-            torch.linspace(total / n - 0.5, total / n + 0.5, n, dtype=torch.float64) if n > 1 else total
-        )  # sums to `total`
+        values[row, :n] = torch.linspace(total / n - 0.5, total / n + 0.5, n, dtype=dtype) if n > 1 else total  # sums to `total`
     assert values.sum(1).tolist() == pytest.approx(summed)
-    ref_chosen = torch.tensor([p[2] for p in pairs], dtype=torch.float64)
-    ref_rejected = torch.tensor([p[3] for p in pairs], dtype=torch.float64)
+    ref_chosen = torch.tensor([p[2] for p in pairs], dtype=dtype)
+    ref_rejected = torch.tensor([p[3] for p in pairs], dtype=dtype)
 
     leaf = values.clone().requires_grad_(True)
     model = _Model(leaf)
@@ -326,6 +324,7 @@ def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs):
         _total_train_tokens=0,
         _tp_size=1,
     )
+    vars(stand_in).update(trl_options)  # e.g. f_divergence_type, f_alpha_divergence_coef
     inputs = {
         "input_ids": torch.zeros(2 * b, t + 1, dtype=torch.long),
         "attention_mask": torch.ones(2 * b, t + 1, dtype=torch.long),
@@ -338,7 +337,7 @@ def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs):
 
     ours_leaf = values.clone().requires_grad_(True)
     logps = ours_leaf.sum(1)
-    n_tokens = torch.tensor(lengths, dtype=torch.float64)
+    n_tokens = torch.tensor(lengths, dtype=dtype)
     decl = losses.validate_loss_config(cfg)
     policy_chosen, policy_rejected = logps[:b], logps[b:]
     ref_c, ref_r = ref_chosen, ref_rejected
@@ -356,7 +355,7 @@ def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs):
     )
     ours = decl.compute(ours_inputs, cfg).losses.mean()
     ours.backward()
-    response = mask[:, 1:].to(torch.float64)
+    response = mask[:, 1:].to(dtype)
     return trl_loss, leaf.grad * response, ours, ours_leaf.grad * response
 
 
@@ -455,7 +454,7 @@ def test_every_config_composes_through_hydra_and_validates():
         (
             {"name": "hinge", "label_smoothing": 0.1},
             "loss=hinge has no key 'label_smoothing' (its keys: ['beta', 'name', 'nll_weight']); label_smoothing is a key of "
-            "loss=aot, loss=aot_unpaired, loss=cpo, loss=dpo, loss=exo_pair, loss=mix, loss=robust, loss=simpo; remove it.",
+            "loss=aot, loss=aot_unpaired, loss=cpo, loss=dpo, loss=exo_pair, loss=f_dpo, loss=mix, loss=robust, loss=simpo; remove it.",
         ),
         (
             {"name": "nca_pair", "beta": 0},
