@@ -443,13 +443,13 @@ def _main(config, run_dir, checkpoint_dir, attach, held: contextlib.ExitStack, s
     )
     if reference_cache is not None:
         reference = None  # an earlier run's log-probs: the reference is not needed
-    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger)
+    made_here = {"reference_cache": reference_cache, "data_fingerprint": fingerprint}  # the fingerprint: for resume
+    if config.online.enabled:
+        made_here["scorer"] = scorer  # online DPO's trainer labels its pairs with it (None: Ray's actors, attached)
+    trainer = trainer_cls(policy, config, run_dir, tokenizer, train_examples, eval_examples, reference, logger, **made_here)
     if precompute and reference_cache is None:  # one pass, sharded like training (each rank its share), then freed
-        reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
+        trainer.reference_cache = trainer.precompute_reference(train_examples + eval_examples, cache_path)
         trainer.reference_model = reference = None
-    trainer.reference_cache = reference_cache
-    trainer.scorer = scorer
-    trainer.data_fingerprint = fingerprint  # kept in each checkpoint's trainer_state.pt
     if attach is not None:
         attach(trainer)
     if checkpoint_dir is not None:

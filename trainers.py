@@ -207,8 +207,23 @@ class BasicTrainer:
     a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
     ``reference_model`` is the frozen reference (None when the objective needs none)."""
 
-    def __init__(self, policy, config, run_dir, tokenizer, train_examples, eval_examples, reference_model=None, logger=None):
+    def __init__(
+        self,
+        policy,
+        config,
+        run_dir,
+        tokenizer,
+        train_examples,
+        eval_examples,
+        reference_model=None,
+        logger=None,
+        *,
+        reference_cache: dict | None = None,
+        data_fingerprint: dict | None = None,
+    ):
         self.config = config
+        self.reference_cache = reference_cache  # an earlier pass's reference log-probs (then no reference_model)
+        self.data_fingerprint = data_fingerprint  # the examples' fingerprint, kept in each checkpoint for resume
         self.run_dir = run_dir
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token: generation stops at either

@@ -36,7 +36,12 @@ def f_prime(h: torch.Tensor, f_divergence_type: str, alpha: float) -> torch.Tens
     "f_dpo",
     keys={
         "beta": BETA,
-        "f_divergence_type": Key("reverse_kl", lambda v: v in F_DIVERGENCES, f"one of {', '.join(F_DIVERGENCES)}", "the divergence that regularises the policy"),
+        "f_divergence_type": Key(
+            "reverse_kl",
+            lambda v: v in F_DIVERGENCES,
+            f"one of {', '.join(F_DIVERGENCES)}",
+            "the divergence that regularises the policy",
+        ),
         "f_alpha_divergence_coef": Key(
             0.5, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0, "> 0", "alpha (alpha_divergence)"
         ),

@@ -82,7 +82,12 @@ class OnlineSampling:
 
     # ---- online DPO's own
 
-    scorer = None  # set by train.py: a rewards scorer (.score) or pairwise judge (.judge), local or on remote workers
+    scorer = None  # a rewards scorer (.score) or pairwise judge (.judge), local, or on Ray actors (set by ray_launcher)
+
+    def __init__(self, *args, scorer=None, **kwargs):
+        """BasicTrainer's arguments, and ``scorer``: what labels the sampled pairs (None: Ray's actors, attached later)."""
+        super().__init__(*args, **kwargs)
+        self.scorer = scorer
 
     judged_since_eval = 0  # pairs sent to the scorer or judge since the last eval, over all ranks
     failed_since_eval = 0  # of those, failed judgements (an error, an answer neither 0 nor 1, a NaN score)
