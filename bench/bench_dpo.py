@@ -176,6 +176,7 @@ def worker_prepare(spec: dict) -> dict:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     import preference_datasets as pdata
+    import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
     import trainers
 
     _set_threads(spec["threads"])
@@ -310,6 +311,7 @@ def _our_trainer(spec: dict, run_dir: str):
     from omegaconf import OmegaConf
 
     import preference_datasets as pdata
+    import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
     import trainers
     import utils
     from modeling import models
@@ -362,7 +364,6 @@ def _our_trainer(spec: dict, run_dir: str):
     for el, p in zip(elements, pairs):  # the ids TRL gets
         assert el["chosen_input_ids"] == p["prompt_ids"] + p["chosen_ids"]
         assert el["rejected_input_ids"] == p["prompt_ids"] + p["rejected_ids"]
-    import train
 
     # as train.py loads them (float32 here; bench_gpu_dpo.py: bfloat16 on a GPU); no reference for SFT
     policy, reference = train.load_models(config, tokenizer, 0, False)
