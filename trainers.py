@@ -221,6 +221,8 @@ class BasicTrainer:
         reference_cache: dict | None = None,
         data_fingerprint: dict | None = None,
     ):
+        """The loop over ``train_examples`` for ``policy`` against ``reference_model`` (or the precomputed
+        ``reference_cache``), evaluating on ``eval_examples`` and checkpointing into ``run_dir``."""
         self.config = config
         self.reference_cache = reference_cache  # an earlier pass's reference log-probs (then no reference_model)
         self.data_fingerprint = data_fingerprint  # the examples' fingerprint, kept in each checkpoint for resume
@@ -1047,6 +1049,11 @@ class BasicTrainer:
         if self.data_fingerprint is not None:
             state["data"] = self.data_fingerprint
         return state
+
+    @classmethod
+    def made_before_models(cls, config) -> dict:
+        """Keyword arguments an extending trainer builds from ``config`` before the models load, failing fast (none)."""
+        return {}
 
     @staticmethod
     def read(checkpoint_dir: str, name: str):

@@ -314,7 +314,7 @@ def _our_trainer(spec: dict, run_dir: str):
     import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
     import trainers
     import utils
-    from modeling import models
+    from modeling import loading, models
     from runs import checks, reference_cache
 
     overrides = [
@@ -366,7 +366,7 @@ def _our_trainer(spec: dict, run_dir: str):
         assert el["rejected_input_ids"] == p["prompt_ids"] + p["rejected_ids"]
 
     # as train.py loads them (float32 here; bench_gpu_dpo.py: bfloat16 on a GPU); no reference for SFT
-    policy, reference = train.load_models(config, tokenizer, 0, False)
+    policy, reference = loading.load_models(config, tokenizer, 0, False)
     if torch.cuda.is_available() and reference is not None:  # as train.py does (reference_cache.cached_reference)
         reference.to("cuda")
     os.makedirs(Path(run_dir) / "run", exist_ok=True)

@@ -89,6 +89,15 @@ class OnlineSampling:
         super().__init__(*args, **kwargs)
         self.scorer = scorer
 
+    @classmethod
+    def made_before_models(cls, config) -> dict:
+        """The scorer or judge ``config.online`` names, built before the run folder so that a bad one fails fast (none
+        when Ray's reward actors label the pairs: ray_launcher attaches them)."""
+        if config.launcher == "ray" and config.ray.reward_workers > 0:
+            return {"scorer": None}
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return {"scorer": rewards.build_scorer(config, device=device)}
+
     judged_since_eval = 0  # pairs sent to the scorer or judge since the last eval, over all ranks
     failed_since_eval = 0  # of those, failed judgements (an error, an answer neither 0 nor 1, a NaN score)
     judge_error: str | None = None  # why this rank's latest judgement failed (an example for the stop sentence)

@@ -87,3 +87,15 @@ def cached_reference(
     if isinstance(found[1], utils.ConfigError):
         raise found[1]
     return found
+
+
+def reference_inputs(
+    config, policy, reference, examples: list[dict], tokenizer, distributed: bool, rank: int
+) -> tuple[bool, str | None, dict | None]:
+    """(whether reference log-probs are precomputed, their cache file, an earlier run's log-probs or None)."""
+    lora_reference = models.is_lora_model(policy) and losses.get_objective(config.loss.name).uses_reference(config.loss)
+    precompute = (reference is not None or lora_reference) and config.precompute_ref_log_probs
+    if not precompute:
+        return precompute, None, None
+    source = policy if lora_reference else reference  # LoRA: the policy's base (models.base_state_dict names its weights)
+    return (precompute, *cached_reference(source, examples, tokenizer, config, distributed, rank))

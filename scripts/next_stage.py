@@ -40,8 +40,8 @@ def compose_config(overrides: list[str]):
 
 def next_stage(overrides: list[str]) -> tuple[str, list[str]]:
     """(``k/n``, the overrides of the run to start next) for ``python train.py <overrides>`` (see the module)."""
-    import train
-    from runs import checkpoints, checks, launch
+    import train  # noqa: F401  (registers the plugins, as train.py's command line has them)
+    from runs import checkpoints, checks, launch, setup
 
     given = checks.given_keys(overrides)
     config = compose_config(overrides)
@@ -53,7 +53,7 @@ def next_stage(overrides: list[str]) -> tuple[str, list[str]]:
         return "1/1", overrides
     sft, dpo = launch.stage_commands(config, rest)
     sft_config = compose_config([*RUN_NODES_OVERRIDES, *sft])  # the config the SFT launch's ranks saved
-    found, _ = train.auto_resume_run(sft_config, finished=True)  # the newest SFT run of this config
+    found, _ = setup.auto_resume_run(sft_config, finished=True)  # the newest SFT run of this config
     if found is not None and os.path.exists(os.path.join(found, checkpoints.FINISHED)):
         return "2/2", ["resume=auto", *dpo, f"model.archive={os.path.join(found, 'LATEST', 'policy.pt')}"]
     return "1/2", ["resume=auto", *sft]

@@ -14,8 +14,8 @@ from conftest import TINY, compose_config, run_train
 import train
 import utils
 from evaluation import sampling
-from modeling import models
-from runs import checkpoints, checks
+from modeling import loading, models
+from runs import checkpoints, checks, setup
 
 FAST = ["num_threads=1", "sample_during_eval=false", "save_hf_export=false"]
 
@@ -43,7 +43,7 @@ def resume(run: Path, overrides: list[str], attach=None):
     config = compose_config([*TINY, *args])
     given = checks.given_keys(args)
     checks.settle_given(config, given)
-    return train.main(config, attach=attach, budget=train.budget_given(config, given))
+    return train.main(config, attach=attach, budget=setup.budget_given(config, given))
 
 
 def sha256(path: Path) -> str:
@@ -125,7 +125,7 @@ def test_an_archive_into_a_model_that_computes_otherwise_is_refused(tmp_path, ov
     sft = sft_run(tmp_path)
     config = tiny_with(f"model.archive={sft}/step-8/policy.pt", *overrides)
     with pytest.raises(utils.ConfigError) as err:
-        train.load_models(config, models.load_tokenizer(config.model), 0, False)
+        loading.load_models(config, models.load_tokenizer(config.model), 0, False)
     assert str(err.value) == (
         f"model.archive={sft}/step-8/policy.pt holds the weights of a model with {theirs} ({sft}/config.yaml), and this "
         f"run builds one with {ours}, in which the same weights compute something else; give this run the archive's "
@@ -137,11 +137,11 @@ def test_an_archive_into_a_model_with_harmless_differences_loads_with_a_note(tmp
     sft = sft_run(tmp_path)
     archive = f"{sft}/step-8/policy.pt"
     config = tiny_with(f"model.archive={archive}", "model.config.max_position_embeddings=1024")
-    policy, _ = train.load_models(config, models.load_tokenizer(config.model), 0, False)
+    policy, _ = loading.load_models(config, models.load_tokenizer(config.model), 0, False)
     assert f"Note: model.archive={archive} comes from a model with max_position_embeddings=512, and this run's has " \
         "max_position_embeddings=1024; the weights mean the same in both." in capsys.readouterr().out  # fmt: skip
     state = torch.load(archive, weights_only=True)["state"]
     assert all(torch.equal(policy.state_dict()[k], state[k]) for k in state)
     config = tiny_with(f"model.archive={archive}")
-    train.load_models(config, models.load_tokenizer(config.model), 0, False)
+    loading.load_models(config, models.load_tokenizer(config.model), 0, False)
     assert "Note:" not in capsys.readouterr().out  # the same settings: no word

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer
 import preference_datasets as pd
 import trainers
 import utils
-from data import chat, screening
+from data import chat, screening, splits
 from evaluation import in_training, sampling
 from losses import IGNORE_INDEX
 from modeling import models
@@ -280,7 +280,7 @@ def test_generation_stops_at_end_of_turn(tmp_path):
 
 @pytest.mark.parametrize("loss", ["dpo", "sft"])
 def test_tiny_run_on_conversations_with_smollm2_tokenizer(tmp_path, monkeypatch, loss):
-    import train
+    import train  # noqa: F401  (registers the plugins the run uses)
 
     path = str(needs_shared("tokenizers", "smollm2-135m-instruct"))
     topics = ["cats", "dogs", "fish", "owls", "bees", "cows", "ants", "elks"]
@@ -294,7 +294,7 @@ def test_tiny_run_on_conversations_with_smollm2_tokenizer(tmp_path, monkeypatch,
                 rows[-1].pop("rejected")
         return rows
 
-    monkeypatch.setattr(train, "load_examples", fake_load)
+    monkeypatch.setattr(splits, "load_examples", fake_load)
     run_dir = run_train(
         [
             f"model.tokenizer_name_or_path={path}",

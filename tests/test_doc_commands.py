@@ -1,6 +1,6 @@
 """Every shell command of README.md and docs/*.md, and every command the project prints, runs as written up to just
 before its first training step: composed as Hydra composes it, checked (checks.validate_config), its data loaded,
-rendered and screened for length, and its eval set sized (train._load_splits), in-process.
+rendered and screened for length, and its eval set sized (splits.load_splits), in-process.
 
 A command that names something this machine has not got runs with a stand-in (:data:`STANDINS`, each with its reason);
 a command that cannot run here is in :data:`SKIPS` with its reason. A command in neither fails this test."""
@@ -21,11 +21,11 @@ from conftest import REPO, SHARED, compose_config, tiny_llama_scorer
 from hydra import compose, initialize_config_dir
 
 import preference_datasets
-import train
+from data import splits
 from evaluation import reward_functions
 from modeling import models
 from online import make_pairs
-from runs import checks, launch
+from runs import checks, launch, setup
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -288,10 +288,10 @@ def dry_train(overrides: list[str], places: dict, world_size: int | None = None)
         dry_train(sft, places)
         dry_train([*second, f"model.archive={places['run']}/LATEST/policy.pt"], places)
         return
-    budget = train.budget_given(config, given)
+    budget = setup.budget_given(config, given)
     if config.resume not in (None, "auto"):
-        assert train.resume_override_error(config, given) is None
-    config = train.effective_config(config, budget)
+        assert setup.resume_override_error(config, given) is None
+    config = setup.effective_config(config, budget)
     world = world_size or (config.world_size or 2 if config.trainer != "BasicTrainer" else 1)
     checks.validate_config(config, world)
     if config.launcher == "ray":
@@ -299,7 +299,7 @@ def dry_train(overrides: list[str], places: dict, world_size: int | None = None)
     declared = preference_datasets.declared_reward_functions(config.datasets)
     answer_functions = reward_functions.eval_functions(config.eval_reward_functions, declared)
     tokenizer = models.load_tokenizer(config.model)
-    train_examples, eval_examples = train._load_splits(config, tokenizer, 0, answer_functions)
+    train_examples, eval_examples = splits.load_splits(config, tokenizer, 0, answer_functions)
     assert train_examples and eval_examples
 
 

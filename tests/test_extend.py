@@ -18,7 +18,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import train
 import trainers
 import utils
-from runs import checkpoints, checks
+from runs import checkpoints, checks, setup
 
 FAST = ["num_threads=1", "sample_during_eval=false", "save_hf_export=false"]
 
@@ -48,8 +48,8 @@ def extend(run, overrides: list[str]):
     config = compose_config([*TINY, f"output_root={run.parent}", *args])
     given = checks.given_keys(args)
     checks.settle_given(config, given)
-    budget = train.budget_given(config, given)
-    assert train.resume_override_error(config, given) is None
+    budget = setup.budget_given(config, given)
+    assert setup.resume_override_error(config, given) is None
     return train.main(config, budget=budget)
 
 
@@ -87,7 +87,7 @@ def test_extending_equals_a_fresh_run_of_the_longer_length_bit_for_bit(finished,
     assert f"{line}\n{schedule}\n" in out
     assert OmegaConf.load(run / "config.yaml").n_examples == 96
     assert (run / "FINISHED").read_text() == "96\n"
-    log = (run / train.EXTENSIONS_LOG).read_text().splitlines()
+    log = (run / setup.EXTENSIONS_LOG).read_text().splitlines()
     assert len(log) == 1 and log[0].endswith(f" {line} {schedule}")
 
 
@@ -136,14 +136,14 @@ def test_a_length_not_beyond_what_was_trained_is_one_sentence_and_changes_nothin
         "than 48 examples to extend it."
     )
     assert (run / "config.yaml").read_text() == before and (run / "FINISHED").read_text() == "48\n"
-    assert not (run / train.EXTENSIONS_LOG).exists()
+    assert not (run / setup.EXTENSIONS_LOG).exists()
 
 
 def test_other_keys_given_with_resume_are_still_refused(finished):
     run = finished["constant"]
     args = [f"resume={run}", "n_examples=96", "lr=1.0"]
     config = compose_config([*TINY, *args])
-    problem = train.resume_override_error(config, checks.given_keys(args))
+    problem = setup.resume_override_error(config, checks.given_keys(args))
     assert problem is not None and "changes lr (saved 0.003, given 1.0);" in problem and "n_examples" not in problem
 
 

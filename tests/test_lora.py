@@ -27,7 +27,7 @@ import losses
 import train
 import trainers
 import utils
-from modeling import models
+from modeling import loading, models
 from preference_datasets import load_examples
 from runs import checkpoints, checks, reference_cache
 
@@ -76,17 +76,17 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def loaded_models(config, tokenizer) -> tuple[torch.nn.Module, torch.nn.Module | None, int]:
-    """``train.load_models`` on one process, and how many models it loaded (``models.load_model`` calls)."""
+    """``loading.load_models`` on one process, and how many models it loaded (``models.load_model`` calls)."""
     loaded = []
     real = models.load_model
     with pytest.MonkeyPatch.context() as m:
         m.setattr(models, "load_model", lambda *a, **k: loaded.append(1) or real(*a, **k))
-        policy, reference = train.load_models(config, tokenizer, 0, False)
+        policy, reference = loading.load_models(config, tokenizer, 0, False)
     return policy, reference, len(loaded)
 
 
 def lora_trainer(tmp_path: Path, overrides: list[str]) -> tuple[trainers.BasicTrainer, int]:
-    """A BasicTrainer on the tiny model built as train.main builds it (``train.load_models``), and
+    """A BasicTrainer on the tiny model built as train.main builds it (``loading.load_models``), and
     how many models were loaded for it."""
     config = compose_config([*TINY, f"output_root={tmp_path}", *overrides])
     OmegaConf.resolve(config)

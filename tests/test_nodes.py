@@ -28,7 +28,7 @@ from test_distributed import COMMON, assert_same_run, cli, start_train, weights
 
 import train
 import utils
-from runs import checkpoints, checks
+from runs import checkpoints, checks, setup
 
 FSDP = [*COMMON, "trainer=FSDPTrainer", "sample_during_eval=false", "save_hf_export=false"]
 HOST = socket.gethostname()
@@ -329,7 +329,7 @@ def make_run(root: Path, name: str, *, latest: bool = True, finished: bool = Fal
 
 
 def auto(root: Path, *extra: str):
-    return train.effective_config(compose_config([*TINY, f"output_root={root}", "resume=auto", "lr=0.5", *extra]))
+    return setup.effective_config(compose_config([*TINY, f"output_root={root}", "resume=auto", "lr=0.5", *extra]))
 
 
 def test_resume_auto_picks_the_newest_unfinished_run_with_a_checkpoint(tmp_path, capsys):

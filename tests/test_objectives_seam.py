@@ -32,6 +32,7 @@ import losses
 import objectives
 import train
 import trainers
+from modeling import loading
 
 OBJECTIVES_DOC = (REPO / "docs" / "objectives.md").read_text()
 
@@ -139,8 +140,8 @@ def test_a_reference_free_objective_loads_and_runs_no_reference(tmp_path, monkey
 
     monkeypatch.setattr(trainers.BasicTrainer, "reference_logps", refuse)
     seen = []
-    real = train.load_models
-    monkeypatch.setattr(train, "load_models", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    real = loading.load_models
+    monkeypatch.setattr(loading, "load_models", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
     for name in ("simpo", "orpo", "cpo"):
         run_train([f"loss={name}", "sample_during_eval=false", "n_examples=16"], tmp_path / name)
     assert [reference for _, reference in seen] == [None, None, None]

@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 import train
 import trainers
 import utils
-from runs import checkpoints, checks, processes
+from modeling import loading
+from runs import checkpoints, checks, processes, setup
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -394,8 +395,8 @@ def test_resume_of_a_folder_a_live_run_holds_is_refused_and_a_killed_holders_loc
     proc = holder(run_dir)
     try:
         loaded = []
-        real_load_models = train.load_models
-        monkeypatch.setattr(train, "load_models", lambda *a, **k: loaded.append(1) or real_load_models(*a, **k))
+        real_load_models = loading.load_models
+        monkeypatch.setattr(loading, "load_models", lambda *a, **k: loaded.append(1) or real_load_models(*a, **k))
         with pytest.raises(utils.ConfigError, match=f"^The run folder {run_dir} is in use by a live run \\(pid {proc.pid} on "):
             train.main(compose_config([f"resume={run_dir}"]))
         assert not loaded  # refused before any model loads
@@ -499,7 +500,7 @@ def test_ray_refuses_a_held_folder_before_ray_starts(tmp_path):
     folder = fake_run_folder(tmp_path, ["launcher=ray"])
     proc = holder(folder)
     try:
-        config = train.effective_config(compose_config(["launcher=ray", f"resume={folder}"]))
+        config = setup.effective_config(compose_config(["launcher=ray", f"resume={folder}"]))
         with pytest.raises(utils.ConfigError, match=f"The run folder {folder} is in use by a live run"):
             ray_launcher.launch(config, train.main)
         assert not ray.is_initialized()
@@ -589,7 +590,7 @@ def test_resume_of_a_checkpoint_folder_names_its_run_folder(tmp_path):
     os.symlink("step-8", run / "LATEST")
     config = compose_config([f"resume={run / 'step-8'}"])
     with pytest.raises(utils.ConfigError) as e:
-        train.effective_config(config)
+        setup.effective_config(config)
     assert str(e.value) == (
         f"resume={run / 'step-8'} is not a run folder with a LATEST checkpoint and config.yaml; "
         f"it looks like a checkpoint inside one: give the run folder, resume={run}."

@@ -40,6 +40,7 @@ import utils  # noqa: E402
 from evaluation import rewards  # noqa: E402
 from modeling import models
 from parallel import ray_launcher  # noqa: E402
+from runs import setup  # noqa: E402
 
 RUN = [*COMMON, "sample_during_eval=false", "trainer=FSDPTrainer"]  # 64 examples, eval and checkpoint every 32
 ON_RAY = [*RUN, "launcher=ray", "ray.num_workers=2"]
@@ -145,7 +146,7 @@ def test_reference_on_actors_and_a_killed_worker_restarted_from_its_checkpoint_e
     # latest checkpoint, after which nothing is left to train.
     resumed = compose_config([f"resume={run_dir}"])
     capfd.readouterr()
-    assert ray_launcher.launch(train.effective_config(resumed), train.main) == 0
+    assert ray_launcher.launch(setup.effective_config(resumed), train.main) == 0
     assert [p.name for p in (tmp_path / "out").iterdir()] == [run_dir.name]
     assert records(run_dir) == recs
     assert wait_for_output(capfd, "Nothing to do: this run is complete (64/64 examples)")
@@ -261,7 +262,7 @@ def test_remote_reference_keeps_order_and_dtype_and_a_dead_actor_is_an_error(clu
     tokenizer = models.load_tokenizer(config.model)
     policy = models.load_model(config.model, tokenizer, None, config.seed)
     trainer = trainers.BasicTrainer(
-        policy, config, str(tmp_path), tokenizer, examples, examples, train.load_reference(config, tokenizer)
+        policy, config, str(tmp_path), tokenizer, examples, examples, models.load_reference(config, tokenizer)
     )
     want_chosen, want_rejected = trainer.reference_logps(batch)  # the colocated reference
     assert chosen.dtype == rejected.dtype == torch.float32 and chosen.shape == rejected.shape == (5,)

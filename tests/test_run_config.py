@@ -21,7 +21,7 @@ import train
 import trainers
 import utils
 from preference_datasets import DataError
-from runs import checkpoints, checks
+from runs import checkpoints, checks, reference_cache, setup
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
@@ -299,7 +299,7 @@ def make_run(root: Path, name: str, overrides: list[str]) -> Path:
 
 
 def auto(root: Path, *extra: str):
-    return train.effective_config(compose_config([*TINY, f"output_root={root}", "resume=auto", *extra]))
+    return setup.effective_config(compose_config([*TINY, f"output_root={root}", "resume=auto", *extra]))
 
 
 def test_resume_auto_continues_only_a_run_of_the_same_config(tmp_path, capsys):
@@ -405,7 +405,7 @@ def test_resume_of_a_run_stopped_before_its_first_checkpoint_says_there_is_nothi
     with pytest.raises(
         utils.ConfigError, match=r"has no checkpoint yet .*nothing to resume; start it again with the same command"
     ):
-        train.effective_config(compose_config([*TINY, f"resume={run}"]))
+        setup.effective_config(compose_config([*TINY, f"resume={run}"]))
 
 
 def test_latest_pointing_at_a_missing_folder_resumes_from_the_newest_intact_step(tmp_path, capsys):
@@ -485,7 +485,7 @@ def test_resume_of_a_run_killed_in_its_first_save_removes_the_save_then_says_the
     (run / ".step-24.tmp-9f3c2a1b" / "policy.pt").write_bytes(b"\0" * 64)
     OmegaConf.save(compose_config(TINY), run / "config.yaml")
     with pytest.raises(utils.ConfigError, match=r"has no checkpoint yet"):
-        train.effective_config(compose_config([*TINY, f"resume={run}"]))
+        setup.effective_config(compose_config([*TINY, f"resume={run}"]))
     assert sorted(p.name for p in run.iterdir()) == [".lock", "config.yaml"]
 
 
@@ -494,7 +494,7 @@ def test_a_fault_after_the_run_folder_is_made_leaves_no_folder_holding_only_its_
     def refuse(*args, **kwargs):
         raise utils.ConfigError("The reference cache is refused.")
 
-    monkeypatch.setattr(train, "_reference_cache", refuse)
+    monkeypatch.setattr(reference_cache, "reference_inputs", refuse)
     with pytest.raises(utils.ConfigError, match="refused"):
         train.main(compose_config([*TINY, f"output_root={tmp_path / 'a'}"]))
     assert list((tmp_path / "a").iterdir()) == []

@@ -28,7 +28,7 @@ import train
 import utils
 from evaluation import rewards
 from modeling import models
-from runs import checkpoints, checks, resume
+from runs import checkpoints, checks, resume, setup
 
 QUICK = ["sample_during_eval=false", "save_hf_export=false", "num_threads=1"]
 
@@ -538,13 +538,13 @@ def test_a_handed_run_folder_imports_nothing_and_sends_no_key_unless_the_command
         "judge.base_url=http://127.0.0.1:9/v1",
         "judge.api_key_env=AWS_SECRET_ACCESS_KEY",
     ]
-    config = train.effective_config(compose_config([f"resume={run}", *given]))  # given again: taken
+    config = setup.effective_config(compose_config([f"resume={run}", *given]))  # given again: taken
     assert list(config.eval_reward_functions) == ["handed_helper:f"] and config.judge.api_key_env == "AWS_SECRET_ACCESS_KEY"
 
 
 def test_a_run_folders_registered_reward_functions_and_default_keys_are_taken_without_being_given(finished, tmp_path):
     run = handed_copy(finished, tmp_path, eval_reward_functions=["arithmetic", "length"], reward_functions=["length"])
-    config = train.effective_config(compose_config([f"resume={run}"]))
+    config = setup.effective_config(compose_config([f"resume={run}"]))
     assert list(config.eval_reward_functions) == ["arithmetic", "length"] and list(config.reward_functions) == ["length"]
     assert config.judge.api_key_env == "OPENAI_API_KEY"  # the saved default: what this command gives too
 

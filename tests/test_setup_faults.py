@@ -86,13 +86,13 @@ def test_a_stop_during_setup_is_one_sentence_and_leaves_no_run_folder(tmp_path, 
 
 def test_a_stop_while_resuming_keeps_the_folder_and_names_the_resume_command(tmp_path):
     """A resumed run stopped during setup keeps its folder (its checkpoints) and says how to continue."""
-    import train
+    from runs import setup
 
     run_dir = tmp_path / "run"
     (run_dir / "step-8").mkdir(parents=True)
     (run_dir / "LATEST").symlink_to("step-8")
-    error = train.StoppedDuringSetup(signal.SIGTERM)
-    message = train.stopped_during_setup(error, None, str(run_dir))
+    error = setup.StoppedDuringSetup(signal.SIGTERM)
+    message = setup.stopped_during_setup(error, None, str(run_dir))
     assert message == (
         "Stopped by SIGTERM during setup, before the first training step: nothing was trained since its "
         f"checkpoint; continue with: python train.py resume={run_dir}"
@@ -102,7 +102,7 @@ def test_a_stop_while_resuming_keeps_the_folder_and_names_the_resume_command(tmp
     (made / "step-8").mkdir(parents=True)
     (made / "step-8" / "policy.pt").write_bytes(b"x")
     (made / "step-8" / "trainer_state.pt").write_bytes(b"x")
-    assert "was removed" not in train.stopped_during_setup(error, str(made), None)  # a checkpoint: kept
+    assert "was removed" not in setup.stopped_during_setup(error, str(made), None)  # a checkpoint: kept
     assert made.is_dir()
 
 

@@ -142,7 +142,7 @@ def test_a_basic_launcher_sweep_goes_on_after_a_job_that_ends_with_sys_exit_0(tm
     # sft_first, FSDP/TP and Ray jobs end with sys.exit(0): that ended the whole sweep after its first job
     import train
 
-    def run_command(config):
+    def run_command(config, command):
         launch.tell_launcher(str(tmp_path / f"{config.loss.name}_run"))
         sys.exit(0)
 
