@@ -202,6 +202,76 @@ def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return list(groups.values()) or [[]]  # torch's foreach kernels refuse a mix of kinds
 
 
+class Dist:
+    """The processes a trainer runs on and their collectives: each returns its input on one process (``mesh`` None) and
+    runs over the (dp, tp) device mesh's groups otherwise (tensor-parallel peers hold the same data)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, mesh=None):
+        self.rank, self.world_size, self.mesh = rank, world_size, mesh
+
+    @property
+    def data_rank(self) -> int:
+        """Which part of each batch this process takes: its place along the mesh's data-parallel dimension."""
+        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()  # tensor-parallel peers share it
+
+    @property
+    def data_world_size(self) -> int:
+        """Into how many parts each batch is split: world size / tensor-parallel size."""
+        return self.world_size if self.mesh is None else self.mesh["dp"].size()
+
+    @property
+    def is_main(self) -> bool:
+        """True on the process that logs, prints and writes the run folder's files."""
+        return self.rank == 0
+
+    @property
+    def data_group(self):
+        """The data-parallel process group (None: every process, or one process)."""
+        return None if self.mesh is None else self.mesh["dp"].get_group()
+
+    def all_reduce(self, value: float, op: str, group=None) -> float:
+        """``value`` reduced by ``torch.distributed.ReduceOp.<op>`` over ``group`` (default all processes), a float."""
+        if self.mesh is None:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([float(value)], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+        return t.item()
+
+    def global_sum(self, value: float) -> float:
+        """Sum of ``value`` over the data-parallel groups (tensor-parallel peers hold the same value)."""
+        return self.all_reduce(value, "SUM", group=self.data_group)
+
+    def gather_metrics(self, metrics: dict) -> dict:
+        """Per-example metric lists of every data-parallel group, concatenated in order (tensor-parallel peers computed the same)."""
+        return self.gather_per_rank(metrics, group=self.data_group)
+
+    def gather_per_rank(self, metrics: dict, group=None) -> dict:
+        """Every rank's lists (of ``group``, default all), concatenated in rank order, even when all processes see
+        the same data (tensor parallelism): for per-process figures such as peak memory."""
+        return metrics if self.mesh is None else concatenated_per_rank(metrics, group)
+
+    def broadcast(self, obj):
+        """``obj`` as the main process has it, on every process."""
+        return obj if self.mesh is None else utils.broadcast_object(obj)
+
+    def all_finite(self, value: torch.Tensor) -> bool:
+        """True if ``value`` is finite on every process (all agree, so none hangs alone)."""
+        return self.all_reduce(float(torch.isfinite(value).all()), "MIN") == 1.0
+
+    def any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
+        return self.all_reduce(float(flag), "MAX") == 1.0
+
+    def wait_for_all(self) -> None:
+        """Return once every process has got here."""
+        if self.mesh is not None:
+            import torch.distributed as dist
+
+            dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
+
+
 class BasicTrainer:
     """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
     a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
@@ -224,6 +294,7 @@ class BasicTrainer:
         """The loop over ``train_examples`` for ``policy`` against ``reference_model`` (or the precomputed
         ``reference_cache``), evaluating on ``eval_examples`` and checkpointing into ``run_dir``."""
         self.config = config
+        self.dist = Dist(self.rank, self.world_size, self.mesh)  # one process here; a parallel trainer set its mesh first
         self.reference_cache = reference_cache  # an earlier pass's reference log-probs (then no reference_model)
         self.data_fingerprint = data_fingerprint  # the examples' fingerprint, kept in each checkpoint for resume
         self.run_dir = run_dir
@@ -283,34 +354,14 @@ class BasicTrainer:
         self.stop_requested = False
         self.stop_signal: int | None = None
 
-    # ------------------------------------------------------------------ setup and the parallel hooks: each collective
-    # returns its input on one process (``mesh`` None) and runs over the (dp, tp) device mesh's groups otherwise
+    # ------------------------------------------------------------------ setup and what a parallel trainer overrides
+    # (the collectives are self.dist's)
 
     rank = 0
     world_size = 1
     tp_size = 1  # over how many processes each weight matrix is split (the mesh's ``tp`` dimension)
     mesh = None  # a parallel trainer's (dp, tp) torch.distributed DeviceMesh
     grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
-
-    @property
-    def data_rank(self) -> int:
-        """Which part of each batch this process takes: its place along the mesh's data-parallel dimension."""
-        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()  # tensor-parallel peers share it
-
-    @property
-    def data_world_size(self) -> int:
-        """Into how many parts each batch is split: world size / tensor-parallel size."""
-        return self.world_size if self.mesh is None else self.mesh["dp"].size()
-
-    @property
-    def is_main(self) -> bool:
-        """True on the process that logs, prints and writes the run folder's files."""
-        return self.rank == 0
-
-    @property
-    def data_group(self):
-        """The data-parallel process group (None: every process, or one process)."""
-        return None if self.mesh is None else self.mesh["dp"].get_group()
 
     def prepare_models(self) -> None:
         """Move the policy and reference to this process's device, except a model split by ``model.device_map``
@@ -337,50 +388,8 @@ class BasicTrainer:
         stand-in part when a final batch has fewer examples than processes)."""
         return batch, 1.0
 
-    def all_reduce(self, value: float, op: str, group=None) -> float:
-        """``value`` reduced by ``torch.distributed.ReduceOp.<op>`` over ``group`` (default all processes), a float."""
-        if self.mesh is None:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
-        return t.item()
-
-    def global_sum(self, value: float) -> float:
-        """Sum of ``value`` over the data-parallel groups (tensor-parallel peers hold the same value)."""
-        return self.all_reduce(value, "SUM", group=self.data_group)
-
-    def gather_metrics(self, metrics: dict) -> dict:
-        """Per-example metric lists of every data-parallel group, concatenated in order (tensor-parallel peers computed the same)."""
-        return self.gather_per_rank(metrics, group=self.data_group)
-
-    def gather_per_rank(self, metrics: dict, group=None) -> dict:
-        """Every rank's lists (of ``group``, default all), concatenated in rank order, even when all processes see
-        the same data (tensor parallelism): for per-process figures such as peak memory."""
-        return metrics if self.mesh is None else concatenated_per_rank(metrics, group)
-
-    def broadcast(self, obj):
-        """``obj`` as the main process has it, on every process."""
-        return obj if self.mesh is None else utils.broadcast_object(obj)
-
     def set_grad_sync(self, enabled: bool) -> None:
         """Whether the next backward synchronises gradients across processes."""
-
-    def all_finite(self, value: torch.Tensor) -> bool:
-        """True if ``value`` is finite on every process (all agree, so none hangs alone)."""
-        return self.all_reduce(float(torch.isfinite(value).all()), "MIN") == 1.0
-
-    def any_rank(self, flag: bool) -> bool:
-        """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
-        return self.all_reduce(float(flag), "MAX") == 1.0
-
-    def wait_for_all(self) -> None:
-        """Return once every process has got here."""
-        if self.mesh is not None:
-            import torch.distributed as dist
-
-            dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm and return that norm."""
@@ -486,7 +495,7 @@ class BasicTrainer:
     def precompute_reference(self, examples: list[dict], path: str) -> dict:
         """The live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``, on every
         process; rank 0 writes them to ``path`` (:func:`reference_cache_path`), with one warning if it cannot."""
-        world, rank = self.data_world_size, self.data_rank
+        world, rank = self.dist.data_world_size, self.dist.data_rank
         bounds = np.linspace(0, len(examples), world + 1).round().astype(int)  # a contiguous share per data-parallel rank
         size = self.config.eval_batch_size
         # the same on every rank: FSDP's collectives need it
@@ -497,7 +506,7 @@ class BasicTrainer:
             mine or examples[:1], self.tokenizer, size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
         )
         computed, n_done, last = {}, 0, None
-        for _ in tqdm.tqdm(range(n_calls), desc="reference log-probs", disable=not (config.progress_bar and self.is_main)):
+        for _ in tqdm.tqdm(range(n_calls), desc="reference log-probs", disable=not (config.progress_bar and self.dist.is_main)):
             batch = next(batches, None)
             real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
             batch = batch if batch is not None else last
@@ -507,11 +516,11 @@ class BasicTrainer:
                 n_done += len(batch["key"])
             last = batch
         self.reshard_reference()
-        shares = self.gather_metrics({"cache": [computed], "n": [n_done]})
+        shares = self.dist.gather_metrics({"cache": [computed], "n": [n_done]})
         cache = {}
         for part in shares["cache"]:
             cache.update(part)
-        if self.is_main:
+        if self.dist.is_main:
             by_rank = "" if world == 1 else f" ({' + '.join(map(str, shares['n']))} computed by the {world} data-parallel ranks)"
             failure = write_reference_cache(path, cache)
             if failure is None:
@@ -603,9 +612,9 @@ class BasicTrainer:
         """The mismatched pairs' log-probs as the objective gets them: (B,) each on one process; with several
         data-parallel processes, the mean over processes of the mean difference, shape (1,), and a zero
         reference (one all-reduce; every process calls this once per micro-batch)."""
-        if self.data_world_size == 1:
+        if self.dist.data_world_size == 1:
             return policy_kl, reference_kl
-        mean = self.global_sum(float((policy_kl - reference_kl).float().mean())) / self.data_world_size
+        mean = self.dist.global_sum(float((policy_kl - reference_kl).float().mean())) / self.dist.data_world_size
         return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
 
     def mismatched_kl_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -669,18 +678,18 @@ class BasicTrainer:
         """Mean metrics over the eval set (``n_eval_examples``), logged as ``*_eval/*``."""
         self.policy.eval()
         collected = defaultdict(list)
-        bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.is_main))
+        bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.dist.is_main))
         for global_batch in bar:
             batch, _ = self.local_batch(global_batch)
-            n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
+            n_tokens = self.dist.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
             _, metrics = self.get_batch_metrics(batch, len(global_batch["prompt"]), n_tokens, "eval")
             for k, v in metrics.items():
                 collected[k].extend(v)
-        collected = self.gather_metrics(collected)
+        collected = self.dist.gather_metrics(collected)
         means = {k: float(np.mean(v)) for k, v in collected.items()}
         for extend in EVAL_EXTENSIONS:  # evaluation/: the greedy answers scored, samples written
             means |= extend(self)
-        if self.is_main:
+        if self.dist.is_main:
             self.logger.log(means, step=self.example_counter)
             print(f"[eval] after {self.example_counter} examples: {tracking.formatted_dict(means)}")
         self.policy.train()
@@ -696,12 +705,12 @@ class BasicTrainer:
         batch, weight = self.local_batch(batch)
         collected = defaultdict(list)
         batch, n_examples = self.step_pairs(batch, weight, collected, n_examples)
-        n_tokens = self.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
+        n_tokens = self.dist.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
             self.set_grad_sync(i == len(chunks) - 1)  # one gradient reduction per step
             loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
-            if not self.all_finite(loss):
+            if not self.dist.all_finite(loss):
                 self.raise_non_finite(f"loss is {loss.item()}")
             (loss * (weight * self.grad_scale)).backward()
             if weight:
@@ -710,7 +719,7 @@ class BasicTrainer:
         grad_norm = self.clip_gradients()
         if not torch.isfinite(grad_norm):
             self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
-        collected = defaultdict(list, self.gather_metrics(collected))
+        collected = defaultdict(list, self.dist.gather_metrics(collected))
         collected["lr"].append(self.optimizer.param_groups[0]["lr"])  # the lr of this step
         self.optimizer.step()
         self.scheduler.step()
@@ -785,7 +794,7 @@ class BasicTrainer:
             initial=self.example_counter,
             unit="ex",
             desc="train",
-            disable=not (self.config.progress_bar and self.is_main),
+            disable=not (self.config.progress_bar and self.dist.is_main),
         )
         try:
             self.run_batches(iterator, bar)
@@ -800,7 +809,7 @@ class BasicTrainer:
 
     def say_already_complete(self) -> None:
         """On rank 0: say the run has nothing left to train, writing ``FINISHED`` if it is missing."""
-        if self.is_main:
+        if self.dist.is_main:
             print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
             if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
                 checkpoints.mark_finished(self.run_dir, self.example_counter)
@@ -840,14 +849,14 @@ class BasicTrainer:
             bar.update(len(batch["prompt"]))
             for k, v in metrics.items():
                 pending[k].extend(v)
-            self.stop_requested = self.any_rank(self.stop_requested)
+            self.stop_requested = self.dist.any_rank(self.stop_requested)
             now = time.time()
-            if self.is_main and (now - last_log >= self.config.minimum_log_interval_secs or self.stop_requested):
+            if self.dist.is_main and (now - last_log >= self.config.minimum_log_interval_secs or self.stop_requested):
                 self.log_train(pending, self.example_counter - last_log_examples, tokens, now - last_log, bar)
                 last_log, last_log_examples, tokens = now, self.example_counter, 0
             if self.stop_requested:
                 break
-        if pending and self.is_main:  # the last steps are always logged
+        if pending and self.dist.is_main:  # the last steps are always logged
             self.log_train(pending, self.example_counter - last_log_examples, tokens, max(time.time() - last_log, 1e-9), bar)
 
     def evaluate_and_save(self, final: bool) -> str | None:
@@ -868,21 +877,21 @@ class BasicTrainer:
         """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
         path = self.save()
         memory = self.log_peak_memory()
-        if self.is_main and self.config.get("plot_curves", True):  # .get: a config saved before the key existed
+        if self.dist.is_main and self.config.get("plot_curves", True):  # .get: a config saved before the key existed
             tracking.plot_curves(self.run_dir)
-        if self.is_main:
+        if self.dist.is_main:
             print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
             self.say_peak_memory(memory)
             how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
             print(f"Resume with: {how} resume={self.run_dir}")
-        self.wait_for_all()
+        self.dist.wait_for_all()
         return self.stop_signal or signal.SIGTERM
 
     def finish_run(self) -> None:
         """At the end of training: the last eval and checkpoint, the report, then ``FINISHED`` once every rank is done."""
         path = self.evaluate_and_save(final=True)
         memory = self.log_peak_memory()
-        if self.is_main:
+        if self.dist.is_main:
             written = tracking.plot_curves(self.run_dir) if self.config.get("plot_curves", True) else []
             export = ""
             if self.config.save_hf_export:
@@ -892,8 +901,8 @@ class BasicTrainer:
             self.say_peak_memory(memory)
             if written:
                 print(f"Training curves: {os.path.dirname(written[0])}/")
-        self.wait_for_all()
-        if self.is_main:  # every rank's part of the last checkpoint is written
+        self.dist.wait_for_all()
+        if self.dist.is_main:  # every rank's part of the last checkpoint is written
             checkpoints.mark_finished(self.run_dir, self.example_counter)
 
     def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
@@ -909,12 +918,12 @@ class BasicTrainer:
         mine = {"rss": [tracking.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
         if torch.cuda.is_available():
             mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
-        gathered = self.gather_per_rank(mine)
+        gathered = self.dist.gather_per_rank(mine)
         record = {}
         for kind, values in gathered.items():
             for rank, value in enumerate(values):
                 record[f"memory/rank{rank}_peak_{kind}_mib"] = value
-        if self.is_main:
+        if self.dist.is_main:
             self.logger.log(record, step=self.example_counter)
         return dict(gathered)
 
@@ -949,7 +958,7 @@ class BasicTrainer:
         step = self.example_counter
         self.hf_export_failure = None
         path = self.save_checkpoint_dir(f"step-{step}", lambda folder: self.write_checkpoint(folder, step))
-        if self.is_main:
+        if self.dist.is_main:
             self.warn_export_failure(path)
             checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         return path
@@ -962,22 +971,22 @@ class BasicTrainer:
         sent = []  # the folder, once the main process has made it and sent it to the others
 
         def write_all(folder: str) -> None:
-            sent.append(self.broadcast(folder))
+            sent.append(self.dist.broadcast(folder))
             write(folder)
 
         message = None
-        if self.is_main:
+        if self.dist.is_main:
             try:
                 checkpoints.save_checkpoint_dir(self.run_dir, name, write_all)
             except checkpoints.CheckpointError as e:
                 message = str(e)
                 if not sent:
-                    self.broadcast(None)  # no folder: the others write nothing
+                    self.dist.broadcast(None)  # no folder: the others write nothing
         else:
-            folder = self.broadcast(None)
+            folder = self.dist.broadcast(None)
             if folder is not None:
                 write(folder)
-        message = self.broadcast(message)  # every process waits here for the main one's files
+        message = self.dist.broadcast(message)  # every process waits here for the main one's files
         if message is not None:
             raise checkpoints.CheckpointError(message)
         return os.path.join(self.run_dir, name)
@@ -1020,7 +1029,7 @@ class BasicTrainer:
 
     def warn_export_failure(self, path: str) -> None:
         """Print one sentence when checkpoint ``path`` was published without its ``hf/`` export."""
-        if self.hf_export_failure and self.is_main:
+        if self.hf_export_failure and self.dist.is_main:
             print(
                 f"Warning: the Hugging Face export {path}/hf could not be written ({self.hf_export_failure}); "
                 f"the checkpoint is complete without it: resume= continues from it and "
@@ -1092,7 +1101,7 @@ class BasicTrainer:
         """On rank 0, drop what was logged after ``step`` examples (metrics.jsonl and the resumed
         W&B run, samples.jsonl and samples.md, completions.jsonl), since training logs those
         steps again; ``step=-1`` drops all. Returns how many metrics.jsonl records were dropped."""
-        if not self.is_main:
+        if not self.dist.is_main:
             return 0
         dropped = self.logger.rewind(step)
         for name in ("samples.jsonl", "completions.jsonl"):
@@ -1192,8 +1201,8 @@ class _DistributedTrainer(BasicTrainer):
             dcp.save(state, checkpoint_id=os.path.join(folder, "sharded"))
         except Exception as e:  # DCP raises on every rank when any rank's write fails
             error = e
-        if self.any_rank(error is not None):
-            if not self.is_main:
+        if self.dist.any_rank(error is not None):
+            if not self.dist.is_main:
                 return  # rank 0 raises, and save_checkpoint_dir tells every rank
             if error is not None:
                 raise error
@@ -1204,7 +1213,7 @@ class _DistributedTrainer(BasicTrainer):
         adapters_only = self.lora is not None and not (self.config.save_hf_export and self.lora.get("export_merged"))
         full_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
         full = get_model_state_dict(self.policy, options=full_options)
-        if self.is_main:
+        if self.dist.is_main:
             self.write_rank0_files(folder, step, full)
 
     def sharded_options(self):
@@ -1274,7 +1283,7 @@ class FSDPTrainer(_DistributedTrainer):
 
     @property
     def grad_scale(self) -> float:
-        return float(self.data_world_size)  # FSDP averages gradients over its ranks; losses are global sums
+        return float(self.dist.data_world_size)  # FSDP averages gradients over its ranks; losses are global sums
 
     def tensor_parallel_size(self, config) -> int:
         """``tensor_parallel_size`` (default 1: plain FSDP over every rank)."""
@@ -1308,9 +1317,9 @@ class FSDPTrainer(_DistributedTrainer):
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
-        parts = split_batch(batch, self.data_world_size)
-        if self.data_rank < len(parts):
-            return parts[self.data_rank], 1.0
+        parts = split_batch(batch, self.dist.data_world_size)
+        if self.dist.data_rank < len(parts):
+            return parts[self.dist.data_rank], 1.0
         return parts[0], 0.0  # fewer examples than ranks: run a stand-in so collectives match
 
     def set_grad_sync(self, enabled: bool) -> None:

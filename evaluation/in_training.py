@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -25,15 +26,37 @@ def eval_means(trainer) -> dict:
     if trainer.objective.score_head:
         return {}
     config = trainer.config
-    declared = declared_reward_functions(config.datasets)
-    functions = [  # one scorer per function: each is reported on its own
-        (name, rewards.RewardFunctionScorer([name], [fn], [1.0]))
-        for name, fn in reward_functions.eval_functions(config.eval_reward_functions, declared)
-    ]
+    if trainer not in ANSWER_SCORERS:  # built at the first eval, kept for the trainer's life
+        ANSWER_SCORERS[trainer] = answer_scorers(config)
+    functions = ANSWER_SCORERS[trainer]
     means = score_answers(trainer, functions) if functions else {}
     if config.sample_during_eval:
         sample(trainer)
     return means
+
+
+ANSWER_SCORERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # trainer -> its answer_scorers
+
+
+def answer_scorers(config) -> list:
+    """(name, scorer) for each function ``config.eval_reward_functions`` names: one scorer per function, each reported
+    on its own."""
+    declared = declared_reward_functions(config.datasets)
+    functions = reward_functions.eval_functions(config.eval_reward_functions, declared)
+    return [(name, rewards.RewardFunctionScorer([name], [fn], [1.0])) for name, fn in functions]
+
+
+def eval_prompts(trainer, n: int | None = None) -> tuple[list[str], list[list[int]], list[dict]]:
+    """The first ``n`` (all: None) eval prompts, their unpadded ids (eval batches are padded to different widths) and
+    their rows' other columns."""
+    prompts, ids, fields = [], [], []
+    for batch in trainer.eval_batches:
+        prompts.extend(batch["prompt"])
+        ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
+        fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
+        if n is not None and len(prompts) >= n:
+            break
+    return prompts[:n], ids[:n], fields[:n]
 
 
 @torch.no_grad()
@@ -41,14 +64,10 @@ def score_answers(trainer, answer_functions: list) -> dict:
     """The policy's greedy answers to the eval prompts, scored by each ``(name, scorer)`` of ``answer_functions``:
     ``answers_eval/<name>`` (mean score over the prompts it scored), ``answers_eval/<name>_failed`` (share
     not scorable), ``answers_eval/ended`` (share stopped at EOS within ``max_length - max_prompt_length`` tokens)."""
-    prompts, ids, fields = [], [], []
-    for batch in trainer.eval_batches:  # unpadded ids: eval batches are padded to different widths
-        prompts.extend(batch["prompt"])
-        ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
-        fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
-    world, size = trainer.data_world_size, trainer.config.eval_batch_size
+    prompts, ids, fields = eval_prompts(trainer)
+    world, size = trainer.dist.data_world_size, trainer.config.eval_batch_size
     part = split_batch({"prompt": prompts, "ids": ids, "fields": fields}, world)
-    mine = part[trainer.data_rank] if trainer.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
+    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
     n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
     pad_id = trainer.tokenizer.pad_token_id
     rows = []
@@ -80,7 +99,7 @@ def score_answers(trainer, answer_functions: list) -> dict:
             scores = scorer.score(chunk_prompts, texts, **columns).tolist()  # NaN: not scorable
             rows.extend({"function": name, "score": score} for score in scores)
         rows.extend({"function": None, "ended": e} for e in ended)
-    rows = trainer.gather_metrics({"rows": rows})["rows"]
+    rows = trainer.dist.gather_metrics({"rows": rows})["rows"]
     means = {}
     for name, _ in answer_functions:
         scores = [r["score"] for r in rows if r["function"] == name]
@@ -99,15 +118,9 @@ def sample(trainer) -> list[dict]:
     """Sample completions from the policy (and the reference, if any) for the first
     ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
     ``samples.md`` in the run folder and log them as W&B tables."""
-    n = trainer.config.n_eval_model_samples
-    prompts, ids = [], []
-    for batch in trainer.eval_batches:  # unpadded ids: eval batches are padded to different widths
-        prompts.extend(batch["prompt"])
-        ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
-        if len(prompts) >= n:
-            break
-    part = split_batch({"prompt": prompts[:n], "ids": ids[:n]}, trainer.data_world_size)
-    mine = part[trainer.data_rank] if trainer.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
+    prompts, ids, _ = eval_prompts(trainer, trainer.config.n_eval_model_samples)
+    part = split_batch({"prompt": prompts, "ids": ids}, trainer.dist.data_world_size)
+    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
     pad_id = trainer.tokenizer.pad_token_id
     prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
     models = {"policy": trainer.policy}
@@ -134,10 +147,10 @@ def sample(trainer) -> list[dict]:
     rows = [
         {"step": trainer.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}} for i, p in enumerate(prompts)
     ]
-    if trainer.data_rank >= len(part):
+    if trainer.dist.data_rank >= len(part):
         rows = []  # a stand-in: more processes than samples
-    rows = trainer.gather_metrics({"rows": rows})["rows"]
-    if not trainer.is_main:
+    rows = trainer.dist.gather_metrics({"rows": rows})["rows"]
+    if not trainer.dist.is_main:
         return rows
     sampling.append_rows(os.path.join(trainer.run_dir, "samples.jsonl"), rows, checkpoints.resume_hint(trainer.run_dir))
     write_samples_md(trainer.run_dir)

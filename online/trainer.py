@@ -36,7 +36,7 @@ class OnlineSampling:
     def step_pairs(self, batch: dict, weight: float, collected: dict, n_examples: float) -> tuple[dict, float]:
         """This step's sampled and labelled pairs (:meth:`labelled_batch`); only labelled pairs count."""
         batch, n_examples = self.labelled_batch(batch, weight, collected)
-        self.step_tokens = int(self.global_sum(trainers.count_tokens(batch) * weight))
+        self.step_tokens = int(self.dist.global_sum(trainers.count_tokens(batch) * weight))
         return batch, n_examples
 
     def batch_loss(self, batch: dict, inputs, per_example: torch.Tensor, normaliser: float, metrics: dict):
@@ -115,7 +115,7 @@ class OnlineSampling:
 
     def collect_rank_states(self) -> None:
         """Gather every rank's :meth:`rank_state` into :attr:`rank_states` (a collective: every rank calls it when saving)."""
-        self.rank_states = self.gather_per_rank({"ranks": [self.rank_state()]})["ranks"]
+        self.rank_states = self.dist.gather_per_rank({"ranks": [self.rank_state()]})["ranks"]
 
     def online_state(self) -> dict | None:
         """What trainer_state.pt keeps of online DPO: every rank's :meth:`rank_state`, the failure counts."""
@@ -155,7 +155,7 @@ class OnlineSampling:
             return None
         limit = float(self.config.online.max_failure_rate)
         share = failed / judged
-        if self.is_main:
+        if self.dist.is_main:
             print(
                 f"[judge] after {self.example_counter} examples: {failed} of {judged} judgements failed since the last eval "
                 f"({share:.0%}; online.max_failure_rate={limit:g})"
@@ -264,7 +264,7 @@ class OnlineSampling:
     def labelled_batch(self, batch: dict, weight: float, collected: dict) -> tuple[dict, float]:
         """This step's sampled and labelled pairs, and how many count over all ranks (at least 1); sampling metrics into ``collected``."""
         batch, sampled = self.online_pairs(batch)
-        n_examples = max(self.global_sum(float(batch["weight"].sum()) * weight), 1.0)
+        n_examples = max(self.dist.global_sum(float(batch["weight"].sum()) * weight), 1.0)
         if weight:
             for k, v in sampled.items():
                 collected[k].extend(v)
@@ -311,7 +311,7 @@ class OnlineSampling:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         rows, start = [], 0
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(self.config.seed + 1 + self.data_rank)  # tensor-parallel peers sample alike
+            torch.manual_seed(self.config.seed + 1 + self.dist.data_rank)  # tensor-parallel peers sample alike
             for global_batch in self.eval_batches:
                 n = len(global_batch["prompt"])
                 batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
@@ -340,7 +340,7 @@ class OnlineSampling:
                             "length": int(cmask[i].sum()),
                         }
                     )
-        rows = sorted(self.gather_metrics({"rows": rows})["rows"], key=lambda r: r["index"])
+        rows = sorted(self.dist.gather_metrics({"rows": rows})["rows"], key=lambda r: r["index"])
         means = {
             "eval/contain_eos_token": float(np.mean([r["contain_eos"] for r in rows])),
             "eval/completion_length": float(np.mean([r["length"] for r in rows])),
@@ -348,7 +348,7 @@ class OnlineSampling:
         if scorer is not None:
             scored = [r["score"] for r in rows if r["score"] is not None]
             means["eval/scores"] = float(np.mean(scored)) if scored else float("nan")  # over the completions that were scored
-        if self.is_main:
+        if self.dist.is_main:
             self.logger.log(means, step=self.example_counter)
             table = [
                 {"step": self.example_counter, "prompt": r["prompt"], "completion": r["completion"], "score": r["score"]}

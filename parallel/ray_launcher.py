@@ -258,7 +258,7 @@ def _attach(payload: dict, from_scratch: bool, trainer) -> None:
 
     def save_and_report() -> str:
         path = save()
-        checkpoint = ray.train.Checkpoint.from_directory(path) if trainer.is_main else None
+        checkpoint = ray.train.Checkpoint.from_directory(path) if trainer.dist.is_main else None
         ray.train.report({"examples": trainer.example_counter, "updates": trainer.batch_counter}, checkpoint=checkpoint)
         return path
 

@@ -13,6 +13,7 @@ import torch
 from conftest import needs_shared
 from omegaconf import OmegaConf
 
+import trainers
 from evaluation import evaluate, in_training, rewards, sampling
 from online import make_pairs
 from online import trainer as online
@@ -36,19 +37,19 @@ class FixedPolicy(torch.nn.Module):
         return torch.cat([ids, self.completion.expand(ids.shape[0], -1).to(ids)], 1)
 
 
+class OneProcess(trainers.Dist):
+    is_main = False  # writes no run-folder files
+
+
 class Trainer(online.OnlineSampling):
     """The trainer attributes online DPO's sampling and answers_eval read, on one process."""
 
-    rank = data_rank = batch_counter = 0
-    data_world_size = 1
-    is_main = False
+    rank = batch_counter = 0
+    dist = OneProcess()
     device = "cpu"
 
     def generate_kwargs(self):
         return {}
-
-    def gather_metrics(self, metrics):
-        return metrics
 
     def local_batch(self, batch):
         return batch, 1.0
