@@ -182,6 +182,7 @@ class Objective:
     sft_data: bool = False  # trains on each prompt's sft_target alone (no pairs)
     per_token: bool = False  # the batch loss sums over target tokens (SFT's per-token mean), not examples
     reward_metric: str = "rewards"  # metric name prefix of the rewards (rewards or scores)
+    inputs: Callable | None = None  # (trainer, batch) -> ObjectiveInputs; None: the pairs' (trainers.BasicTrainer.pair_inputs)
     unit: str = "nats per example"  # the loss's unit, for plot axes
 
     def uses_reference(self, loss_config) -> bool:
@@ -355,6 +356,14 @@ NLL_WEIGHT = Key(0.0, _non_negative, ">= 0", "weight of the chosen responses' NL
 AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "length-normalised log-probs")
 
 
+def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
+    """SFT's inputs: each SFT target's log-prob under the policy (the ``chosen_*`` rows alone, no pairs), (B,), and its
+    number of target tokens, (B,)."""
+    chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+    logps, n_tokens = trainer.one_side_logps(trainer.policy, chosen)
+    return ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
+
+
 @objective(
     "sft",
     keys={
@@ -369,6 +378,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
     sft_data=True,
     per_token=True,
     unit="nats per target token",
+    inputs=sft_inputs,
 )
 def sft_objective(policy_chosen_logps: torch.Tensor):
     """SFT as an objective: per-example -log pi(y | x) over the target tokens, no rewards; (B,) in and out."""

@@ -1234,3 +1234,17 @@ def get_batch_iterator(
             elements.append(element | fields)
         k += len(elements)
         yield collate(elements, pad_id)
+
+
+def concatenated_inputs(batch: dict) -> dict:
+    """``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)): chosen (B, T_c) in rows [0, B)
+    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass."""
+    width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
+    out = {}
+    for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX)):
+        parts = []
+        for side in ("chosen", "rejected"):
+            t = batch[f"{side}_{key}"]
+            parts.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
+        out[key] = torch.cat(parts, dim=0)
+    return out

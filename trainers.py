@@ -24,12 +24,7 @@ from modeling import models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel.fsdp import find_block_classes, fully_shard_blocks
 from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
-from preference_datasets import (
-    as_pair_batch,
-    get_batch_iterator,
-    mismatched_pairs,
-    stop_token_ids,
-)
+from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
 from runs import checkpoints, checks, tracking
 from runs.reference_cache import write_reference_cache
 from runs.resume import numpy_rng_state, read_checkpoint_file, read_sharded_checkpoint, set_numpy_rng_state
@@ -68,20 +63,6 @@ class NonFiniteLossError(RuntimeError):
 class RunStoppedError(RuntimeError):
     """A trainer that extends BasicTrainer stopped the run after a checkpoint (online DPO: its judge failed too often);
     the message names the checkpoint kept."""
-
-
-def concatenated_inputs(batch: dict) -> dict:
-    """``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)): chosen (B, T_c) in rows [0, B)
-    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass."""
-    width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
-    out = {}
-    for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", losses.IGNORE_INDEX)):
-        parts = []
-        for side in ("chosen", "rejected"):
-            t = batch[f"{side}_{key}"]
-            parts.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
-        out[key] = torch.cat(parts, dim=0)
-    return out
 
 
 def _kept_positions(labels: torch.Tensor) -> int:
@@ -567,83 +548,39 @@ class BasicTrainer:
         return loss, metrics
 
     def objective_inputs(self, batch: dict) -> losses.ObjectiveInputs:
-        """What the objective's declaration asks for, computed on this micro-batch of B examples
-        (see ``losses.ObjectiveInputs`` for the fields and shapes)."""
-        objective = self.objective
-        n = len(batch["prompt"])
-        if objective.score_head:  # a Bradley-Terry reward model: one score per sequence
-            inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}
-            scores = losses.last_token_scores(self.policy, inputs["input_ids"], inputs["attention_mask"])
-            return losses.ObjectiveInputs(chosen_scores=scores[:n], rejected_scores=scores[n:])
-        if objective.sft_data:  # the SFT target alone, packed as single sequences
-            chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-            logps, n_tokens = self.one_side_logps(self.policy, chosen)
-            return losses.ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
-        if "label" in batch:  # unpaired rows {prompt, completion, label}: one completion each, no rejected side
-            inputs = self.unpaired_inputs(batch)
-        else:
-            policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
-            if self.uses_reference:
-                ref_chosen, ref_rejected = self.reference_logps(batch)
-            else:  # a uniform reference (reference_free), never computed
-                ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
-            inputs = losses.ObjectiveInputs(
-                policy_chosen_logps=policy_chosen,
-                policy_rejected_logps=policy_rejected,
-                reference_chosen_logps=ref_chosen,
-                reference_rejected_logps=ref_rejected,
-                chosen_n_tokens=n_tokens[:n],
-                rejected_n_tokens=n_tokens[n:],
-            )
-            if objective.mismatched_kl:
-                inputs.policy_kl_logps, inputs.reference_kl_logps = self.mismatched_kl_logps(batch)
+        """What the objective learns from, computed on this micro-batch of B examples by the builder it declares
+        (:meth:`pair_inputs` unless it names another; see ``losses.ObjectiveInputs`` for the fields and shapes)."""
+        inputs = (self.objective.inputs or BasicTrainer.pair_inputs)(self, batch)
         if self.uses_nll:  # -log pi(y_w | x) per token, from the same forward
             chosen, n_chosen = inputs.policy_chosen_logps, inputs.chosen_n_tokens
             per_token = chosen if self.average_log_prob else chosen / n_chosen.clamp(min=1)
             inputs.policy_chosen_nll = -per_token
         return inputs
 
+    def pair_inputs(self, batch: dict) -> losses.ObjectiveInputs:
+        """The pairs' log-probs under the policy (:meth:`concatenated_forward`) and the reference
+        (:meth:`reference_logps`; zeros for a reference-free objective), (B,) each, and their target tokens."""
+        if "label" in batch:  # unpaired rows {prompt, completion, label}: an objective that takes them names its builder
+            raise ValueError(f"loss={self.objective.name} trains on pairs; this batch holds unpaired rows.")
+        n = len(batch["prompt"])
+        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
+        if self.uses_reference:
+            ref_chosen, ref_rejected = self.reference_logps(batch)
+        else:  # a uniform reference (reference_free), never computed
+            ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+        return losses.ObjectiveInputs(
+            policy_chosen_logps=policy_chosen,
+            policy_rejected_logps=policy_rejected,
+            reference_chosen_logps=ref_chosen,
+            reference_rejected_logps=ref_rejected,
+            chosen_n_tokens=n_tokens[:n],
+            rejected_n_tokens=n_tokens[n:],
+        )
+
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`single_logps` of ``model`` on ``rows`` with this trainer's settings."""
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
         return single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
-
-    def gathered_kl(self, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The mismatched pairs' log-probs as the objective gets them: (B,) each on one process; with several
-        data-parallel processes, the mean over processes of the mean difference, shape (1,), and a zero
-        reference (one all-reduce; every process calls this once per micro-batch)."""
-        if self.dist.data_world_size == 1:
-            return policy_kl, reference_kl
-        mean = self.dist.global_sum(float((policy_kl - reference_kl).float().mean())) / self.dist.data_world_size
-        return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
-
-    def mismatched_kl_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(policy_kl_logps, reference_kl_logps)`` of the micro-batch's mismatched pairs
-        (:func:`preference_datasets.mismatched_pairs`), the policy's without gradient, gathered by :meth:`gathered_kl`."""
-        rows = mismatched_pairs(batch, self.config.max_length)
-        with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
-            policy_kl, _ = self.one_side_logps(self.policy, rows)
-        ref_kl = self.reference_logps(as_pair_batch(rows))[0] if self.uses_reference else torch.zeros_like(policy_kl)
-        return self.gathered_kl(policy_kl, ref_kl)
-
-    def unpaired_inputs(self, batch: dict) -> losses.ObjectiveInputs:
-        """Objective inputs for unpaired rows (``chosen_*``: each row's completion; ``label`` (B,) bool: desirable):
-        the completions' log-probs, the mismatched pairs' and the label (ValueError for a paired objective)."""
-        objective = self.objective
-        if not objective.unpaired:
-            raise ValueError(f"loss={objective.name} trains on pairs; this batch holds unpaired rows.")
-        chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-        policy_chosen, n_tokens = self.one_side_logps(self.policy, chosen)
-        ref_chosen = self.reference_logps(as_pair_batch(chosen))[0] if self.uses_reference else torch.zeros_like(policy_chosen)
-        inputs = losses.ObjectiveInputs(
-            policy_chosen_logps=policy_chosen,
-            reference_chosen_logps=ref_chosen,
-            chosen_n_tokens=n_tokens,
-            label=batch["label"].to(self.device),
-        )
-        if objective.mismatched_kl:
-            inputs.policy_kl_logps, inputs.reference_kl_logps = self.mismatched_kl_logps(batch)
-        return inputs
 
     @property
     def beta(self) -> float | None:

@@ -5,7 +5,52 @@ from __future__ import annotations
 
 import torch
 
-from losses import BETA, NLL_WEIGHT, Key, _positive, objective
+from losses import BETA, NLL_WEIGHT, Key, ObjectiveInputs, _positive, objective
+from preference_datasets import as_pair_batch, mismatched_pairs
+
+
+def kto_inputs(trainer, batch: dict) -> ObjectiveInputs:
+    """KTO's inputs: the pairs' (``trainer.pair_inputs``) or, for unpaired rows, each completion's log-probs with its
+    label (:func:`unpaired_inputs`), and the mismatched pairs' (:func:`mismatched_kl_logps`), the reference point z0."""
+    inputs = unpaired_inputs(trainer, batch) if "label" in batch else trainer.pair_inputs(batch)
+    inputs.policy_kl_logps, inputs.reference_kl_logps = mismatched_kl_logps(trainer, batch)
+    return inputs
+
+
+def unpaired_inputs(trainer, batch: dict) -> ObjectiveInputs:
+    """Unpaired rows' inputs (``chosen_*``: each row's completion; ``label`` (B,) bool: desirable): each completion's
+    log-probs under the policy and the reference, (B,) each, its target tokens and the label."""
+    chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+    policy_chosen, n_tokens = trainer.one_side_logps(trainer.policy, chosen)
+    uses_reference = trainer.uses_reference
+    ref_chosen = trainer.reference_logps(as_pair_batch(chosen))[0] if uses_reference else torch.zeros_like(policy_chosen)
+    return ObjectiveInputs(
+        policy_chosen_logps=policy_chosen,
+        reference_chosen_logps=ref_chosen,
+        chosen_n_tokens=n_tokens,
+        label=batch["label"].to(trainer.device),
+    )
+
+
+def mismatched_kl_logps(trainer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(policy_kl_logps, reference_kl_logps)`` of the micro-batch's mismatched pairs
+    (:func:`preference_datasets.mismatched_pairs`), the policy's without gradient, gathered by :func:`gathered_kl`."""
+    rows = mismatched_pairs(batch, trainer.config.max_length)
+    with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
+        policy_kl, _ = trainer.one_side_logps(trainer.policy, rows)
+    uses_reference = trainer.uses_reference
+    ref_kl = trainer.reference_logps(as_pair_batch(rows))[0] if uses_reference else torch.zeros_like(policy_kl)
+    return gathered_kl(trainer.dist, policy_kl, ref_kl)
+
+
+def gathered_kl(dist, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mismatched pairs' log-probs as the objective gets them: (B,) each on one process; with several
+    data-parallel processes (``dist``: trainers.Dist), the mean over processes of the mean difference, shape (1,), and
+    a zero reference (one all-reduce; every process calls this once per micro-batch)."""
+    if dist.data_world_size == 1:
+        return policy_kl, reference_kl
+    mean = dist.global_sum(float((policy_kl - reference_kl).float().mean())) / dist.data_world_size
+    return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
 
 
 @objective(
@@ -21,6 +66,7 @@ from losses import BETA, NLL_WEIGHT, Key, _positive, objective
     average_log_prob=False,
     unpaired=True,
     mismatched_kl=True,
+    inputs=kto_inputs,
     unit="value loss per completion, in [0, λ]",
 )
 def kto_objective(

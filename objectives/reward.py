@@ -5,13 +5,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from losses import objective
+import losses
+from losses import ObjectiveInputs, objective
+from preference_datasets import concatenated_inputs
 
 
 def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> torch.Tensor:
     """Bradley-Terry reward-model loss -log sigmoid(r_c - r_r) (Bradley & Terry 1952; Ouyang et al. 2022, Eq. 1):
     (B,) scores in, (B,) float32 losses in nats out."""
     return -F.logsigmoid(chosen_scores.float() - rejected_scores.float())
+
+
+def score_inputs(trainer, batch: dict) -> ObjectiveInputs:
+    """A reward model's inputs: the score head's output at each sequence's last token, chosen and rejected in one
+    padded forward, (B,) each."""
+    n = len(batch["prompt"])
+    inputs = {k: v.to(trainer.device) for k, v in concatenated_inputs(batch).items()}
+    scores = losses.last_token_scores(trainer.policy, inputs["input_ids"], inputs["attention_mask"])
+    return ObjectiveInputs(chosen_scores=scores[:n], rejected_scores=scores[n:])
 
 
 @objective(
@@ -24,6 +35,7 @@ def bradley_terry_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tenso
     score_head=True,
     reward_metric="scores",
     unit="nats, −log σ(score margin)",
+    inputs=score_inputs,
 )
 def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):
     """Reward-model training: :func:`bradley_terry_loss` per pair, the scores as rewards; (B,) each."""
