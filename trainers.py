@@ -104,35 +104,6 @@ def response_logps(
     return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob)
 
 
-def padded_sequence_logps(
-    model, batch: dict, average_log_prob: bool, device, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (2B,) float32 on ``device``, chosen first: the plain DPO forward, chosen over rejected
-    padded (:func:`concatenated_inputs`) in one call, each response's label log-probs summed or averaged (:func:`response_logps`)."""
-    inputs = {k: v.to(device) for k, v in concatenated_inputs(batch).items()}
-    logps, n_tokens = (t.to(device) for t in response_logps(model, inputs, average_log_prob, chunk))
-    return logps, n_tokens
-
-
-def batch_logps(
-    model,
-    batch: dict,
-    average_log_prob: bool,
-    device,
-    max_forward_chunks: int | None = None,
-    output_layer_chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(chosen_logps, rejected_logps, n_tokens): (B,), (B,) float32 and (2B,) response-token counts (chosen first) of
-    ``model`` on a DPO batch, the one entry point for pairs' log-probs: :func:`padded_sequence_logps`'s numbers, computed
-    without padding (:func:`packed_sequence_logps`) unless the batch is not right-padded."""
-    n = batch["chosen_input_ids"].shape[0]
-    packed = packed_sequence_logps(model, batch, average_log_prob, device, max_forward_chunks, chunk=output_layer_chunk)
-    if packed is None:
-        packed = padded_sequence_logps(model, batch, average_log_prob, device, output_layer_chunk)
-    logps, n_tokens = packed
-    return logps[:n], logps[n:], n_tokens
-
-
 def single_logps(
     model,
     rows: dict,
@@ -423,10 +394,29 @@ class BasicTrainer:
         log-probs are taken (``packing.output_layer_logps``); None or 0: all at once."""
         return self.config.output_layer_chunk
 
+    packed = True  # pairs go through modeling/packing.py's forward: the padded one's numbers, without its padding
+
     def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:func:`batch_logps` of ``model`` on ``batch`` with this trainer's settings."""
+        """``model``'s log-probs of B pairs' chosen and rejected responses, summed (or averaged) over response tokens, in
+        one forward call of chosen stacked over rejected (the reference repository's).
+
+        Args:
+            model: a causal LM (the policy, or the reference under no_grad).
+            batch: ``{chosen,rejected}_{input_ids,attention_mask,labels}``, (B, T_c) and (B, T_r), right-padded;
+                labels are -100 outside the responses.
+
+        Returns:
+            chosen_logps (B,), rejected_logps (B,), n_tokens (2B,): float32, response tokens, chosen first.
+        """
+        n = batch["chosen_input_ids"].shape[0]
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)  # a default for stand-ins without a config
-        return batch_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
+        if self.packed:  # each pair one row, the prompt once (None: a batch that is not right-padded)
+            out = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
+            if out is not None:
+                return out[0][:n], out[0][n:], out[1]
+        inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}  # (2B, max(T_c, T_r))
+        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
+        return logps[:n], logps[n:], n_tokens
 
     reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
     remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference

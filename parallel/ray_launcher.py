@@ -282,6 +282,7 @@ class ReferenceActor:
         self.model.requires_grad_(False)
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
         self.output_layer_chunk = config.output_layer_chunk
+        self.packed, self.max_forward_chunks = trainers.BasicTrainer.packed, None  # what concatenated_forward reads
 
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""
@@ -290,10 +291,8 @@ class ReferenceActor:
     @torch.inference_mode()
     def logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) reference log-probs, each (B,) float32 on the CPU, of ``REFERENCE_KEYS`` tensors (B, T)."""
-        # the trainer's entry point, so a remote reference computes what a colocated one would
-        chosen, rejected, _ = trainers.batch_logps(
-            self.model, batch, self.average_log_prob, self.device, output_layer_chunk=self.output_layer_chunk
-        )
+        # the trainer's forward, so a remote reference computes what a colocated one would
+        chosen, rejected, _ = trainers.BasicTrainer.concatenated_forward(self, self.model, batch)
         return chosen.float().cpu(), rejected.float().cpu()
 
 

@@ -107,7 +107,11 @@ N_TARGETS = sum(len(r) for el in ELEMENTS for r in (el["chosen_labels"], el["rej
 def stub(chunk, average: bool = False, max_chunks: int | None = None):
     """What BasicTrainer.concatenated_forward / one_side_logps read from the trainer."""
     return types.SimpleNamespace(
-        average_log_prob=average, device=torch.device("cpu"), max_forward_chunks=max_chunks, output_layer_chunk=chunk
+        average_log_prob=average,
+        device=torch.device("cpu"),
+        max_forward_chunks=max_chunks,
+        output_layer_chunk=chunk,
+        packed=True,
     )
 
 

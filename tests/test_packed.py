@@ -67,7 +67,7 @@ def random_pairs(lengths: list[tuple[int, int, int]], seed: int = 0) -> list[dic
 
 def stub(average: bool = False, max_chunks: int | None = None):
     """What BasicTrainer.concatenated_forward reads from the trainer."""
-    return types.SimpleNamespace(average_log_prob=average, device=torch.device("cpu"), max_forward_chunks=max_chunks)
+    return types.SimpleNamespace(average_log_prob=average, device=torch.device("cpu"), max_forward_chunks=max_chunks, packed=True)
 
 
 def forward(model, batch, average=False, max_chunks=None):
@@ -298,7 +298,7 @@ def test_train_step_equals_the_padded_forward_step(tmp_path, monkeypatch, loss):
     packed = _trainer(tmp_path / "a", [f"loss={loss}", "do_first_eval=false"])
     batch = _first_batch(packed)
     packed_metrics = packed.train_step(batch)
-    monkeypatch.setattr(trainers, "packed_sequence_logps", lambda *a, **k: None)  # the plain padded forward
+    monkeypatch.setattr(trainers.BasicTrainer, "packed", False)  # the padded forward of chosen over rejected
     padded = _trainer(tmp_path / "b", [f"loss={loss}", "do_first_eval=false"])
     padded_metrics = padded.train_step(batch)
     for key in ("loss/train", "logps_train/chosen", "logps_train/rejected", "grad_norm"):
