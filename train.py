@@ -142,7 +142,7 @@ def _trainer(config, run_dir, checkpoint_dir, rank, distributed, held, made, com
         reference_cache=cache, data_fingerprint=fingerprint, **made_here,
     )  # fmt: skip
     if precompute and cache is None:  # one pass, sharded like training (each rank its share), then freed
-        trainer.reference_cache = trainer.precompute_reference(examples, cache_path)
+        trainer.reference_cache = reference_cache.precompute_reference(trainer, examples, cache_path)
         trainer.reference_model = None
     return trainer, extended
 

@@ -26,9 +26,7 @@ from parallel.fsdp import find_block_classes, fully_shard_blocks
 from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
 from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
 from runs import checkpoints, checks, tracking
-from runs.reference_cache import write_reference_cache
 from runs.resume import numpy_rng_state, read_checkpoint_file, read_sharded_checkpoint, set_numpy_rng_state
-from runs.tracking import format_peak_memory
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
@@ -247,8 +245,8 @@ class BasicTrainer:
         ``reference_cache``), evaluating on ``eval_examples`` and checkpointing into ``run_dir``."""
         self.config = config
         self.dist = Dist(self.rank, self.world_size, self.mesh)  # one process here; a parallel trainer set its mesh first
-        self.reference_cache = reference_cache  # an earlier pass's reference log-probs (then no reference_model)
-        self.data_fingerprint = data_fingerprint  # the examples' fingerprint, kept in each checkpoint for resume
+        self.reference_cache = reference_cache  # example key -> (chosen, rejected) reference log-probs, or None
+        self.data_fingerprint = data_fingerprint  # {split: examples_fingerprint}, kept in each checkpoint for resume
         self.run_dir = run_dir
         self.tokenizer = tokenizer
         self.stop_ids = stop_token_ids(tokenizer)  # EOS and the chat template's end-of-turn token: generation stops at either
@@ -418,7 +416,6 @@ class BasicTrainer:
         logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
         return logps[:n], logps[n:], n_tokens
 
-    reference_cache: dict | None = None  # example key -> (chosen, rejected) reference log-probs
     remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference
 
     @torch.no_grad()
@@ -461,46 +458,6 @@ class BasicTrainer:
         chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
         self.reshard_reference()
         return chosen, rejected
-
-    @torch.no_grad()
-    def precompute_reference(self, examples: list[dict], path: str) -> dict:
-        """The live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``, on every
-        process; rank 0 writes them to ``path`` (:func:`reference_cache_path`), with one warning if it cannot."""
-        world, rank = self.dist.data_world_size, self.dist.data_rank
-        bounds = np.linspace(0, len(examples), world + 1).round().astype(int)  # a contiguous share per data-parallel rank
-        size = self.config.eval_batch_size
-        # the same on every rank: FSDP's collectives need it
-        n_calls = max(math.ceil((hi - lo) / size) for lo, hi in zip(bounds[:-1], bounds[1:]))
-        mine = examples[bounds[rank] : bounds[rank + 1]]
-        config = self.config
-        batches = get_batch_iterator(
-            mine or examples[:1], self.tokenizer, size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
-        )
-        computed, n_done, last = {}, 0, None
-        for _ in tqdm.tqdm(range(n_calls), desc="reference log-probs", disable=not (config.progress_bar and self.dist.is_main)):
-            batch = next(batches, None)
-            real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
-            batch = batch if batch is not None else last
-            chosen, rejected = self.live_reference_logps(batch)
-            if real:
-                computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
-                n_done += len(batch["key"])
-            last = batch
-        self.reshard_reference()
-        shares = self.dist.gather_metrics({"cache": [computed], "n": [n_done]})
-        cache = {}
-        for part in shares["cache"]:
-            cache.update(part)
-        if self.dist.is_main:
-            by_rank = "" if world == 1 else f" ({' + '.join(map(str, shares['n']))} computed by the {world} data-parallel ranks)"
-            failure = write_reference_cache(path, cache)
-            if failure is None:
-                print(f"Reference log-probs: {len(cache)} pairs cached in {path}{by_rank}")
-            else:
-                print(
-                    f"Warning: the reference log-probs could not be cached in {path} ({failure}); training goes on with them in memory{by_rank}."
-                )
-        return cache
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
         """One micro-batch's loss over the batch's ``n_batch_examples`` (per-token: ``n_batch_tokens``), and its metrics."""
@@ -803,12 +760,12 @@ class BasicTrainer:
     def stop_with_checkpoint(self) -> int:
         """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
         path = self.save()
-        memory = self.log_peak_memory()
+        memory = tracking.log_peak_memory(self.dist, self.logger, self.setup_peak_rss_mib, self.example_counter)
         if self.dist.is_main and self.config.get("plot_curves", True):  # .get: a config saved before the key existed
             tracking.plot_curves(self.run_dir)
         if self.dist.is_main:
             print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-            self.say_peak_memory(memory)
+            tracking.say_peak_memory(memory)
             how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
             print(f"Resume with: {how} resume={self.run_dir}")
         self.dist.wait_for_all()
@@ -817,7 +774,7 @@ class BasicTrainer:
     def finish_run(self) -> None:
         """At the end of training: the last eval and checkpoint, the report, then ``FINISHED`` once every rank is done."""
         path = self.evaluate_and_save(final=True)
-        memory = self.log_peak_memory()
+        memory = tracking.log_peak_memory(self.dist, self.logger, self.setup_peak_rss_mib, self.example_counter)
         if self.dist.is_main:
             written = tracking.plot_curves(self.run_dir) if self.config.get("plot_curves", True) else []
             export = ""
@@ -825,34 +782,12 @@ class BasicTrainer:
                 failed = self.hf_export_failure
                 export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
             print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
-            self.say_peak_memory(memory)
+            tracking.say_peak_memory(memory)
             if written:
                 print(f"Training curves: {os.path.dirname(written[0])}/")
         self.dist.wait_for_all()
         if self.dist.is_main:  # every rank's part of the last checkpoint is written
             checkpoints.mark_finished(self.run_dir, self.example_counter)
-
-    def say_peak_memory(self, memory: dict[str, list[float]]) -> None:
-        """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator
-        (``utils.cpu_allocator``), which decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
-        print(format_peak_memory(memory))
-        if "cuda" not in memory:
-            print(f"CPU memory allocator: {utils.cpu_allocator()}.")
-
-    def log_peak_memory(self) -> dict[str, list[float]]:
-        """Log and return ``{"rss", "setup_rss"[, "cuda"]}``, each process's peak resident (overall, and by the end of
-        model loading) and CUDA memory in MiB, one value per rank; every process must call it (a gather)."""
-        mine = {"rss": [tracking.peak_rss_mib()], "setup_rss": [self.setup_peak_rss_mib]}
-        if torch.cuda.is_available():
-            mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
-        gathered = self.dist.gather_per_rank(mine)
-        record = {}
-        for kind, values in gathered.items():
-            for rank, value in enumerate(values):
-                record[f"memory/rank{rank}_peak_{kind}_mib"] = value
-        if self.dist.is_main:
-            self.logger.log(record, step=self.example_counter)
-        return dict(gathered)
 
     def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
         """Log the means of the train metrics gathered since the last log, then clear them;
@@ -963,10 +898,6 @@ class BasicTrainer:
                 f"model.archive={path}/policy.pt loads its weights.",
                 flush=True,
             )
-
-    data_fingerprint: dict | None = None
-    """``{split: checkpoints.examples_fingerprint}`` of the train and eval examples (set by train.main),
-    kept in trainer_state.pt so that resume can tell when the data changed."""
 
     def trainer_state(self) -> dict:
         """Counters, RNG states, the W&B run id and the data's fingerprint: what resume needs besides the weights."""

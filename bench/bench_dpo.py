@@ -14,7 +14,7 @@ Models (--model):
 Modes (--mode):
   live         the reference model runs a forward pass every step
   precomputed  reference log-probs computed once before training (ours:
-               BasicTrainer.precompute_reference + trainer.reference_model=None; TRL:
+               reference_cache.precompute_reference + trainer.reference_model=None; TRL:
                precompute_ref_log_probs=True); the precompute time is reported apart and is
                not part of the step time
 
@@ -377,7 +377,7 @@ def _our_trainer(spec: dict, run_dir: str):
     if spec["mode"] == "precomputed":  # as train.py: the cache file's name (a hash of the reference), one pass, then freed
         t0 = time.perf_counter()
         path, cache = reference_cache.cached_reference(reference, examples, tokenizer, config)
-        trainer.reference_cache = cache if cache is not None else trainer.precompute_reference(examples, path)
+        trainer.reference_cache = cache if cache is not None else reference_cache.precompute_reference(trainer, examples, path)
         trainer.reference_model = None
         precompute_s = time.perf_counter() - t0
     return trainer, elements, precompute_s

@@ -5,14 +5,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import signal
 
+import numpy as np
 import torch
+import tqdm
 
 import losses
 import utils
 from modeling import models
+from preference_datasets import get_batch_iterator
 from runs import checkpoints
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
@@ -99,3 +103,45 @@ def reference_inputs(
         return precompute, None, None
     source = policy if lora_reference else reference  # LoRA: the policy's base (models.base_state_dict names its weights)
     return (precompute, *cached_reference(source, examples, tokenizer, config, distributed, rank))
+
+
+@torch.no_grad()
+def precompute_reference(trainer, examples: list[dict], path: str) -> dict:
+    """``trainer``'s live reference's log-probs of ``examples``, ``{example key: (chosen, rejected)}``, on every process,
+    each data-parallel rank computing its share; rank 0 writes them to ``path`` (:func:`reference_cache_path`), with one
+    warning if it cannot."""
+    world, rank = trainer.dist.data_world_size, trainer.dist.data_rank
+    bounds = np.linspace(0, len(examples), world + 1).round().astype(int)  # a contiguous share per data-parallel rank
+    size = trainer.config.eval_batch_size
+    # the same on every rank: FSDP's collectives need it
+    n_calls = max(math.ceil((hi - lo) / size) for lo, hi in zip(bounds[:-1], bounds[1:]))
+    mine = examples[bounds[rank] : bounds[rank + 1]]
+    config = trainer.config
+    batches = get_batch_iterator(
+        mine or examples[:1], trainer.tokenizer, size, config.max_length, config.max_prompt_length, shuffle=False, n_epochs=1
+    )
+    computed, n_done, last = {}, 0, None
+    for _ in tqdm.tqdm(range(n_calls), desc="reference log-probs", disable=not (config.progress_bar and trainer.dist.is_main)):
+        batch = next(batches, None)
+        real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
+        batch = batch if batch is not None else last
+        chosen, rejected = trainer.live_reference_logps(batch)
+        if real:
+            computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
+            n_done += len(batch["key"])
+        last = batch
+    trainer.reshard_reference()
+    shares = trainer.dist.gather_metrics({"cache": [computed], "n": [n_done]})
+    cache = {}
+    for part in shares["cache"]:
+        cache.update(part)
+    if trainer.dist.is_main:
+        by_rank = "" if world == 1 else f" ({' + '.join(map(str, shares['n']))} computed by the {world} data-parallel ranks)"
+        failure = write_reference_cache(path, cache)
+        if failure is None:
+            print(f"Reference log-probs: {len(cache)} pairs cached in {path}{by_rank}")
+        else:
+            print(
+                f"Warning: the reference log-probs could not be cached in {path} ({failure}); training goes on with them in memory{by_rank}."
+            )
+    return cache

@@ -299,7 +299,7 @@ def formatted_dict(d: dict) -> dict:
 
 
 def format_peak_memory(memory: dict[str, list[float]]) -> str:
-    """One line for the end of a run from :meth:`BasicTrainer.log_peak_memory`'s figures, e.g.
+    """One line for the end of a run from :func:`log_peak_memory`'s figures, e.g.
     ``Peak memory: 812 MiB resident (640 MiB by the end of model loading)``; one clause per rank
     when there are several, plus CUDA's peak allocation on a GPU."""
     n = len(memory["rss"])
@@ -311,3 +311,28 @@ def format_peak_memory(memory: dict[str, list[float]]) -> str:
         parts.append(f"rank {rank} {text}" if n > 1 else text)
     whose = " (this process's, over the earlier jobs of this multirun too: its peak cannot be reset here)"
     return "Peak memory" + (whose if peak_is_the_processes() else "") + ": " + "; ".join(parts) + "."
+
+
+def log_peak_memory(dist, logger, setup_rss_mib: float, step: int) -> dict[str, list[float]]:
+    """Log and return ``{"rss", "setup_rss"[, "cuda"]}``, each process's peak resident (overall, and ``setup_rss_mib``
+    by the end of model loading) and CUDA memory in MiB, one value per rank (``dist``: the trainer's trainers.Dist;
+    every process must call it, a gather)."""
+    mine = {"rss": [peak_rss_mib()], "setup_rss": [setup_rss_mib]}
+    if torch.cuda.is_available():
+        mine["cuda"] = [torch.cuda.max_memory_allocated() / 2**20]
+    gathered = dist.gather_per_rank(mine)
+    record = {}
+    for kind, values in gathered.items():
+        for rank, value in enumerate(values):
+            record[f"memory/rank{rank}_peak_{kind}_mib"] = value
+    if dist.is_main:
+        logger.log(record, step=step)
+    return dict(gathered)
+
+
+def say_peak_memory(memory: dict[str, list[float]]) -> None:
+    """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator (``utils.cpu_allocator``), which
+    decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
+    print(format_peak_memory(memory))
+    if "cuda" not in memory:
+        print(f"CPU memory allocator: {utils.cpu_allocator()}.")
