@@ -71,10 +71,22 @@ def dpo_loss(
     label_smoothing: float = 0.0,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DPO (Rafailov et al. 2023, Eq. 7), -log sigmoid(beta h), h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) -
-    log ref(y_l|x)), or conservative DPO (Mitchell 2023) -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h), eps =
-    ``label_smoothing``: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, (B,) nats each, the rewards
-    detached beta (log pi - log ref) (Eq. 5)."""
+    """The DPO loss (Rafailov et al. 2023, Eq. 7) of B pairs, or conservative DPO's (Mitchell 2023).
+
+    L = -log sigmoid(beta h), h = (log pi(y_w|x) - log pi(y_l|x)) - (log ref(y_w|x) - log ref(y_l|x)); with
+    eps = ``label_smoothing``, L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h).
+
+    Args:
+        policy_chosen_logps, policy_rejected_logps: log pi(y_w|x), log pi(y_l|x), (B,), summed over response tokens.
+        reference_chosen_logps, reference_rejected_logps: the same under the reference, (B,).
+        beta: the KL penalty's weight, > 0.
+        label_smoothing: eps, the assumed share of flipped labels, in [0, 0.5).
+        reference_free: a uniform reference (log ref = 0).
+
+    Returns:
+        (losses, chosen_rewards, rejected_rewards), (B,) nats each; the rewards are beta (log pi - log ref) (Eq. 5),
+        detached.
+    """
     if reference_free:  # a uniform reference: log ref = 0
         reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
@@ -399,10 +411,25 @@ def sft_objective(policy_chosen_logps: torch.Tensor):
     reference="reference_free",
     unit="nats, −log σ(β·log-ratio gap)",
 )
-@functools.wraps(dpo_loss, assigned=())  # its signature, read by Objective.compute
-def dpo_objective(*args, **kwargs):
-    """:func:`dpo_loss` as an objective, looked up at each call (with ``reference_free`` the trainer passes zeros)."""
-    return dpo_loss(*args, **kwargs)
+def dpo_objective(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    reference_chosen_logps: torch.Tensor,
+    reference_rejected_logps: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    reference_free: bool = False,
+):
+    """DPO and conservative DPO as an objective: :func:`dpo_loss` of the trainer's (B,) log-probs and the loss keys."""
+    return dpo_loss(
+        policy_chosen_logps,
+        policy_rejected_logps,
+        reference_chosen_logps,
+        reference_rejected_logps,
+        beta,
+        label_smoothing,
+        reference_free,
+    )
 
 
 @objective(
@@ -412,7 +439,12 @@ def dpo_objective(*args, **kwargs):
     summary="IPO: the log-ratio gap regressed to 1 / (2 beta)",
     unit="nats², (log-ratio gap − 1/(2β))²",
 )
-@functools.wraps(ipo_loss, assigned=())
-def ipo_objective(*args, **kwargs):
-    """:func:`ipo_loss` as an objective, looked up at each call."""
-    return ipo_loss(*args, **kwargs)
+def ipo_objective(
+    policy_chosen_logps: torch.Tensor,
+    policy_rejected_logps: torch.Tensor,
+    reference_chosen_logps: torch.Tensor,
+    reference_rejected_logps: torch.Tensor,
+    beta: float,
+):
+    """IPO as an objective: :func:`ipo_loss` of the trainer's (B,) log-probs (means per token by default) and ``beta``."""
+    return ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)

@@ -420,8 +420,15 @@ class BasicTrainer:
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """log ref(chosen | x) and log ref(rejected | x), each (B,) float32, from a live module, a precomputed
-        cache or remote workers: the one seam to the reference (RuntimeError when there is none)."""
+        """The reference's log-probs of B pairs, from a live module, a precomputed cache or remote workers: the one seam
+        to the reference (RuntimeError when there is none).
+
+        Args:
+            batch: B pairs (:meth:`concatenated_forward`'s layout) with their ``key``s (the cache's index).
+
+        Returns:
+            (log ref(chosen | x), log ref(rejected | x)), each (B,) float32, without gradients.
+        """
         if self.remote_reference is not None:
             chosen, rejected = self.remote_reference(batch)
             return chosen.to(self.device), rejected.to(self.device)
@@ -460,7 +467,17 @@ class BasicTrainer:
         return chosen, rejected
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
-        """One micro-batch's loss over the batch's ``n_batch_examples`` (per-token: ``n_batch_tokens``), and its metrics."""
+        """One micro-batch's loss, normalised over the whole batch, and its metrics.
+
+        Args:
+            batch: a micro-batch of B pairs (:meth:`train_step`'s layout).
+            n_batch_examples: examples in the whole batch over all processes (the loss's denominator).
+            n_batch_tokens: chosen target tokens in the whole batch (the denominator of a per-token objective, SFT).
+            split: ``"train"`` or ``"eval"``, the metrics' suffix.
+
+        Returns:
+            (loss, a scalar tensor to backpropagate; metrics, name -> list of floats, one per kept pair).
+        """
         objective = self.objective
         metrics: dict[str, list[float]] = {}
         n = len(batch["prompt"])
@@ -582,8 +599,16 @@ class BasicTrainer:
     # ------------------------------------------------------------------ training
 
     def train_step(self, batch: dict) -> dict:
-        """One optimizer step on one batch, accumulated over micro-batches; NonFiniteLossError before it
-        when a loss or the gradient norm is NaN or inf."""
+        """One optimizer step on one batch, its gradient accumulated over ``gradient_accumulation_steps`` micro-batches.
+
+        Args:
+            batch: B pairs from ``preference_datasets.get_batch_iterator``: ``prompt`` (B strings), ``key``, and
+                ``{chosen,rejected}_{input_ids,attention_mask,labels}``, (B, T_c) and (B, T_r) right-padded tensors.
+
+        Returns:
+            The step's metrics, name -> list of floats (one per example for the per-pair ones), over every process.
+            NonFiniteLossError comes before the step when a loss or the gradient norm is NaN or inf.
+        """
         n_examples = len(batch["prompt"])
         self.step_tokens = count_tokens(batch)
         batch, weight = self.local_batch(batch)
