@@ -316,7 +316,10 @@ def get_objective(name: str) -> Objective:
         return OBJECTIVES[name]
     close = difflib.get_close_matches(str(name), list(OBJECTIVES), n=1)
     hint = f"did you mean loss={close[0]}? " if close else ""
-    raise ObjectiveConfigError(f"Unknown loss {name!r}; {hint}registered losses are {', '.join(sorted(OBJECTIVES))}.")
+    raise ObjectiveConfigError(
+        f"Unknown loss {name!r}; {hint}registered losses are {', '.join(sorted(OBJECTIVES))} (a file in objectives/ "
+        "registers its losses when train.py imports that package)."
+    )
 
 
 def validate_loss_config(loss_config) -> Objective:
@@ -334,9 +337,17 @@ def validate_loss_config(loss_config) -> Objective:
         value = _get(loss_config, key, spec.default)
         if value is None and spec.default is not None:
             raise ObjectiveConfigError(f"loss={decl.name} needs loss.{key} (e.g. loss.{key}={spec.default}).")
-        if spec.valid is not None and not spec.valid(value):
+        if spec.valid is not None and not _passes(spec.valid, value):
             raise ObjectiveConfigError(f"loss.{key} must be {spec.rule} for loss={decl.name}, got {value}.")
     return decl
+
+
+def _passes(valid: Callable, value) -> bool:
+    """``valid(value)``, False where the check itself fails on a value of another type (``"abc" >= 0``)."""
+    try:
+        return bool(valid(value))
+    except (TypeError, ValueError):
+        return False
 
 
 def _get(mapping, key: str, default):

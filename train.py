@@ -118,6 +118,8 @@ def _trainer(config, run_dir, checkpoint_dir, rank, distributed, held, made, com
     if rank == 0:
         print(checks.training_length(config, len(train_examples)))
     trainer_cls = trainers.trainer_class(config)  # online DPO's trainer when online.enabled (online/)
+    if rank == 0 and trainer_cls.__name__ != config.trainer:
+        print(f"Trainer: {trainer_cls.__name__} (trainer={config.trainer}, as the plugins extend it).")
     made_here = trainer_cls.made_before_models(config)  # online DPO's scorer: before the run folder, failing fast
 
     recorded = copy.deepcopy(config)  # config.yaml: what was asked, before load_models picks a device_map

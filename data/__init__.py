@@ -1,7 +1,11 @@
 """Data formats and chat beyond the core's loaders (preference_datasets.py: the registry, hh, shp, se, tokenization,
 batching): each module registers its datasets with :func:`preference_datasets.register_dataset`; importing this package
-registers them all (train.py does, once). Adding a dataset: docs/data.md."""
+imports every module in it and so registers them all (train.py does, once). Adding a dataset: docs/data.md."""
 
 from __future__ import annotations
 
-from data import arithmetic, chat, formats, prompts, screening  # noqa: F401  (each registers its datasets)
+import importlib
+import pkgutil
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):  # every file here: a new one needs no line
+    importlib.import_module(f"{__name__}.{_module}")  # each registers its datasets

@@ -1,10 +1,15 @@
 """Objectives beyond SFT, DPO, cDPO and IPO (losses.py): each module registers its own with :func:`losses.objective`;
-importing this package registers them all (train.py does, once). Adding one: docs/objectives.md."""
+importing this package imports every module in it and so registers them all (train.py does, once). Adding one: docs/objectives.md."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+
 from losses import OBJECTIVES
-from objectives import f_divergence, kto, mix, pairwise, reference_free, reward  # noqa: F401  (each registers its objectives)
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):  # every file here: a new one needs no line
+    importlib.import_module(f"{__name__}.{_module}")  # each registers its objectives
 
 
 def objectives_table() -> str:

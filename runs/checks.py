@@ -447,13 +447,16 @@ def sft_first_skip(config: DictConfig, given: set[str]) -> str | None:
     """Why ``sft_first``'s SFT stage (``sft_first.n_examples`` set) cannot run before this run, or None when it can; raises
     ConfigError when the command line (``given``) set it or ``resume=auto`` asks for one run."""
     stage = config.sft_first
-    objective = losses.OBJECTIVES.get(config.loss.name)
+    try:
+        objective = losses.get_objective(config.loss.name)
+    except losses.ObjectiveConfigError as e:  # an unknown loss is said as such, not as "no reference model"
+        raise utils.ConfigError(str(e)) from None
     reason = None
     if config.model.get("archive") is not None:
         reason = "model.archive is given (the SFT policy this run starts from)"
     elif config.resume not in (None, "auto"):
         reason = "resume= continues one run"
-    elif objective is None or objective.score_head or not objective.uses_reference(config.loss):
+    elif objective.score_head or not objective.uses_reference(config.loss):
         reason = f"loss={config.loss.name} has no reference model, so no SFT policy to start from"
     elif online_enabled(config):
         reason = "online DPO samples from the model it starts from"

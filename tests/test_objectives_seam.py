@@ -91,6 +91,13 @@ def test_the_readme_example_objective_trains_with_no_other_change(readme_objecti
     assert any("loss/train" in r for r in records)
     with pytest.raises(losses.ObjectiveConfigError, match=r"^loss.margin must be >= 0 for loss=my_loss, got -1.$"):
         losses.validate_loss_config({"name": "my_loss", "margin": -1})
+    # a value its check cannot compare is the same sentence, not the check's TypeError (seen by a new user)
+    with pytest.raises(losses.ObjectiveConfigError, match=r"^loss.margin must be >= 0 for loss=my_loss, got abc.$"):
+        losses.validate_loss_config({"name": "my_loss", "margin": "abc"})
+    # the docs' yaml for it holds the declared keys and defaults
+    start = OBJECTIVES_DOC.index("**Adding an objective**")
+    yaml = OmegaConf.create(re.search(r"```yaml\n(.*?)```", OBJECTIVES_DOC[start:], re.S).group(1))
+    assert dict(yaml) == {"name": "my_loss", **{k: spec.default for k, spec in readme_objective.keys.items()}}
 
 
 OBJECTIVE_NAMES = set(losses.OBJECTIVES) - {"mix"}  # "mix" is also an English word in comments

@@ -33,12 +33,18 @@ def test_docs_add_a_trainer_example_works_as_written(tmp_path):
         reference = models.load_model(config.model, tokenizer, torch.float32, config.seed + 1)  # another: losses differ
         trainer = cls(policy, config, str(tmp_path), tokenizer, examples, examples[:4], reference)
         batch = next(iter(trainers.get_batch_iterator(examples, tokenizer, 2, 64, 32, seed=0, n_examples=2)))
+        trainer.policy.train()  # as in training; an eval (below) counts every pair
         with torch.no_grad():
             alone = [trainer.get_batch_metrics(pair, 1, 1.0, "train")[0] for pair in trainers.split_batch(batch, 2)]
             both, metrics = trainer.get_batch_metrics(batch, 2, 1.0, "train")
         assert alone[0] != alone[1]
         torch.testing.assert_close(both, min(alone) / 2)
         assert len(metrics["rewards_train/accuracies"]) == 1
+        trainer.policy.eval()
+        with torch.no_grad():
+            evaluated, metrics = trainer.get_batch_metrics(batch, 2, 1.0, "eval")
+        torch.testing.assert_close(evaluated, sum(alone) / 2)  # both pairs: the plain loss
+        assert len(metrics["rewards_eval/accuracies"]) == 2
     finally:
         trainers.TRAINER_EXTENSIONS.remove(namespace["drop_hardest"])
     assert trainers.trainer_class(config) is trainers.BasicTrainer  # unregistered: the plain trainer again
