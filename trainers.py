@@ -83,14 +83,14 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def response_logps(
-    model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK
+    model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK, token_weight=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logps, n_tokens), each (B,) float32 on the model's output device: ``losses.get_batch_logps`` of the padded
     forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
-    (``packing.output_layer_logps``; None or 0: all at once)."""
+    (``packing.output_layer_logps``; None or 0: all at once), each token weighed by ``token_weight`` if given."""
     if not chunk:
         logits, labels = response_logits(model, inputs)
-        return losses.get_batch_logps(logits, labels, average_log_prob)
+        return losses.get_batch_logps(logits, labels, average_log_prob, token_weight)
     labels = inputs["labels"]
     n, length = labels.shape
     keep = _kept_positions(labels)
@@ -99,7 +99,7 @@ def response_logps(
     rows = seqs * keep + cols - (length - keep)
     kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
     token_logps = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep)
-    return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob)
+    return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
 
 
 def single_logps(
@@ -263,6 +263,8 @@ class BasicTrainer:
         self.loss_config = config.loss
         self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
         self.average_log_prob = self.objective.averages(config.loss)
+        weights = self.objective.token_weights
+        self.token_weight = weights(config.loss) if weights is not None else None  # each response token's, in the pairs' sums
         self.uses_reference = self.objective.uses_reference(config.loss)
         self.uses_nll = self.objective.uses_nll(config.loss)
 
@@ -408,12 +410,15 @@ class BasicTrainer:
         """
         n = batch["chosen_input_ids"].shape[0]
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)  # a default for stand-ins without a config
+        weight = getattr(self, "token_weight", None)  # an objective's weight per response token (LD-DPO); None: 1
         if self.packed:  # each pair one row, the prompt once (None: a batch that is not right-padded)
-            out = packed_sequence_logps(model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk)
+            out = packed_sequence_logps(
+                model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk, token_weight=weight
+            )
             if out is not None:
                 return out[0][:n], out[0][n:], out[1]
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}  # (2B, max(T_c, T_r))
-        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk))
+        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk, weight))
         return logps[:n], logps[n:], n_tokens
 
     remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference

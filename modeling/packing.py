@@ -279,13 +279,16 @@ def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool, c
     return token_logps.to(device), seqs  # a split model's log-probs come from its last GPU
 
 
-def _packed_logps(model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk):
-    """(logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`' groups, one graph."""
+def _packed_logps(
+    model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk, token_weight=None
+):
+    """(logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`' groups, one graph
+    (``token_weight``: :func:`losses.sum_by_sequence`'s)."""
     keep_bool = packed_forward_support(model)[0]
     groups = plan_chunks([len(r.ids) for r in rows], max_chunks)
     parts = [_packed_chunk_logps(model, [rows[k] for k in group], device, keep_bool, chunk) for group in groups]
     token_logps, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return losses.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob)
+    return losses.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob, token_weight)
 
 
 def pack_single_rows(inputs: dict) -> list[PackedRow] | None:
@@ -314,11 +317,18 @@ def packed_single_logps(
 
 
 def packed_sequence_logps(
-    model, batch: dict, average_log_prob: bool, device, max_chunks=None, share_prompt=True, chunk=DEFAULT_OUTPUT_LAYER_CHUNK
+    model,
+    batch: dict,
+    average_log_prob: bool,
+    device,
+    max_chunks=None,
+    share_prompt=True,
+    chunk=DEFAULT_OUTPUT_LAYER_CHUNK,
+    token_weight=None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed (the padded forward's within float
-    tolerance) in at most ``max_chunks`` calls, ``chunk`` positions per output-layer call (None or 0: all); None if not
-    right-padded."""
+    tolerance) in at most ``max_chunks`` calls, ``chunk`` positions per output-layer call (None or 0: all), each response
+    token weighed by ``token_weight`` (:func:`losses.sum_by_sequence`); None if not right-padded."""
     rows = pack_preference_rows(batch, share_prompt and packed_forward_support(model)[1])
     n = 2 * batch["chosen_input_ids"].shape[0]
-    return None if rows is None else _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk)
+    return None if rows is None else _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk, token_weight)

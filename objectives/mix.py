@@ -28,8 +28,9 @@ MIX_NLL = "nll"
 
 def _mixable(decl: Objective) -> bool:
     """True if ``decl`` can be a component of ``loss=mix``: a paired objective on (chosen,
-    rejected) log-probs with a per-example loss."""
-    return decl.paired and not (decl.unpaired or decl.mismatched_kl or decl.per_token) and not isinstance(decl, MixObjective)
+    rejected) log-probs with a per-example loss, each token weighing 1 (the components share one forward)."""
+    plain = not (decl.unpaired or decl.mismatched_kl or decl.per_token or decl.token_weights)
+    return decl.paired and plain and not isinstance(decl, MixObjective)
 
 
 def _is_list(value) -> bool:
@@ -52,6 +53,11 @@ def _mix_keys(loss_config) -> dict:
             raise ObjectiveConfigError(
                 "loss.losses of loss=mix names 'sft'; write 'nll' for the chosen responses' NLL per token "
                 "(TRL's loss_type sft; loss=sft is SFT on targets alone)."
+            )
+        if name in OBJECTIVES and OBJECTIVES[name].token_weights is not None:
+            raise ObjectiveConfigError(
+                f"loss.losses of loss=mix names {name!r}, which weighs response tokens in its own log-probs, and the mix's "
+                f"components share one forward; train loss={name} alone, or mix from {', '.join(choices)}."
             )
         if name != MIX_NLL and not (name in OBJECTIVES and _mixable(OBJECTIVES[name])):
             close = difflib.get_close_matches(name, choices, n=1)

@@ -283,6 +283,8 @@ class ReferenceActor:
         self.average_log_prob = losses.get_objective(config.loss.name).averages(config.loss)
         self.output_layer_chunk = config.output_layer_chunk
         self.packed, self.max_forward_chunks = trainers.BasicTrainer.packed, None  # what concatenated_forward reads
+        weights = losses.get_objective(config.loss.name).token_weights
+        self.token_weight = weights(config.loss) if weights is not None else None
 
     def ready(self) -> bool:
         """True once the model is loaded (a call that waits for ``__init__``)."""

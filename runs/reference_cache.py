@@ -27,7 +27,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:
     """The file in ``cache_dir`` for the reference log-probs of ``examples``, named by a hash of the
     reference's whole weights (LoRA: its base's; call it where they are whole), the tokenizer, the
-    examples' texts, the truncation settings and ``loss.average_log_prob``."""
+    examples' texts, the truncation settings and ``loss.average_log_prob`` (and, for an objective that weighs tokens, its
+    loss keys)."""
     from preference_datasets import example_key
 
     digest = hashlib.sha256()
@@ -35,8 +36,10 @@ def reference_cache_path(reference, examples: list[dict], tokenizer, config, cac
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().numpy().tobytes())
     settings = [type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id]
-    average = losses.get_objective(config.loss.name).averages(config.loss)
-    settings += [config.max_length, config.max_prompt_length, average]
+    objective = losses.get_objective(config.loss.name)
+    settings += [config.max_length, config.max_prompt_length, objective.averages(config.loss)]
+    if objective.token_weights is not None:  # its log-probs weigh tokens by the loss's keys (LD-DPO's ld_alpha)
+        settings.append({str(k): v for k, v in config.loss.items()})
     digest.update(json.dumps(settings).encode())
     for ex in examples:
         digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
