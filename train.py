@@ -194,30 +194,7 @@ def run_command(config: DictConfig, command: Command) -> None:
     """The command line: compose, launch, run; exit 2 (config/data), 1 (step, checkpoint, disk), 128+signal, or PEER_LOST_EXIT."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        from hydra.core.hydra_config import HydraConfig
-
-        command.overrides = list(HydraConfig.get().overrides.task)
-        given = checks.given_keys(command.overrides)
-        checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
-        if launch.sft_stage_wanted(config, given):
-            setup.check_stages(config)  # a bad value or data file is said once, before the first stage's banner
-            sys.exit(launch.run_stages(config, command.overrides))
-        budget = setup.budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
-        if config.resume not in (None, "auto"):
-            problem = setup.resume_override_error(config, given)
-            if problem is not None:
-                raise utils.ConfigError(problem)
-        command.auto_resumed = config.resume == "auto"
-        config = setup.effective_config(config, budget)  # resume=auto resolved (a fresh run keeps the overrides)
-        if config.launcher == "ray":
-            from parallel import ray_launcher
-            from train import main as rank_main  # this module by its name (not __main__), for Ray to send
-
-            sys.exit(ray_launcher.launch(config, functools.partial(rank_main, budget=budget)))
-        code = launch.launch(config)
-        if code is not None:
-            sys.exit(code)
-        _, stop_signal = main(config, budget=budget, command=command)
+        stop_signal = _launch(config, command)
     except (utils.ConfigError, DataError) as e:
         processes.say_once_per_node(e, rank)
         sys.exit(2)
@@ -255,6 +232,35 @@ def run_command(config: DictConfig, command: Command) -> None:
         sys.exit(1)
     if stop_signal is not None:
         sys.exit(128 + stop_signal)  # 130 for SIGINT, 143 for SIGTERM, 138 for SIGUSR1, as a shell reports them
+
+
+def _launch(config: DictConfig, command: Command) -> int | None:
+    """The command line's run: ``sft_first``'s two stages, a Ray or torchrun launch (each exits), or :func:`main` in this
+    process; returns its stop signal or None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    command.overrides = list(HydraConfig.get().overrides.task)
+    given = checks.given_keys(command.overrides)
+    checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
+    if launch.sft_stage_wanted(config, given):
+        setup.check_stages(config)  # a bad value or data file is said once, before the first stage's banner
+        sys.exit(launch.run_stages(config, command.overrides))
+    budget = setup.budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
+    if config.resume not in (None, "auto"):
+        problem = setup.resume_override_error(config, given)
+        if problem is not None:
+            raise utils.ConfigError(problem)
+    command.auto_resumed = config.resume == "auto"
+    config = setup.effective_config(config, budget)  # resume=auto resolved (a fresh run keeps the overrides)
+    if config.launcher == "ray":
+        from parallel import ray_launcher
+        from train import main as rank_main  # this module by its name (not __main__), for Ray to send
+
+        sys.exit(ray_launcher.launch(config, functools.partial(rank_main, budget=budget)))
+    code = launch.launch(config)
+    if code is not None:
+        sys.exit(code)
+    return main(config, budget=budget, command=command)[1]
 
 
 if __name__ == "__main__":

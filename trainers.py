@@ -267,18 +267,7 @@ class BasicTrainer:
         self.token_weight = weights(config.loss) if weights is not None else None  # each response token's, in the pairs' sums
         self.uses_reference = self.objective.uses_reference(config.loss)
         self.uses_nll = self.objective.uses_nll(config.loss)
-
-        if self.reference_model is not None:
-            self.reference_model.eval()
-            self.reference_model.requires_grad_(False)
-        if config.activation_checkpointing:  # non-reentrant: LoRA's gradients flow although the frozen inputs need none
-            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}  # LoRA: the adapters
-        self.prepare_models()
+        self.setup_models()
         self.setup_peak_rss_mib = tracking.peak_rss_mib()  # loading and sharding, before any step
 
         self.optimizer = self.build_optimizer()
@@ -287,24 +276,36 @@ class BasicTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
         )
-        n_eval = min(config.n_eval_examples or len(eval_examples), len(eval_examples))
-        self.eval_batches = list(
-            get_batch_iterator(
-                eval_examples,
-                tokenizer,
-                config.eval_batch_size,
-                config.max_length,
-                config.max_prompt_length,
-                shuffle=True,
-                seed=config.seed,
-                n_examples=n_eval,
-            )
-        )
+        self.eval_batches = self.batches_for_eval(eval_examples)
         self.example_counter = 0
         self.batch_counter = 0
         self.next_eval_at = 0 if config.do_first_eval else config.eval_every
         self.stop_requested = False
         self.stop_signal: int | None = None
+
+    def batches_for_eval(self, eval_examples: list[dict]) -> list[dict]:
+        """The eval set's batches, once: the first ``n_eval_examples`` of ``eval_examples`` in a seeded order."""
+        c = self.config
+        n_eval = min(c.n_eval_examples or len(eval_examples), len(eval_examples))
+        batches = get_batch_iterator(
+            eval_examples, self.tokenizer, c.eval_batch_size, c.max_length, c.max_prompt_length, seed=c.seed, n_examples=n_eval
+        )
+        return list(batches)  # shuffled (the iterator's default), the same at every eval
+
+    def setup_models(self) -> None:
+        """Freeze the reference, turn on ``activation_checkpointing``, note the trainable weights (LoRA: the adapters'), then
+        place the models (:meth:`prepare_models`; a parallel trainer shards them)."""
+        if self.reference_model is not None:
+            self.reference_model.eval()
+            self.reference_model.requires_grad_(False)
+        if self.config.activation_checkpointing:  # non-reentrant: LoRA's gradients flow although the frozen inputs need none
+            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+            if enable is not None:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}
+        self.prepare_models()
 
     # ------------------------------------------------------------------ setup and what a parallel trainer overrides
     # (the collectives are self.dist's)
