@@ -863,55 +863,6 @@ def load_examples(names: list[str], split: str, options: dict, sft_mode: bool, s
     return examples
 
 
-def _unknown_prompt_dataset(name: str) -> DataError:
-    return DataError(
-        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(registered('prompts'))}, "
-        f"and any preference dataset ({sorted(registered('pairs'))}) gives its prompts."
-    )
-
-
-def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
-    """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or messages, and {column: value}."""
-    specs = REGISTRY.get(name, {})
-    if "prompts" in specs:
-        got, report = _run_loader(specs["prompts"], name, split, (options or {}).get(name), "prompts")
-        if not silent:
-            notes = _notes(report)
-            print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
-    elif "pairs" in specs:
-        got = load_dataset_dict(name, split, (options or {}).get(name), silent)
-    else:
-        raise _unknown_prompt_dataset(name)
-    if isinstance(got, dict):
-        return [(entry.get("prompt_messages", key), entry.get("fields", {})) for key, entry in got.items()]
-    return [(prompt, {}) for prompt in got]
-
-
-def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
-    """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data)."""
-    return [prompt for name in names for prompt, _ in load_prompt_entries(name, split, options, silent)]
-
-
-def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
-    """:func:`load_prompts` as ``{"prompt", "truncation_mode"}`` examples that :func:`get_batch_iterator` batches."""
-    examples = []
-    for name in names:
-        mode = prompt_truncation_mode(name)
-        for p, fields in load_prompt_entries(name, split, options, silent):
-            extra = ({"conversation": True} if isinstance(p, list) else {}) | ({"fields": fields} if fields else {})
-            examples.append({"prompt": p, "truncation_mode": mode, **extra})
-    return examples
-
-
-def prompt_truncation_mode(name: str) -> str:
-    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep."""
-    specs = REGISTRY.get(name, {})
-    spec = specs.get("prompts") or specs.get("pairs")
-    if spec is None:
-        raise _unknown_prompt_dataset(name)
-    return spec.truncation_mode
-
-
 # ----------------------------------------------------------------------------- tokenization
 
 
@@ -1147,44 +1098,6 @@ def epoch_order(
         return order
     groups = [order[i : i + group_size] for i in range(0, n, group_size)]
     return np.concatenate([g[np.argsort([-lengths[j] for j in g], kind="stable")] for g in groups])
-
-
-# KTO's reference point z0 (Ethayarajh et al. 2024, Sec. 4.1): within each micro-batch of B examples, prompt x_i
-# with the chosen (or only) completion y_{(i+1) mod B} (TRL's KTOTrainer: y_{i-1}, the same estimator); B == 1
-# gives (x_i, y_i); under FSDP / data parallelism z0 is the mean over processes of each micro-batch mean.
-
-
-def mismatched_pairs(batch: dict, max_length: int) -> dict:
-    """The mismatched (x_i, y_{(i+1) mod B}) of a micro-batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) long."""
-    device = batch["chosen_input_ids"].device
-    ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
-    prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
-    lengths = mask.sum(1).tolist()
-    n = ids.shape[0]
-    seqs, targets = [], []
-    for i in range(n):
-        j = (i + 1) % n
-        p_i, p_j = prompt_lengths[i], prompt_lengths[j]
-        seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]  # cut at the end as TRL cuts its KL sequences
-        lab = torch.cat([torch.full((p_i,), IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
-        seqs.append(seq)
-        targets.append(lab[:max_length])
-    width = max(len(s) for s in seqs)
-    out = {
-        "input_ids": torch.zeros(n, width, dtype=ids.dtype),
-        "attention_mask": torch.zeros(n, width, dtype=mask.dtype),
-        "labels": torch.full((n, width), IGNORE_INDEX, dtype=labels.dtype),
-    }
-    for i, (seq, lab) in enumerate(zip(seqs, targets)):
-        out["input_ids"][i, : len(seq)] = seq
-        out["attention_mask"][i, : len(seq)] = 1
-        out["labels"][i, : len(lab)] = lab
-    return {k: v.to(device) for k, v in out.items()}
-
-
-def as_pair_batch(rows: dict) -> dict:
-    """A pair batch whose chosen and rejected sides are both ``rows``; use the chosen half of the result."""
-    return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}
 
 
 def get_batch_iterator(

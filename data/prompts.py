@@ -17,17 +17,22 @@ from data.formats import (
     note_cast,
 )
 from preference_datasets import (
+    REGISTRY,
     DataError,
     DatasetDict,
     _note_file,
+    _notes,
+    _run_loader,
     add_fields,
     check_roles_mapping,
     conversation_key,
     get_hh,
+    load_dataset_dict,
     load_from_hub,
     note_row,
     read_json_records,
     register_prompt_dataset,
+    registered,
 )
 
 
@@ -145,3 +150,52 @@ def get_tldr(split: str, report: collections.Counter, path: str | dict | None = 
         raise DataError(f"data.tldr.path={path} has no {names} file for split {split!r}; give one (.jsonl, .json or .parquet).")
     rows_by_file = [(f, read_records(f)) for f in files]
     return [p for f, rows in rows_by_file for p in prompt_rows_to_list(rows, report, f, "tldr")]
+
+
+def _unknown_prompt_dataset(name: str) -> DataError:
+    return DataError(
+        f"Unknown prompt dataset {name!r}; registered prompt datasets are {sorted(registered('prompts'))}, "
+        f"and any preference dataset ({sorted(registered('pairs'))}) gives its prompts."
+    )
+
+
+def load_prompt_entries(name: str, split: str, options: dict, silent: bool = False) -> list[tuple]:
+    """The prompts of dataset ``name`` for ``split`` as ``(prompt, fields)``: a string or messages, and {column: value}."""
+    specs = REGISTRY.get(name, {})
+    if "prompts" in specs:
+        got, report = _run_loader(specs["prompts"], name, split, (options or {}).get(name), "prompts")
+        if not silent:
+            notes = _notes(report)
+            print(f"[data] {name}/{split}: {len(got)} prompts" + (f" ({notes})" if notes else ""))
+    elif "pairs" in specs:
+        got = load_dataset_dict(name, split, (options or {}).get(name), silent)
+    else:
+        raise _unknown_prompt_dataset(name)
+    if isinstance(got, dict):
+        return [(entry.get("prompt_messages", key), entry.get("fields", {})) for key, entry in got.items()]
+    return [(prompt, {}) for prompt in got]
+
+
+def load_prompts(names: list[str], split: str, options: dict, silent: bool = False) -> list:
+    """The prompts of all ``names`` for ``split``, concatenated in order (online DPO's data)."""
+    return [prompt for name in names for prompt, _ in load_prompt_entries(name, split, options, silent)]
+
+
+def load_prompt_examples(names: list[str], split: str, options: dict, silent: bool = False) -> list[dict]:
+    """:func:`load_prompts` as ``{"prompt", "truncation_mode"}`` examples that :func:`get_batch_iterator` batches."""
+    examples = []
+    for name in names:
+        mode = prompt_truncation_mode(name)
+        for p, fields in load_prompt_entries(name, split, options, silent):
+            extra = ({"conversation": True} if isinstance(p, list) else {}) | ({"fields": fields} if fields else {})
+            examples.append({"prompt": p, "truncation_mode": mode, **extra})
+    return examples
+
+
+def prompt_truncation_mode(name: str) -> str:
+    """``keep_start`` or ``keep_end``: which end of a too-long prompt of dataset ``name`` to keep."""
+    specs = REGISTRY.get(name, {})
+    spec = specs.get("prompts") or specs.get("pairs")
+    if spec is None:
+        raise _unknown_prompt_dataset(name)
+    return spec.truncation_mode

@@ -9,6 +9,7 @@ from omegaconf import DictConfig, OmegaConf
 import losses
 import preference_datasets
 from data import chat, screening
+from data import prompts as prompt_sets
 from evaluation import rewards
 from preference_datasets import load_examples
 from runs import checks
@@ -19,7 +20,7 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
     sft_mode = losses.get_objective(config.loss.name).sft_data
     online_run = config.online.enabled
     options = OmegaConf.to_container(config.data, resolve=True)
-    load = preference_datasets.load_prompt_examples if online_run else functools.partial(load_examples, sft_mode=sft_mode)
+    load = prompt_sets.load_prompt_examples if online_run else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
     overlap = preference_datasets.split_overlap_warning(train_examples, eval_examples)

@@ -14,6 +14,7 @@ import data  # noqa: F401  (registers the data formats and datasets beyond hh, s
 import preference_datasets
 import utils
 from data import chat
+from data import prompts as prompt_sets
 from modeling import models
 from runs import checkpoints, checks
 from utils import ConfigError
@@ -278,8 +279,8 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
             data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
             entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
         else:
-            entries = [(p, None, f) for p, f in preference_datasets.load_prompt_entries(name, split, options, silent)]
-        mode = preference_datasets.prompt_truncation_mode(name)
+            entries = [(p, None, f) for p, f in prompt_sets.load_prompt_entries(name, split, options, silent)]
+        mode = prompt_sets.prompt_truncation_mode(name)
         for k, (prompt, chosen, fields) in enumerate(entries[: config.n_prompts]):
             conversation = isinstance(prompt, list)
             items.append(

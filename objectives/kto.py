@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from losses import BETA, NLL_WEIGHT, Key, ObjectiveInputs, _positive, objective
-from preference_datasets import as_pair_batch, mismatched_pairs
+from losses import BETA, IGNORE_INDEX, NLL_WEIGHT, Key, ObjectiveInputs, _positive, objective
 
 
 def kto_inputs(trainer, batch: dict) -> ObjectiveInputs:
@@ -34,7 +33,7 @@ def unpaired_inputs(trainer, batch: dict) -> ObjectiveInputs:
 
 def mismatched_kl_logps(trainer, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """``(policy_kl_logps, reference_kl_logps)`` of the micro-batch's mismatched pairs
-    (:func:`preference_datasets.mismatched_pairs`), the policy's without gradient, gathered by :func:`gathered_kl`."""
+    (:func:`mismatched_pairs`), the policy's without gradient, gathered by :func:`gathered_kl`."""
     rows = mismatched_pairs(batch, trainer.config.max_length)
     with torch.no_grad():  # the KL term is detached (TRL computes it under no_grad too)
         policy_kl, _ = trainer.one_side_logps(trainer.policy, rows)
@@ -111,3 +110,41 @@ def kto_objective(
     if not label.all():
         metrics["rewards_undesirable"] = rewards[~label]
     return losses, None, None, metrics
+
+
+# KTO's reference point z0 (Ethayarajh et al. 2024, Sec. 4.1): within each micro-batch of B examples, prompt x_i
+# with the chosen (or only) completion y_{(i+1) mod B} (TRL's KTOTrainer: y_{i-1}, the same estimator); B == 1
+# gives (x_i, y_i); under FSDP / data parallelism z0 is the mean over processes of each micro-batch mean.
+
+
+def mismatched_pairs(batch: dict, max_length: int) -> dict:
+    """The mismatched (x_i, y_{(i+1) mod B}) of a micro-batch: ``input_ids``, ``attention_mask``, ``labels`` (B, T) long."""
+    device = batch["chosen_input_ids"].device
+    ids, mask, labels = (batch[f"chosen_{k}"].cpu() for k in ("input_ids", "attention_mask", "labels"))
+    prompt_lengths = batch["prompt_attention_mask"].sum(1).tolist()
+    lengths = mask.sum(1).tolist()
+    n = ids.shape[0]
+    seqs, targets = [], []
+    for i in range(n):
+        j = (i + 1) % n
+        p_i, p_j = prompt_lengths[i], prompt_lengths[j]
+        seq = torch.cat([ids[i, :p_i], ids[j, p_j : lengths[j]]])[:max_length]  # cut at the end as TRL cuts its KL sequences
+        lab = torch.cat([torch.full((p_i,), IGNORE_INDEX, dtype=labels.dtype), labels[j, p_j : lengths[j]]])
+        seqs.append(seq)
+        targets.append(lab[:max_length])
+    width = max(len(s) for s in seqs)
+    out = {
+        "input_ids": torch.zeros(n, width, dtype=ids.dtype),
+        "attention_mask": torch.zeros(n, width, dtype=mask.dtype),
+        "labels": torch.full((n, width), IGNORE_INDEX, dtype=labels.dtype),
+    }
+    for i, (seq, lab) in enumerate(zip(seqs, targets)):
+        out["input_ids"][i, : len(seq)] = seq
+        out["attention_mask"][i, : len(seq)] = 1
+        out["labels"][i, : len(lab)] = lab
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def as_pair_batch(rows: dict) -> dict:
+    """A pair batch whose chosen and rejected sides are both ``rows``; use the chosen half of the result."""
+    return {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in rows.items()}

@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, ByT5Tokenizer
 
 import preference_datasets as pd
 import train
+from data import prompts as prompt_sets
 from data import screening
 from losses import IGNORE_INDEX
 from preference_datasets import DataError
@@ -272,16 +273,16 @@ def test_every_local_reader_gives_the_sentences(tmp_path):
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"prompt": f"post {i} TL;DR:"} for i in range(50)]), parquet)
     parquet.write_bytes(parquet.read_bytes()[:-20])
     with pytest.raises(DataError) as e:
-        pd.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(parquet)}}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(parquet)}}}, silent=True)
     assert str(e.value).startswith(f"{parquet} is not a readable parquet file (") and "Traceback" not in str(e.value)
     assert str(e.value).endswith("); copy it again if it was cut short.")
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([], schema=pyarrow.schema([("prompt", pyarrow.string())])), parquet)
     with pytest.raises(DataError, match=f"^{parquet} has no rows"):
-        pd.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(parquet)}}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(parquet)}}}, silent=True)
     tldr = tmp_path / "t.jsonl"
     tldr.write_text(jsonl([{"prompt": " "}, {"prompt": "  "}]))
     with pytest.raises(DataError) as e:
-        pd.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(tldr)}}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": {"train": str(tldr)}}}, silent=True)
     assert str(e.value) == (
         f"Every row of tldr/train ({tldr}) was skipped (2 skipped: empty prompt), so it has no prompts; "
         "fix those rows or give data.tldr other data."

@@ -22,6 +22,7 @@ from conftest import TINY, compose_config, needs_shared
 import preference_datasets as pd
 import train
 from data import formats
+from data import prompts as prompt_sets
 from preference_datasets import DataError
 
 
@@ -50,7 +51,9 @@ def examples(split: str, tmp_path: Path, sft: bool = False, **options) -> list[d
 
 
 def prompts(split: str, tmp_path: Path, **options) -> list:
-    return pd.load_prompt_examples(["hf"], split, {"hf": {"cache_dir": str(tmp_path / "hf_cache"), **options}}, silent=True)
+    return prompt_sets.load_prompt_examples(
+        ["hf"], split, {"hf": {"cache_dir": str(tmp_path / "hf_cache"), **options}}, silent=True
+    )
 
 
 def both(f) -> dict:
@@ -363,13 +366,16 @@ def test_prompt_only_files_strings_and_messages(tmp_path):
     ]
     g = tmp_path / "prompts.jsonl"
     datasets.Dataset.from_list([{"prompt": "TL;DR: a"}, {"prompt": "  "}, {"prompt": "TL;DR: b"}]).to_json(str(g))
-    assert pd.load_prompts(["hf"], "train", {"hf": {"path": both(g)}}, silent=True) == ["TL;DR: a", "TL;DR: b"]
+    assert prompt_sets.load_prompts(["hf"], "train", {"hf": {"path": both(g)}}, silent=True) == ["TL;DR: a", "TL;DR: b"]
 
 
 def test_prompts_of_conversations_are_their_implicit_prompts(tmp_path):
     folder = write_h4(tmp_path)
     options = {"path": str(folder), "train_split": "train_prefs", "test_split": "test_prefs", "cache_dir": str(tmp_path / "c")}
-    assert pd.load_prompts(["hf"], "train", {"hf": options}, silent=True) == [[user("What is 2+2?")], [user("Name a colour.")]]
+    assert prompt_sets.load_prompts(["hf"], "train", {"hf": options}, silent=True) == [
+        [user("What is 2+2?")],
+        [user("Name a colour.")],
+    ]
 
 
 # ----------------------------------------------------------------------------- HH as conversations
@@ -411,7 +417,7 @@ def test_hh_as_conversations(tmp_path):
         "repaired: dialogues diverge before the last Assistant turn": 1,
         "repaired: consecutive turns of one role merged": 1,
     }
-    got = pd.load_prompts(
+    got = prompt_sets.load_prompts(
         ["hh"], "train", {"hh": {"local_dir": str(write_hh(tmp_path / "again")), "conversation": True}}, silent=True
     )
     assert got == [[user("Hi there"), bot("Hello!"), user("How are you?")], [user("Q")], [user("one\n\ntwo")]]

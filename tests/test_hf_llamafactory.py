@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 import preference_datasets as pd
 from data import chat, formats
+from data import prompts as prompt_sets
 from preference_datasets import DataError
 
 LF_RANKING = "data.hf.columns={prompt: instruction, input: input, responses: output, history: history}"
@@ -231,7 +232,7 @@ def test_prompts_for_online_dpo_take_input_and_history_too(tmp_path):
     f = write_jsonl(tmp_path, rows)
     options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "c")}
     options["columns"] = {"prompt": "instruction", "input": "input", "history": "history"}
-    got = pd.load_prompt_entries("hf", "train", {"hf": options}, silent=True)
+    got = prompt_sets.load_prompt_entries("hf", "train", {"hf": options}, silent=True)
     assert got == [([user("Is the sky blue?"), bot("Yes."), user("Why?\nBriefly.")], {"output": "x"})]
 
 

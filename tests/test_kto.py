@@ -108,16 +108,16 @@ def test_mismatched_rows_pair_each_prompt_with_the_next_examples_chosen_completi
     texts = [("p", " a", " z"), ("qq", " bb", " zz"), ("r", " c", " y")]
     elements = [pd.tokenize_element(p, c, r, "keep_end", tok, 64, 32) for p, c, r in texts]
     batch = pd.collate(elements, tok.pad_token_id)
-    rows = pd.mismatched_pairs(batch, max_length=64)
+    rows = kto.mismatched_pairs(batch, max_length=64)
     # (x_0, y_1), (x_1, y_2), (x_2, y_0), by hand: 'p'=115, 'q'=116, 'r'=117, ' '=35, 'a'=100, 'b'=101, 'c'=102
     want = [([115], [35, 101, 101, EOS]), ([116, 116], [35, 102, EOS]), ([117], [35, 100, EOS])]
     assert rows["input_ids"].tolist() == [p + r + [0] * (5 - len(p + r)) for p, r in want]
     assert rows["attention_mask"].tolist() == [[1] * len(p + r) + [0] * (5 - len(p + r)) for p, r in want]
     assert rows["labels"].tolist() == [[IGNORE_INDEX] * len(p) + r + [IGNORE_INDEX] * (5 - len(p + r)) for p, r in want]
     # max_length cuts a row at its end (TRL's KL sequences alike): (x_1, y_2) is 5 tokens
-    assert pd.mismatched_pairs(batch, max_length=4)["input_ids"][1].tolist() == [116, 116, 35, 102]
+    assert kto.mismatched_pairs(batch, max_length=4)["input_ids"][1].tolist() == [116, 116, 35, 102]
     # B == 1: the prompt is paired with its own completion (TRL refuses such a batch size)
-    one = pd.mismatched_pairs(pd.collate(elements[1:2], 0), 64)
+    one = kto.mismatched_pairs(pd.collate(elements[1:2], 0), 64)
     assert one["input_ids"].tolist() == [[116, 116, 35, 101, 101, EOS]]
 
 

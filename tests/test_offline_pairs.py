@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO, TINY
 from hydra import compose, initialize_config_dir
 
-import preference_datasets
 import train
 from data import formats
+from data import prompts as prompt_sets
 from online import make_pairs
 from utils import ConfigError
 
@@ -94,7 +94,7 @@ def test_offline_pairs_by_length_end_to_end_then_trains(run, tmp_path, capsys):
     pairs = read_jsonl(output)
     samples = read_jsonl(Path(str(output) + ".samples.jsonl"))
     assert len(samples) == 6 * 4 and counts["prompts"] == 6 and counts["completions"] == 24
-    train_prompts = preference_datasets.load_prompts(["arithmetic"], "train", {"arithmetic": {"n_train": 64, "n_test": 16}})
+    train_prompts = prompt_sets.load_prompts(["arithmetic"], "train", {"arithmetic": {"n_train": 64, "n_test": 16}})
     assert [s["prompt"] for s in samples[::4]] == train_prompts[:6]  # split=train (the default): prompts to train on
     for s in samples:
         assert s["score"] == len(s["completion"])  # length: characters, recomputed here

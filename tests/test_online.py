@@ -196,7 +196,7 @@ ONLINE += ["reward_model.name_or_path=org/reward-model"]  # a hub id that is nev
 
 def build_online_trainer(tmp_path: Path, overrides: list[str], scorer=None) -> trainers.BasicTrainer:
     """Online DPO's trainer (online.OnlineDPOTrainer) built as train.main builds it, without running it."""
-    from preference_datasets import load_prompt_examples
+    from data.prompts import load_prompt_examples
 
     config = compose_config([*TINY, f"output_root={tmp_path}", *ONLINE, *overrides])
     OmegaConf.resolve(config)

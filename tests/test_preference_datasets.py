@@ -19,6 +19,7 @@ import torch
 from transformers import AutoTokenizer, ByT5Tokenizer
 
 import preference_datasets as pd
+from data import prompts as prompt_sets
 from data.arithmetic import get_arithmetic
 from data.formats import get_json
 from losses import IGNORE_INDEX
@@ -733,7 +734,9 @@ def test_hh_prompts_of_a_small_subset(tmp_path):
     (tmp_path / "harmless-base").mkdir()
     with gzip.open(tmp_path / "harmless-base" / "test.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in subset)
-    got = pd.load_prompts(["hh"], "test", {"hh": {"local_dir": str(tmp_path), "subsets": ["harmless-base"]}}, silent=True)
+    got = prompt_sets.load_prompts(
+        ["hh"], "test", {"hh": {"local_dir": str(tmp_path), "subsets": ["harmless-base"]}}, silent=True
+    )
     # 33 rows: 30 distinct prompts (the first 30 rows of the file all differ), 2 repeats, 1 without a pair.
     assert len(got) == 30
     assert got == hh_prompts_by_hand(subset)
@@ -748,8 +751,8 @@ def test_hh_prompts_offline_from_the_shared_copy_with_the_config():
 
     config = compose_config(["datasets=[hh]", f"data.hh.local_dir={shared_path(HH_DIR)}", "data.hh.holdout_fraction=0.1"])
     options = OmegaConf.to_container(config.data)
-    train = pd.load_prompts(list(config.datasets), "train", options, silent=True)
-    test = pd.load_prompts(list(config.datasets), "test", options, silent=True)
+    train = prompt_sets.load_prompts(list(config.datasets), "train", options, silent=True)
+    test = prompt_sets.load_prompts(list(config.datasets), "test", options, silent=True)
     rows = [json.loads(line) for line in gzip.open(HH_DIR / "harmless-base" / "test.jsonl.gz", "rt")]
     expected = hh_prompts_by_hand(rows)
     assert len(expected) == 2306  # 2312 rows, 2 repeated prompts, 4 with an empty response
@@ -768,12 +771,12 @@ TLDR_ROWS = [
 
 def test_tldr_from_a_local_jsonl(tmp_path, capsys):
     f = write_jsonl(tmp_path / "tldr.jsonl", TLDR_ROWS)
-    got = pd.load_prompts(["tldr"], "train", {"tldr": {"path": f}})
+    got = prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": f}})
     assert got == [TLDR_ROWS[0]["prompt"], TLDR_ROWS[1]["prompt"]]
     out = capsys.readouterr().out
     assert "[data] tldr/train: 2 prompts (1 skipped: empty prompt, 1 skipped: repeated prompt)" in out
     assert "one file for both splits" in out
-    assert pd.prompt_truncation_mode("tldr") == "keep_end"  # the prompt ends with the TL;DR: cue
+    assert prompt_sets.prompt_truncation_mode("tldr") == "keep_end"  # the prompt ends with the TL;DR: cue
 
 
 def test_tldr_folder_in_the_hub_layout_reads_validation_for_test(tmp_path):
@@ -786,31 +789,34 @@ def test_tldr_folder_in_the_hub_layout_reads_validation_for_test(tmp_path):
         table = pyarrow.Table.from_pylist([{"prompt": f"{split} post {i} TL;DR:", "completion": " c"} for i in range(2)])
         pyarrow.parquet.write_table(table, data / f"{split}-00000-of-00001.parquet")
     options = {"tldr": {"path": str(tmp_path)}}
-    assert pd.load_prompts(["tldr"], "train", options, silent=True) == ["train post 0 TL;DR:", "train post 1 TL;DR:"]
-    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["validation post 0 TL;DR:", "validation post 1 TL;DR:"]
+    assert prompt_sets.load_prompts(["tldr"], "train", options, silent=True) == ["train post 0 TL;DR:", "train post 1 TL;DR:"]
+    assert prompt_sets.load_prompts(["tldr"], "test", options, silent=True) == [
+        "validation post 0 TL;DR:",
+        "validation post 1 TL;DR:",
+    ]
     (data / "validation-00000-of-00001.parquet").unlink()  # no validation split: test reads test
-    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["test post 0 TL;DR:", "test post 1 TL;DR:"]
+    assert prompt_sets.load_prompts(["tldr"], "test", options, silent=True) == ["test post 0 TL;DR:", "test post 1 TL;DR:"]
 
 
 def test_tldr_split_mapping_and_missing_split(tmp_path):
     train = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "a"}])
     test = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "b"}])
     options = {"tldr": {"path": {"train": train, "test": test}}}
-    assert pd.load_prompts(["tldr"], "train", options, silent=True) == ["a"]
-    assert pd.load_prompts(["tldr"], "test", options, silent=True) == ["b"]
+    assert prompt_sets.load_prompts(["tldr"], "train", options, silent=True) == ["a"]
+    assert prompt_sets.load_prompts(["tldr"], "test", options, silent=True) == ["b"]
     (tmp_path / "only").mkdir()
     write_jsonl(tmp_path / "only" / "train.jsonl", [{"prompt": "a"}])
     with pytest.raises(DataError, match="has no validation or test file for split 'test'"):
-        pd.load_prompts(["tldr"], "test", {"tldr": {"path": str(tmp_path / "only")}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "test", {"tldr": {"path": str(tmp_path / "only")}}, silent=True)
     with pytest.raises(DataError, match="does not exist"):
-        pd.load_prompts(["tldr"], "train", {"tldr": {"path": str(tmp_path / "missing.parquet")}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": str(tmp_path / "missing.parquet")}}, silent=True)
 
 
 @pytest.mark.parametrize("bad", [{"prompt": 5}, {"text": "no prompt field"}, ["not", "an", "object"]])
 def test_tldr_malformed_row_names_the_row_and_the_file(tmp_path, bad):
     f = write_jsonl(tmp_path / "t.jsonl", [TLDR_ROWS[0], bad])
     with pytest.raises(DataError, match=f"^{re.escape(f)}, row 2: field 'prompt' is missing or not a string"):
-        pd.load_prompts(["tldr"], "train", {"tldr": {"path": f}}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": f}}, silent=True)
 
 
 def test_tldr_hub_call_and_offline_error(monkeypatch):
@@ -823,8 +829,8 @@ def test_tldr_hub_call_and_offline_error(monkeypatch):
         return [{"prompt": f"{kwargs['split']} p", "completion": " c"}]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    assert pd.load_prompts(["tldr"], "test", {}, silent=True) == ["validation p"]
-    assert pd.load_prompts(["tldr"], "train", {"tldr": {"path": None}}, silent=True) == ["train p"]
+    assert prompt_sets.load_prompts(["tldr"], "test", {}, silent=True) == ["validation p"]
+    assert prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"path": None}}, silent=True) == ["train p"]
     assert calls == [
         ("trl-lib/tldr", {"split": "validation", "cache_dir": None}),
         ("trl-lib/tldr", {"split": "train", "cache_dir": None}),
@@ -835,7 +841,7 @@ def test_tldr_hub_call_and_offline_error(monkeypatch):
 
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(DataError, match="Could not load trl-lib/tldr .*set data.tldr.path"):
-        pd.load_prompts(["tldr"], "train", {}, silent=True)
+        prompt_sets.load_prompts(["tldr"], "train", {}, silent=True)
 
 
 def test_load_prompts_concatenates_and_falls_back_to_preference_prompts(tmp_path):
@@ -844,25 +850,30 @@ def test_load_prompts_concatenates_and_falls_back_to_preference_prompts(tmp_path
     rows.append({"prompt": "j1", "chosen": "c", "rejected": "d"})  # j1 again: one prompt
     pairs = write_jsonl(tmp_path / "p.jsonl", rows)
     options = {"tldr": {"path": tldr}, "json": {"path": pairs, "holdout_fraction": 0}}
-    assert pd.load_prompts(["tldr", "json"], "train", options, silent=True) == ["t1", "t2", "j1", "j2"]
-    examples = pd.load_prompt_examples(["json", "arithmetic"], "test", {**options, "arithmetic": {"n_test": 1}}, silent=True)
+    assert prompt_sets.load_prompts(["tldr", "json"], "train", options, silent=True) == ["t1", "t2", "j1", "j2"]
+    examples = prompt_sets.load_prompt_examples(
+        ["json", "arithmetic"], "test", {**options, "arithmetic": {"n_test": 1}}, silent=True
+    )
     assert examples[:2] == [
         {"prompt": "j1", "truncation_mode": "keep_end"},
         {"prompt": "j2", "truncation_mode": "keep_end"},
     ]
     assert len(examples) == 3 and examples[2]["truncation_mode"] == "keep_start"
-    assert pd.prompt_truncation_mode("hh") == "keep_end" and pd.prompt_truncation_mode("arithmetic") == "keep_start"
+    assert (
+        prompt_sets.prompt_truncation_mode("hh") == "keep_end"
+        and prompt_sets.prompt_truncation_mode("arithmetic") == "keep_start"
+    )
 
 
 def test_unknown_prompt_dataset_lists_both_registries():
-    for call in (lambda: pd.load_prompts(["nope"], "train", {}), lambda: pd.prompt_truncation_mode("nope")):
+    for call in (lambda: prompt_sets.load_prompts(["nope"], "train", {}), lambda: prompt_sets.prompt_truncation_mode("nope")):
         with pytest.raises(
             DataError, match="Unknown prompt dataset 'nope'; registered prompt datasets are \\['hf', 'hh', 'tldr'"
         ) as e:
             call()
         assert "'arithmetic'" in str(e.value)
     with pytest.raises(DataError, match="data.tldr: .*unexpected keyword"):
-        pd.load_prompts(["tldr"], "train", {"tldr": {"bogus": 1}})
+        prompt_sets.load_prompts(["tldr"], "train", {"tldr": {"bogus": 1}})
 
 
 def test_register_prompt_dataset_usable_by_name(capsys):
@@ -874,7 +885,7 @@ def test_register_prompt_dataset_usable_by_name(capsys):
             report["skipped: nothing"] += 1
             return [f"{split} {i}" for i in range(n)]
 
-        assert pd.load_prompts([name], "test", {name: {"n": 2}}) == ["test 0", "test 1"]
+        assert prompt_sets.load_prompts([name], "test", {name: {"n": 2}}) == ["test 0", "test 1"]
         assert f"[data] {name}/test: 2 prompts (1 skipped: nothing)" in capsys.readouterr().out
         with pytest.raises(ValueError, match="A prompt dataset named 'toy_prompts_for_test' is already registered"):
             pd.register_prompt_dataset(name)(toy)

@@ -20,6 +20,7 @@ from conftest import REPO, metric_records, needs_shared, run_train
 from hydra import compose, initialize_config_dir
 
 import preference_datasets as pd
+from data import prompts as prompt_sets
 from evaluation import evaluate, rewards, sampling
 from online import make_pairs
 from preference_datasets import DataError
@@ -98,7 +99,7 @@ def test_json_and_hf_loaders_keep_the_other_columns_per_prompt_a_missing_one_is_
     assert {k: e["fields"] for k, e in hf.items()} == {k: e["fields"] for k, e in data.items()}
     # prompt-only rows (online DPO, make_pairs, evaluate): the prompt and its fields
     p = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows())
-    entries = pd.load_prompt_entries("hf", "train", {"hf": {"path": {"train": str(p), "test": str(p)}}}, silent=True)
+    entries = prompt_sets.load_prompt_entries("hf", "train", {"hf": {"path": {"train": str(p), "test": str(p)}}}, silent=True)
     assert [(prompt, fields["answer"], fields["source"]) for prompt, fields in entries] == [
         (prompt, answer, "sums") for prompt, answer in ANSWERS.items()
     ]
