@@ -249,31 +249,31 @@ def remove_setup_only(run_dir: str) -> None:
 
 def hold_run_dir(resume_dir: str, rank: int, distributed: bool, held: contextlib.ExitStack) -> None:
     """Lock ``resume_dir`` on rank 0 into ``held``; every rank raises utils.ConfigError when a live run holds it."""
-    refusal = None
-    if rank == 0:
-        try:
-            held.enter_context(checkpoints.lock_run_dir(resume_dir))
-        except utils.ConfigError as e:
-            refusal = str(e)
-    if distributed:
-        refusal = utils.broadcast_object(refusal)
-    if refusal is not None:
-        raise utils.ConfigError(refusal)
+    _refused_on_every_rank(lambda: held.enter_context(checkpoints.lock_run_dir(resume_dir)), rank, distributed)
 
 
 def check_resumed_files(resume_dir: str, checkpoint_dir: str | None, rank: int, distributed: bool) -> None:
     """Rank 0 checks ``checkpoint_dir``'s files against its manifest and the run's model.archive against its pin;
     every rank raises utils.ConfigError with what it found."""
+
+    def check() -> None:  # hashing is reading every byte: once, not once per rank
+        if checkpoint_dir is not None:  # (after the lock: a live run's checkpoint is its own business)
+            checkpoints.check_checkpoint(checkpoint_dir)
+        checkpoints.check_archive_pin(
+            resume_dir,
+            "restore that file to resume this run against the reference it trained with, or start a new run to "
+            "train against the file there now",
+        )
+
+    _refused_on_every_rank(check, rank, distributed)
+
+
+def _refused_on_every_rank(check, rank: int, distributed: bool) -> None:
+    """Run ``check`` on rank 0; the utils.ConfigError it raises is raised on every rank (no rank waits alone)."""
     refusal = None
-    if rank == 0:  # hashing is reading every byte: once, not once per rank
+    if rank == 0:
         try:
-            if checkpoint_dir is not None:  # (after the lock: a live run's checkpoint is its own business)
-                checkpoints.check_checkpoint(checkpoint_dir)
-            checkpoints.check_archive_pin(
-                resume_dir,
-                "restore that file to resume this run against the reference it trained with, or start a new run to "
-                "train against the file there now",
-            )
+            check()
         except utils.ConfigError as e:
             refusal = str(e)
     if distributed:
