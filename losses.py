@@ -485,3 +485,22 @@ def ipo_objective(
 ):
     """IPO as an objective: :func:`ipo_loss` of the trainer's (B,) log-probs (means per token by default) and ``beta``."""
     return ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+
+
+REFERENCE_UPDATES: dict[str, type] = {}
+"""``reference_update.mode`` -> the plugin class that moves the reference during training (objectives/: TR-DPO's
+``soft`` and ``hard``, ``bema``). The trainer builds ``cls(trainer)`` once its models are placed and calls
+``step(step) -> dict`` (train metrics) after each optimizer step ``step`` (1-based); ``state_dict()`` and
+``load_state_dict(state)`` hold what resume needs beyond the reference's weights; ``cls.check(update)`` returns None or
+one sentence naming a wrong ``reference_update`` key."""
+
+
+def reference_update(*modes: str) -> Callable[[type], type]:
+    """Register a class as the reference update of ``reference_update.mode`` = each of ``modes``."""
+
+    def register(cls: type) -> type:
+        for mode in modes:
+            REFERENCE_UPDATES[mode] = cls
+        return cls
+
+    return register

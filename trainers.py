@@ -7,7 +7,6 @@ import contextlib
 import logging
 import math
 import os
-import random
 import signal
 import threading
 import time
@@ -23,10 +22,9 @@ import utils
 from modeling import models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel.fsdp import find_block_classes, fully_shard_blocks
-from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
+from parallel.tensor_parallel import tensor_parallel_plan
 from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
-from runs import checkpoints, checks, tracking
-from runs.resume import numpy_rng_state, read_checkpoint_file, read_sharded_checkpoint, set_numpy_rng_state
+from runs import checkpoints, checks, tracking, trainer_checkpoint
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
@@ -268,6 +266,8 @@ class BasicTrainer:
         self.uses_reference = self.objective.uses_reference(config.loss)
         self.uses_nll = self.objective.uses_nll(config.loss)
         self.setup_models()
+        mode = (config.get("reference_update") or {}).get("mode")  # .get: a config saved before the key existed
+        self.reference_update = losses.REFERENCE_UPDATES[mode](self) if mode else None  # moves the reference
         self.setup_peak_rss_mib = tracking.peak_rss_mib()  # loading and sharding, before any step
 
         self.optimizer = self.build_optimizer()
@@ -640,37 +640,15 @@ class BasicTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         collected["grad_norm"].append(grad_norm.item())
-        if (self.config.get("reference_update") or {}).get("mode"):  # TR-DPO
-            self.reference_update_step(collected)
+        if self.reference_update is not None:  # TR-DPO, BEMA: objectives/
+            for k, v in self.reference_update.step(self.batch_counter + 1).items():
+                collected[k].append(v)
         return collected
 
-    def reference_update_step(self, collected: dict) -> None:
-        """TR-DPO (Gorbatovski et al. 2024): move the reference every ``reference_update.every`` steps, counting the updates."""
-        update = self.config.reference_update
-        if (self.batch_counter + 1) % update.get("every", 1) == 0:
-            self.update_reference(update["mode"], float(update.get("alpha", 1.0)))
-        collected["reference_updates"].append(
-            float((self.batch_counter + 1) // update.get("every", 1))
-        )  # a resumed run counts on
-
-    @torch.no_grad()
-    def update_reference(self, mode: str, alpha: float) -> None:
-        """TR-DPO's reference update (Gorbatovski et al. 2024, Sec. 3; every tau = ``reference_update.every`` steps):
-        ``soft`` theta_ref <- alpha * theta + (1 - alpha) * theta_ref, ``hard`` theta_ref <- theta."""
-        if self.reference_model is None:
-            raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
-        for model in (self.policy, self.reference_model):
-            for module in model.modules():
-                if hasattr(module, "reshard"):  # FSDP2 keeps a root's weights gathered after a no-grad forward
-                    module.reshard()
-        policy = dict(self.policy.named_parameters())  # sharded alike (FSDP, TP): nothing is gathered
-        for name, ref in self.reference_model.named_parameters():
-            theta = policy[name].detach()
-            theta = theta.to(ref.dtype) if theta.dtype != ref.dtype else theta
-            if mode == "hard":
-                ref.copy_(theta)
-            else:
-                ref.mul_(1.0 - alpha).add_(theta, alpha=alpha)
+    @property
+    def updates_reference(self) -> bool:
+        """True if ``reference_update`` moves the reference during training (so checkpoints hold it)."""
+        return self.reference_update is not None and self.reference_model is not None
 
     def raise_non_finite(self, what: str):
         """Raise NonFiniteLossError: one sentence naming the step, the last good checkpoint and
@@ -843,161 +821,35 @@ class BasicTrainer:
         self.stop_requested = True
         self.stop_signal = signum
 
-    # ------------------------------------------------------------------ checkpoints
-
-    def save(self) -> str:
-        """Write ``step-<examples>/`` (:meth:`write_checkpoint`) atomically, point ``LATEST`` at it and return its path;
-        checkpoints.CheckpointError on every process if it cannot be written."""
-        step = self.example_counter
-        self.hf_export_failure = None
-        path = self.save_checkpoint_dir(f"step-{step}", lambda folder: self.write_checkpoint(folder, step))
-        if self.dist.is_main:
-            self.warn_export_failure(path)
-            checkpoints.prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
-        return path
-
-    def save_checkpoint_dir(self, name: str, write) -> str:
-        """checkpoints.save_checkpoint_dir of ``<run_dir>/<name>`` on the main process, with ``write(folder)`` run
-        inside it on every process; checkpoints.CheckpointError on every process if it cannot be written."""
-        if self.mesh is None:
-            return checkpoints.save_checkpoint_dir(self.run_dir, name, write)
-        sent = []  # the folder, once the main process has made it and sent it to the others
-
-        def write_all(folder: str) -> None:
-            sent.append(self.dist.broadcast(folder))
-            write(folder)
-
-        message = None
-        if self.dist.is_main:
-            try:
-                checkpoints.save_checkpoint_dir(self.run_dir, name, write_all)
-            except checkpoints.CheckpointError as e:
-                message = str(e)
-                if not sent:
-                    self.dist.broadcast(None)  # no folder: the others write nothing
-        else:
-            folder = self.dist.broadcast(None)
-            if folder is not None:
-                write(folder)
-        message = self.dist.broadcast(message)  # every process waits here for the main one's files
-        if message is not None:
-            raise checkpoints.CheckpointError(message)
-        return os.path.join(self.run_dir, name)
-
-    def write_checkpoint(self, folder: str, step: int) -> None:
-        """policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, reference.pt (TR-DPO) and ``hf/`` (unless
-        its export fails) into ``folder``."""
-        torch.save(self.policy_checkpoint(step, self.policy.state_dict()), os.path.join(folder, "policy.pt"))
-        torch.save({"step_idx": step, "state": self.optimizer.state_dict()}, os.path.join(folder, "optimizer.pt"))
-        torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
-        torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
-        if self.updates_reference:  # TR-DPO: the reference has moved; resume needs it
-            torch.save({"step_idx": step, "state": self.reference_model.state_dict()}, os.path.join(folder, "reference.pt"))
-        for write in CHECKPOINT_EXTENSIONS:  # export/: the Hugging Face folder hf/ when save_hf_export
-            self.hf_export_failure = write(self, folder, None) or self.hf_export_failure
+    # ------------------------------------------------------------------ checkpoints (runs/trainer_checkpoint.py)
 
     hf_export_failure: str | None = None
     """Why the last checkpoint has no ``hf/`` export (None: it has one, or none was asked for)."""
 
-    def policy_checkpoint(self, step: int, state: dict) -> dict:
-        """What policy.pt holds: ``{step_idx, state}`` with the policy's weights ``state``; for a
-        LoRA policy only the adapters' entries of it (the trainable weights) and ``lora``, the
-        ``model.lora`` settings (so ``model.archive`` can tell it from a whole model)."""
-        if self.peft_model is None:
-            return {"step_idx": step, "state": state}
-        from omegaconf import OmegaConf
+    def save(self) -> str:
+        """Write ``step-<examples>/`` atomically, point ``LATEST`` at it and return its path."""
+        return trainer_checkpoint.save(self)
 
-        adapters = {k: v for k, v in state.items() if k in self.trainable_names}
-        return {"step_idx": step, "state": adapters, "lora": OmegaConf.to_container(self.lora, resolve=True)}
-
-    def load_policy_state(self, state: dict) -> None:
-        """Load policy.pt's ``state`` (a LoRA policy's: its adapters alone) into the policy; RuntimeError if it does not fit."""
-        if self.peft_model is None:
-            self.policy.load_state_dict(state)
-            return
-        missing, unexpected = self.policy.load_state_dict(state, strict=False)
-        lost = sorted(self.trainable_names & set(missing))
-        if unexpected or lost:
-            raise RuntimeError(f"policy.pt does not hold this LoRA policy's adapters (e.g. {(unexpected or lost)[0]!r}).")
-
-    def warn_export_failure(self, path: str) -> None:
-        """Print one sentence when checkpoint ``path`` was published without its ``hf/`` export."""
-        if self.hf_export_failure and self.dist.is_main:
-            print(
-                f"Warning: the Hugging Face export {path}/hf could not be written ({self.hf_export_failure}); "
-                f"the checkpoint is complete without it: resume= continues from it and "
-                f"model.archive={path}/policy.pt loads its weights.",
-                flush=True,
-            )
+    def load(self, checkpoint_dir: str) -> None:
+        """Restore the weights, optimizer, scheduler, counters and RNG from a checkpoint folder."""
+        trainer_checkpoint.load(self, checkpoint_dir)
 
     def trainer_state(self) -> dict:
-        """Counters, RNG states, the W&B run id and the data's fingerprint: what resume needs besides the weights."""
-        state = {
-            "example_counter": self.example_counter,
-            "batch_counter": self.batch_counter,
-            "next_eval_at": self.next_eval_at,
-            "rng": {
-                "python": random.getstate(),
-                "numpy": numpy_rng_state(),
-                "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-            "wandb_id": self.logger.run_id,
-        }
-        if self.data_fingerprint is not None:
-            state["data"] = self.data_fingerprint
-        return state
+        """What trainer_state.pt holds: counters, RNG states, the W&B run id, the data's fingerprint."""
+        return trainer_checkpoint.trainer_state(self)
+
+    def restore_trainer_state(self, state: dict) -> None:
+        """Restore what :meth:`trainer_state` saved."""
+        trainer_checkpoint.restore_trainer_state(self, state)
+
+    def rewind_logs(self, step: int) -> int:
+        """Drop what was logged after ``step`` examples (``-1``: all); returns how many metrics records were dropped."""
+        return trainer_checkpoint.rewind_logs(self, step)
 
     @classmethod
     def made_before_models(cls, config) -> dict:
         """Keyword arguments an extending trainer builds from ``config`` before the models load, failing fast (none)."""
         return {}
-
-    @staticmethod
-    def read(checkpoint_dir: str, name: str):
-        """Load ``name`` (a torch.save file) from ``checkpoint_dir`` onto the CPU (:func:`read_checkpoint_file`)."""
-        return read_checkpoint_file(checkpoint_dir, name)
-
-    def load(self, checkpoint_dir: str) -> None:
-        """Restore policy, optimizer, scheduler, counters and RNG from a checkpoint folder."""
-        self.load_policy_state(self.read(checkpoint_dir, "policy.pt")["state"])
-        self.optimizer.load_state_dict(self.read(checkpoint_dir, "optimizer.pt")["state"])
-        self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
-        if self.updates_reference:
-            self.reference_model.load_state_dict(self.read(checkpoint_dir, "reference.pt")["state"])
-        self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
-
-    @property
-    def updates_reference(self) -> bool:
-        """True if TR-DPO's ``reference_update`` moves the reference during training (so checkpoints hold it)."""
-        return bool((self.config.get("reference_update") or {}).get("mode")) and self.reference_model is not None
-
-    def restore_trainer_state(self, state: dict) -> None:
-        """Restore counters and Python/NumPy/torch RNG states saved by :meth:`trainer_state`."""
-        self.example_counter = state["example_counter"]
-        self.batch_counter = state["batch_counter"]
-        self.next_eval_at = state["next_eval_at"]
-        random.setstate(state["rng"]["python"])
-        set_numpy_rng_state(state["rng"]["numpy"])
-        torch.set_rng_state(state["rng"]["torch"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        dropped = self.rewind_logs(self.example_counter)
-        if dropped:
-            print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
-
-    def rewind_logs(self, step: int) -> int:
-        """On rank 0, drop what was logged after ``step`` examples (metrics.jsonl and the resumed
-        W&B run, samples.jsonl and samples.md, completions.jsonl), since training logs those
-        steps again; ``step=-1`` drops all. Returns how many metrics.jsonl records were dropped."""
-        if not self.dist.is_main:
-            return 0
-        dropped = self.logger.rewind(step)
-        for name in ("samples.jsonl", "completions.jsonl"):
-            tracking.rewind_jsonl(os.path.join(self.run_dir, name), step)
-        for rewound in REWIND_EXTENSIONS:  # evaluation/: samples.md, its view of samples.jsonl, rewound with it
-            rewound(self.run_dir)
-        return dropped
 
 
 def count_tokens(batch: dict) -> int:
@@ -1072,95 +924,6 @@ class _DistributedTrainer(BasicTrainer):
                 if self.rank == 0:
                     buffer.copy_(unsaved[name])
                 dist.broadcast(buffer, src=0)
-
-    def write_checkpoint(self, folder: str, step: int) -> None:
-        """Each rank its DCP shard into ``folder``/sharded, then rank 0 the gathered policy.pt, scheduler.pt,
-        trainer_state.pt and ``hf/`` (:meth:`write_rank0_files`)."""
-        import shutil
-
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-
-        error = None
-        try:
-            model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=self.sharded_options())
-            state = {"model": model_sd, "optimizer": optim_sd}
-            if self.updates_reference:  # TR-DPO: the moved reference, sharded like the policy
-                state["reference"] = get_model_state_dict(self.reference_model)
-            dcp.save(state, checkpoint_id=os.path.join(folder, "sharded"))
-        except Exception as e:  # DCP raises on every rank when any rank's write fails
-            error = e
-        if self.dist.any_rank(error is not None):
-            if not self.dist.is_main:
-                return  # rank 0 raises, and save_checkpoint_dir tells every rank
-            if error is not None:
-                raise error
-            shutil.rmtree(folder, ignore_errors=True)  # before the message, which reports the free space
-            reason = "another rank could not write its shard"
-            raise checkpoints.CheckpointError(checkpoints.checkpoint_error_message(self.run_dir, f"step-{step}", reason))
-        # LoRA: the adapters alone, unless the merged export needs the frozen base too
-        adapters_only = self.lora is not None and not (self.config.save_hf_export and self.lora.get("export_merged"))
-        full_options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=adapters_only)
-        full = get_model_state_dict(self.policy, options=full_options)
-        if self.dist.is_main:
-            self.write_rank0_files(folder, step, full)
-
-    def sharded_options(self):
-        """The ``StateDictOptions`` of the sharded checkpoint (DCP): a LoRA policy's holds the
-        adapters (the trainable weights) and their optimizer state alone, not the frozen base."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        if self.lora is None:
-            return None
-        return StateDictOptions(ignore_frozen_params=True, strict=False)
-
-    def write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
-        """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``;
-        a tensor-parallel GPT-2's weights go back to its own Conv1D layout first."""
-        if self.tp_size > 1 and self.policy.config.model_type == "gpt2":
-            from transformers import AutoModelForCausalLM
-
-            full_state = _gpt2_state_to_conv1d(full_state, self.policy.config, self.tp_size)
-            exporter = AutoModelForCausalLM.from_config(self.policy.config)
-            exporter.load_state_dict(full_state)
-            self.policy, policy = exporter, self.policy
-            try:
-                self._write_rank0_files(folder, step, full_state)
-            finally:
-                self.policy = policy
-            return
-        self._write_rank0_files(folder, step, full_state)
-
-    def _write_rank0_files(self, folder: str, step: int, full_state: dict) -> None:
-        torch.save(self.policy_checkpoint(step, full_state), os.path.join(folder, "policy.pt"))
-        torch.save({"step_idx": step, "state": self.scheduler.state_dict()}, os.path.join(folder, "scheduler.pt"))
-        torch.save(self.trainer_state(), os.path.join(folder, "trainer_state.pt"))
-        for write in CHECKPOINT_EXTENSIONS:  # export/: the Hugging Face folder hf/ when save_hf_export
-            self.hf_export_failure = write(self, folder, full_state) or self.hf_export_failure
-
-    def load(self, checkpoint_dir: str) -> None:
-        """Resume from a checkpoint's ``sharded/`` folder (each rank reads its shard; LoRA: the
-        adapters and their optimizer state, :meth:`sharded_options`)."""
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_state_dict,
-            set_model_state_dict,
-            set_state_dict,
-        )
-
-        options = self.sharded_options()
-        model_sd, optim_sd = get_state_dict(self.policy, self.optimizer, options=options)
-        state = {"model": model_sd, "optimizer": optim_sd}
-        if self.updates_reference:
-            state["reference"] = get_model_state_dict(self.reference_model)
-        read_sharded_checkpoint(state, os.path.join(checkpoint_dir, "sharded"))
-        set_state_dict(
-            self.policy, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
-        )
-        if self.updates_reference:
-            set_model_state_dict(self.reference_model, state["reference"])
-        self.scheduler.load_state_dict(self.read(checkpoint_dir, "scheduler.pt")["state"])
-        self.restore_trainer_state(self.read(checkpoint_dir, "trainer_state.pt"))
 
 
 class FSDPTrainer(_DistributedTrainer):
@@ -1240,15 +1003,8 @@ class TensorParallelTrainer(_DistributedTrainer):
         return dist.get_world_size()
 
 
-CHECKPOINT_EXTENSIONS: list[Callable[[BasicTrainer, str, dict | None], str | None]] = []
-"""A plugin's ``fn(trainer, folder, full_state_dict or None)`` that writes beside a checkpoint's weights (export/: the
-Hugging Face folder ``hf/``); returns None, or why it failed (the checkpoint is kept without it)."""
-
 EVAL_EXTENSIONS: list[Callable[[BasicTrainer], dict]] = []
 """A plugin's ``fn(trainer) -> dict`` of more eval means, run after the eval set's (evaluation/: answers_eval, samples)."""
-
-REWIND_EXTENSIONS: list[Callable[[str], None]] = []
-"""A plugin's ``fn(run_dir)`` run after a resume rewinds the run folder's logs (evaluation/: samples.md rewritten)."""
 
 TRAINER_EXTENSIONS: list[Callable] = []
 """A plugin's ``fn(config, cls) -> cls`` that may give another trainer class for ``config`` (online/: online DPO's)."""

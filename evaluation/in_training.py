@@ -16,7 +16,7 @@ import trainers
 import utils
 from evaluation import reward_functions, rewards, sampling
 from preference_datasets import declared_reward_functions, left_pad
-from runs import checkpoints, tracking
+from runs import checkpoints, tracking, trainer_checkpoint
 from trainers import split_batch
 
 
@@ -188,4 +188,4 @@ def _md_cell(text: str) -> str:
 
 
 trainers.EVAL_EXTENSIONS.append(eval_means)
-trainers.REWIND_EXTENSIONS.append(write_samples_md)
+trainer_checkpoint.REWIND_EXTENSIONS.append(write_samples_md)

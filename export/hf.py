@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import shutil
 
-import trainers
 import utils
 from export import modelcard
 from modeling import models
+from runs import trainer_checkpoint
 
 
 def write_hf_export(trainer, checkpoint: str, state_dict: dict | None = None) -> str | None:
@@ -47,4 +47,4 @@ def write_hf_export(trainer, checkpoint: str, state_dict: dict | None = None) ->
     return None
 
 
-trainers.CHECKPOINT_EXTENSIONS.append(write_hf_export)
+trainer_checkpoint.CHECKPOINT_EXTENSIONS.append(write_hf_export)

@@ -244,8 +244,11 @@ RULES = [
      "loss={c.loss.name} needs the reference's log-probs of each prompt paired with another example's completion, "
      "pairs that change with every shuffled batch, so precompute_ref_log_probs=true cannot cache them; set it false."),
     # reference_update (TR-DPO)
-    ("reference_update.mode", lambda c: not _tr_dpo(c) or c.reference_update.mode in ("soft", "hard"),
-     "reference_update.mode must be null, soft or hard, got {c.reference_update.mode}."),
+    ("reference_update.mode", lambda c: not _tr_dpo(c) or c.reference_update.mode in losses.REFERENCE_UPDATES,
+     lambda c: f"reference_update.mode must be null or one of {', '.join(sorted(losses.REFERENCE_UPDATES))}, "
+     f"got {c.reference_update.mode}."),
+    ("reference_update", lambda c: not _tr_dpo(c) or not losses.REFERENCE_UPDATES[c.reference_update.mode].check(c.reference_update),
+     lambda c: losses.REFERENCE_UPDATES[c.reference_update.mode].check(c.reference_update)),
     ("reference_update", lambda c: not _tr_dpo(c) or _objective(c).uses_reference(c.loss),
      "reference_update moves the reference model, but loss={c.loss.name} uses none; remove it."),
     ("reference_update.every", lambda c: not _tr_dpo(c) or _whole(c.reference_update.get("every"), 1),

@@ -21,6 +21,7 @@ from export import modelcard
 from modeling import models
 from preference_datasets import DataError
 from runs import checkpoints, checks, processes
+from runs.resume import read_checkpoint_file
 
 BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
 EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of its training length (apply_extension)
@@ -289,7 +290,7 @@ def resume_state(
     run), and the run's :func:`extension`."""
     state = None
     if checkpoint_dir is not None:  # before any model loads: is this the data the checkpoint was trained on?
-        state = trainers.BasicTrainer.read(checkpoint_dir, "trainer_state.pt")
+        state = read_checkpoint_file(checkpoint_dir, "trainer_state.pt")
         problem = checkpoints.data_change(state.get("data"), fingerprint, checkpoint_dir, auto=auto)
         if problem is not None:
             raise DataError(problem)

@@ -19,9 +19,9 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, run_train
 
-import trainers
 import utils
 from modeling import models
+from objectives import tr_dpo
 from runs import checks
 
 
@@ -44,11 +44,11 @@ def test_soft_and_hard_updates_follow_the_rules_on_each_parameter():
         reference.weight.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
         reference.bias.copy_(torch.tensor([0.0, 4.0]))
     trainer = SimpleNamespace(policy=policy, reference_model=reference)
-    trainers.BasicTrainer.update_reference(trainer, "soft", 0.25)  # 0.25 * policy + 0.75 * reference
+    tr_dpo.update_reference(trainer, "soft", 0.25)  # 0.25 * policy + 0.75 * reference
     assert reference.weight.tolist() == [[4.0, 5.0], [6.0, 7.0]]
     assert reference.bias.tolist() == [2.0, 1.0]
     assert not reference.weight.requires_grad or reference.weight.grad is None
-    trainers.BasicTrainer.update_reference(trainer, "hard", 0.25)  # alpha is ignored: a copy
+    tr_dpo.update_reference(trainer, "hard", 0.25)  # alpha is ignored: a copy
     assert reference.weight.tolist() == [[1.0, 2.0], [3.0, 4.0]] and reference.bias.tolist() == [8.0, -8.0]
 
 
@@ -121,7 +121,7 @@ def test_sharded_soft_updates_match_the_single_process_run(soft_run, tmp_path, t
 @pytest.mark.parametrize(
     ("overrides", "sentence"),
     [
-        (["reference_update.mode=sometimes"], "reference_update.mode must be null, soft or hard, got sometimes."),
+        (["reference_update.mode=sometimes"], "reference_update.mode must be null or one of hard, soft, got sometimes."),
         (["reference_update.mode=soft", "reference_update.alpha=0"], "reference_update.alpha must be in (0, 1]"),
         (["reference_update.mode=hard", "reference_update.every=0"], "reference_update.every must be a whole number"),
         (

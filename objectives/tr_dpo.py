@@ -1,0 +1,61 @@
+"""TR-DPO (Gorbatovski et al. 2024, "Learn Your Reference Model for Real Good Alignment", Sec. 3): move the reference
+toward the policy every tau = ``reference_update.every`` optimizer steps, ``soft`` (theta_ref <- alpha * theta +
+(1 - alpha) * theta_ref) or ``hard`` (theta_ref <- theta), for any objective with a reference."""
+
+from __future__ import annotations
+
+import torch
+
+import losses
+
+
+def gathered_weights_released(*models) -> None:
+    """Reshard FSDP2 roots, which keep their weights gathered after a no-grad forward, so parameters are shards again."""
+    for model in models:
+        for module in model.modules():
+            if hasattr(module, "reshard"):
+                module.reshard()
+
+
+@torch.no_grad()
+def update_reference(trainer, mode: str, alpha: float) -> None:
+    """TR-DPO's update of ``trainer.reference_model`` from ``trainer.policy``: ``soft`` theta_ref <- alpha * theta +
+    (1 - alpha) * theta_ref, ``hard`` theta_ref <- theta (alpha ignored)."""
+    if trainer.reference_model is None:
+        raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
+    gathered_weights_released(trainer.policy, trainer.reference_model)
+    policy = dict(trainer.policy.named_parameters())  # sharded alike (FSDP, TP): nothing is gathered
+    for name, ref in trainer.reference_model.named_parameters():
+        theta = policy[name].detach()
+        theta = theta.to(ref.dtype) if theta.dtype != ref.dtype else theta
+        if mode == "hard":
+            ref.copy_(theta)
+        else:
+            ref.mul_(1.0 - alpha).add_(theta, alpha=alpha)
+
+
+@losses.reference_update("soft", "hard")
+class TRDPOUpdate:
+    """TR-DPO's update every ``reference_update.every`` steps; the train records count the updates (``reference_updates``)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        update = trainer.config.reference_update
+        self.mode, self.every, self.alpha = update.mode, update.get("every", 1), float(update.get("alpha", 1.0))
+
+    @staticmethod
+    def check(update) -> str | None:
+        """TR-DPO's keys are checked with the config (runs/checks.py): nothing more here."""
+        return None
+
+    def step(self, step: int) -> dict:
+        """After optimizer step ``step``: update when ``step`` is a multiple of ``every``; returns the updates so far."""
+        if step % self.every == 0:
+            update_reference(self.trainer, self.mode, self.alpha)
+        return {"reference_updates": float(step // self.every)}  # a resumed run counts on
+
+    def state_dict(self) -> dict:
+        return {}  # the reference's weights are all TR-DPO's state
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
