@@ -45,7 +45,12 @@ class TRDPOUpdate:
 
     @staticmethod
     def check(update) -> str | None:
-        """TR-DPO's keys are checked with the config (runs/checks.py): nothing more here."""
+        """One sentence on a wrong ``every`` or (``soft``) ``alpha``, else None."""
+        every, alpha = update.get("every"), update.get("alpha")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            return f"reference_update.every must be a whole number of optimizer steps >= 1, got {every}."
+        if update.mode == "soft" and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1):
+            return f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {alpha}."
         return None
 
     def step(self, step: int) -> dict:

@@ -247,15 +247,11 @@ RULES = [
     ("reference_update.mode", lambda c: not _tr_dpo(c) or c.reference_update.mode in losses.REFERENCE_UPDATES,
      lambda c: f"reference_update.mode must be null or one of {', '.join(sorted(losses.REFERENCE_UPDATES))}, "
      f"got {c.reference_update.mode}."),
-    ("reference_update", lambda c: not _tr_dpo(c) or not losses.REFERENCE_UPDATES[c.reference_update.mode].check(c.reference_update),
+    ("reference_update", lambda c: not _tr_dpo(c) or c.reference_update.mode not in losses.REFERENCE_UPDATES
+     or not losses.REFERENCE_UPDATES[c.reference_update.mode].check(c.reference_update),
      lambda c: losses.REFERENCE_UPDATES[c.reference_update.mode].check(c.reference_update)),
     ("reference_update", lambda c: not _tr_dpo(c) or _objective(c).uses_reference(c.loss),
      "reference_update moves the reference model, but loss={c.loss.name} uses none; remove it."),
-    ("reference_update.every", lambda c: not _tr_dpo(c) or _whole(c.reference_update.get("every"), 1),
-     lambda c: f"reference_update.every must be a whole number of optimizer steps >= 1, got {c.reference_update.get('every')}."),
-    ("reference_update.alpha", lambda c: not _tr_dpo(c) or c.reference_update.mode != "soft"
-     or (isinstance(c.reference_update.get("alpha"), (int, float)) and 0 < c.reference_update.get("alpha") <= 1),
-     lambda c: f"reference_update.alpha must be in (0, 1] (the policy's weight in the mix), got {c.reference_update.get('alpha')}."),
     ("reference_update", lambda c: not (_tr_dpo(c) and c.precompute_ref_log_probs),
      "reference_update moves the reference during training, so precomputed reference log-probs would go stale; "
      "set precompute_ref_log_probs=false."),

@@ -29,6 +29,7 @@ SOURCES = [
     (CONFIG / "config.yaml", ""),
     (CONFIG / "model" / "blank_model.yaml", "model."),
     (CONFIG / "loss" / "dpo.yaml", "loss."),
+    (CONFIG / "reference_update" / "tr_dpo.yaml", "reference_update."),
 ]
 KEY_LINE = re.compile(r"^(\s*)([A-Za-z_][\w-]*):(.*)$")
 

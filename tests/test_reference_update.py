@@ -121,7 +121,7 @@ def test_sharded_soft_updates_match_the_single_process_run(soft_run, tmp_path, t
 @pytest.mark.parametrize(
     ("overrides", "sentence"),
     [
-        (["reference_update.mode=sometimes"], "reference_update.mode must be null or one of hard, soft, got sometimes."),
+        (["reference_update.mode=sometimes"], "reference_update.mode must be null or one of bema, hard, soft, got sometimes."),
         (["reference_update.mode=soft", "reference_update.alpha=0"], "reference_update.alpha must be in (0, 1]"),
         (["reference_update.mode=hard", "reference_update.every=0"], "reference_update.every must be a whole number"),
         (
