@@ -4,7 +4,6 @@ objective of ``config.loss.name`` (losses.py) declares, the reference's side thr
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import os
 import signal
@@ -18,13 +17,12 @@ import torch
 import tqdm
 
 import losses
-import utils
 from modeling import models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
-from parallel.fsdp import find_block_classes, fully_shard_blocks
-from parallel.tensor_parallel import tensor_parallel_plan
+from parallel import fsdp, tensor_parallel
+from parallel.dist import Dist, shard_from_rank0
 from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
-from runs import checkpoints, checks, tracking, trainer_checkpoint
+from runs import checks, ending, tracking, trainer_checkpoint
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
@@ -130,15 +128,6 @@ def split_batch(batch: dict, n_chunks: int) -> list[dict]:
     return chunks
 
 
-def concatenated_per_rank(metrics: dict, group=None) -> dict:
-    """Every rank's metric lists (of ``group``, default all), concatenated in rank order."""
-    out: dict = defaultdict(list)
-    for part in utils.all_gather_object(dict(metrics), group=group):
-        for k, v in part.items():
-            out[k].extend(v)
-    return out
-
-
 def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` in lists of one kind each: plain tensors, and DTensors by device mesh, in order of first
     appearance (the same on every rank); one list when all are of one kind (or there are none)."""
@@ -148,76 +137,6 @@ def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     for p in params:
         groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
     return list(groups.values()) or [[]]  # torch's foreach kernels refuse a mix of kinds
-
-
-class Dist:
-    """The processes a trainer runs on and their collectives: each returns its input on one process (``mesh`` None) and
-    runs over the (dp, tp) device mesh's groups otherwise (tensor-parallel peers hold the same data)."""
-
-    def __init__(self, rank: int = 0, world_size: int = 1, mesh=None):
-        self.rank, self.world_size, self.mesh = rank, world_size, mesh
-
-    @property
-    def data_rank(self) -> int:
-        """Which part of each batch this process takes: its place along the mesh's data-parallel dimension."""
-        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()  # tensor-parallel peers share it
-
-    @property
-    def data_world_size(self) -> int:
-        """Into how many parts each batch is split: world size / tensor-parallel size."""
-        return self.world_size if self.mesh is None else self.mesh["dp"].size()
-
-    @property
-    def is_main(self) -> bool:
-        """True on the process that logs, prints and writes the run folder's files."""
-        return self.rank == 0
-
-    @property
-    def data_group(self):
-        """The data-parallel process group (None: every process, or one process)."""
-        return None if self.mesh is None else self.mesh["dp"].get_group()
-
-    def all_reduce(self, value: float, op: str, group=None) -> float:
-        """``value`` reduced by ``torch.distributed.ReduceOp.<op>`` over ``group`` (default all processes), a float."""
-        if self.mesh is None:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([float(value)], dtype=torch.float64, device="cuda" if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
-        return t.item()
-
-    def global_sum(self, value: float) -> float:
-        """Sum of ``value`` over the data-parallel groups (tensor-parallel peers hold the same value)."""
-        return self.all_reduce(value, "SUM", group=self.data_group)
-
-    def gather_metrics(self, metrics: dict) -> dict:
-        """Per-example metric lists of every data-parallel group, concatenated in order (tensor-parallel peers computed the same)."""
-        return self.gather_per_rank(metrics, group=self.data_group)
-
-    def gather_per_rank(self, metrics: dict, group=None) -> dict:
-        """Every rank's lists (of ``group``, default all), concatenated in rank order, even when all processes see
-        the same data (tensor parallelism): for per-process figures such as peak memory."""
-        return metrics if self.mesh is None else concatenated_per_rank(metrics, group)
-
-    def broadcast(self, obj):
-        """``obj`` as the main process has it, on every process."""
-        return obj if self.mesh is None else utils.broadcast_object(obj)
-
-    def all_finite(self, value: torch.Tensor) -> bool:
-        """True if ``value`` is finite on every process (all agree, so none hangs alone)."""
-        return self.all_reduce(float(torch.isfinite(value).all()), "MIN") == 1.0
-
-    def any_rank(self, flag: bool) -> bool:
-        """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
-        return self.all_reduce(float(flag), "MAX") == 1.0
-
-    def wait_for_all(self) -> None:
-        """Return once every process has got here."""
-        if self.mesh is not None:
-            import torch.distributed as dist
-
-            dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
 
 
 class BasicTrainer:
@@ -626,14 +545,14 @@ class BasicTrainer:
             self.set_grad_sync(i == len(chunks) - 1)  # one gradient reduction per step
             loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
             if not self.dist.all_finite(loss):
-                self.raise_non_finite(f"loss is {loss.item()}")
+                raise NonFiniteLossError(ending.non_finite_message(self, f"loss is {loss.item()}"))
             (loss * (weight * self.grad_scale)).backward()
             if weight:
                 for k, v in metrics.items():
                     collected[k].extend(v)
         grad_norm = self.clip_gradients()
         if not torch.isfinite(grad_norm):
-            self.raise_non_finite(f"gradient norm is {grad_norm.item()}")
+            raise NonFiniteLossError(ending.non_finite_message(self, f"gradient norm is {grad_norm.item()}"))
         collected = defaultdict(list, self.dist.gather_metrics(collected))
         collected["lr"].append(self.optimizer.param_groups[0]["lr"])  # the lr of this step
         self.optimizer.step()
@@ -650,33 +569,11 @@ class BasicTrainer:
         """True if ``reference_update`` moves the reference during training (so checkpoints hold it)."""
         return self.reference_update is not None and self.reference_model is not None
 
-    def raise_non_finite(self, what: str):
-        """Raise NonFiniteLossError: one sentence naming the step, the last good checkpoint and
-        what to change (train.py prints it as one ``Error:`` line)."""
-        latest = os.path.join(self.run_dir, "LATEST")
-        where = (
-            f"the last good checkpoint is {os.path.realpath(latest)}"
-            if os.path.exists(latest)
-            else "no checkpoint was written yet"
-            + (
-                " and its run folder, holding only its config, is removed"  # by train.main, as any setup fault's
-                if checkpoints.holds_only_setup(self.run_dir)
-                else f" (its run folder {self.run_dir} holds only logs: delete it once read)"
-            )
-        )
-        fix = "lower lr or max_grad_norm, or check the data"
-        if self.config.model.policy_dtype == "float16":
-            fix += ", or train with model.policy_dtype=bfloat16 (float16 weights overflow and underflow easily)"
-        raise NonFiniteLossError(
-            f"Training stopped: {what} at step {self.batch_counter + 1} (after {self.example_counter} examples), "
-            f"before its optimizer step; nothing was saved and {where}: {fix}."
-        )
-
     def train(self) -> int | None:
         """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
         end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the :data:`STOP_SIGNALS` signal that stopped it."""
         if self.example_counter >= self.total_examples:
-            self.say_already_complete()
+            ending.say_already_complete(self)
             self.logger.finish()
             return None
         iterator = self.train_batches()
@@ -693,19 +590,12 @@ class BasicTrainer:
             self.run_batches(iterator, bar)
             bar.close()
             if self.stop_requested:
-                return self.stop_with_checkpoint()
-            return self.finish_run()
+                return ending.stop_with_checkpoint(self)
+            return ending.finish_run(self)
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.finish()
-
-    def say_already_complete(self) -> None:
-        """On rank 0: say the run has nothing left to train, writing ``FINISHED`` if it is missing."""
-        if self.dist.is_main:
-            print(f"Nothing to do: this run is complete ({self.example_counter}/{self.total_examples} examples).")
-            if not os.path.exists(os.path.join(self.run_dir, checkpoints.FINISHED)):  # finished before FINISHED existed
-                checkpoints.mark_finished(self.run_dir, self.example_counter)
 
     def train_batches(self):
         """The shuffled training batches from ``example_counter`` on (a resumed run continues its order)."""
@@ -765,38 +655,6 @@ class BasicTrainer:
         if stop is not None:
             stop(path)
         return path
-
-    def stop_with_checkpoint(self) -> int:
-        """After a stop signal: checkpoint, report and say how to resume; returns the signal's number."""
-        path = self.save()
-        memory = tracking.log_peak_memory(self.dist, self.logger, self.setup_peak_rss_mib, self.example_counter)
-        if self.dist.is_main and self.config.get("plot_curves", True):  # .get: a config saved before the key existed
-            tracking.plot_curves(self.run_dir)
-        if self.dist.is_main:
-            print(f"Interrupted after {self.example_counter} examples; checkpoint saved to {path}.")
-            tracking.say_peak_memory(memory)
-            how = "the same torchrun command on every node, with" if "TORCHELASTIC_RUN_ID" in os.environ else "python train.py"
-            print(f"Resume with: {how} resume={self.run_dir}")
-        self.dist.wait_for_all()
-        return self.stop_signal or signal.SIGTERM
-
-    def finish_run(self) -> None:
-        """At the end of training: the last eval and checkpoint, the report, then ``FINISHED`` once every rank is done."""
-        path = self.evaluate_and_save(final=True)
-        memory = tracking.log_peak_memory(self.dist, self.logger, self.setup_peak_rss_mib, self.example_counter)
-        if self.dist.is_main:
-            written = tracking.plot_curves(self.run_dir) if self.config.get("plot_curves", True) else []
-            export = ""
-            if self.config.save_hf_export:
-                failed = self.hf_export_failure
-                export = f" (no Hugging Face export: {failed})" if failed else f" (Hugging Face export in {path}/hf)"
-            print(f"Done: {self.example_counter} examples. Checkpoint: {path}{export}.")
-            tracking.say_peak_memory(memory)
-            if written:
-                print(f"Training curves: {os.path.dirname(written[0])}/")
-        self.dist.wait_for_all()
-        if self.dist.is_main:  # every rank's part of the last checkpoint is written
-            checkpoints.mark_finished(self.run_dir, self.example_counter)
 
     def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
         """Log the means of the train metrics gathered since the last log, then clear them;
@@ -905,25 +763,8 @@ class _DistributedTrainer(BasicTrainer):
         return 1
 
     def shard_from_rank0(self, model: torch.nn.Module, shard) -> None:
-        """Shard ``model`` over ``self.mesh`` with ``shard`` (FSDP or a TP plan), its weights sent from rank 0:
-        no rank holds the full model on its device, and only rank 0 reads the checkpoint."""
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        state = model.state_dict()
-        full = state if self.rank == 0 else {}
-        unsaved = {n: b.detach().clone() for n, b in model.named_buffers() if n not in state}
-        # rank 0 holds the weights, the others meta tensors (models.rank0_model)
-        models.keeping_ties(model, lambda model: model.to("meta"))
-        shard(model)
-        models.keeping_ties(model, lambda model: model.to_empty(device=self.device))
-        # each rank allocates and receives only its slice
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for name, buffer in model.named_buffers():
-            if name in unsaved:
-                if self.rank == 0:
-                    buffer.copy_(unsaved[name])
-                dist.broadcast(buffer, src=0)
+        """Shard ``model`` over the mesh with ``shard`` (FSDP or a TP plan), its weights sent from rank 0."""
+        shard_from_rank0(model, shard, self.rank, self.device)
 
 
 class FSDPTrainer(_DistributedTrainer):
@@ -942,30 +783,8 @@ class FSDPTrainer(_DistributedTrainer):
         return config.tensor_parallel_size or 1
 
     def prepare_models(self) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        kwargs = {}
-        if self.config.model.fsdp_policy_mp:
-            dtype = utils.get_dtype(self.config.model.fsdp_policy_mp)
-            # float32 gradient reduction
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        kwargs["mesh"] = self.mesh["dp"]
-        if self.tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
-            logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-        for model in (self.policy, self.reference_model):
-            if model is None:
-                continue
-            blocks = find_block_classes(model, self.config.model.block_name)
-            plan = tensor_parallel_plan(model, self.tp_size) if self.tp_size > 1 else None
-
-            def shard(model, blocks=blocks, plan=plan):
-                if plan is not None:  # 2-D: tensor parallel within each group of tp_size ranks, then FSDP across groups
-                    from torch.distributed.tensor.parallel import parallelize_module
-
-                    parallelize_module(model, self.mesh["tp"], plan)
-                fully_shard_blocks(model, blocks, **kwargs)
-
-            self.shard_from_rank0(model, shard)
+        """FSDP2 over the mesh's ``dp`` dimension (2-D: a tensor-parallel plan within each ``tp`` group first)."""
+        fsdp.shard_models(self)
 
     def local_batch(self, batch: dict) -> tuple[dict, float]:
         """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
@@ -988,13 +807,8 @@ class TensorParallelTrainer(_DistributedTrainer):
     GPT-2: each process holds a slice of every block (:func:`tensor_parallel_plan`) and sees the whole batch."""
 
     def prepare_models(self) -> None:
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        for model in (self.policy, self.reference_model):
-            if model is None:
-                continue
-            plan = tensor_parallel_plan(model, self.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
-            self.shard_from_rank0(model, lambda model, plan=plan: parallelize_module(model, self.mesh["tp"], plan))
+        """Each weight matrix split over every process (:func:`parallel.tensor_parallel.tensor_parallel_plan`)."""
+        tensor_parallel.shard_models(self)
 
     def tensor_parallel_size(self, config) -> int:
         """Every process holds a slice of every block: the whole world is one tensor-parallel group."""

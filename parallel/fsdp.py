@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import signal
+import logging
 
 import torch
 
 import utils
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
-``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
@@ -39,3 +35,35 @@ def fully_shard_blocks(model: torch.nn.Module, blocks: set[type], **kwargs) -> N
         if type(module) in blocks:
             fully_shard(module, **kwargs)
     fully_shard(model, **kwargs)
+
+
+def shard_models(trainer) -> None:
+    """FSDP2 of ``trainer``'s policy and reference over its mesh's ``dp`` dimension, each transformer block
+    (``model.block_name``, or ``_no_split_modules``) and the root a unit; with ``tensor_parallel_size`` > 1 (2-D) each
+    model first gets its tensor-parallel plan within each ``tp`` group. Weights are sent from rank 0."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from parallel.dist import shard_from_rank0
+    from parallel.tensor_parallel import tensor_parallel_plan
+
+    config, mesh = trainer.config, trainer.mesh
+    kwargs = {"mesh": mesh["dp"]}
+    if config.model.fsdp_policy_mp:
+        dtype = utils.get_dtype(config.model.fsdp_policy_mp)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # float32 reduction
+    if trainer.tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    for model in (trainer.policy, trainer.reference_model):
+        if model is None:
+            continue
+        blocks = find_block_classes(model, config.model.block_name)
+        plan = tensor_parallel_plan(model, trainer.tp_size) if trainer.tp_size > 1 else None
+
+        def shard(model, blocks=blocks, plan=plan):
+            if plan is not None:  # 2-D: tensor parallel within each group of tp_size ranks, then FSDP across groups
+                from torch.distributed.tensor.parallel import parallelize_module
+
+                parallelize_module(model, mesh["tp"], plan)
+            fully_shard_blocks(model, blocks, **kwargs)
+
+        shard_from_rank0(model, shard, trainer.rank, trainer.device)

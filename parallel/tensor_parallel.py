@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import signal
-
 import torch
 
 from modeling.models import check_tensor_parallel
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
-``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def tensor_parallel_plan(model: torch.nn.Module, world_size: int) -> dict:
@@ -80,3 +74,18 @@ def _gpt2_state_to_conv1d(state: dict, config, world_size: int) -> dict:
             v = v.t().contiguous()
         out[k] = v
     return out
+
+
+def shard_models(trainer) -> None:
+    """Split each weight matrix of ``trainer``'s policy and reference over its mesh's ``tp`` dimension (every process),
+    the weights sent from rank 0."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from parallel.dist import shard_from_rank0
+
+    for model in (trainer.policy, trainer.reference_model):
+        if model is None:
+            continue
+        plan = tensor_parallel_plan(model, trainer.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
+        shard = lambda model, plan=plan: parallelize_module(model, trainer.mesh["tp"], plan)  # noqa: E731
+        shard_from_rank0(model, shard, trainer.rank, trainer.device)

@@ -7,7 +7,6 @@ import hashlib
 import json
 import math
 import os
-import signal
 
 import numpy as np
 import torch
@@ -18,10 +17,6 @@ import utils
 from modeling import models
 from preference_datasets import get_batch_iterator
 from runs import checkpoints
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
-``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def reference_cache_path(reference, examples: list[dict], tokenizer, config, cache_dir: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 
 import numpy as np
 import torch
@@ -11,10 +10,6 @@ import torch
 import utils
 from modeling import models
 from runs import checkpoints
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
-``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def numpy_rng_state() -> dict:
