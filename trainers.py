@@ -17,28 +17,16 @@ import torch
 import tqdm
 
 import losses
-from modeling import models
+from modeling import models, optimization
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel import fsdp, tensor_parallel
-from parallel.dist import Dist, shard_from_rank0
+from parallel.dist import Dist, shard_from_rank0, split_batch
 from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
 from runs import checks, ending, tracking, trainer_checkpoint
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 """The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
 ``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
-
-
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
-    """Learning-rate multiplier for optimizer step ``step`` (0-based): linear warmup
-    ``min(1, (step + 1) / (warmup_steps + 1))``, then ``constant``, or ``linear`` / ``cosine`` decay to 0 at ``total_steps``."""
-    warm = min(1.0, (step + 1) / (warmup_steps + 1))  # step 0 already moves the weights
-    if schedule == "constant" or step < warmup_steps:
-        return warm
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    if schedule == "linear":
-        return warm * (1.0 - progress)
-    return warm * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def beta_for_epoch(beta, epoch: int) -> float:
@@ -116,29 +104,6 @@ def single_logps(
     return logps.to(device), n_tokens.to(device)
 
 
-def split_batch(batch: dict, n_chunks: int) -> list[dict]:
-    """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
-    nothing is dropped). Lists are split the same way as tensors."""
-    size = len(batch["prompt"])
-    bounds = np.linspace(0, size, n_chunks + 1).round().astype(int)
-    chunks = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi > lo:
-            chunks.append({k: v[lo:hi] for k, v in batch.items()})
-    return chunks
-
-
-def parameter_groups(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``params`` in lists of one kind each: plain tensors, and DTensors by device mesh, in order of first
-    appearance (the same on every rank); one list when all are of one kind (or there are none)."""
-    from torch.distributed.tensor import DTensor
-
-    groups: dict = {}
-    for p in params:
-        groups.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
-    return list(groups.values()) or [[]]  # torch's foreach kernels refuse a mix of kinds
-
-
 class BasicTrainer:
     """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
     a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
@@ -178,6 +143,7 @@ class BasicTrainer:
         self.logger = logger or tracking.MetricsLogger(run_dir, config)
         self.train_examples = train_examples
         self.loss_config = config.loss
+        self.output_layer_chunk = config.output_layer_chunk  # positions per output-layer call; None or 0: all at once
         self.objective = losses.get_objective(config.loss.name)  # what to compute; the trainer names no objective
         self.average_log_prob = self.objective.averages(config.loss)
         weights = self.objective.token_weights
@@ -189,12 +155,9 @@ class BasicTrainer:
         self.reference_update = losses.REFERENCE_UPDATES[mode](self) if mode else None  # moves the reference
         self.setup_peak_rss_mib = tracking.peak_rss_mib()  # loading and sharding, before any step
 
-        self.optimizer = self.build_optimizer()
+        self.optimizer = optimization.build_optimizer(self.policy, config)
         self.total_examples = config.n_examples or config.n_epochs * len(train_examples)
-        n_steps = math.ceil(self.total_examples / config.batch_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: lr_multiplier(step, config.warmup_steps, n_steps, config.lr_scheduler)
-        )
+        self.scheduler = optimization.build_scheduler(self.optimizer, config, math.ceil(self.total_examples / config.batch_size))
         self.eval_batches = self.batches_for_eval(eval_examples)
         self.example_counter = 0
         self.batch_counter = 0
@@ -234,6 +197,7 @@ class BasicTrainer:
     tp_size = 1  # over how many processes each weight matrix is split (the mesh's ``tp`` dimension)
     mesh = None  # a parallel trainer's (dp, tp) torch.distributed DeviceMesh
     grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
+    generate_kwargs: dict = {}  # extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)
 
     def prepare_models(self) -> None:
         """Move the policy and reference to this process's device, except a model split by ``model.device_map``
@@ -244,75 +208,10 @@ class BasicTrainer:
                 model.to(device)
         self.device = next(self.policy.parameters()).device
 
-    def reshard_reference(self) -> None:
-        """Free the reference's gathered weights after a forward (FSDP2 keeps a root module's gathered for a
-        backward that a no-grad reference never runs)."""
-        if self.mesh is None or self.reference_model is None:
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        for module in self.reference_model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
-
-    def local_batch(self, batch: dict) -> tuple[dict, float]:
-        """This process's part of a global batch, and the weight of its loss (1, or 0 for a
-        stand-in part when a final batch has fewer examples than processes)."""
-        return batch, 1.0
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        """Whether the next backward synchronises gradients across processes."""
-
-    def clip_gradients(self) -> torch.Tensor:
-        """Clip the policy's gradients to ``max_grad_norm`` by their global L2 norm and return that norm."""
-        grads = [p.grad for p in self.policy.parameters() if p.grad is not None]
-        if self.mesh is None or (self.tp_size == 1 and len(parameter_groups(grads)) == 1):
-            norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
-            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
-        return self.clip_mixed_gradients(grads)
-
-    def clip_mixed_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Clip ``grads`` of several meshes, or DTensors beside plain tensors, by their global L2 norm summed one by one
-        (torch's foreach norm refuses them)."""
-        total_sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            n = torch.linalg.vector_norm(g, 2, dtype=torch.float32)
-            total_sq += (n.full_tensor() if hasattr(n, "full_tensor") else n) ** 2
-        total = total_sq.sqrt()
-        coef = min(1.0, self.config.max_grad_norm / (total.item() + 1e-6))
-        if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)
-        return total
-
-    def generate_kwargs(self) -> dict:
-        """Extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)."""
-        return {}
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        """``config.optimizer`` over the policy's trainable parameters (AdamW, Adam, SGD: ``config.weight_decay``;
-        ``optimizer_foreach`` null: torch's default), one param group per :func:`parameter_groups` group."""
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        cls = getattr(torch.optim, self.config.optimizer)
-        kwargs = {"lr": self.config.lr}
-        if self.config.optimizer in ("AdamW", "Adam", "SGD"):
-            kwargs["weight_decay"] = self.config.weight_decay
-        if self.config.optimizer_foreach is not None:
-            kwargs["foreach"] = bool(self.config.optimizer_foreach)
-        groups = parameter_groups(params)
-        # foreach kernels take one group's tensors at once
-        return cls(params if len(groups) == 1 else [{"params": group} for group in groups], **kwargs)
-
     # ------------------------------------------------------------------ log-probs and loss
 
     max_forward_chunks: int | None = None
     """At most this many forward calls per ``concatenated_forward`` (None: as many as pay off)."""
-
-    @property
-    def output_layer_chunk(self) -> int | None:
-        """``config.output_layer_chunk``: positions per call of the output layer wherever
-        log-probs are taken (``packing.output_layer_logps``); None or 0: all at once."""
-        return self.config.output_layer_chunk
 
     packed = True  # pairs go through modeling/packing.py's forward: the padded one's numbers, without its padding
 
@@ -388,7 +287,7 @@ class BasicTrainer:
         if self.reference_model is None:
             raise RuntimeError("This loss needs a reference model but the trainer has none.")
         chosen, rejected, _ = self.concatenated_forward(self.reference_model, batch)
-        self.reshard_reference()
+        self.dist.reshard(self.reference_model)
         return chosen, rejected
 
     def get_batch_metrics(self, batch: dict, n_batch_examples: int, n_batch_tokens: float, split: str):
@@ -506,7 +405,7 @@ class BasicTrainer:
         collected = defaultdict(list)
         bar = tqdm.tqdm(self.eval_batches, desc="eval", leave=False, disable=not (self.config.progress_bar and self.dist.is_main))
         for global_batch in bar:
-            batch, _ = self.local_batch(global_batch)
+            batch, _ = self.dist.local_batch(global_batch)
             n_tokens = self.dist.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
             _, metrics = self.get_batch_metrics(batch, len(global_batch["prompt"]), n_tokens, "eval")
             for k, v in metrics.items():
@@ -536,13 +435,14 @@ class BasicTrainer:
         """
         n_examples = len(batch["prompt"])
         self.step_tokens = count_tokens(batch)
-        batch, weight = self.local_batch(batch)
+        batch, weight = self.dist.local_batch(batch)
         collected = defaultdict(list)
         batch, n_examples = self.step_pairs(batch, weight, collected, n_examples)
         n_tokens = self.dist.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
-            self.set_grad_sync(i == len(chunks) - 1)  # one gradient reduction per step
+            if hasattr(self.policy, "set_requires_gradient_sync"):  # FSDP2: one gradient reduction per step
+                self.policy.set_requires_gradient_sync(i == len(chunks) - 1)
             loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
             if not self.dist.all_finite(loss):
                 raise NonFiniteLossError(ending.non_finite_message(self, f"loss is {loss.item()}"))
@@ -550,7 +450,7 @@ class BasicTrainer:
             if weight:
                 for k, v in metrics.items():
                     collected[k].extend(v)
-        grad_norm = self.clip_gradients()
+        grad_norm = optimization.clip_gradients(self.policy, self.config.max_grad_norm, self.mesh, self.tp_size, self.device)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(ending.non_finite_message(self, f"gradient norm is {grad_norm.item()}"))
         collected = defaultdict(list, self.dist.gather_metrics(collected))
@@ -563,11 +463,6 @@ class BasicTrainer:
             for k, v in self.reference_update.step(self.batch_counter + 1).items():
                 collected[k].append(v)
         return collected
-
-    @property
-    def updates_reference(self) -> bool:
-        """True if ``reference_update`` moves the reference during training (so checkpoints hold it)."""
-        return self.reference_update is not None and self.reference_model is not None
 
     def train(self) -> int | None:
         """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
@@ -700,10 +595,6 @@ class BasicTrainer:
         """Restore what :meth:`trainer_state` saved."""
         trainer_checkpoint.restore_trainer_state(self, state)
 
-    def rewind_logs(self, step: int) -> int:
-        """Drop what was logged after ``step`` examples (``-1``: all); returns how many metrics records were dropped."""
-        return trainer_checkpoint.rewind_logs(self, step)
-
     @classmethod
     def made_before_models(cls, config) -> dict:
         """Keyword arguments an extending trainer builds from ``config`` before the models load, failing fast (none)."""
@@ -773,6 +664,7 @@ class FSDPTrainer(_DistributedTrainer):
     takes its slice of every global batch."""
 
     max_forward_chunks = 1  # every rank must make the same FSDP calls (all-gathers), whatever its data
+    generate_kwargs = {"synced_gpus": True}  # every rank keeps stepping ``generate`` until all ranks' samples are done
 
     @property
     def grad_scale(self) -> float:
@@ -785,21 +677,6 @@ class FSDPTrainer(_DistributedTrainer):
     def prepare_models(self) -> None:
         """FSDP2 over the mesh's ``dp`` dimension (2-D: a tensor-parallel plan within each ``tp`` group first)."""
         fsdp.shard_models(self)
-
-    def local_batch(self, batch: dict) -> tuple[dict, float]:
-        """This rank's contiguous slice of a global batch (weight 0 for a stand-in when there are fewer examples than ranks)."""
-        parts = split_batch(batch, self.dist.data_world_size)
-        if self.dist.data_rank < len(parts):
-            return parts[self.dist.data_rank], 1.0
-        return parts[0], 0.0  # fewer examples than ranks: run a stand-in so collectives match
-
-    def set_grad_sync(self, enabled: bool) -> None:
-        """FSDP2: reduce gradients on the next backward only when ``enabled`` (the last micro-batch)."""
-        self.policy.set_requires_gradient_sync(enabled)
-
-    def generate_kwargs(self) -> dict:
-        """``synced_gpus``: every rank keeps stepping ``generate`` until all ranks' samples are done."""
-        return {"synced_gpus": True}
 
 
 class TensorParallelTrainer(_DistributedTrainer):

@@ -602,6 +602,7 @@ def worker_profile(spec: dict) -> dict:
         from collections import defaultdict
 
         import losses as L
+        from modeling import optimization
         from preference_datasets import collate
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -654,7 +655,7 @@ def worker_profile(spec: dict) -> dict:
             L.get_batch_logps = timed(grad_label("get_batch_logps"), L.get_batch_logps)
             L.dpo_loss = timed("dpo_loss", L.dpo_loss)
             torch.Tensor.backward = timed("backward", torch.Tensor.backward)
-            trainer.clip_gradients = timed("clip_gradients", trainer.clip_gradients)
+            optimization.clip_gradients = timed("clip_gradients", optimization.clip_gradients)
             trainer.optimizer.step = timed("optimizer.step (AdamW)", trainer.optimizer.step)
             total = 0.0
             m0 = _mark()

@@ -85,7 +85,7 @@ def score_answers(trainer, answer_functions: list) -> dict:
             trainer.stop_ids,
             pad_id,
             device=trainer.device,
-            generate_kwargs=trainer.generate_kwargs(),
+            generate_kwargs=dict(trainer.generate_kwargs),
             max_new_tokens=max(1, trainer.config.max_length - trainer.config.max_prompt_length),  # the same for every prompt
             do_sample=False,
         )
@@ -136,14 +136,14 @@ def sample(trainer) -> list[dict]:
                 trainer.stop_ids,
                 pad_id,
                 device=trainer.device,
-                generate_kwargs=trainer.generate_kwargs(),
+                generate_kwargs=dict(trainer.generate_kwargs),
                 max_new_tokens=trainer.config.max_length - ids.shape[1],
                 do_sample=True,
                 top_p=trainer.config.sample_top_p,
             )
         completions[name] = sampling.decode_completions(trainer.tokenizer, out, trainer.stop_ids)
         if name == "reference":
-            trainer.reshard_reference()
+            trainer.dist.reshard(trainer.reference_model)
     rows = [
         {"step": trainer.example_counter, "prompt": p, **{k: v[i] for k, v in completions.items()}} for i, p in enumerate(prompts)
     ]

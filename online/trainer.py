@@ -191,7 +191,7 @@ class OnlineSampling:
             self.tokenizer.pad_token_id,
             device=self.device,
             as_config=True,
-            generate_kwargs=self.generate_kwargs(),
+            generate_kwargs=dict(self.generate_kwargs),
             do_sample=True,
             temperature=cfg.temperature,
             top_k=cfg.top_k,
@@ -314,7 +314,7 @@ class OnlineSampling:
             torch.manual_seed(self.config.seed + 1 + self.dist.data_rank)  # tensor-parallel peers sample alike
             for global_batch in self.eval_batches:
                 n = len(global_batch["prompt"])
-                batch, weight = self.local_batch({**global_batch, "index": list(range(start, start + n))})
+                batch, weight = self.dist.local_batch({**global_batch, "index": list(range(start, start + n))})
                 start += n
                 ids, mask, completions = self.sample_completions(batch, 1)
                 cmask = completion_mask(completions, eos)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 import utils
@@ -73,12 +74,45 @@ class Dist:
         """True if ``flag`` is true on any process (a stop request reaches all ranks together)."""
         return self.all_reduce(float(flag), "MAX") == 1.0
 
+    def local_batch(self, batch: dict) -> tuple[dict, float]:
+        """This process's contiguous part of a global batch and the weight of its loss (1, or 0 for a stand-in part
+        when a final batch has fewer examples than data-parallel processes, so that collectives match)."""
+        if self.mesh is None:
+            return batch, 1.0
+        parts = split_batch(batch, self.data_world_size)
+        if self.data_rank < len(parts):
+            return parts[self.data_rank], 1.0
+        return parts[0], 0.0
+
+    def reshard(self, model) -> None:
+        """Free ``model``'s gathered weights after a no-grad forward (FSDP2 keeps a root module's gathered for a
+        backward that a frozen reference never runs)."""
+        if self.mesh is None or model is None:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
     def wait_for_all(self) -> None:
         """Return once every process has got here."""
         if self.mesh is not None:
             import torch.distributed as dist
 
             dist.barrier()  # at the end: gloo frees collective tensors before interpreter exit, which would abort
+
+
+def split_batch(batch: dict, n_chunks: int) -> list[dict]:
+    """Split a batch into ``n_chunks`` micro-batches along dim 0 (sizes differ by at most one;
+    nothing is dropped). Lists are split the same way as tensors."""
+    size = len(batch["prompt"])
+    bounds = np.linspace(0, size, n_chunks + 1).round().astype(int)
+    chunks = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            chunks.append({k: v[lo:hi] for k, v in batch.items()})
+    return chunks
 
 
 def concatenated_per_rank(metrics: dict, group=None) -> dict:

@@ -24,7 +24,7 @@ import utils
 from evaluation import rewards
 from export import modelcard
 from modeling import models
-from runs import checkpoints, checks
+from runs import checkpoints, checks, trainer_checkpoint
 
 # ----------------------------------------------------------------------------- config
 
@@ -247,7 +247,7 @@ def _attach(payload: dict, from_scratch: bool, trainer) -> None:
     """
     import ray.train
 
-    dropped = trainer.rewind_logs(-1) if from_scratch else 0
+    dropped = trainer_checkpoint.rewind_logs(trainer, -1) if from_scratch else 0
     if dropped:
         print(f"metrics.jsonl: removed {dropped} records of a Ray attempt that ended before its first checkpoint.")
     if payload["reference"] is not None:

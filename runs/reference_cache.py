@@ -128,7 +128,7 @@ def precompute_reference(trainer, examples: list[dict], path: str) -> dict:
             computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
             n_done += len(batch["key"])
         last = batch
-    trainer.reshard_reference()
+    trainer.dist.reshard(trainer.reference_model)
     shares = trainer.dist.gather_metrics({"cache": [computed], "n": [n_done]})
     cache = {}
     for part in shares["cache"]:

@@ -18,7 +18,7 @@ import trainers
 import utils
 from evaluation import reward_functions
 from export import modelcard
-from modeling import models
+from modeling import models, optimization
 from preference_datasets import DataError
 from runs import checkpoints, checks, processes
 from runs.resume import read_checkpoint_file
@@ -149,8 +149,8 @@ def extension(config: DictConfig, resume_dir: str, trained: int, n_train: int) -
 def lr_line(config: DictConfig, steps_done: int, old_steps: int, new_steps: int) -> str:
     """The line saying what extending from ``old_steps`` to ``new_steps`` steps after ``steps_done`` does to the lr schedule."""
     schedule, warmup = config.lr_scheduler, config.warmup_steps
-    before = config.lr * trainers.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
-    after = config.lr * trainers.lr_multiplier(steps_done, warmup, new_steps, schedule)
+    before = config.lr * optimization.lr_multiplier(max(steps_done - 1, 0), warmup, old_steps, schedule)
+    after = config.lr * optimization.lr_multiplier(steps_done, warmup, new_steps, schedule)
     if schedule == "constant":
         return (
             f"lr_scheduler=constant: the schedule does not depend on the run's length, so it goes on unchanged "

@@ -21,6 +21,11 @@ REWIND_EXTENSIONS: list = []
 """A plugin's ``fn(run_dir)`` run after a resume rewinds the run folder's logs (evaluation/: samples.md rewritten)."""
 
 
+def moves_reference(trainer) -> bool:
+    """True if ``reference_update`` moves the reference during training (so checkpoints hold it)."""
+    return trainer.reference_update is not None and trainer.reference_model is not None
+
+
 def save(trainer) -> str:
     """Write ``step-<examples>/`` atomically, point ``LATEST`` at it and return its path; checkpoints.CheckpointError
     on every process if it cannot be written."""
@@ -71,7 +76,7 @@ def write_checkpoint(trainer, folder: str, step: int) -> None:
     torch.save(policy_checkpoint(trainer, step, trainer.policy.state_dict()), os.path.join(folder, "policy.pt"))
     torch.save({"step_idx": step, "state": trainer.optimizer.state_dict()}, os.path.join(folder, "optimizer.pt"))
     _write_shared_files(trainer, folder, step, None)
-    if trainer.updates_reference:  # the reference has moved (TR-DPO, BEMA); resume needs it
+    if moves_reference(trainer):  # the reference has moved (TR-DPO, BEMA); resume needs it
         state = {"step_idx": step, "state": trainer.reference_model.state_dict()}
         update_state = trainer.reference_update.state_dict()
         if update_state:  # BEMA's running averages
@@ -94,7 +99,7 @@ def _sharded_state(trainer) -> dict:
 
     model_sd, optim_sd = get_state_dict(trainer.policy, trainer.optimizer, options=sharded_options(trainer))
     state = {"model": model_sd, "optimizer": optim_sd}
-    if trainer.updates_reference:  # the moved reference, sharded like the policy
+    if moves_reference(trainer):  # the moved reference, sharded like the policy
         state["reference"] = get_model_state_dict(trainer.reference_model)
         update_state = trainer.reference_update.state_dict()
         if update_state:
@@ -222,7 +227,7 @@ def restore_trainer_state(trainer, state: dict) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"]["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    dropped = trainer.rewind_logs(trainer.example_counter)
+    dropped = rewind_logs(trainer, trainer.example_counter)
     if dropped:
         print(f"metrics.jsonl: removed {dropped} records logged after this checkpoint; training logs those steps again.")
 
@@ -235,7 +240,7 @@ def load(trainer, checkpoint_dir: str) -> None:
     else:
         load_policy_state(trainer, read_checkpoint_file(checkpoint_dir, "policy.pt")["state"])
         trainer.optimizer.load_state_dict(read_checkpoint_file(checkpoint_dir, "optimizer.pt")["state"])
-        if trainer.updates_reference:
+        if moves_reference(trainer):
             saved = read_checkpoint_file(checkpoint_dir, "reference.pt")
             trainer.reference_model.load_state_dict(saved["state"])
             trainer.reference_update.load_state_dict(saved.get("update") or {})
@@ -256,7 +261,7 @@ def _load_sharded(trainer, checkpoint_dir: str) -> None:
         optim_state_dict=state["optimizer"],
         options=sharded_options(trainer),
     )
-    if trainer.updates_reference:
+    if moves_reference(trainer):
         set_model_state_dict(trainer.reference_model, state["reference"])
         trainer.reference_update.load_state_dict(state.get("reference_update") or {})
 

@@ -48,11 +48,7 @@ class Trainer(online.OnlineSampling):
     dist = OneProcess()
     device = "cpu"
 
-    def generate_kwargs(self):
-        return {}
-
-    def local_batch(self, batch):
-        return batch, 1.0
+    generate_kwargs: dict = {}
 
 
 @pytest.fixture

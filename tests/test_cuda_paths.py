@@ -29,7 +29,7 @@ from test_distributed import finished_run as finished
 import train
 import trainers
 import utils
-from modeling import packing
+from modeling import optimization, packing
 from runs import checkpoints, checks, launch, reference_cache
 
 # 16 train and 8 eval examples, two batches of 8; checkpoints after 8 and 16 examples
@@ -97,9 +97,9 @@ def test_parameter_groups_split_plain_tensors_from_dtensors_of_each_mesh():
     a, b, c = torch.zeros(1), torch.zeros(2), torch.zeros(3)
     dp, tp = "dp-mesh", "tp-mesh"
     x, y, z = FakeDTensor(tp), FakeDTensor(dp), FakeDTensor(tp)
-    groups = trainers.parameter_groups([a, x, b, y, z, c])
+    groups = optimization.parameter_groups([a, x, b, y, z, c])
     assert [[id(t) for t in g] for g in groups] == [[id(a), id(b), id(c)], [id(x), id(z)], [id(y)]]
-    assert [[id(t) for t in g] for g in trainers.parameter_groups([a, b])] == [[id(a), id(b)]]
+    assert [[id(t) for t in g] for g in optimization.parameter_groups([a, b])] == [[id(a), id(b)]]
 
 
 @pytest.mark.parametrize("value", [1, "yes"])

@@ -20,7 +20,7 @@ import train
 import trainers
 import utils
 from evaluation import in_training
-from modeling import models
+from modeling import models, optimization
 from preference_datasets import load_examples
 from runs import checks, launch, tracking
 
@@ -441,7 +441,7 @@ def test_eval_size_check_counts_n_eval_examples():
     ],
 )
 def test_lr_schedule_first_step_is_not_zero(schedule, expected):
-    got = [trainers.lr_multiplier(step, 3, 10, schedule) for step in range(10)]
+    got = [optimization.lr_multiplier(step, 3, 10, schedule) for step in range(10)]
     assert got == pytest.approx(expected)
 
 
