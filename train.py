@@ -26,7 +26,7 @@ from data import splits
 from export import modelcard
 from modeling import loading, models
 from preference_datasets import DataError
-from runs import checkpoints, checks, launch, processes, reference_cache, setup, tracking
+from runs import checkpoints, checks, ending, launch, processes, reference_cache, setup, tracking
 
 
 @dataclasses.dataclass
@@ -95,7 +95,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held, stops, made: list[str],
         setup.scheduled_lr(trainer)
         if extended is not None:
             setup.apply_extension(trainer, config, extended, checkpoint_dir, rank)
-    stops.hand_over(trainer._request_stop)  # no moment without a handler: the loop installs the same one
+    stops.hand_over(
+        functools.partial(ending.request_stop, trainer)
+    )  # no moment without a handler: the loop installs the same one
     stop_signal = trainer.train()
     setup.finish(config, run_dir, stop_signal, rank, distributed, owns_folder)
     if rank == 0 and stop_signal is None and launch.STAGE_ENV not in os.environ:  # launch.run_stages sums up both stages itself

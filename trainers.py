@@ -3,7 +3,7 @@ objective of ``config.loss.name`` (losses.py) declares, the reference's side thr
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import os
 import signal
@@ -180,17 +180,12 @@ class BasicTrainer:
         if self.reference_model is not None:
             self.reference_model.eval()
             self.reference_model.requires_grad_(False)
-        if self.config.activation_checkpointing:  # non-reentrant: LoRA's gradients flow although the frozen inputs need none
-            enable = getattr(self.policy, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
-            if enable is not None:
-                enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            else:
-                self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.config.activation_checkpointing:
+            models.enable_activation_checkpointing(self.policy)
         self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}
         self.prepare_models()
 
-    # ------------------------------------------------------------------ setup and what a parallel trainer overrides
-    # (the collectives are self.dist's)
+    # ------------------------------------------------------------------ what a parallel trainer sets (collectives: self.dist)
 
     rank = 0
     world_size = 1
@@ -264,24 +259,12 @@ class BasicTrainer:
             )
         return self.live_reference_logps(batch)
 
-    @contextlib.contextmanager
-    def adapters_off(self):
-        """Within: ``self.policy`` with every adapter bypassed (peft's ``disable_adapter``), in eval mode (a
-        LoRA run's reference); adapters and mode are restored afterwards, also on an error."""
-        training = self.policy.training
-        self.policy.eval()
-        try:
-            with self.peft_model.disable_adapter():
-                yield self.policy
-        finally:
-            self.policy.train(training)
-
     @torch.no_grad()
     def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's, or a
-        LoRA policy's with its adapters off (:meth:`adapters_off`); RuntimeError when there is neither."""
+        LoRA policy's with its adapters off (``models.adapters_off``); RuntimeError when there is neither."""
         if self.peft_model is not None:
-            with self.adapters_off() as base:
+            with models.adapters_off(self.peft_model) as base:
                 chosen, rejected, _ = self.concatenated_forward(base, batch)
             return chosen, rejected
         if self.reference_model is None:
@@ -313,15 +296,9 @@ class BasicTrainer:
         normaliser = n_batch_tokens if objective.per_token else n_batch_examples
         loss, keep = self.batch_loss(batch, inputs, per_example, normaliser, metrics)
         if out.chosen_rewards is not None:
-            if objective.reward_metric == "rewards":
-                prefix = self.train_rewards if split == "train" else f"rewards_{split}"
-            else:
-                prefix = f"{objective.reward_metric}_{split}"
-            chosen_rewards, rejected_rewards = out.chosen_rewards.detach(), out.rejected_rewards.detach()
-            metrics[f"{prefix}/chosen"] = chosen_rewards[keep].tolist()
-            metrics[f"{prefix}/rejected"] = rejected_rewards[keep].tolist()
-            metrics[f"{prefix}/accuracies"] = (chosen_rewards > rejected_rewards)[keep].float().tolist()
-            metrics[f"{prefix}/margins"] = (chosen_rewards - rejected_rewards)[keep].tolist()
+            named = objective.reward_metric != "rewards"  # e.g. a reward model's scores
+            prefix = f"{objective.reward_metric}_{split}" if named or split != "train" else self.train_rewards
+            metrics |= reward_metrics(prefix, out.chosen_rewards.detach()[keep], out.rejected_rewards.detach()[keep])
         for side in ("chosen", "rejected"):
             logps = getattr(inputs, f"policy_{side}_logps")
             if logps is not None:
@@ -471,9 +448,15 @@ class BasicTrainer:
             ending.say_already_complete(self)
             self.logger.finish()
             return None
-        iterator = self.train_batches()
+        c = self.config
+        iterator = get_batch_iterator(  # shuffled, from example_counter on: a resumed run continues its order
+            self.train_examples, self.tokenizer, c.batch_size, c.max_length, c.max_prompt_length, shuffle=True,
+            seed=c.seed, n_epochs=c.n_epochs, n_examples=c.n_examples, start_example=self.example_counter,
+            length_grouped=c.length_grouped,
+        )  # fmt: skip
         main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
-        previous = {s: signal.signal(s, self._request_stop) for s in STOP_SIGNALS} if main_thread else {}
+        handler = functools.partial(ending.request_stop, self)  # a stop signal: a checkpoint after this step
+        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if main_thread else {}
         bar = tqdm.tqdm(
             total=self.total_examples,
             initial=self.example_counter,
@@ -491,23 +474,6 @@ class BasicTrainer:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self.logger.finish()
-
-    def train_batches(self):
-        """The shuffled training batches from ``example_counter`` on (a resumed run continues its order)."""
-        config = self.config
-        return get_batch_iterator(
-            self.train_examples,
-            self.tokenizer,
-            config.batch_size,
-            config.max_length,
-            config.max_prompt_length,
-            shuffle=True,
-            seed=config.seed,
-            n_epochs=config.n_epochs,
-            n_examples=config.n_examples,
-            start_example=self.example_counter,
-            length_grouped=config.length_grouped,
-        )
 
     def run_batches(self, iterator, bar) -> None:
         """Train on ``iterator``'s batches until they end or a stop is requested, evaluating when due and logging
@@ -560,19 +526,8 @@ class BasicTrainer:
         means["counters/examples"] = self.example_counter
         means["counters/updates"] = self.batch_counter
         self.logger.log(means, step=self.example_counter)
-        bar.set_postfix(_postfix(means))
+        bar.set_postfix(tracking.progress_postfix(means))
         pending.clear()
-
-    def _request_stop(self, signum, frame):
-        """Handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint; a second SIGINT raises
-        KeyboardInterrupt, another repeated signal is ignored."""
-        if self.stop_requested:
-            if signum == signal.SIGINT:
-                raise KeyboardInterrupt
-            return  # schedulers deliver these more than once (scancel, then torchrun); keep the checkpoint under way
-        print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
-        self.stop_requested = True
-        self.stop_signal = signum
 
     # ------------------------------------------------------------------ checkpoints (runs/trainer_checkpoint.py)
 
@@ -601,21 +556,22 @@ class BasicTrainer:
         return {}
 
 
+def reward_metrics(prefix: str, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, list[float]]:
+    """The (implicit) rewards of chosen and rejected, (B,) each, as the reference repository logs them: each side,
+    whether chosen's is higher (accuracies) and by how much (margins)."""
+    return {
+        f"{prefix}/chosen": chosen.tolist(),
+        f"{prefix}/rejected": rejected.tolist(),
+        f"{prefix}/accuracies": (chosen > rejected).float().tolist(),
+        f"{prefix}/margins": (chosen - rejected).tolist(),
+    }
+
+
 def count_tokens(batch: dict) -> int:
     """Non-padding tokens of a batch: prompt + responses of every sequence (prompts alone for a
     batch of prompts)."""
     keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
     return sum(int(batch[k].sum()) for k in keys)
-
-
-def _postfix(means: dict) -> dict:
-    names = {
-        "loss/train": "loss",
-        "rewards_train/accuracies": "acc",
-        "rewards_train/margins": "margin",
-        "examples_per_second": "ex/s",
-    }
-    return {short: f"{means[k]:.3g}" for k, short in names.items() if k in means}
 
 
 # ============================================================================ precomputed reference

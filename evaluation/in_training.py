@@ -15,6 +15,7 @@ import torch
 import trainers
 import utils
 from evaluation import reward_functions, rewards, sampling
+from modeling import models
 from preference_datasets import declared_reward_functions, left_pad
 from runs import checkpoints, tracking, trainer_checkpoint
 from trainers import split_batch
@@ -123,12 +124,12 @@ def sample(trainer) -> list[dict]:
     mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
     pad_id = trainer.tokenizer.pad_token_id
     prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
-    models = {"policy": trainer.policy}
+    samplers = {"policy": trainer.policy}
     if trainer.reference_model is not None or (trainer.peft_model is not None and trainer.uses_reference):
-        models["reference"] = trainer.reference_model  # None: the LoRA policy with its adapters off
+        samplers["reference"] = trainer.reference_model  # None: the LoRA policy with its adapters off
     completions = {}
-    for name, model in models.items():
-        with trainer.adapters_off() if model is None else contextlib.nullcontext(model) as model:
+    for name, model in samplers.items():
+        with models.adapters_off(trainer.peft_model) if model is None else contextlib.nullcontext(model) as model:
             out, _ = sampling.generate(
                 model,
                 ids,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import re
@@ -451,3 +452,27 @@ def load_weights_file(path: str, label: str, fix: str, safe_globals: tuple = ())
         ) from None
     except Exception as e:  # a missing, truncated or foreign file
         raise utils.ConfigError(f"{label} could not be read ({utils.failure_reason(e)}); {fix}.") from None
+
+
+def enable_activation_checkpointing(policy) -> None:
+    """Recompute each block's activations in the backward (non-reentrant: LoRA's gradients flow although the frozen
+    inputs need none)."""
+    enable = getattr(policy, "activation_checkpointing_enable", None)  # transformers >= 5.24's name
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def adapters_off(peft_model):
+    """Within: the network under ``peft_model`` with every adapter bypassed (peft's ``disable_adapter``), in eval mode
+    (a LoRA run's reference); adapters and mode are restored afterwards, also on an error."""
+    network = peft_model.get_base_model()
+    training = network.training
+    network.eval()
+    try:
+        with peft_model.disable_adapter():
+            yield network
+    finally:
+        network.train(training)

@@ -72,3 +72,15 @@ def finish_run(trainer) -> None:
     trainer.dist.wait_for_all()
     if trainer.dist.is_main:  # every rank's part of the last checkpoint is written
         checkpoints.mark_finished(trainer.run_dir, trainer.example_counter)
+
+
+def request_stop(trainer, signum, frame) -> None:
+    """The handler of ``trainers.STOP_SIGNALS``: stop after this step with a checkpoint; a second SIGINT raises
+    KeyboardInterrupt, another repeated signal is ignored."""
+    if trainer.stop_requested:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        return  # schedulers deliver these more than once (scancel, then torchrun); keep the checkpoint under way
+    print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
+    trainer.stop_requested = True
+    trainer.stop_signal = signum

@@ -217,7 +217,7 @@ class SetupStops:
             raise StoppedDuringSetup(signum)
 
     def hand_over(self, handler) -> None:
-        """From now on the signals go to ``handler`` (the trainer's ``_request_stop``)."""
+        """From now on the signals go to ``handler`` (``ending.request_stop`` of the trainer)."""
         for s in self.previous:
             signal.signal(s, handler)
 

@@ -336,3 +336,14 @@ def say_peak_memory(memory: dict[str, list[float]]) -> None:
     print(format_peak_memory(memory))
     if "cuda" not in memory:
         print(f"CPU memory allocator: {utils.cpu_allocator()}.")
+
+
+def progress_postfix(means: dict) -> dict:
+    """The progress bar's short figures of a train log: loss, accuracy, margin, examples per second."""
+    names = {
+        "loss/train": "loss",
+        "rewards_train/accuracies": "acc",
+        "rewards_train/margins": "margin",
+        "examples_per_second": "ex/s",
+    }
+    return {short: f"{means[k]:.3g}" for k, short in names.items() if k in means}

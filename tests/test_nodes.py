@@ -384,15 +384,15 @@ def test_finished_is_written_at_the_end_and_for_a_complete_run_without_one(tmp_p
 def test_a_repeated_scheduler_signal_keeps_the_checkpoint_under_way_and_a_second_ctrl_c_stops_at_once(signum):
     # regression: scancel signals every process of a SLURM step and torchrun forwards SIGTERM
     # again, so a rank gets it twice; the second one raised KeyboardInterrupt, losing the checkpoint.
-    import trainers
+    from runs import ending
 
     trainer = types.SimpleNamespace(stop_requested=False, stop_signal=None)
-    trainers.BasicTrainer._request_stop(trainer, signum, None)
+    ending.request_stop(trainer, signum, None)
     assert trainer.stop_requested and trainer.stop_signal == signum
     try:
-        trainers.BasicTrainer._request_stop(trainer, signum, None)  # ignored: the stop with a checkpoint goes on
+        ending.request_stop(trainer, signum, None)  # ignored: the stop with a checkpoint goes on
     except KeyboardInterrupt:
         pytest.fail(f"a repeated {signal.Signals(signum).name} stopped the rank at once, without its checkpoint")
     assert trainer.stop_signal == signum
     with pytest.raises(KeyboardInterrupt):
-        trainers.BasicTrainer._request_stop(trainer, signal.SIGINT, None)  # a person pressing Ctrl-C again
+        ending.request_stop(trainer, signal.SIGINT, None)  # a person pressing Ctrl-C again
