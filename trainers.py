@@ -20,11 +20,12 @@ import tqdm
 
 import losses
 import utils
+from data.chat import stop_token_ids
 from modeling import models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel.fsdp import find_block_classes, fully_shard_blocks
 from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
-from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
+from preference_datasets import concatenated_inputs, get_batch_iterator
 from runs import checkpoints, checks, tracking
 from runs.resume import numpy_rng_state, read_checkpoint_file, read_sharded_checkpoint, set_numpy_rng_state
 

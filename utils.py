@@ -19,6 +19,10 @@ class ConfigError(ValueError):
     """A config value is wrong; the message is one sentence naming the key and the fix."""
 
 
+class DataError(ValueError):
+    """A dataset option or a data file is wrong; the message says what and how to fix it."""
+
+
 DEFAULT_DIST_TIMEOUT_MINUTES = 60  # dist_timeout_minutes when a config has none
 
 

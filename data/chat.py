@@ -3,7 +3,44 @@ naming the row when a template cannot render it (docs/chat.md)."""
 
 from __future__ import annotations
 
-from preference_datasets import _PROBE, STANDARD_ROLES, DataError, Messages, _encode, _share, end_of_turn_token, unknown_role
+from data.conversations import STANDARD_ROLES, Messages, unknown_role
+from data.report import _share
+from preference_datasets import _encode
+from utils import DataError
+
+_PROBE = "Probe1234"  # an assistant's content, to find what a chat template writes after it
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token the chat template writes right after an assistant's content (e.g. ``<|im_end|>``), or None."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    import jinja2
+
+    for head in ([], [{"role": "system", "content": "S"}]):
+        messages = [*head, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except (jinja2.TemplateError, ValueError, TypeError):
+            continue
+        k = text.find(_PROBE)
+        if k < 0:
+            continue
+        after = _encode(tokenizer, text[k + len(_PROBE) :].lstrip(" \t\n"), rendered=True)
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
+    return None
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids at which generation stops: EOS, and the chat template's end-of-turn token when it differs."""
+    ids = [tokenizer.eos_token_id]
+    eot = end_of_turn_token(tokenizer)
+    if eot is not None and tokenizer.convert_tokens_to_ids(eot) not in ids:
+        ids.append(tokenizer.convert_tokens_to_ids(eot))
+    return ids
 
 
 def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool = False) -> str:

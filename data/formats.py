@@ -9,33 +9,23 @@ import math
 import os
 from collections.abc import Callable
 
-from preference_datasets import (
-    ASSISTANT_TAG,
+from data.conversations import (
     LIKELY_ROLES,
     STANDARD_ROLES,
-    DataError,
-    DatasetDict,
     Messages,
-    _json_kind,
-    _note_file,
     _role_and_content,
     add_conversation_pair,
-    add_fields,
-    add_hh_pair,
-    add_pair,
-    add_unpaired,
-    apply_holdout,
     check_ends_with_assistant,
     check_messages,
     check_roles_mapping,
     conversation_key,
-    load_from_hub,
-    not_finite,
-    note_row,
-    read_json_records,
-    register_dataset,
     split_conversations,
 )
+from data.holdout import apply_holdout
+from data.readers import _json_kind, load_from_hub, read_json_records
+from data.report import DatasetDict, _note_file, add_fields, add_pair, add_unpaired, not_finite, note_row
+from preference_datasets import ASSISTANT_TAG, add_hh_pair, register_dataset
+from utils import DataError
 
 
 @register_dataset("json", truncation_mode="keep_end")

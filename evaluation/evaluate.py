@@ -17,14 +17,15 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import preference_datasets
 import utils
+from data.chat import stop_token_ids
+from data.loading import load_dataset_dict
 from evaluation import rewards, sampling
 from export import modelcard
 from losses import IGNORE_INDEX
 from modeling import models
-from preference_datasets import DataError
 from runs import checkpoints, checks
 from trainers import response_logps
-from utils import ConfigError
+from utils import ConfigError, DataError
 
 CONFIDENCE = 0.95  # the level of the interval around each win rate
 INTERVAL = (  # results.json's "interval": how the win rate's interval is computed
@@ -146,8 +147,8 @@ def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, in
         if name not in preference_datasets.registered("pairs"):
             continue
         try:
-            train = preference_datasets.load_dataset_dict(name, "train", options.get(name), silent=True)
-        except (preference_datasets.DataError, OSError):
+            train = load_dataset_dict(name, "train", options.get(name), silent=True)
+        except (DataError, OSError):
             continue  # its training data is not readable here: nothing to compare with
         seen = {
             sampling.messages_text(p) if isinstance(p, list) else p
@@ -233,7 +234,7 @@ def sample_all(
     todo = [(b, t) for (b, t), ks in keys.items() if any(missing(k) for k in ks)]
     if todo:
         model, tokenizer = sampling.load_source(source, device)
-        stop_ids = preference_datasets.stop_token_ids(tokenizer)
+        stop_ids = stop_token_ids(tokenizer)
         ids = {b: sampling.prompt_ids(batches[b], tokenizer, config) for b in sorted({b for b, _ in todo})}
         from tqdm import tqdm
 

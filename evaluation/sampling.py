@@ -15,6 +15,7 @@ import preference_datasets
 import utils
 from data import chat
 from data import prompts as prompt_sets
+from data.loading import load_dataset_dict
 from modeling import models
 from runs import checkpoints, checks
 from utils import ConfigError
@@ -276,7 +277,7 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
                     f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
                     "use baseline=reference or another policy."
                 )
-            data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
+            data = load_dataset_dict(name, split, options.get(name), silent)
             entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
         else:
             entries = [(p, None, f) for p, f in prompt_sets.load_prompt_entries(name, split, options, silent)]

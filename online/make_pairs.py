@@ -16,12 +16,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
-import preference_datasets
 import utils
+from data.chat import stop_token_ids
 from evaluation import rewards, sampling
-from preference_datasets import DataError
 from runs import checks
-from utils import ConfigError
+from utils import ConfigError, DataError
 
 SAMPLES_SUFFIX = ".samples.jsonl"  # <output><this>: every completion and its score, beside the pairs
 
@@ -177,7 +176,7 @@ def _prompt_items(config: DictConfig) -> tuple[list[dict], set[bool]]:
 
 def _sample_and_pair(config: DictConfig, scorer, model, tokenizer, items: list[dict]) -> tuple[list, list, dict]:
     """(every sample, the pair rows, the counts) of ``k`` scored completions of each of ``items``."""
-    stop_ids = preference_datasets.stop_token_ids(tokenizer)
+    stop_ids = stop_token_ids(tokenizer)
     k, size, limit = int(config.k), int(config.generate_batch_size), config.get("max_pairs_per_prompt")
     samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
     if limit is not None:

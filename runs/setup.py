@@ -16,11 +16,12 @@ from omegaconf import DictConfig, OmegaConf
 import preference_datasets
 import trainers
 import utils
+from data.loading import load_examples
 from evaluation import reward_functions
 from export import modelcard
 from modeling import models
-from preference_datasets import DataError
 from runs import checkpoints, checks, processes
+from utils import DataError
 
 BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
 EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of its training length (apply_extension)
@@ -376,4 +377,4 @@ def check_stages(config: DictConfig) -> None:
     reward_functions.eval_functions(config.eval_reward_functions, declared)
     options = OmegaConf.to_container(config.data, resolve=True)
     for split in ("train", "test"):
-        preference_datasets.load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
+        load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
