@@ -20,6 +20,7 @@ import utils
 from data.chat import stop_token_ids
 from evaluation import rewards, sampling
 from runs import checks
+from runs.config_text import digest
 from utils import ConfigError, DataError
 
 SAMPLES_SUFFIX = ".samples.jsonl"  # <output><this>: every completion and its score, beside the pairs
@@ -198,7 +199,7 @@ def _generate_and_score(config: DictConfig, scorer, model, tokenizer, stop_ids, 
     """(generate_batch's output, the texts, their scores (NaN: failed), an iterator of the failures' reasons), ``k`` a prompt."""
     k = int(config.k)
     ids = sampling.prompt_ids(batch, tokenizer, config)
-    seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
+    seed = int(digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
     out = sampling.generate_batch(
         model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
     )
