@@ -25,8 +25,8 @@ import utils
 from data import splits
 from export import modelcard
 from modeling import loading, models
-from preference_datasets import DataError
 from runs import checkpoints, checks, ending, launch, processes, reference_cache, setup, tracking
+from utils import DataError
 
 
 @dataclasses.dataclass

@@ -17,11 +17,12 @@ import torch
 import tqdm
 
 import losses
+from data.chat import stop_token_ids
 from modeling import models, optimization
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel import fsdp, tensor_parallel
 from parallel.dist import Dist, shard_from_rank0, split_batch
-from preference_datasets import concatenated_inputs, get_batch_iterator, stop_token_ids
+from preference_datasets import concatenated_inputs, get_batch_iterator
 from runs import checks, ending, tracking, trainer_checkpoint
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))

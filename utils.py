@@ -1,25 +1,23 @@
-"""Leaf helpers (no project imports): errors, threads and malloc, seeds, dtypes, atomic writes, disk space, distributed."""
+"""Leaf helpers (no project imports): errors, threads and malloc, seeds, dtypes, atomic writes, disk space, objects across ranks."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import random
-import shlex
 import shutil
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message is one sentence naming the key and the fix."""
 
 
-DEFAULT_DIST_TIMEOUT_MINUTES = 60  # dist_timeout_minutes when a config has none
+class DataError(ValueError):
+    """A dataset option or a data file is wrong; the message says what and how to fix it."""
 
 
 def set_threads(n: int | None) -> None:
@@ -29,6 +27,7 @@ def set_threads(n: int | None) -> None:
 
 
 MALLOC_MMAP_THRESHOLD_MAX_MIB = 32  # glibc's largest mmap threshold on 64-bit Linux (HEAP_MAX_SIZE / 2)
+MALLOC_STATE = {"threshold_mib": None, "noted": False}  # what set_malloc_mmap_threshold did in this process
 
 
 def validate_malloc_mmap_threshold(value) -> None:
@@ -41,10 +40,7 @@ def validate_malloc_mmap_threshold(value) -> None:
         )
 
 
-_MALLOC = {"threshold_mib": None, "noted": False}  # what set_malloc_mmap_threshold did in this process
-
-
-def _preloaded_malloc() -> str | None:
+def preloaded_malloc() -> str | None:
     """The first ``*malloc*`` library of ``LD_PRELOAD`` or ``/proc/self/maps``, else None."""
     listed = [lib for lib in os.environ.get("LD_PRELOAD", "").replace(":", " ").split() if "malloc" in os.path.basename(lib)]
     if listed:
@@ -57,7 +53,7 @@ def _preloaded_malloc() -> str | None:
     return min((n for n in names if "malloc" in n), default=None)
 
 
-def _glibc():
+def glibc():
     """This process's C library through ctypes if it is glibc, else None."""
     import ctypes
 
@@ -70,39 +66,21 @@ def set_malloc_mmap_threshold(mib: float | None) -> bool:
     validate_malloc_mmap_threshold(mib)
     if mib is None:
         return False
-    preloaded, libc = _preloaded_malloc(), _glibc()
+    preloaded, libc = preloaded_malloc(), glibc()
     if preloaded or libc is None:
-        if not _MALLOC["noted"]:
+        if not MALLOC_STATE["noted"]:
             print(
                 f"malloc_mmap_threshold_mib is glibc's; {preloaded} is preloaded and allocates instead, so it is not set."
                 if preloaded
                 else "malloc_mmap_threshold_mib applies to glibc's malloc (Linux); this C library's allocator is left as it is."
             )
-            _MALLOC["noted"] = True
+            MALLOC_STATE["noted"] = True
         return False
     m_mmap_threshold = -3  # malloc.h
     if not libc.mallopt(m_mmap_threshold, int(mib * 2**20)):
         raise ConfigError(f"glibc's mallopt refused malloc_mmap_threshold_mib={mib}; use a value in (0, 32].")
-    _MALLOC["threshold_mib"] = mib
+    MALLOC_STATE["threshold_mib"] = mib
     return True
-
-
-def cpu_allocator() -> str:
-    """The allocator serving this process's memory, in words."""
-    preloaded = _preloaded_malloc()
-    if preloaded:
-        return f"{os.path.basename(preloaded)} (preloaded)"
-    libc = _glibc()
-    if libc is None:
-        return "the C library's malloc"
-    import ctypes
-
-    libc.gnu_get_libc_version.restype = ctypes.c_char_p
-    version = libc.gnu_get_libc_version().decode()
-    mib = _MALLOC["threshold_mib"]
-    if mib is None:
-        return f"glibc {version} malloc, its default mmap threshold (128 KiB, growing to 32 MiB)"
-    return f"glibc {version} malloc, mmap threshold {mib:g} MiB (malloc_mmap_threshold_mib)"
 
 
 def set_seed(seed: int) -> None:
@@ -147,39 +125,11 @@ def replacing(path: str, then: str = "try again", tmp: str | None = None):
         raise
 
 
-def link_refusal(path: str) -> str:
-    """The sentence refusing to write into ``path``, a symbolic link: files are never written through one."""
-    try:
-        target = f" (to {os.readlink(path)})"
-    except OSError:
-        target = ""
-    return (
-        f"{path} is a symbolic link{target}, and files are never written through one: remove it, or put a copy of the "
-        "file it points at in its place, then try again."
-    )
-
-
-def open_append(path: str, encoding: str = "utf-8"):
-    """``open(path, "a")`` that refuses (ConfigError, :func:`link_refusal`) a symbolic link at ``path`` instead of
-    appending to the file it points at."""
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    if not hasattr(os, "O_NOFOLLOW") and os.path.islink(path):  # no O_NOFOLLOW (Windows): asked first
-        raise ConfigError(link_refusal(path))
-    try:
-        fd = os.open(path, flags, 0o666)  # open()'s mode, less the umask
-    except OSError:
-        if os.path.islink(path):  # O_NOFOLLOW's ELOOP
-            raise ConfigError(link_refusal(path)) from None
-        raise
-    return os.fdopen(fd, "a", encoding=encoding)
-
-
 class DiskFullError(OSError):
     """A file could not be written because its disk is full; the message names the file, the space left and the fix."""
 
 
 NO_SPACE = "no space left on the device"  # how every sentence names a full disk
-
 LOW_FREE_MIB = 16  # below this many MiB free, torch.save's short-write RuntimeError (no errno) is a full disk
 
 
@@ -225,52 +175,10 @@ def saying_disk_full(path: str, doing: str = "write", then: str = "try again"):
         raise DiskFullError(f"Could not {doing} {path}: {no_space(path)}; free space on that disk and {then}.") from e
 
 
-def shell_line(script: str, args: list[str], launcher: str = "python") -> str:
-    """``<launcher> <script> <args>`` as a line a shell gives back as these arguments (each quoted where needed)."""
-    return " ".join([launcher, shlex.quote(script), *(shlex.quote(a) for a in args)])
-
-
-def command_text(overrides: list[str]) -> str:
-    """The command line that ran train.py with ``overrides`` (torchrun's options are not known here)."""
-    return shell_line("train.py", overrides, "torchrun <options>" if "TORCHELASTIC_RUN_ID" in os.environ else "python")
-
-
 def failure_reason(error: BaseException) -> str:
     """``error`` as a short reason for a sentence: its type and the first line of its message."""
     line = first_line(error).rstrip(".")
     return f"{type(error).__name__}: {line}" if line else type(error).__name__
-
-
-def check_gpu_count(n_local: int, what: str = "world_size") -> None:
-    """Check that this machine has a GPU for each of ``n_local`` processes (``what``: how the user chose it)."""
-    if not torch.cuda.is_available():
-        return
-    n_gpus = torch.cuda.device_count()
-    if n_local > n_gpus:
-        raise ConfigError(
-            f"{what} asks for {n_local} processes on this machine, one per GPU, but it has {n_gpus} GPU"
-            f"{'' if n_gpus == 1 else 's'}; start at most {n_gpus} (world_size={n_gpus}, or torchrun --nproc_per_node={n_gpus})."
-        )
-
-
-def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> int:
-    """Join torchrun's process group (NCCL on ``cuda:<LOCAL_RANK>``, else gloo) and return the rank."""
-    import datetime
-
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # NCCL's 10-minute default is shorter than what rank 0 may take alone while the others wait
-        kwargs = {"timeout": datetime.timedelta(minutes=timeout_minutes)}
-        if torch.cuda.is_available():
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", int(os.environ.get("LOCAL_RANK", 0)) + 1))
-            check_gpu_count(local, f"LOCAL_WORLD_SIZE={local} (processes per node)")
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local_rank)
-            kwargs["device_id"] = torch.device("cuda", local_rank)
-        dist.init_process_group(backend, **kwargs)
-    return dist.get_rank()
 
 
 def broadcast_object(obj):
@@ -289,38 +197,3 @@ def all_gather_object(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def flat_config(config: DictConfig) -> dict:
-    """``config`` resolved, as ``{dotted key: value}`` in the config's order (``"loss.beta": 0.1``)."""
-    flat: dict = {}
-
-    def walk(node: dict, prefix: str) -> None:
-        for key, value in node.items():
-            if isinstance(value, dict) and value:
-                walk(value, f"{prefix}{key}.")
-            else:
-                flat[f"{prefix}{key}"] = value
-
-    walk(OmegaConf.to_container(config, resolve=True), "")
-    return flat
-
-
-def digest(obj) -> str:
-    """A sha256 of ``obj`` (JSON-able, or ``str()`` of what is not), the same on every machine."""
-    import hashlib
-
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def override_text(value) -> str:
-    """``value`` as it would be written on the command line (``null``, ``true``, ``[hh,shp]``)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, (list, tuple)):
-        return "[" + ",".join(override_text(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{" + ",".join(f"{k}:{override_text(v)}" for k, v in value.items()) + "}"
-    return str(value)

@@ -178,6 +178,7 @@ def worker_prepare(spec: dict) -> dict:
     import preference_datasets as pdata
     import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
     import trainers
+    from data.loading import flatten
 
     _set_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(
@@ -187,7 +188,7 @@ def worker_prepare(spec: dict) -> dict:
         tokenizer.pad_token = tokenizer.eos_token
     report = collections.Counter()
     data = pdata.get_hh("train", report, local_dir=str(HH), subsets=["harmless-base"], holdout_fraction=0.1)
-    examples = pdata.flatten("hh", data, sft_mode=False)
+    examples = flatten("hh", data, sft_mode=False)
     max_len = spec["max_length"]
     fitting = []
     for ex in examples:

@@ -63,10 +63,11 @@ def packed_forward_counts(
     from transformers import ByT5Tokenizer
 
     import preference_datasets as pdata
+    from data.holdout import in_holdout
     from modeling import packing
 
     tokenizer = ByT5Tokenizer()
-    train = [p for p in pairs if not pdata.in_holdout(p["prompt"], HOLDOUT)]
+    train = [p for p in pairs if not in_holdout(p["prompt"], HOLDOUT)]
     total, n = flops.Forwarded(), 0
     for k in range(0, len(train) - batch_size + 1, batch_size):
         elements = [

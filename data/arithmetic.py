@@ -5,7 +5,8 @@ from __future__ import annotations
 import collections
 import random
 
-from preference_datasets import DatasetDict, add_pair, register_dataset
+from data.report import DatasetDict, add_pair
+from preference_datasets import register_dataset
 
 
 @register_dataset("arithmetic", truncation_mode="keep_start", reward_functions=("arithmetic",))

@@ -3,7 +3,44 @@ naming the row when a template cannot render it (docs/chat.md)."""
 
 from __future__ import annotations
 
-from preference_datasets import _PROBE, STANDARD_ROLES, DataError, Messages, _encode, _share, end_of_turn_token, unknown_role
+from data.conversations import STANDARD_ROLES, Messages, unknown_role
+from data.report import _share
+from preference_datasets import _encode
+from utils import DataError
+
+_PROBE = "Probe1234"  # an assistant's content, to find what a chat template writes after it
+
+
+def end_of_turn_token(tokenizer) -> str | None:
+    """The special token the chat template writes right after an assistant's content (e.g. ``<|im_end|>``), or None."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    import jinja2
+
+    for head in ([], [{"role": "system", "content": "S"}]):
+        messages = [*head, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": _PROBE}]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except (jinja2.TemplateError, ValueError, TypeError):
+            continue
+        k = text.find(_PROBE)
+        if k < 0:
+            continue
+        after = _encode(tokenizer, text[k + len(_PROBE) :].lstrip(" \t\n"), rendered=True)
+        special = set(tokenizer.all_special_ids) | {
+            i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special
+        }
+        return tokenizer.convert_ids_to_tokens(after[0]) if after and after[0] in special else None
+    return None
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids at which generation stops: EOS, and the chat template's end-of-turn token when it differs."""
+    ids = [tokenizer.eos_token_id]
+    eot = end_of_turn_token(tokenizer)
+    if eot is not None and tokenizer.convert_tokens_to_ids(eot) not in ids:
+        ids.append(tokenizer.convert_tokens_to_ids(eot))
+    return ids
 
 
 def _render(tokenizer, messages: list[dict], row: str, generation_prompt: bool = False) -> str:
@@ -143,6 +180,52 @@ def _render_example(ex: dict, prompt: list[dict], tokenizer, eot: str | None, al
     return new, broke
 
 
+def _check_conversation(ex: dict, row: str, tokenizer) -> bool:
+    """Check one conversational example's messages and tool turns; True if an assistant message in it is empty."""
+    _check_messages(ex["prompt"], row, "prompt", last_assistant=False)
+    sides = [ex[side] for side in ("chosen", "rejected") if ex.get(side) is not None]
+    for side in ("chosen", "rejected"):
+        if ex.get(side) is not None:
+            _check_messages(ex[side], row, f"{side} response", last_assistant=True)
+    _check_tool_turns(tokenizer, [ex["prompt"] + messages for messages in sides] or [ex["prompt"]], row)
+    return any(m["role"] == "assistant" and not str(m.get("content", "")).strip() for m in sum(sides, ex["prompt"]))
+
+
+def _render_to_fit(ex: dict, tokenizer, eot, all_assistant_turns: bool, row: str, max_length: int, max_prompt_length: int):
+    """(rendered example, whether its rendering broke, turns dropped): the earliest turns of a prompt too long dropped."""
+    prompt, dropped = ex["prompt"], 0
+    while True:
+        new, broke = _render_example(ex, prompt, tokenizer, eot, all_assistant_turns, row)
+        n_prompt = len(_encode(tokenizer, new["prompt"], rendered=True))
+        responses = [len(_encode(tokenizer, new[s], rendered=True)) for s in ("chosen", "rejected") if s in new]
+        too_long = n_prompt > max_prompt_length and (not responses or n_prompt + max(responses) > max_length)
+        shorter = drop_earliest_turn(prompt) if too_long else None
+        if shorter is None:
+            return new, broke, dropped
+        prompt, dropped = shorter, dropped + 1
+
+
+def _say_rendered(label: str, n: int, counts: dict, end: str, lengths: str) -> None:
+    """Print how many of ``n`` conversations were rendered and cut, and the warnings ``counts`` call for."""
+    print(
+        f"[data] {label}: {n} conversations rendered with the chat template (end of turn {end!r}); "
+        f"{counts['dropped']} prompts lost their earliest turns ({counts['turns']} turns in all) to fit {lengths}"
+    )
+    if counts["broke"]:
+        print(
+            f"[data] warning: {label}: the chat template renders {_share(counts['broke'], n)} conversations so that the whole "
+            "does not start with the prompt's rendering (it changes earlier turns, e.g. drops a thinking part or adds a "
+            "default system message in one rendering only); their responses are tokenized after the prompt as rendered "
+            "for generation, so no label shifts."
+        )
+    if counts["empty"]:
+        print(
+            f"[data] warning: {label}: {_share(counts['empty'], n)} conversations hold an empty assistant message before "
+            f"their last turn (the first: {counts['first_empty']}); each is kept as an empty turn (trained as one where it is "
+            "part of a response): fix or drop those rows if that is not meant."
+        )
+
+
 def render_conversations(
     examples: list[dict],
     tokenizer,
@@ -166,50 +249,18 @@ def render_conversations(
         )
     eot = end_of_turn_token(tokenizer)
     out = list(examples)
-    n_broke = n_dropped = n_turns = n_empty = 0
-    first_empty = None
+    counts = {"broke": 0, "dropped": 0, "turns": 0, "empty": 0, "first_empty": None}
     for i in todo:
-        ex, row = examples[i], rows[i]
-        _check_messages(ex["prompt"], row, "prompt", last_assistant=False)
-        sides = [ex[side] for side in ("chosen", "rejected") if ex.get(side) is not None]
-        for side in ("chosen", "rejected"):
-            if ex.get(side) is not None:
-                _check_messages(ex[side], row, f"{side} response", last_assistant=True)
-        _check_tool_turns(tokenizer, [ex["prompt"] + messages for messages in sides] or [ex["prompt"]], row)
-        if any(m["role"] == "assistant" and not str(m.get("content", "")).strip() for m in sum(sides, ex["prompt"])):
-            n_empty += 1
-            first_empty = first_empty or row
-        prompt, dropped = ex["prompt"], 0
-        while True:
-            new, broke = _render_example(ex, prompt, tokenizer, eot, all_assistant_turns, row)
-            n_prompt = len(_encode(tokenizer, new["prompt"], rendered=True))
-            responses = [len(_encode(tokenizer, new[s], rendered=True)) for s in ("chosen", "rejected") if s in new]
-            too_long = n_prompt > max_prompt_length and (not responses or n_prompt + max(responses) > max_length)
-            shorter = drop_earliest_turn(prompt) if too_long else None
-            if shorter is None:
-                break
-            prompt, dropped = shorter, dropped + 1
-        out[i] = new
-        n_broke += broke
-        n_dropped += dropped > 0
-        n_turns += dropped
+        if _check_conversation(examples[i], rows[i], tokenizer):
+            counts["empty"] += 1
+            counts["first_empty"] = counts["first_empty"] or rows[i]
+        out[i], broke, dropped = _render_to_fit(
+            examples[i], tokenizer, eot, all_assistant_turns, rows[i], max_length, max_prompt_length
+        )
+        counts["broke"] += broke
+        counts["dropped"] += dropped > 0
+        counts["turns"] += dropped
     if not silent:
         lengths = f"max_length={max_length} / max_prompt_length={max_prompt_length}"
-        print(
-            f"[data] {label}: {len(todo)} conversations rendered with the chat template (end of turn {eot or tokenizer.eos_token!r}); "
-            f"{n_dropped} prompts lost their earliest turns ({n_turns} turns in all) to fit {lengths}"
-        )
-        if n_broke:
-            print(
-                f"[data] warning: {label}: the chat template renders {_share(n_broke, len(todo))} conversations so that the whole "
-                "does not start with the prompt's rendering (it changes earlier turns, e.g. drops a thinking part or adds a "
-                "default system message in one rendering only); their responses are tokenized after the prompt as rendered "
-                "for generation, so no label shifts."
-            )
-        if n_empty:
-            print(
-                f"[data] warning: {label}: {_share(n_empty, len(todo))} conversations hold an empty assistant message before "
-                f"their last turn (the first: {first_empty}); each is kept as an empty turn (trained as one where it is part of "
-                "a response): fix or drop those rows if that is not meant."
-            )
+        _say_rendered(label, len(todo), counts, eot or tokenizer.eos_token, lengths)
     return out

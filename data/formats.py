@@ -9,40 +9,27 @@ import math
 import os
 from collections.abc import Callable
 
-from preference_datasets import (
-    ASSISTANT_TAG,
+from data.conversations import (
     LIKELY_ROLES,
     STANDARD_ROLES,
-    DataError,
-    DatasetDict,
     Messages,
-    _json_kind,
-    _note_file,
     _role_and_content,
     add_conversation_pair,
-    add_fields,
-    add_hh_pair,
-    add_pair,
-    add_unpaired,
-    apply_holdout,
     check_ends_with_assistant,
     check_messages,
     check_roles_mapping,
     conversation_key,
-    load_from_hub,
-    not_finite,
-    note_row,
-    read_json_records,
-    register_dataset,
     split_conversations,
 )
+from data.holdout import apply_holdout
+from data.readers import _json_kind, load_from_hub, read_json_records
+from data.report import DatasetDict, _note_file, add_fields, add_pair, add_unpaired, not_finite, note_row
+from preference_datasets import ASSISTANT_TAG, add_hh_pair, register_dataset
+from utils import DataError
 
 
-@register_dataset("json", truncation_mode="keep_end")
-def get_json(
-    split: str, report: collections.Counter, path: str | dict | None = None, holdout_fraction: float = 0.1
-) -> DatasetDict:
-    """A local JSON/JSONL file (.gz allowed) of rows {prompt, chosen, rejected} or {prompt, completion, label}."""
+def _json_file(path, split: str) -> str:
+    """The file ``data.json.path`` names for ``split`` (one file, or ``{train: file, test: file}``), else a DataError."""
     if path is None:
         raise DataError("datasets=[json] needs data.json.path=<file.jsonl> (rows with prompt, chosen, rejected).")
     if not isinstance(path, (str, dict)):
@@ -50,6 +37,57 @@ def get_json(
     file = path if isinstance(path, str) else path.get(split)
     if file is None:
         raise DataError(f"data.json.path has no {split!r} file; give one or a single file with data.json.holdout_fraction.")
+    return file
+
+
+def _add_unpaired_row(data: DatasetDict, row: dict, file: str, i: int, report: collections.Counter) -> None:
+    """Check the unpaired row ``i`` of ``file`` ({prompt, completion, label}) and add it to ``data``."""
+    for field in ("prompt", "completion"):
+        if not isinstance(row.get(field), str):
+            raise DataError(
+                f"{file}, row {i}: field {field!r} is missing or not a string; every unpaired row needs prompt, completion and label."
+            )
+    if not isinstance(row.get("label"), bool):
+        value = json.dumps(row["label"]) if "label" in row else "missing"
+        raise DataError(
+            f"{file}, row {i}: field 'label' is {value}, not true or false; every unpaired row needs prompt, "
+            "completion and label (true: the completion is desirable)."
+        )
+    if add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}"):
+        add_fields(data[row["prompt"]], row, ("prompt", "completion", "label"))
+
+
+def _check_paired_row(row, file: str, i: int) -> None:
+    """Check that row ``i`` of ``file`` has string fields prompt, chosen and rejected; a DataError names another layout."""
+    for field in ("prompt", "chosen", "rejected"):
+        if isinstance(row, dict) and isinstance(row.get(field), (list, dict)):  # conversations: the hf loader reads them
+            what = "a list of messages" if isinstance(row[field], list) else "a message"
+            raise DataError(
+                f"{file}, row {i}: field {field!r} is {what}, which datasets=[json] does not read; read "
+                f"conversations with datasets=[hf] data.hf.path={file}."
+            )
+        if isinstance(row, dict) and field == "prompt" and field not in row and SHAREGPT_PROMPT in row:
+            raise DataError(
+                f"{file}, row {i} is a ShareGPT row (conversations, no prompt), which datasets=[json] does not read; "
+                f"read it with datasets=[hf] data.hf.path={file} 'data.hf.roles={{human: user, gpt: assistant}}'."
+            )
+        if isinstance(row, dict) and field == "prompt" and field not in row and ASSISTANT_TAG in str(row.get("chosen")):
+            raise DataError(
+                f"{file}, row {i} is an HH row (whole dialogues, no prompt), which datasets=[json] does not read; read "
+                f"it with datasets=[hf] data.hf.path={file}."
+            )
+        if not isinstance(row, dict) or not isinstance(row.get(field), str):
+            raise DataError(
+                f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."
+            )
+
+
+@register_dataset("json", truncation_mode="keep_end")
+def get_json(
+    split: str, report: collections.Counter, path: str | dict | None = None, holdout_fraction: float = 0.1
+) -> DatasetDict:
+    """A local JSON/JSONL file (.gz allowed) of rows {prompt, chosen, rejected} or {prompt, completion, label}."""
+    file = _json_file(path, split)
     data: DatasetDict = {}
     first: tuple[int, bool] | None = None  # (row, unpaired) of the first row: the file's kind
     for i, row in enumerate(read_json_records(file), 1):
@@ -62,42 +100,9 @@ def get_json(
                 "write each pair as two unpaired rows (chosen with label true, rejected with label false)."
             )
         if unpaired:
-            for field in ("prompt", "completion"):
-                if not isinstance(row.get(field), str):
-                    raise DataError(
-                        f"{file}, row {i}: field {field!r} is missing or not a string; "
-                        "every unpaired row needs prompt, completion and label."
-                    )
-            if not isinstance(row.get("label"), bool):
-                value = json.dumps(row["label"]) if "label" in row else "missing"
-                raise DataError(
-                    f"{file}, row {i}: field 'label' is {value}, not true or false; every unpaired row needs prompt, "
-                    "completion and label (true: the completion is desirable)."
-                )
-            if add_unpaired(data, row["prompt"], row["completion"], row["label"], report, f"{file}, row {i}"):
-                add_fields(data[row["prompt"]], row, ("prompt", "completion", "label"))
+            _add_unpaired_row(data, row, file, i, report)
             continue
-        for field in ("prompt", "chosen", "rejected"):
-            if isinstance(row, dict) and isinstance(row.get(field), (list, dict)):  # conversations: the hf loader reads them
-                what = "a list of messages" if isinstance(row[field], list) else "a message"
-                raise DataError(
-                    f"{file}, row {i}: field {field!r} is {what}, which datasets=[json] does not read; read "
-                    f"conversations with datasets=[hf] data.hf.path={file}."
-                )
-            if isinstance(row, dict) and field == "prompt" and field not in row and SHAREGPT_PROMPT in row:
-                raise DataError(
-                    f"{file}, row {i} is a ShareGPT row (conversations, no prompt), which datasets=[json] does not read; "
-                    f"read it with datasets=[hf] data.hf.path={file} 'data.hf.roles={{human: user, gpt: assistant}}'."
-                )
-            if isinstance(row, dict) and field == "prompt" and field not in row and ASSISTANT_TAG in str(row.get("chosen")):
-                raise DataError(
-                    f"{file}, row {i} is an HH row (whole dialogues, no prompt), which datasets=[json] does not read; read "
-                    f"it with datasets=[hf] data.hf.path={file}."
-                )
-            if not isinstance(row, dict) or not isinstance(row.get(field), str):
-                raise DataError(
-                    f"{file}, row {i}: field {field!r} is missing or not a string; every row needs prompt, chosen and rejected."
-                )
+        _check_paired_row(row, file, i)
         if add_pair(data, row["prompt"], row["chosen"], row["rejected"], report):
             add_fields(data[row["prompt"]], row, ("prompt", "chosen", "rejected"))
     if not isinstance(path, str):

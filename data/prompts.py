@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import os
 
+from data.conversations import check_roles_mapping, conversation_key
 from data.formats import (
     HF_COLUMNS,
     HF_CONTEXT_COLUMNS,
@@ -16,24 +17,11 @@ from data.formats import (
     hf_rows_to_data,
     note_cast,
 )
-from preference_datasets import (
-    REGISTRY,
-    DataError,
-    DatasetDict,
-    _note_file,
-    _notes,
-    _run_loader,
-    add_fields,
-    check_roles_mapping,
-    conversation_key,
-    get_hh,
-    load_dataset_dict,
-    load_from_hub,
-    note_row,
-    read_json_records,
-    register_prompt_dataset,
-    registered,
-)
+from data.loading import _notes, _run_loader, load_dataset_dict
+from data.readers import load_from_hub, read_json_records
+from data.report import DatasetDict, _note_file, add_fields, note_row
+from preference_datasets import REGISTRY, get_hh, left_pad, register_prompt_dataset, registered
+from utils import DataError
 
 
 @register_prompt_dataset("hf", truncation_mode="keep_end")
@@ -199,3 +187,12 @@ def prompt_truncation_mode(name: str) -> str:
     if spec is None:
         raise _unknown_prompt_dataset(name)
     return spec.truncation_mode
+
+
+def collate_prompts(elements: list[dict], pad_token_id: int) -> dict:
+    """Batch :func:`tokenize_prompt` elements: ``prompt_input_ids`` and ``prompt_attention_mask`` (B, P) long, left-padded."""
+    if not elements:
+        raise ValueError("collate_prompts needs at least one element; the prompt batch is empty.")
+    batch = {key: [e[key] for e in elements] for key in elements[0] if key != "prompt_input_ids"}
+    batch["prompt_input_ids"], batch["prompt_attention_mask"] = left_pad([e["prompt_input_ids"] for e in elements], pad_token_id)
+    return batch

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from preference_datasets import DataError, _example_ids, _prompt_only_ids, _share, _strip_eos
+from data.report import _share
+from preference_datasets import _example_ids, _prompt_only_ids, _strip_eos
+from utils import DataError
 
 # ----------------------------------------------------------------------------- screening before training
 

@@ -7,11 +7,11 @@ import functools
 from omegaconf import DictConfig, OmegaConf
 
 import losses
-import preference_datasets
 from data import chat, screening
 from data import prompts as prompt_sets
+from data.loading import load_examples, split_overlap_warning
+from data.report import check_pairing
 from evaluation import rewards
-from preference_datasets import load_examples
 from runs import checks
 
 
@@ -23,10 +23,10 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
     load = prompt_sets.load_prompt_examples if online_run else functools.partial(load_examples, sft_mode=sft_mode)
     train_examples = load(list(config.datasets), "train", options, silent=rank != 0)
     eval_examples = load(list(config.datasets), "test", options, silent=rank != 0)
-    overlap = preference_datasets.split_overlap_warning(train_examples, eval_examples)
+    overlap = split_overlap_warning(train_examples, eval_examples)
     if overlap is not None and rank == 0:
         print(overlap)
-    preference_datasets.check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
+    check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
         chat.render_conversations(

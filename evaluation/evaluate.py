@@ -17,14 +17,18 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 import preference_datasets
 import utils
+from data.chat import stop_token_ids
+from data.loading import load_dataset_dict
 from evaluation import rewards, sampling
 from export import modelcard
 from losses import IGNORE_INDEX
 from modeling import models
-from preference_datasets import DataError
+from parallel import process_group
 from runs import checkpoints, checks
+from runs.config_text import digest
+from runs.files import open_append
 from trainers import response_logps
-from utils import ConfigError
+from utils import ConfigError, DataError
 
 CONFIDENCE = 0.95  # the level of the interval around each win rate
 INTERVAL = (  # results.json's "interval": how the win rate's interval is computed
@@ -146,8 +150,8 @@ def training_overlap(items: list[dict], policy: sampling.Source) -> dict[str, in
         if name not in preference_datasets.registered("pairs"):
             continue
         try:
-            train = preference_datasets.load_dataset_dict(name, "train", options.get(name), silent=True)
-        except (preference_datasets.DataError, OSError):
+            train = load_dataset_dict(name, "train", options.get(name), silent=True)
+        except (DataError, OSError):
             continue  # its training data is not readable here: nothing to compare with
         seen = {
             sampling.messages_text(p) if isinstance(p, list) else p
@@ -179,7 +183,7 @@ class Cache:
                 f.seek(-1, os.SEEK_END)
                 cut = f.read(1) != b"\n"
             if cut:  # the last line of a killed process: start the next one on a line of its own
-                with utils.open_append(self.path) as f:
+                with open_append(self.path) as f:
                     f.write("\n")
         self.added = 0
 
@@ -191,7 +195,7 @@ class Cache:
         """Store ``records`` (each with its ``key``) in memory and on disk."""
         if not records:
             return
-        with utils.open_append(self.path) as f:
+        with open_append(self.path) as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")
                 self.records[record["key"]] = record
@@ -203,12 +207,12 @@ class Cache:
 def sample_key(source: sampling.Source, side: str, temperature: float, config, batch_digest: str, i: int) -> str:
     """The cache key of a batch's ``i``-th sample: model, side, temperature, generation settings and the batch's prompts."""
     settings = [config.seed, config.max_new_tokens, config.top_k, config.top_p, config.max_prompt_length, config.max_length]
-    return utils.digest([source.fingerprint, side, float(temperature), settings, batch_digest, i])
+    return digest([source.fingerprint, side, float(temperature), settings, batch_digest, i])
 
 
 def batch_seed(config, side: str, temperature: float, batch_digest: str) -> int:
     """The seed of one batch's ``generate`` call from ``seed``, side, temperature and prompts (not the rank)."""
-    return int(utils.digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
+    return int(digest([config.seed, side, float(temperature), batch_digest])[:15], 16)
 
 
 def sample_all(
@@ -223,7 +227,7 @@ def sample_all(
 ) -> dict:
     """{(item id, temperature): sample record} of ``source``, cached or generated; ``need_tokens`` resamples tokenless ones."""
     temps = [float(t) for t in config.temperatures]
-    digests = [utils.digest([json.dumps(it["prompt"]) for it in batch]) for batch in batches]
+    digests = [digest([json.dumps(it["prompt"]) for it in batch]) for batch in batches]
     keys = {
         (b, t): [sample_key(source, side, t, config, digests[b], i) for i in range(len(batch))]
         for b, batch in enumerate(batches)
@@ -233,7 +237,7 @@ def sample_all(
     todo = [(b, t) for (b, t), ks in keys.items() if any(missing(k) for k in ks)]
     if todo:
         model, tokenizer = sampling.load_source(source, device)
-        stop_ids = preference_datasets.stop_token_ids(tokenizer)
+        stop_ids = stop_token_ids(tokenizer)
         ids = {b: sampling.prompt_ids(batches[b], tokenizer, config) for b in sorted({b for b, _ in todo})}
         from tqdm import tqdm
 
@@ -274,7 +278,7 @@ def logps_all(
 ) -> dict:
     """{(item id, temperature): log-prob in nats} of A's ``samples`` under ``source``; ``prompts(b)``: batch b's prompt ids."""
     temps = [float(t) for t in config.temperatures]
-    key = lambda it, t: utils.digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
+    key = lambda it, t: digest(["logp", source.fingerprint, samples[(it["id"], t)]["key"]])  # noqa: E731
     todo = [(b, t) for b, batch in enumerate(batches) for t in temps if any(cache.get(key(it, t)) is None for it in batch)]
     if todo:
         model, _ = sampling.load_source(source, device)
@@ -294,7 +298,7 @@ def _source(fn) -> str:
     import inspect
 
     try:
-        return utils.digest([inspect.getsource(fn)])
+        return digest([inspect.getsource(fn)])
     except (OSError, TypeError):
         return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -345,13 +349,13 @@ class Judge:
     def _identity(self, template=None) -> str:
         if self.kind == "http_judge":
             judge = rewards.build_scorer(self._scorer_config(template))  # no request is made
-            return utils.digest(["http", judge.url, judge.model, judge.template, judge.max_tokens])
+            return digest(["http", judge.url, judge.model, judge.template, judge.max_tokens])
         if self.kind == "reward_function":
             scorer = self._build()
-            return utils.digest([self.kind, scorer.names, scorer.weights, [_source(fn) for fn in scorer.functions]])
+            return digest([self.kind, scorer.names, scorer.weights, [_source(fn) for fn in scorer.functions]])
         path = os.path.expanduser(self.config.reward_model.name_or_path)
         where = sampling._folder_stat(path) if os.path.isdir(path) else path
-        return utils.digest([self.kind, where, self.config.reward_model.max_length])
+        return digest([self.kind, where, self.config.reward_model.max_length])
 
     def judge_all(self, rows: list[dict]) -> None:
         """Set each row's ``verdict`` and ``detail``, asking only what the cache lacks, :data:`JUDGE_CHUNK` at a time."""
@@ -363,7 +367,7 @@ class Judge:
 
         def key(row: dict, text: str) -> str:
             fields = row.get("fields") if by_function else None
-            return utils.digest([identity, row["judge_prompt"], text, *([fields] if fields else [])])
+            return digest([identity, row["judge_prompt"], text, *([fields] if fields else [])])
 
         wanted = {}
         for row in rows:
@@ -395,7 +399,7 @@ class Judge:
                 identities[template] = self._identity(template)
             row["_keys"] = []
             for first, second in ((row["a"], row["b"]), (row["b"], row["a"])):
-                k = utils.digest([identities[template], row["judge_prompt"], first, second])
+                k = digest([identities[template], row["judge_prompt"], first, second])
                 row["_keys"].append(k)
                 if row["a"] != row["b"] and self.cache.get(k) is None:
                     by_template.setdefault(template, {})[k] = (k, row["judge_prompt"], first, second)
@@ -770,7 +774,7 @@ def main(config: DictConfig) -> str:
     config = effective_config(config)
     check_config(config)
     world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = utils.init_distributed(config.dist_timeout_minutes) if world > 1 else 0
+    rank = process_group.init_distributed(config.dist_timeout_minutes) if world > 1 else 0
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

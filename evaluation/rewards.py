@@ -22,9 +22,8 @@ import torch
 
 from evaluation import reward_functions
 from modeling import models
-from preference_datasets import DataError
 from runs.checks import SCORERS
-from utils import ConfigError, get_dtype
+from utils import ConfigError, DataError, get_dtype
 
 TIE = -1  # a pairwise judgement saying neither completion is better
 

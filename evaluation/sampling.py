@@ -15,8 +15,11 @@ import preference_datasets
 import utils
 from data import chat
 from data import prompts as prompt_sets
+from data.loading import load_dataset_dict
 from modeling import models
 from runs import checkpoints, checks
+from runs.config_text import digest
+from runs.files import open_append
 from utils import ConfigError
 
 
@@ -49,7 +52,7 @@ def _fingerprint(source: Source) -> str:
     model = OmegaConf.to_container(source.model_config, resolve=True)
     where = _folder_stat(source.model_config.name_or_path) if source.kind == "hf" else None
     adapter = _folder_stat(source.adapter) if source.adapter else None
-    return utils.digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where, adapter])
+    return digest([source.kind, model, source.seed, source.weights and _stat(source.weights), where, adapter])
 
 
 def _enclosing_run(path: str) -> str | None:
@@ -276,7 +279,7 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
                     f"baseline=chosen compares with the dataset's chosen responses, and {name} has prompts only; "
                     "use baseline=reference or another policy."
                 )
-            data = preference_datasets.load_dataset_dict(name, split, options.get(name), silent)
+            data = load_dataset_dict(name, split, options.get(name), silent)
             entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
         else:
             entries = [(p, None, f) for p, f in prompt_sets.load_prompt_entries(name, split, options, silent)]
@@ -391,7 +394,7 @@ def completion_texts(tokenizer, prompts: list[list[int]], completions: torch.Ten
 def append_rows(path: str, rows: list[dict], then: str) -> None:
     """Append ``rows`` to the JSON-lines file ``path`` (a run's samples.jsonl or completions.jsonl); a full disk:
     utils.DiskFullError ending with ``then``."""
-    with utils.saying_disk_full(path, "append to", then), utils.open_append(path) as f:
+    with utils.saying_disk_full(path, "append to", then), open_append(path) as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 

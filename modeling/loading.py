@@ -13,6 +13,7 @@ import utils
 from modeling import models
 from modeling.models import load_reference
 from runs import checkpoints, checks
+from runs.config_text import override_text
 
 
 def load_archive(model: torch.nn.Module, state: dict, path: str) -> None:
@@ -44,7 +45,7 @@ def check_archive_model(config: DictConfig, model: torch.nn.Module, tokenizer) -
     changed, harmless = models.config_field_differences(theirs, model.config)
 
     def listed(fields: list, which: int) -> str:
-        return ", ".join(f"{field}={utils.override_text(values[which - 1])}" for field, *values in fields)
+        return ", ".join(f"{field}={override_text(values[which - 1])}" for field, *values in fields)
 
     if changed:
         raise utils.ConfigError(

@@ -294,7 +294,7 @@ def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
             model = build()
             spec = ("ok", model.config, model.generation_config, next(model.parameters()).dtype)
         except Exception as e:
-            from preference_datasets import DataError
+            from utils import DataError
 
             utils.broadcast_object(("config" if isinstance(e, (utils.ConfigError, DataError)) else "error", str(e), None, None))
             raise

@@ -16,12 +16,12 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
-import preference_datasets
 import utils
+from data.chat import stop_token_ids
 from evaluation import rewards, sampling
-from preference_datasets import DataError
 from runs import checks
-from utils import ConfigError
+from runs.config_text import digest
+from utils import ConfigError, DataError
 
 SAMPLES_SUFFIX = ".samples.jsonl"  # <output><this>: every completion and its score, beside the pairs
 
@@ -177,7 +177,7 @@ def _prompt_items(config: DictConfig) -> tuple[list[dict], set[bool]]:
 
 def _sample_and_pair(config: DictConfig, scorer, model, tokenizer, items: list[dict]) -> tuple[list, list, dict]:
     """(every sample, the pair rows, the counts) of ``k`` scored completions of each of ``items``."""
-    stop_ids = preference_datasets.stop_token_ids(tokenizer)
+    stop_ids = stop_token_ids(tokenizer)
     k, size, limit = int(config.k), int(config.generate_batch_size), config.get("max_pairs_per_prompt")
     samples, pairs, counts = [], [], {"prompts": 0, "completions": 0, "pairs": 0, "ties": 0, "failures": 0}
     if limit is not None:
@@ -199,7 +199,7 @@ def _generate_and_score(config: DictConfig, scorer, model, tokenizer, stop_ids, 
     """(generate_batch's output, the texts, their scores (NaN: failed), an iterator of the failures' reasons), ``k`` a prompt."""
     k = int(config.k)
     ids = sampling.prompt_ids(batch, tokenizer, config)
-    seed = int(utils.digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
+    seed = int(digest([config.seed, k, [json.dumps(it["prompt"]) for it in batch]])[:15], 16)
     out = sampling.generate_batch(
         model, tokenizer, stop_ids, [p for p in ids for _ in range(k)], float(config.temperature), config, seed
     )

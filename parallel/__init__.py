@@ -1,1 +1,1 @@
-"""Parallel plugins: Ray Train (FSDP and tensor parallelism are in trainers.py)."""
+"""Parallel: joining torchrun's process group, and Ray Train as a plugin (FSDP and tensor parallelism are in trainers.py)."""

@@ -17,6 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
 import utils
+from runs.files import link_refusal
 
 
 def make_run_dir(root: str, exp_name: str) -> str:
@@ -332,7 +333,7 @@ def lock_run_dir(run_dir: str) -> RunLock:
             fd = os.open(path, flags, 0o644)  # the file stays; the OS drops the flock when its last holder dies
     except OSError:
         if os.path.islink(path):
-            raise utils.ConfigError(utils.link_refusal(path)) from None
+            raise utils.ConfigError(link_refusal(path)) from None
         raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

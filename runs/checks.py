@@ -14,7 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import utils
+from parallel.process_group import DEFAULT_DIST_TIMEOUT_MINUTES
 from runs import checkpoints
+from runs.config_text import digest, flat_config, override_text, shell_line
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
@@ -157,7 +159,7 @@ def _data_parallel_problem(c: DictConfig, world_size: int) -> str | None:
 
 
 def _dist_timeout(c: DictConfig):
-    return c.get("dist_timeout_minutes", utils.DEFAULT_DIST_TIMEOUT_MINUTES)
+    return c.get("dist_timeout_minutes", DEFAULT_DIST_TIMEOUT_MINUTES)
 
 
 def _not_a_folder(c: DictConfig) -> bool:
@@ -436,7 +438,7 @@ def settle_given(config: DictConfig, given: set[str]) -> None:
         va, vb = OmegaConf.select(config, a), OmegaConf.select(config, b)
         if a in given and b in given and va is not None and vb is not None:
             raise utils.ConfigError(
-                f"{a}={utils.override_text(va)} and {b}={utils.override_text(vb)} both set {what} and contradict; give only one."
+                f"{a}={override_text(va)} and {b}={override_text(vb)} both set {what} and contradict; give only one."
             )
     if "n_epochs" in given and "n_examples" not in given and config.get("n_epochs") is not None:
         config.n_examples = None
@@ -689,11 +691,11 @@ def handed_error(folder: str, saved: DictConfig, given: DictConfig, script: str 
     found = handed_values(saved, given)
     if not found:
         return None
-    values = [f"{key}={utils.override_text(value)}" for key, value in found]
+    values = [f"{key}={override_text(value)}" for key, value in found]
     return (
         f"resume={folder}: its config.yaml names code, a secret or an address to send to ({', '.join(values)}), which a "
         "folder alone never decides, since it may have been handed to you; if you trust them, give them on the command "
-        f"line too: {utils.shell_line(script, [f'resume={folder}', *values])}"
+        f"line too: {shell_line(script, [f'resume={folder}', *values])}"
     )
 
 
@@ -701,7 +703,7 @@ def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | Non
     """``(dotted key, saved value, new value)`` for each leaf where the resolved configs differ (a
     key one lacks: ``"absent"``), in ``saved``'s key order, :data:`RUN_FOLDER_KEYS` left out;
     ``keys`` limits it to those keys and what lies under them (e.g. ``loss`` for ``loss=ipo``)."""
-    a, b = utils.flat_config(saved), utils.flat_config(new)
+    a, b = flat_config(saved), flat_config(new)
 
     def inside(key: str, top: str) -> bool:
         return key == top or key.startswith(top + ".")
@@ -721,7 +723,7 @@ def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | Non
 def describe_differences(differences: list[tuple[str, object, object]], limit: int = 3) -> str:
     """``lr (saved 0.003, given 1.0), loss.name (saved dpo, given ipo)``: the first ``limit`` of
     :func:`config_differences`, and how many more."""
-    text = ", ".join(f"{k} (saved {utils.override_text(a)}, given {utils.override_text(b)})" for k, a, b in differences[:limit])
+    text = ", ".join(f"{k} (saved {override_text(a)}, given {override_text(b)})" for k, a, b in differences[:limit])
     more = len(differences) - limit
     return text + (f" and {more} more" if more > 0 else "")
 
@@ -755,14 +757,14 @@ CONFIG_CHECK_SKIPS = ("output_root",)
 def run_identity(config: DictConfig, host: str | None = None, repo: str = REPO_DIR) -> dict:
     """What every rank must agree on, with the host for messages: ``{"host", "config" (flat,
     without :data:`CONFIG_CHECK_SKIPS`), "config_hash", "code" (:func:`code_files`), "code_hash"}``."""
-    flat = {k: v for k, v in utils.flat_config(config).items() if k not in CONFIG_CHECK_SKIPS}
+    flat = {k: v for k, v in flat_config(config).items() if k not in CONFIG_CHECK_SKIPS}
     code = code_files(repo)
     return {
         "host": host or socket.gethostname(),
         "config": flat,
-        "config_hash": utils.digest(flat),
+        "config_hash": digest(flat),
         "code": code,
-        "code_hash": utils.digest(code),
+        "code_hash": digest(code),
     }
 
 
@@ -789,12 +791,10 @@ def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str 
             return f"{who} was started with another config than rank 0 (host {h0}); start every node with the same command."
         if key == "resume" and auto_resume:
             return (
-                f"resume=auto found resume={utils.override_text(theirs.get(key))} on rank {rank} (host {other['host']}) but "
-                f"resume={utils.override_text(mine.get(key))} on rank 0 (host {h0}); every node must see the same output_root."
+                f"resume=auto found resume={override_text(theirs.get(key))} on rank {rank} (host {other['host']}) but "
+                f"resume={override_text(mine.get(key))} on rank 0 (host {h0}); every node must see the same output_root."
             )
-        said = [
-            f"with {key}={utils.override_text(values[key])}" if key in values else f"without {key}" for values in (theirs, mine)
-        ]
+        said = [f"with {key}={override_text(values[key])}" if key in values else f"without {key}" for values in (theirs, mine)]
         return f"{who} was started {said[0]}, rank 0 (host {h0}) {said[1]}; start every node with the same command."
     return None
 

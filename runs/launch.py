@@ -21,9 +21,10 @@ import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and I
 import trainers
 import utils
 from modeling import models
+from parallel.process_group import check_gpu_count
 from runs import checkpoints, checks, processes
+from runs.config_text import shell_line
 from runs.processes import says_once
-from utils import shell_line
 
 STAGE_ENV = "DPO_STAGE"  # set by run_stages in each stage's process
 
@@ -51,7 +52,7 @@ def launch(config: DictConfig) -> int | None:
         return None
     n = config.world_size or torch.cuda.device_count() or 1
     checks.validate_config(config, n)
-    utils.check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
+    check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
     models.check_parallel_model(config, n)
     lock = checkpoints.lock_run_dir(config.resume) if config.resume is not None else checkpoints.RunLock(None, "")
     with lock:

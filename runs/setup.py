@@ -16,12 +16,16 @@ from omegaconf import DictConfig, OmegaConf
 import preference_datasets
 import trainers
 import utils
+from data.loading import load_examples
 from evaluation import reward_functions
 from export import modelcard
 from modeling import models, optimization
-from preference_datasets import DataError
+from parallel import process_group
 from runs import checkpoints, checks, processes
+from runs.config_text import command_text
+from runs.files import open_append
 from runs.resume import read_checkpoint_file
+from utils import DataError
 
 BUDGET_KEYS = ("n_examples", "n_epochs")  # what resume=<run folder> may change, extending the run to the new length
 EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of its training length (apply_extension)
@@ -190,7 +194,7 @@ def apply_extension(trainer, config: DictConfig, found: dict, checkpoint_dir: st
     checkpoints.save_run_config(
         saved, os.path.join(run_dir, "config.yaml"), checkpoints.read_command(run_dir)
     )  # "# Made by:" kept
-    with utils.open_append(os.path.join(run_dir, EXTENSIONS_LOG)) as f:
+    with open_append(os.path.join(run_dir, EXTENSIONS_LOG)) as f:
         f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line} {schedule}\n")
     with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(run_dir, checkpoints.FINISHED))
@@ -321,7 +325,7 @@ def check_config(config: DictConfig) -> list:
 
 def start_ranks(config: DictConfig, auto: bool) -> int:
     """Join the FSDP/TP process group and check that every rank runs the same config and code; returns this rank."""
-    rank = utils.init_distributed(config.dist_timeout_minutes)
+    rank = process_group.init_distributed(config.dist_timeout_minutes)
     checks.check_same_run(config, auto)  # every rank: the same config and code as rank 0, before any model loads
     checks.check_shared_output_root(config.output_root, rank)
     if rank != 0:
@@ -345,7 +349,7 @@ def run_folder(
     """``run_dir``, or a new run folder made by rank 0 (locked into ``held``, appended to ``made``, with the archive's
     ``pin``), as every rank sees it."""
     if run_dir is None and rank == 0:
-        command = None if command is None else utils.command_text(command)
+        command = None if command is None else command_text(command)
         run_dir, lock = checkpoints.new_run_dir(config.output_root, config.exp_name, recorded, command, pin)
         made.append(run_dir)
         held.enter_context(lock)  # taken before config.yaml was written
@@ -377,4 +381,4 @@ def check_stages(config: DictConfig) -> None:
     reward_functions.eval_functions(config.eval_reward_functions, declared)
     options = OmegaConf.to_container(config.data, resolve=True)
     for split in ("train", "test"):
-        preference_datasets.load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)
+        load_examples(list(config.datasets), split, options, sft_mode=True, silent=True)

@@ -16,6 +16,7 @@ import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import utils
 from runs import checkpoints
+from runs.files import link_refusal, open_append
 
 _PEAK = {"reset": False, "jobs": 0}  # whether reset_peak_memory could reset the resident peak; jobs it started
 
@@ -146,7 +147,7 @@ class MetricsLogger:
         clean = {k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}
         with (
             utils.saying_disk_full(self.path, "append to", checkpoints.resume_hint(os.path.dirname(self.path))),
-            utils.open_append(self.path) as f,
+            open_append(self.path) as f,
         ):
             f.write(json.dumps({"step": step, **clean}) + "\n")
         if self._wandb_init is not None:
@@ -266,7 +267,7 @@ def plot_curves(run_dir: str, out_dir: str | None = None, panels: tuple[str, ...
     plan = [p for p in curve_panels(series, loss, average) if panels is None or p["name"] in panels]
     out_dir = out_dir or os.path.join(run_dir, "curves")
     if os.path.islink(out_dir):  # its plots would land in the folder it points at
-        raise utils.ConfigError(utils.link_refusal(out_dir))
+        raise utils.ConfigError(link_refusal(out_dir))
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for panel in plan:
@@ -330,12 +331,30 @@ def log_peak_memory(dist, logger, setup_rss_mib: float, step: int) -> dict[str, 
     return dict(gathered)
 
 
+def cpu_allocator() -> str:
+    """The allocator serving this process's memory, in words."""
+    preloaded = utils.preloaded_malloc()
+    if preloaded:
+        return f"{os.path.basename(preloaded)} (preloaded)"
+    libc = utils.glibc()
+    if libc is None:
+        return "the C library's malloc"
+    import ctypes
+
+    libc.gnu_get_libc_version.restype = ctypes.c_char_p
+    version = libc.gnu_get_libc_version().decode()
+    mib = utils.MALLOC_STATE["threshold_mib"]
+    if mib is None:
+        return f"glibc {version} malloc, its default mmap threshold (128 KiB, growing to 32 MiB)"
+    return f"glibc {version} malloc, mmap threshold {mib:g} MiB (malloc_mmap_threshold_mib)"
+
+
 def say_peak_memory(memory: dict[str, list[float]]) -> None:
-    """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator (``utils.cpu_allocator``), which
+    """Print :func:`format_peak_memory`'s line and, without a GPU, the memory allocator (``cpu_allocator``), which
     decides much of the peak on CPU (docs/models.md, "Memory on CPU")."""
     print(format_peak_memory(memory))
     if "cuda" not in memory:
-        print(f"CPU memory allocator: {utils.cpu_allocator()}.")
+        print(f"CPU memory allocator: {cpu_allocator()}.")
 
 
 def progress_postfix(means: dict) -> dict:

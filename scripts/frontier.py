@@ -116,14 +116,14 @@ def sample_stories(model_path: Path, n: int, seed: int, max_new_tokens: int = 24
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import preference_datasets
     import utils
+    from data.chat import stop_token_ids
 
     utils.set_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=False).eval()
     settings = OmegaConf.create({"top_k": 0, "top_p": 1.0, "max_new_tokens": max_new_tokens})
-    stop_ids = preference_datasets.stop_token_ids(tokenizer)
+    stop_ids = stop_token_ids(tokenizer)
     texts = []
     for start in range(0, n, batch):
         prompts = [[tokenizer.bos_token_id]] * min(batch, n - start)

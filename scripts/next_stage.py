@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
 
     import utils
-    from preference_datasets import DataError
+    from utils import DataError
 
     try:
         stage, overrides = next_stage(argv)

@@ -19,9 +19,8 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trainers  # noqa: E402
-import utils  # noqa: E402
 from modeling import models
-from parallel import fsdp, tensor_parallel
+from parallel import fsdp, process_group, tensor_parallel
 
 CONFIGS = {
     "llama": dict(
@@ -41,7 +40,7 @@ def main() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    rank = utils.init_distributed()
+    rank = process_group.init_distributed()
     mesh = init_device_mesh("cpu", (2,))
     trainer = SimpleNamespace(rank=rank, device=torch.device("cpu"), mesh=mesh)
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))

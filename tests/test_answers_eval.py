@@ -22,6 +22,7 @@ import utils
 from evaluation import reward_functions
 from preference_datasets import declared_reward_functions
 from runs import checkpoints, checks, launch
+from runs.config_text import shell_line
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # TINY without its two test settings: the preset's two stages (lr 3e-3 for SFT, 3e-4 after)
@@ -137,7 +138,7 @@ def test_the_stage_banner_pastes_back_into_a_shell_and_names_sft_first_once():
     overrides = ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=32"]
     sft, second = launch.stage_commands(compose_config(overrides), overrides)
     assert second == ["datasets=[hf]", "data.hf.columns={prompt: instruction, input: input}", "sft_first.n_examples=null"]
-    line = utils.shell_line("train.py", second)
+    line = shell_line("train.py", second)
     assert (
         line == "python train.py 'datasets=[hf]' 'data.hf.columns={prompt: instruction, input: input}' sft_first.n_examples=null"
     )

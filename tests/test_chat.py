@@ -17,9 +17,11 @@ import preference_datasets as pd
 import trainers
 import utils
 from data import chat, screening, splits
+from data.chat import end_of_turn_token, stop_token_ids
 from evaluation import in_training, sampling
 from losses import IGNORE_INDEX
 from modeling import models
+from utils import DataError
 
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 """SmolLM2's default system message (its template adds it when the first message is not a system one)."""
@@ -119,8 +121,8 @@ def test_llama3_style_template_eot_and_its_own_bos():
     bos, eot, header, header_end = tok.convert_tokens_to_ids(
         ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]
     )
-    assert pd.end_of_turn_token(tok) == "<|eot_id|>"
-    assert pd.stop_token_ids(tok) == [tok.eos_token_id, eot]
+    assert end_of_turn_token(tok) == "<|eot_id|>"
+    assert stop_token_ids(tok) == [tok.eos_token_id, eot]
     (ex,) = chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [assistant("No")])], tok, 256, 128, silent=True)
     assert ex["end_token_id"] == eot
     prompt = [bos, header, *enc(tok, "user"), header_end, *enc(tok, "\n\nHi"), eot, header, *enc(tok, "assistant"), header_end]
@@ -217,9 +219,7 @@ def test_sft_on_every_assistant_turn_and_multi_turn_responses():
 
 def test_bad_conversations_are_one_sentence_naming_the_row():
     ex = conv([user("Hi")], [assistant("Yes")], [assistant("No")], row="prefs.parquet, row 3")
-    with pytest.raises(
-        pd.DataError, match=r"prefs.parquet, row 3 is a conversation .* model.chat_template=<file or Jinja string>"
-    ):
+    with pytest.raises(DataError, match=r"prefs.parquet, row 3 is a conversation .* model.chat_template=<file or Jinja string>"):
         chat.render_conversations([ex], ByT5Tokenizer(), 64, 32)
     tok = smollm2()
     tok.chat_template = (
@@ -228,10 +228,10 @@ def test_bad_conversations_are_one_sentence_naming_the_row():
     )
     bad_role = conv([{"role": "system", "content": "x"}, user("Hi")], [assistant("Yes")], [assistant("No")], row="f.jsonl, row 7")
     with pytest.raises(
-        pd.DataError, match=r"f.jsonl, row 7: the chat template rejects .*Only user and assistant roles are supported"
+        DataError, match=r"f.jsonl, row 7: the chat template rejects .*Only user and assistant roles are supported"
     ):
         chat.render_conversations([bad_role], tok, 64, 32)
-    with pytest.raises(pd.DataError, match=r"train example 1: the rejected response ends with a 'user' message"):
+    with pytest.raises(DataError, match=r"train example 1: the rejected response ends with a 'user' message"):
         chat.render_conversations([conv([user("Hi")], [assistant("Yes")], [user("No")])], smollm2(), 64, 32)
 
 

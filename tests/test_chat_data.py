@@ -18,9 +18,10 @@ from transformers import AutoTokenizer
 
 import preference_datasets as pd
 import train
-from data import chat
+from data import chat, loading
+from data.loading import load_dataset_dict
 from losses import IGNORE_INDEX
-from preference_datasets import DataError
+from utils import DataError
 
 SYS = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 """SmolLM2's default system message (its template adds it when the first message is not a system one)."""
@@ -42,12 +43,12 @@ def write(tmp_path: Path, rows: list[dict], name: str = "rows.parquet") -> str:
 
 def load(tmp_path: Path, f: str, **options) -> dict:
     options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return pd.load_dataset_dict("hf", "train", options, silent=True)
+    return load_dataset_dict("hf", "train", options, silent=True)
 
 
 def load_examples(tmp_path: Path, f: str, **options) -> list[dict]:
     options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return pd.load_examples(["hf"], "train", {"hf": options}, sft_mode=False, silent=True)
+    return loading.load_examples(["hf"], "train", {"hf": options}, sft_mode=False, silent=True)
 
 
 def pairs_of(data: dict) -> list[tuple]:
@@ -241,7 +242,7 @@ def test_readme_sharegpt_command_reads_its_file(tmp_path, monkeypatch):
     readme = "data.hf.path=sharegpt_prefs.jsonl 'data.hf.columns={prompt: conversations}' 'data.hf.roles={human: user, gpt: assistant}'"
     config = compose_config(["datasets=[hf]", *shlex.split(readme), f"data.hf.cache_dir={tmp_path / 'c'}"])
     options = OmegaConf.to_container(config.data, resolve=True)
-    splits = [pd.load_examples(["hf"], split, options, sft_mode=False, silent=True) for split in ("train", "test")]
+    splits = [loading.load_examples(["hf"], split, options, sft_mode=False, silent=True) for split in ("train", "test")]
     assert all(splits)  # the held-out slice (holdout_fraction 0.1) takes some prompts, not all
     got = [(ex["prompt"], ex["chosen"], ex["rejected"]) for split in splits for ex in split]
     assert sorted(got, key=json.dumps) == sorted(
@@ -342,7 +343,9 @@ def test_hh_conversations_with_an_empty_assistant_turn_are_warned_too(tmp_path, 
     ]
     with gzip.open(folder / "train.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    examples = pd.load_examples(["hh"], "train", {"hh": {"local_dir": str(tmp_path / "hh"), "conversation": True}}, False, True)
+    examples = loading.load_examples(
+        ["hh"], "train", {"hh": {"local_dir": str(tmp_path / "hh"), "conversation": True}}, False, True
+    )
     assert examples[0]["prompt"] == [user("a"), bot(""), user("b")]
     chat.render_conversations(examples, smollm2(), 256, 128)
     assert "[data] warning: train: 50.0% (1 of 2) conversations hold an empty assistant message" in capsys.readouterr().out
@@ -362,7 +365,7 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
     distinct = [{"prompt": f"p{i}", "chosen": "good", "rejected": "bad"} for i in range(10)]
     f = write_jsonl(tmp_path / "d.jsonl", copies + distinct)
     options = {"json": {"path": {"train": f, "test": f}}}
-    examples = pd.load_examples(["json"], "train", options, sft_mode=False)
+    examples = loading.load_examples(["json"], "train", options, sft_mode=False)
     assert len(examples) == 60  # every copy is kept and trained on
     # 60 pairs of which the 49 copies after the first of P's are exact duplicates: 49 / 60 = 81.7%
     assert capsys.readouterr().out.splitlines() == [
@@ -375,19 +378,19 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
         {"prompt": f"p{i}", "chosen": "good", "rejected": "bad"} for i in range(17)
     ]
     f = write_jsonl(tmp_path / "few.jsonl", rows)
-    pd.load_examples(["json"], "train", {"json": {"path": {"train": f, "test": f}}}, sft_mode=False)
+    loading.load_examples(["json"], "train", {"json": {"path": {"train": f, "test": f}}}, sft_mode=False)
     assert capsys.readouterr().out.splitlines() == [
         "[data] json/train: 18 prompts, 20 pairs (1 repeat an earlier pair exactly (kept))"
     ]
     # the eval split's copies are not trained on: the warning says what they do (found by a new user)
-    pd.load_examples(["json"], "test", options, sft_mode=False)
+    loading.load_examples(["json"], "test", options, sft_mode=False)
     assert (
         capsys.readouterr()
         .out.splitlines()[1]
         .endswith("each copy counts in the eval metrics, so deduplicate the data unless the repetition is meant.")
     )
     # SFT trains each prompt once: the copies are counted, not warned
-    assert len(pd.load_examples(["json"], "train", options, sft_mode=True)) == 11
+    assert len(loading.load_examples(["json"], "train", options, sft_mode=True)) == 11
     assert capsys.readouterr().out.splitlines() == [
         "[data] json/train: 11 prompts, 60 pairs (49 repeat an earlier pair exactly (kept))"
     ]
@@ -396,7 +399,7 @@ def test_exact_duplicate_pairs_are_counted_per_split_and_a_large_share_is_warned
 def test_json_rows_of_messages_point_to_the_hf_loader(tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [{"prompt": [user("u")], "chosen": [bot("a")], "rejected": [bot("b")]}])
     with pytest.raises(DataError) as e:
-        pd.load_dataset_dict("json", "train", {"path": {"train": f, "test": f}}, silent=True)
+        load_dataset_dict("json", "train", {"path": {"train": f, "test": f}}, silent=True)
     assert str(e.value) == (
         f"{f}, row 1: field 'prompt' is a list of messages, which datasets=[json] does not read; read conversations with "
         f"datasets=[hf] data.hf.path={f}."

@@ -30,6 +30,7 @@ import train
 import trainers
 import utils
 from modeling import optimization, packing
+from parallel import process_group
 from runs import checkpoints, checks, launch, reference_cache
 
 # 16 train and 8 eval examples, two batches of 8; checkpoints after 8 and 16 examples
@@ -128,7 +129,7 @@ def fake_process_group(monkeypatch):
 
 def test_the_timeout_reaches_init_process_group_and_no_device_on_cpu(fake_process_group, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert utils.init_distributed(25) == 0
+    assert process_group.init_distributed(25) == 0
     assert fake_process_group == [(("gloo",), {"timeout": datetime.timedelta(minutes=25)})]
 
 
@@ -139,7 +140,7 @@ def test_on_cuda_the_group_is_bound_to_the_local_gpu(fake_process_group, monkeyp
     monkeypatch.setattr(torch.cuda, "set_device", devices.append)
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    utils.init_distributed(90)
+    process_group.init_distributed(90)
     assert devices == [1]
     assert fake_process_group == [(("nccl",), {"timeout": datetime.timedelta(minutes=90), "device_id": torch.device("cuda", 1)})]
 
@@ -154,7 +155,7 @@ def test_the_configured_timeout_is_what_train_main_passes(monkeypatch, tmp_path)
         seen.append(minutes)
         raise Stop
 
-    monkeypatch.setattr(utils, "init_distributed", init)
+    monkeypatch.setattr(process_group, "init_distributed", init)
     for extra, minutes in (([], 60), (["dist_timeout_minutes=7.5"], 7.5)):
         with pytest.raises(Stop):
             train.main(compose_config([*SMALL, "trainer=FSDPTrainer", *extra, f"output_root={tmp_path}"]))
@@ -304,7 +305,7 @@ def test_under_torchrun_more_processes_per_node_than_gpus_is_the_same_sentence_o
             utils.ConfigError,
             match=r"^LOCAL_WORLD_SIZE=3 \(processes per node\) asks for 3 processes on this machine, one per GPU, but it has 2 GPUs; start at most 2 ",
         ):
-            utils.init_distributed()
+            process_group.init_distributed()
     assert fake_process_group == []
 
 

@@ -26,8 +26,10 @@ import preference_datasets as pd
 import train
 from data import prompts as prompt_sets
 from data import screening
+from data.loading import load_dataset_dict, load_examples, split_overlap_warning
+from data.readers import read_json_records
 from losses import IGNORE_INDEX
-from preference_datasets import DataError
+from utils import DataError
 
 H, A = "\n\nHuman:", "\n\nAssistant:"
 ROW = {"prompt": "p0", "chosen": " a", "rejected": " b"}
@@ -194,10 +196,10 @@ def test_utf8_bom_is_read(tmp_path, capsys):
     f = tmp_path / "d.jsonl"
     f.write_text(jsonl(rows(16)), encoding="utf-8-sig")
     assert f.read_bytes()[:3] == b"\xef\xbb\xbf"
-    assert pd.read_json_records(str(f)) == rows(16)
+    assert read_json_records(str(f)) == rows(16)
     g = tmp_path / "d.json.gz"
     g.write_bytes(gzip.compress(("\ufeff" + json.dumps(rows(2))).encode()))
-    assert pd.read_json_records(str(g)) == rows(2)
+    assert read_json_records(str(g)) == rows(2)
     args = [
         "datasets=[json]",
         f"data.json.path={{train: {f}, test: {f}}}",
@@ -244,10 +246,10 @@ def test_every_local_reader_gives_the_sentences(tmp_path):
     whole = gzip.compress(jsonl([{"chosen": f"{H} q{i}{A} a", "rejected": f"{H} q{i}{A} b"} for i in range(30)]).encode())
     hh.write_bytes(whole[: len(whole) // 2])
     with pytest.raises(DataError, match=f"^{hh} is cut short \\(its gzip stream ends early"):
-        pd.load_examples(["hh"], "test", {"hh": {"local_dir": str(tmp_path)}}, False, silent=True)
+        load_examples(["hh"], "test", {"hh": {"local_dir": str(tmp_path)}}, False, silent=True)
     hh.write_bytes(gzip.compress(jsonl([{"chosen": f"{H} q{A} a", "rejected": f"{H} r{A} a"}]).encode()))
     with pytest.raises(DataError) as e:
-        pd.load_examples(["hh"], "test", {"hh": {"local_dir": str(tmp_path)}}, False, silent=True)
+        load_examples(["hh"], "test", {"hh": {"local_dir": str(tmp_path)}}, False, silent=True)
     assert str(e.value) == (
         f"Every row of hh/test ({hh}) was skipped (1 skipped: no common Assistant turn), so it has no pairs; "
         "fix those rows or give data.hh other data."
@@ -255,20 +257,20 @@ def test_every_local_reader_gives_the_sentences(tmp_path):
     folder = tmp_path / "harmless-base"
     for name in ("shp", "se"):
         with pytest.raises(DataError, match=f"^{folder} is a folder, not a data file"):
-            pd.load_examples([name], "train", {name: {"path": str(folder)}}, False, silent=True)
+            load_examples([name], "train", {name: {"path": str(folder)}}, False, silent=True)
     empty = tmp_path / "e.jsonl"
     empty.write_text("")
     with pytest.raises(DataError, match=f"^{empty} has no rows"):
-        pd.load_examples(["se"], "train", {"se": {"path": str(empty)}}, False, silent=True)
+        load_examples(["se"], "train", {"se": {"path": str(empty)}}, False, silent=True)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(jsonl([{"post": "x"}]))
     with pytest.raises(
         DataError, match=f"^{bad}, row 1: field 'history' is missing or not a string; every shp row needs history"
     ):
-        pd.load_examples(["shp"], "train", {"shp": {"path": str(bad)}}, False, silent=True)
+        load_examples(["shp"], "train", {"shp": {"path": str(bad)}}, False, silent=True)
     bad.write_text(jsonl([{"question": "q", "answers": [{"text": "t"}]}]))
     with pytest.raises(DataError, match=f"^{bad}, row 1: answer 1 needs a string 'text' and a numeric 'pm_score'"):
-        pd.load_examples(["se"], "train", {"se": {"path": str(bad)}}, False, silent=True)
+        load_examples(["se"], "train", {"se": {"path": str(bad)}}, False, silent=True)
     parquet = tmp_path / "train.parquet"
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"prompt": f"post {i} TL;DR:"} for i in range(50)]), parquet)
     parquet.write_bytes(parquet.read_bytes()[:-20])
@@ -353,7 +355,7 @@ HH_FILE = ("data", "hh-rlhf", "harmless-base", "test.jsonl.gz")
 @pytest.fixture(scope="module")
 def hh_examples():
     path = needs_shared(*HH_FILE).parents[1]
-    return pd.load_examples(["hh"], "test", {"hh": {"local_dir": str(path)}}, False, silent=True)
+    return load_examples(["hh"], "test", {"hh": {"local_dir": str(path)}}, False, silent=True)
 
 
 @pytest.mark.parametrize("tokenizer", ["gpt-neox-20b", "stories260K", "byt5"])
@@ -415,7 +417,7 @@ def test_skip_counts_are_those_of_the_split(tmp_path, capsys):
             pairs[split] += 1
     assert min(same.values()) > 0 and min(pairs.values()) > 0  # the file has some of each in each split
     for split in ("train", "test"):
-        pd.load_dataset_dict("json", split, {"path": str(f), "holdout_fraction": 0.25})
+        load_dataset_dict("json", split, {"path": str(f), "holdout_fraction": 0.25})
         assert capsys.readouterr().out == (
             f"[data] json/{split}: {pairs[split]} prompts, {pairs[split]} pairs ({same[split]} skipped: identical responses)\n"
         )
@@ -451,7 +453,7 @@ def test_hh_repair_and_skip_counts_per_split_on_the_real_file(capsys):
             expected[split]["repaired: dialogues diverge before the last Assistant turn"] += 1
     assert sum(c["repaired: dialogues diverge before the last Assistant turn"] for c in expected.values()) == 4
     for split in ("train", "test"):
-        data = pd.load_dataset_dict("hh", split, {"local_dir": str(path.parents[1]), "holdout_fraction": 0.1})
+        data = load_dataset_dict("hh", split, {"local_dir": str(path.parents[1]), "holdout_fraction": 0.1})
         notes = ", ".join(f"{v} {k}" for k, v in sorted(expected[split].items()))
         n_pairs = sum(len(v["pairs"]) for v in data.values())
         assert (
@@ -497,7 +499,7 @@ def test_a_score_that_is_nan_or_infinite_is_one_sentence_naming_the_row(tmp_path
     shown = {"NaN": "nan", "Infinity": "inf", "-Infinity": "-inf"}[value]
     options = {name: {"path": str(f)}} if name != "hf" else {"hf": {"path": str(f), "format": "ranked"}}
     with pytest.raises(DataError) as e:
-        pd.load_examples([name], "train", options, False, silent=True)
+        load_examples([name], "train", options, False, silent=True)
     assert str(e.value) == (
         f"{f}, row 2: {what} is {shown}, not a finite number, so it cannot rank the responses; fix that row or drop it."
     )
@@ -511,15 +513,15 @@ def test_one_file_given_as_both_splits_is_said_in_one_warning(tmp_path):
     train_file.write_text(jsonl(rows))
     test_file.write_text(jsonl([rows[3], other, rows[7]]))
     options = {"json": {"path": {"train": str(train_file), "test": str(test_file)}}}
-    train_examples, test_examples = (pd.load_examples(["json"], s, options, False, silent=True) for s in ("train", "test"))
-    assert pd.split_overlap_warning(train_examples, test_examples) == (
+    train_examples, test_examples = (load_examples(["json"], s, options, False, silent=True) for s in ("train", "test"))
+    assert split_overlap_warning(train_examples, test_examples) == (
         "[data] warning: 66.7% (2 of 3) of the eval examples are also train examples (the same prompt and responses; one "
         "file given as both splits?), so the eval metrics measure trained examples, not held-out ones; give a test split "
         "of other examples unless that is meant."
     )
-    assert pd.split_overlap_warning(train_examples, test_examples[1:2]) is None  # held out: no word
+    assert split_overlap_warning(train_examples, test_examples[1:2]) is None  # held out: no word
     swapped = [{**ex, "chosen": ex["rejected"], "rejected": ex["chosen"]} for ex in test_examples]
-    assert pd.split_overlap_warning(train_examples, swapped) is None  # the same prompts, other pairs: not the same example
+    assert split_overlap_warning(train_examples, swapped) is None  # the same prompts, other pairs: not the same example
 
 
 def test_the_same_file_as_train_and_test_warns_through_the_run(tmp_path, capsys):
@@ -543,5 +545,5 @@ def test_a_latin_1_file_through_hf_is_one_sentence(tmp_path, suffix, text):
     f.write_bytes(text)
     options = {"hf": {"path": {"train": str(f), "test": str(f)}, "cache_dir": str(tmp_path / "c")}}
     with pytest.raises(DataError) as e:
-        pd.load_examples(["hf"], "train", options, False, silent=True)
+        load_examples(["hf"], "train", options, False, silent=True)
     assert str(e.value) == f"{f} is not UTF-8 text (byte 3 of a value cannot be decoded); save it as UTF-8."

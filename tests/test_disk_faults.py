@@ -73,7 +73,7 @@ def disk_full_under(monkeypatch, folder: Path, free_mib: float = FREE_MIB) -> No
         f = real_open(file, mode, *args, **kwargs)
         return FullFile(f) if under(file) and any(c in mode for c in "wax+") else f
 
-    def full_fdopen(fd, mode="r", *args, **kwargs):  # utils.open_append's file
+    def full_fdopen(fd, mode="r", *args, **kwargs):  # runs/files.py open_append's file
         f = real_fdopen(fd, mode, *args, **kwargs)
         return FullFile(f) if under(f"/proc/self/fd/{fd}") and any(c in mode for c in "wax+") else f
 

@@ -25,8 +25,7 @@ from hydra import compose, initialize_config_dir
 from test_online import LocalChatServer, LongerIsBetterJudgeServer, save_tiny_reward_model
 
 from evaluation import evaluate, rewards, sampling
-from preference_datasets import DataError
-from utils import ConfigError
+from utils import ConfigError, DataError
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -23,7 +23,9 @@ import preference_datasets as pd
 import train
 from data import formats
 from data import prompts as prompt_sets
-from preference_datasets import DataError
+from data.loading import load_dataset_dict, load_examples
+from data.report import DataReport
+from utils import DataError
 
 
 def user(text: str) -> dict:
@@ -43,11 +45,11 @@ def held_out(prompt: str, fraction: float) -> bool:
 
 
 def load(split: str, tmp_path: Path, **options) -> dict:
-    return pd.load_dataset_dict("hf", split, {"cache_dir": str(tmp_path / "hf_cache"), **options}, silent=True)
+    return load_dataset_dict("hf", split, {"cache_dir": str(tmp_path / "hf_cache"), **options}, silent=True)
 
 
 def examples(split: str, tmp_path: Path, sft: bool = False, **options) -> list[dict]:
-    return pd.load_examples(["hf"], split, {"hf": {"cache_dir": str(tmp_path / "hf_cache"), **options}}, sft)
+    return load_examples(["hf"], split, {"hf": {"cache_dir": str(tmp_path / "hf_cache"), **options}}, sft)
 
 
 def prompts(split: str, tmp_path: Path, **options) -> list:
@@ -260,13 +262,13 @@ def test_ranked_responses_become_pairs_with_ties_skipped_and_a_cap(tmp_path):
     f = tmp_path / "ranked.parquet"
     objects = [{"text": "A", "score": 3}, {"text": "B", "score": 1}, {"text": "C", "score": 3}, {"text": "D", "score": 2}]
     datasets.Dataset.from_list([{"prompt": "p", "completions": objects}]).to_parquet(str(f))
-    report = pd.DataReport()
+    report = DataReport()
     data = formats.get_hf("train", report, path=both(f), columns={"responses": "completions"})
     # pairs in order (a, b), a < b: AB (gap 2), AC tie, AD (1), CB (2), DB (1), CD (1)
     assert data["p"]["responses"] == ["A", "B", "D", "C"]
     assert data["p"]["pairs"] == [(0, 1), (0, 2), (3, 1), (2, 1), (3, 2)]
     assert data["p"]["sft_target"] == "A" and report == {"skipped: score tie": 1}
-    report = pd.DataReport()
+    report = DataReport()
     capped = formats.get_hf("train", report, path=both(f), columns={"responses": "completions"}, max_pairs_per_prompt=3)
     assert capped["p"]["pairs"] == [(0, 1), (0, 2), (3, 1)]  # the gaps 2, 2 and the first gap 1, in their order
     assert capped["p"]["rows"] == [f"{f}, row 1"] * 3
@@ -331,7 +333,7 @@ def test_hub_id_calls_load_dataset_with_config_and_split_and_offline_is_one_sent
         "train_split": "train_prefs",
         "test_split": "test_prefs",
     }
-    data = pd.load_dataset_dict("hf", "test", options, silent=True)
+    data = load_dataset_dict("hf", "test", options, silent=True)
     assert pairs_of(data) == [(key([user("test_prefs q")]), [bot("good")], [bot("bad")])]
     assert calls == [
         ("names", "HuggingFaceH4/ultrafeedback_binarized", "default"),
@@ -343,13 +345,13 @@ def test_hub_id_calls_load_dataset_with_config_and_split_and_offline_is_one_sent
 
     monkeypatch.setattr(datasets, "get_dataset_split_names", offline)
     with pytest.raises(DataError) as e:
-        pd.load_dataset_dict("hf", "train", {"path": "org/name"}, silent=True)
+        load_dataset_dict("hf", "train", {"path": "org/name"}, silent=True)
     assert (
         str(e.value)
         == "Could not load org/name from the Hugging Face hub (ConnectionError); offline? set data.hf.path to a local copy."
     )
     with pytest.raises(DataError, match=r"^data.hf.path=./nope.parquet does not exist; give a data file, a folder or a hub id"):
-        pd.load_dataset_dict("hf", "train", {"path": "./nope.parquet"}, silent=True)
+        load_dataset_dict("hf", "train", {"path": "./nope.parquet"}, silent=True)
 
 
 # ----------------------------------------------------------------------------- prompts for online DPO
@@ -406,7 +408,7 @@ def write_hh(tmp_path: Path) -> Path:
 
 
 def test_hh_as_conversations(tmp_path):
-    report = pd.DataReport()
+    report = DataReport()
     data = pd.get_hh("train", report, local_dir=str(write_hh(tmp_path)), conversation=True)
     assert pairs_of(data) == [
         (key([user("Hi there"), bot("Hello!"), user("How are you?")]), [bot("Fine, thanks.")], [bot("Go away.")]),
@@ -425,8 +427,8 @@ def test_hh_as_conversations(tmp_path):
 
 def test_hh_as_conversations_on_the_real_file_keeps_every_pair():
     local = needs_shared("data", "hh-rlhf")
-    text = pd.load_dataset_dict("hh", "test", {"local_dir": str(local)}, silent=True)
-    conv = pd.load_dataset_dict("hh", "test", {"local_dir": str(local), "conversation": True}, silent=True)
+    text = load_dataset_dict("hh", "test", {"local_dir": str(local)}, silent=True)
+    conv = load_dataset_dict("hh", "test", {"local_dir": str(local), "conversation": True}, silent=True)
     assert sum(len(e["pairs"]) for e in conv.values()) == sum(len(e["pairs"]) for e in text.values())
     for entry in conv.values():
         assert entry["prompt_messages"][-1]["role"] == "user"

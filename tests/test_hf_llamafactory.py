@@ -17,10 +17,11 @@ from conftest import compose_config, needs_shared
 from test_hf_data import bot, key, short_chat_run, user
 from transformers import AutoTokenizer
 
-import preference_datasets as pd
 from data import chat, formats
 from data import prompts as prompt_sets
-from preference_datasets import DataError
+from data.loading import load_examples
+from data.report import DataReport
+from utils import DataError
 
 LF_RANKING = "data.hf.columns={prompt: instruction, input: input, responses: output, history: history}"
 """The override that reads LLaMA-Factory's alpaca ranking files (with format=ranked ranked_order=best_first)."""
@@ -38,7 +39,7 @@ def write_jsonl(tmp_path: Path, rows: list[dict], name: str = "rows.jsonl") -> s
 
 def load(tmp_path: Path, f: str, report=None, **options) -> dict:
     options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return formats.get_hf("train", pd.DataReport() if report is None else report, **options)
+    return formats.get_hf("train", DataReport() if report is None else report, **options)
 
 
 def pairs_of(data: dict) -> list[tuple]:
@@ -60,7 +61,7 @@ def config_data(tmp_path: Path, f: str, *overrides: str) -> dict:
 
 def test_best_first_lists_give_every_pair_earlier_chosen_and_the_first_as_sft_target(tmp_path):
     f = write_jsonl(tmp_path, [{"prompt": "p", "responses": ["A", "B", "C", "D"]}, {"prompt": "solo", "responses": ["X"]}])
-    report = pd.DataReport()
+    report = DataReport()
     data = load(tmp_path, f, report, format="ranked", ranked_order="best_first")
     assert data["p"]["responses"] == ["A", "B", "C", "D"]
     assert data["p"]["pairs"] == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
@@ -77,7 +78,7 @@ def test_best_first_lists_give_every_pair_earlier_chosen_and_the_first_as_sft_ta
 def test_best_first_through_the_config_and_response_objects_without_scores(tmp_path):
     f = write_jsonl(tmp_path, [{"prompt": "p", "responses": [{"text": "good"}, {"text": "bad"}]}])
     data = config_data(tmp_path, f, "data.hf.format=ranked", "data.hf.ranked_order=best_first")
-    examples = pd.load_examples(["hf"], "train", data, sft_mode=False, silent=True)
+    examples = load_examples(["hf"], "train", data, sft_mode=False, silent=True)
     assert [(ex["prompt"], ex["chosen"], ex["rejected"]) for ex in examples] == [("p", "good", "bad")]
 
 
@@ -181,7 +182,7 @@ def ranking_rows() -> list[dict]:
 def test_llamafactory_ranking_file_loads_with_the_documented_overrides(tmp_path):
     f = write_jsonl(tmp_path, ranking_rows())
     data = config_data(tmp_path, f, LF_RANKING, "data.hf.format=ranked", "data.hf.ranked_order=best_first")
-    examples = pd.load_examples(["hf"], "train", data, sft_mode=False, silent=True)
+    examples = load_examples(["hf"], "train", data, sft_mode=False, silent=True)
     q1, q2 = [user("Capital of France?")], [user("Is the sky blue?"), bot("Yes."), user("Why?\nAnswer briefly.")]
     assert [(ex["prompt"], ex["chosen"], ex["rejected"]) for ex in examples] == [
         (q1, [bot("Paris.")], [bot("Lyon.")]),
@@ -199,7 +200,7 @@ def test_llamafactory_ranking_file_loads_with_the_documented_overrides(tmp_path)
         "<|im_start|>user\nWhy?\nAnswer briefly.<|im_end|>\n<|im_start|>assistant\n"
     )
     assert (rendered[3]["chosen"], rendered[3]["rejected"]) == ("Because it is.<|im_end|>", "No idea.<|im_end|>")
-    sft = pd.load_examples(["hf"], "train", data, sft_mode=True, silent=True)
+    sft = load_examples(["hf"], "train", data, sft_mode=True, silent=True)
     assert [(ex["prompt"], ex["chosen"]) for ex in sft] == [(q1, [bot("Paris.")]), (q2, [bot("Because it is.")])]
 
 
@@ -209,7 +210,7 @@ def test_malformed_history_is_one_sentence_naming_the_row(history):
     rows = [ranking_rows()[0], {**ranking_rows()[1], "history": history}]
     columns = {"prompt": "instruction", "input": "input", "responses": "output", "history": "history"}
     with pytest.raises(DataError) as e:
-        formats.hf_rows_to_data(rows, pd.DataReport(), "lf.jsonl", "ranked", columns, ranked_order="best_first")
+        formats.hf_rows_to_data(rows, DataReport(), "lf.jsonl", "ranked", columns, ranked_order="best_first")
     assert str(e.value) == (
         "lf.jsonl, row 2: column 'history' (data.hf.columns history) is not a list of [user, assistant] string pairs "
         f"({json.dumps(history)}); give earlier turns as [[question, answer], ...] or []."

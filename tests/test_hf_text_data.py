@@ -19,13 +19,16 @@ from test_hf_data import bot, key, pairs_of, user
 
 import preference_datasets as pd
 from data import formats
-from preference_datasets import DataError
+from data.holdout import in_holdout
+from data.loading import load_dataset_dict, load_examples
+from data.report import _LOADING, DataReport
+from utils import DataError
 
 
-def load(tmp_path: Path, f, split: str = "train", report: pd.DataReport | None = None, **options) -> dict:
+def load(tmp_path: Path, f, split: str = "train", report: DataReport | None = None, **options) -> dict:
     """get_hf on ``f`` read for both splits (no held-out slice), counting into ``report``."""
     options = {"path": {"train": str(f), "test": str(f)}, "cache_dir": str(tmp_path / "hf_cache"), **options}
-    return formats.get_hf(split, pd.DataReport() if report is None else report, **options)
+    return formats.get_hf(split, DataReport() if report is None else report, **options)
 
 
 def sharegpt(text: str, speaker: str) -> dict:
@@ -153,7 +156,7 @@ def write_rows(rows: list[dict], f: Path) -> Path:
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", ".csv"])
 def test_hh_text_pairs_from_a_hand_made_file(tmp_path, suffix):
     f = write_rows(HAND_ROWS, tmp_path / f"hh{suffix}")
-    report = pd.DataReport()
+    report = DataReport()
     data = load(tmp_path, f, report=report)
     assert pairs_of(data) == HAND_PAIRS
     assert report == HAND_REPORT
@@ -192,15 +195,15 @@ def test_real_hh_rows_in_any_file_give_the_hh_loaders_pairs_and_counts(tmp_path)
     local.mkdir(parents=True)
     with gzip.open(local / "test.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    want = pd.DataReport()
-    token = pd._LOADING.set(want)
+    want = DataReport()
+    token = _LOADING.set(want)
     hh = pd.get_hh("test", want, local_dir=str(local.parent))
-    pd._LOADING.reset(token)
+    _LOADING.reset(token)
     assert dict(want) == {"repaired: dialogues diverge before the last Assistant turn": 2}
     assert sum(len(e["pairs"]) for e in hh.values()) == len(REAL_ROWS)
     for suffix in (".jsonl", ".parquet", ".csv"):
         f = write_rows(rows, tmp_path / f"harmless{suffix}")
-        report = pd.DataReport()
+        report = DataReport()
         got = load(tmp_path, f, report=report)
         assert pairs_of(got) == pairs_of(hh), suffix
         assert report == want, suffix
@@ -216,7 +219,7 @@ def write_csv(f: Path, lines: list[str]) -> Path:
 
 def test_numeric_columns_are_cast_once_noted_csv_exactly_json_as_arrow_writes(tmp_path):
     f = write_csv(tmp_path / "ints.csv", ["prompt,chosen,rejected,n", "6*7=,42,041,1", "3*5=,15,16,2", "2*1=,2.50,2.0,3"])
-    report = pd.DataReport()
+    report = DataReport()
     data = load(tmp_path, f, report=report)
     assert pairs_of(data) == [("6*7=", "42", "041"), ("3*5=", "15", "16"), ("2*1=", "2.50", "2.0")]
     assert [e["fields"] for e in data.values()] == [{"n": 1}, {"n": 2}, {"n": 3}]  # a column no format reads stays a number
@@ -226,14 +229,14 @@ def test_numeric_columns_are_cast_once_noted_csv_exactly_json_as_arrow_writes(tm
     }
     f = tmp_path / "numbers.jsonl"
     f.write_text('{"prompt": "6*7=", "chosen": 42, "rejected": 41.0}\n{"prompt": "1.5*1=", "chosen": 1, "rejected": 1.50}\n')
-    report = pd.DataReport()
+    report = DataReport()
     assert pairs_of(load(tmp_path, f, report=report)) == [("6*7=", "42", "41"), ("1.5*1=", "1", "1.5")]
     assert report == {
         "cast to text: column 'chosen' was read as numbers by datasets; written by Arrow": 2,
         "cast to text: column 'rejected' was read as numbers by datasets; written by Arrow: 1.50 becomes 1.5": 2,
     }
     f = write_rows([{"question": 7, "good": True, "bad": False}], tmp_path / "bools.parquet")
-    report = pd.DataReport()
+    report = DataReport()
     got = load(tmp_path, f, report=report, columns={"prompt": "question", "chosen": "good", "rejected": "bad"})
     assert pairs_of(got) == [("7", "true", "false")]
     assert sorted(report) == [
@@ -265,7 +268,7 @@ def test_tiny_dpo_run_on_a_csv_of_integer_answers_notes_the_cast_once(tmp_path, 
     )
     assert [r for r in metric_records(run_dir) if "loss/eval" in r]
     out = capsys.readouterr().out
-    held = [i for i in range(40) if pd.in_holdout(f"What is {i}+{i}?", 0.2)]
+    held = [i for i in range(40) if in_holdout(f"What is {i}+{i}?", 0.2)]
     n_train, n_test = 40 - len(held), len(held)
     note = "cast to text: column '{}' was read as numbers by datasets; kept as written in the file"
     casts = f"{{n}} {note.format('chosen')}, {{n}} {note.format('rejected')}"
@@ -291,7 +294,7 @@ def test_every_layout_through_the_composed_config_gives_its_pairs(tmp_path):
         config = compose_config([*TINY, "datasets=[hf]", *overrides, f"data.hf.cache_dir={tmp_path / 'c'}"])
         options = OmegaConf.to_container(config.data, resolve=True)
         options["hf"]["path"] = {"train": options["hf"]["path"], "test": options["hf"]["path"]}
-        got = pd.load_examples(["hf"], "train", options, sft_mode=False, silent=True)
+        got = load_examples(["hf"], "train", options, sft_mode=False, silent=True)
         as_pairs = [
             (ex["prompt"] if isinstance(ex["prompt"], str) else key(ex["prompt"]), ex["chosen"], ex["rejected"]) for ex in got
         ]
@@ -302,7 +305,7 @@ def test_datasets_json_points_sharegpt_and_hh_rows_at_the_hf_loader(tmp_path):
     f = tmp_path / "factory.jsonl"
     f.write_text(json.dumps(FACTORY_ROWS[2]) + "\n")
     with pytest.raises(DataError) as e:
-        pd.load_dataset_dict("json", "train", {"path": str(f)}, silent=True)
+        load_dataset_dict("json", "train", {"path": str(f)}, silent=True)
     assert str(e.value) == (
         f"{f}, row 1 is a ShareGPT row (conversations, no prompt), which datasets=[json] does not read; read it with "
         f"datasets=[hf] data.hf.path={f} 'data.hf.roles={{human: user, gpt: assistant}}'."
@@ -310,7 +313,7 @@ def test_datasets_json_points_sharegpt_and_hh_rows_at_the_hf_loader(tmp_path):
     f = tmp_path / "hh.jsonl"
     f.write_text(json.dumps(HAND_ROWS[0]) + "\n")
     with pytest.raises(DataError) as e:
-        pd.load_dataset_dict("json", "train", {"path": str(f)}, silent=True)
+        load_dataset_dict("json", "train", {"path": str(f)}, silent=True)
     assert str(e.value) == (
         f"{f}, row 1 is an HH row (whole dialogues, no prompt), which datasets=[json] does not read; read it with "
         f"datasets=[hf] data.hf.path={f}."
@@ -318,4 +321,4 @@ def test_datasets_json_points_sharegpt_and_hh_rows_at_the_hf_loader(tmp_path):
     f = tmp_path / "one_message.jsonl"
     f.write_text(json.dumps({"prompt": "q", "chosen": bot("a"), "rejected": bot("b")}) + "\n")
     with pytest.raises(DataError, match=r"row 1: field 'chosen' is a message, which datasets=\[json\] does not read"):
-        pd.load_dataset_dict("json", "train", {"path": str(f)}, silent=True)
+        load_dataset_dict("json", "train", {"path": str(f)}, silent=True)

@@ -26,10 +26,13 @@ import preference_datasets as pd
 import trainers
 import utils
 from data import formats
+from data.loading import flatten, load_examples
+from data.report import DataReport, check_pairing
 from losses import IGNORE_INDEX
 from modeling import models
 from objectives import kto
 from runs import checks
+from utils import DataError
 
 EOS = 1
 
@@ -67,7 +70,7 @@ def build(tmp_path: Path, rows: list[dict], *overrides: str) -> trainers.BasicTr
     OmegaConf.resolve(config)
     tokenizer = models.load_tokenizer(config.model)
     options = OmegaConf.to_container(config.data)
-    tr, ev = (pd.load_examples(["json"], split, options, False, silent=True) for split in ("train", "test"))
+    tr, ev = (load_examples(["json"], split, options, False, silent=True) for split in ("train", "test"))
     policy = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     reference = models.load_model(config.model, tokenizer, torch.float32, config.seed)
     (tmp_path / "run").mkdir(exist_ok=True)
@@ -238,16 +241,16 @@ def test_a_paired_objective_on_unpaired_rows_is_one_sentence_and_exit_2(tmp_path
 )
 def test_a_malformed_unpaired_row_is_one_sentence_naming_file_and_row(tmp_path, bad, message):
     f = write_jsonl(tmp_path / "u.jsonl", [UNPAIRED[0], {**UNPAIRED[1], **bad}])
-    with pytest.raises(pd.DataError) as e:
-        formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+    with pytest.raises(DataError) as e:
+        formats.get_json("train", DataReport(), path=str(f), holdout_fraction=0)
     assert str(e.value).startswith(f"{f}, {message}")
     assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")
 
 
 def test_mixed_paired_and_unpaired_rows_are_refused_in_one_sentence(tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [PAIRED[0], PAIRED[1], UNPAIRED[2]])
-    with pytest.raises(pd.DataError) as e:
-        formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+    with pytest.raises(DataError) as e:
+        formats.get_json("train", DataReport(), path=str(f), holdout_fraction=0)
     assert str(e.value) == (
         f"{f}, row 3 is unpaired {{prompt, completion, label}} but row 1 is paired {{prompt, chosen, rejected}}; a file "
         "holds one kind: write each pair as two unpaired rows (chosen with label true, rejected with label false)."
@@ -255,15 +258,15 @@ def test_mixed_paired_and_unpaired_rows_are_refused_in_one_sentence(tmp_path):
     # across datasets: unpaired examples with paired ones
     kto = losses.get_objective("kto")
     paired = {"prompt": "p", "chosen": " a", "rejected": " b", "truncation_mode": "keep_end"}
-    with pytest.raises(pd.DataError, match=r"^datasets=\[\.\.\.\] mixes unpaired rows \(d.jsonl, row 1\) with paired ones"):
-        pd.check_pairing([paired, {"prompt": "p", "chosen": " a", "label": True, "row": "d.jsonl, row 1"}], kto)
+    with pytest.raises(DataError, match=r"^datasets=\[\.\.\.\] mixes unpaired rows \(d.jsonl, row 1\) with paired ones"):
+        check_pairing([paired, {"prompt": "p", "chosen": " a", "label": True, "row": "d.jsonl, row 1"}], kto)
 
 
 def test_unpaired_rows_become_examples_and_label_tensors(tmp_path):
     f = write_jsonl(tmp_path / "u.jsonl", [*UNPAIRED[:3], {"prompt": "q0?", "completion": " other", "label": False}])
-    data = formats.get_json("train", pd.DataReport(), path=str(f), holdout_fraction=0)
+    data = formats.get_json("train", DataReport(), path=str(f), holdout_fraction=0)
     assert data["q0?"]["pairs"] == [] and data["q0?"]["labels"] == [(0, True), (1, False)]
-    examples = pd.flatten("json", data, sft_mode=False)
+    examples = flatten("json", data, sft_mode=False)
     assert [(e["prompt"], e["chosen"], e["label"], e["row"]) for e in examples] == [
         ("q0?", " c0", True, f"{f}, row 1"),
         ("q0?", " other", False, f"{f}, row 4"),

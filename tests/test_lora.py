@@ -27,8 +27,8 @@ import losses
 import train
 import trainers
 import utils
+from data.loading import load_examples
 from modeling import loading, models
-from preference_datasets import load_examples
 from runs import checkpoints, checks, reference_cache
 
 LORA = ["model.lora.r=8"]

@@ -26,9 +26,9 @@ from omegaconf import OmegaConf
 
 import losses
 import trainers
+from data.loading import load_examples
 from data.prompts import load_prompt_examples
 from modeling import models
-from preference_datasets import load_examples
 
 BETA = 0.5
 L = math.log1p  # log(1 + x)

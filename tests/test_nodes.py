@@ -29,6 +29,7 @@ from test_distributed import COMMON, assert_same_run, cli, start_train, weights
 import train
 import utils
 from runs import checkpoints, checks, setup
+from runs.config_text import digest, flat_config
 
 FSDP = [*COMMON, "trainer=FSDPTrainer", "sample_during_eval=false", "save_hf_export=false"]
 HOST = socket.gethostname()
@@ -169,9 +170,9 @@ def test_identity_mismatch_names_the_first_difference():
         return {
             "host": host,
             "config": config,
-            "config_hash": utils.digest(config),
+            "config_hash": digest(config),
             "code": code,
-            "code_hash": utils.digest(code),
+            "code_hash": digest(code),
         }
 
     same = {"lr": 0.0002, "datasets": ["hh", "shp"], "loss.beta": 0.1}
@@ -200,7 +201,7 @@ def test_identity_mismatch_names_the_first_difference():
 def test_run_identity_covers_every_key_but_output_root(tmp_path):
     base = compose_config(["output_root=/a"])
     assert checks.run_identity(compose_config(["output_root=/b"]))["config_hash"] == checks.run_identity(base)["config_hash"]
-    flat = utils.flat_config(base)
+    flat = flat_config(base)
     assert len(flat) > 100 and flat["loss.beta"] == 0.1 and flat["data.arithmetic.n_train"] == 4000
     for override in ("lr=0.001", "loss.beta=0.2", "data.arithmetic.n_train=7", "world_size=2", "num_threads=3", "datasets=[hh]"):
         assert (

@@ -251,7 +251,7 @@ def test_online_pairs_put_the_higher_score_first_and_count_ties(tmp_path, ties):
 def test_unlabelled_pairs_weigh_nothing_in_the_loss(tmp_path):
     # The loss over pairs weighted [1, 0] is the loss of the first pair alone (n_batch_examples = 1).
     trainer = build_online_trainer(tmp_path, [])
-    from preference_datasets import load_examples
+    from data.loading import load_examples
 
     examples = load_examples(["arithmetic"], "train", {"arithmetic": {"n_train": 8, "n_test": 4}}, False, silent=True)
     batch = next(iter(trainers.get_batch_iterator(examples, trainer.tokenizer, 2, 64, 32, seed=0, n_examples=2)))

@@ -10,8 +10,8 @@ from conftest import TINY, compose_config
 from omegaconf import OmegaConf
 
 import trainers
+from data.loading import load_examples
 from modeling import models
-from preference_datasets import load_examples
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 

@@ -22,24 +22,25 @@ import preference_datasets as pd
 from data import prompts as prompt_sets
 from data.arithmetic import get_arithmetic
 from data.formats import get_json
+from data.loading import load_dataset_dict, load_examples
+from data.prompts import collate_prompts
 from losses import IGNORE_INDEX
 from preference_datasets import (
     ASSISTANT_TAG,
     REGISTRY,
-    DataError,
     collate,
     get_batch_iterator,
     get_hh,
     get_se,
     get_shp,
     hh_rows_to_data,
-    load_dataset_dict,
     register_dataset,
     se_rows_to_data,
     shp_rows_to_data,
     split_prompt_and_responses,
     tokenize_element,
 )
+from utils import DataError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 HH_DIR = SHARED / "data" / "hh-rlhf"
@@ -337,7 +338,7 @@ def test_register_dataset_usable_by_name(toy_name, capsys):
     data = load_dataset_dict(toy_name, "test", {"n": 2})
     assert data == {f"test {i}": {"responses": ["a", "b"], "pairs": [(0, 1)], "sft_target": "a"} for i in range(2)}
     assert f"[data] {toy_name}/test: 2 prompts, 2 pairs (1 skipped: nothing)" in capsys.readouterr().out
-    examples = pd.load_examples([toy_name], "train", {toy_name: {"n": 1}}, sft_mode=False, silent=True)
+    examples = load_examples([toy_name], "train", {toy_name: {"n": 1}}, sft_mode=False, silent=True)
     assert examples == [{"prompt": "train 0", "chosen": "a", "rejected": "b", "truncation_mode": "keep_end"}]
     with pytest.raises(DataError, match="unexpected keyword"):
         load_dataset_dict(toy_name, "train", {"bogus": 1}, silent=True)
@@ -925,10 +926,10 @@ def test_tokenize_prompt_keeps_bos_and_matches_the_pair_pipeline(stories):
 
 def test_collate_prompts_left_pads_by_hand():
     elements = [{"prompt": "long", "prompt_input_ids": [5, 6, 7]}, {"prompt": "short", "prompt_input_ids": [8]}]
-    batch = pd.collate_prompts(elements, pad_token_id=0)
+    batch = collate_prompts(elements, pad_token_id=0)
     assert batch["prompt"] == ["long", "short"]
     assert batch["prompt_input_ids"].tolist() == [[5, 6, 7], [0, 0, 8]]
     assert batch["prompt_attention_mask"].tolist() == [[1, 1, 1], [0, 0, 1]]
     assert batch["prompt_input_ids"].dtype == batch["prompt_attention_mask"].dtype == torch.long
     with pytest.raises(ValueError, match="at least one element"):
-        pd.collate_prompts([], 0)
+        collate_prompts([], 0)

@@ -244,7 +244,8 @@ def test_a_cluster_too_small_is_one_sentence_before_any_worker_starts(cluster, t
 
 def tiny_batch(config, n: int) -> tuple[list[dict], dict]:
     """The first ``n`` arithmetic pairs, and the same as one collated batch."""
-    from preference_datasets import get_batch_iterator, load_examples
+    from data.loading import load_examples
+    from preference_datasets import get_batch_iterator
 
     tokenizer = models.load_tokenizer(config.model)
     examples = load_examples(["arithmetic"], "test", {"arithmetic": {"n_train": 8, "n_test": 16}}, False, silent=True)[:n]

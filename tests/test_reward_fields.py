@@ -21,9 +21,10 @@ from hydra import compose, initialize_config_dir
 
 import preference_datasets as pd
 from data import prompts as prompt_sets
+from data.loading import flatten, load_dataset_dict
 from evaluation import evaluate, rewards, sampling
 from online import make_pairs
-from preference_datasets import DataError
+from utils import DataError
 
 EXACT = """
 import json
@@ -89,13 +90,13 @@ def test_json_and_hf_loaders_keep_the_other_columns_per_prompt_a_missing_one_is_
             {"prompt": "p2", "chosen": "a", "rejected": "b"},
         ],
     )
-    data = pd.load_dataset_dict("json", "train", {"path": str(f), "holdout_fraction": 0}, silent=True)
+    data = load_dataset_dict("json", "train", {"path": str(f), "holdout_fraction": 0}, silent=True)
     assert data["p1"]["fields"] == {"answer": "4", "level": 1, "note": "x"}
     assert data["p2"]["fields"] == {"answer": None, "level": None, "note": None}
-    examples = pd.flatten("json", data, sft_mode=False)
+    examples = flatten("json", data, sft_mode=False)
     assert [e["fields"]["answer"] for e in examples] == ["4", "4", None]
     # the hf loader reads the same file: the same fields
-    hf = pd.load_dataset_dict("hf", "train", {"path": {"train": str(f), "test": str(f)}}, silent=True)
+    hf = load_dataset_dict("hf", "train", {"path": {"train": str(f), "test": str(f)}}, silent=True)
     assert {k: e["fields"] for k, e in hf.items()} == {k: e["fields"] for k, e in data.items()}
     # prompt-only rows (online DPO, make_pairs, evaluate): the prompt and its fields
     p = write_jsonl(tmp_path / "prompts.jsonl", prompt_rows())
@@ -105,7 +106,7 @@ def test_json_and_hf_loaders_keep_the_other_columns_per_prompt_a_missing_one_is_
     ]
     # a file without other columns keeps none
     plain = write_jsonl(tmp_path / "plain.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
-    assert "fields" not in pd.load_dataset_dict("json", "train", {"path": str(plain), "holdout_fraction": 0}, silent=True)["p"]
+    assert "fields" not in load_dataset_dict("json", "train", {"path": str(plain), "holdout_fraction": 0}, silent=True)["p"]
 
 
 def test_batches_carry_each_examples_fields_and_an_empty_dict_for_an_example_without():

@@ -20,8 +20,8 @@ from omegaconf import OmegaConf
 import train
 import trainers
 import utils
-from preference_datasets import DataError
 from runs import checkpoints, checks, reference_cache, setup
+from utils import DataError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 

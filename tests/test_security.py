@@ -29,6 +29,7 @@ import utils
 from evaluation import rewards
 from modeling import models
 from runs import checkpoints, checks, resume, setup
+from runs.files import open_append
 
 QUICK = ["sample_during_eval=false", "save_hf_export=false", "num_threads=1"]
 
@@ -431,15 +432,15 @@ def test_appending_to_a_link_is_refused_and_leaves_its_target(tmp_path):
     target.write_text("a user's file\n")
     link.symlink_to(target)
     with pytest.raises(utils.ConfigError) as e:
-        utils.open_append(str(link))
+        open_append(str(link))
     assert str(e.value) == (
         f"{link} is a symbolic link (to {target}), and files are never written through one: remove it, or put a copy "
         "of the file it points at in its place, then try again."
     )
     assert target.read_text() == "a user's file\n"
-    with utils.open_append(str(tmp_path / "plain")) as f:  # a plain file is appended to
+    with open_append(str(tmp_path / "plain")) as f:  # a plain file is appended to
         f.write("a\n")
-    with utils.open_append(str(tmp_path / "plain")) as f:
+    with open_append(str(tmp_path / "plain")) as f:
         f.write("b\n")
     assert (tmp_path / "plain").read_text() == "a\nb\n"
 

@@ -19,9 +19,9 @@ from omegaconf import OmegaConf
 import train
 import trainers
 import utils
+from data.loading import load_examples
 from evaluation import in_training
 from modeling import models, optimization
-from preference_datasets import load_examples
 from runs import checks, launch, tracking
 
 CONFIG_DIR = REPO / "config"
