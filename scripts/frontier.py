@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evaluation import evaluate, sampling  # noqa: E402  (the repository's modules, from the repository root)
+from evaluation import report, sampling, statistics  # noqa: E402  (the repository's modules, from the repository root)
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 REWARD = "sentiment"
@@ -274,7 +274,7 @@ def preferred_rows(pairs: list[dict]) -> list[dict]:
 def row_from_eval(folder: Path, method: str, label: str, beta: float | None) -> dict:
     """A table row from an evaluate.py folder's results.json (temperature 1)."""
     results = json.loads((folder / "results.json").read_text())
-    r = results["temperatures"][evaluate.temperature_key(TEMPERATURE)]
+    r = results["temperatures"][report.temperature_key(TEMPERATURE)]
     keys = ("reward_mean", "reward_ci_low", "reward_ci_high", "kl_mean", "kl_ci_low", "kl_ci_high", "reward_n")
     row = {"method": method, "label": label, "beta": beta, **{k: r[k] for k in keys}}
     row.update(kl="Monte Carlo", win_rate_vs_reference=r["win_rate"], ended=r["a_ended"], tokens=r["a_tokens"])
@@ -290,7 +290,7 @@ def bon_rows(samples: list[dict], sizes: list[int]) -> list[dict]:
     rows = []
     for n in sizes:
         best = best_of_n(list(scores.values()), n)
-        mean, low, high = evaluate.mean_interval(best)
+        mean, low, high = statistics.mean_interval(best)
         kl = best_of_n_kl(n)
         rows.append(
             {
