@@ -19,7 +19,8 @@ from evaluation.cache import Cache
 from losses import IGNORE_INDEX
 from modeling import models
 from preference_datasets import DataError
-from runs import checkpoints, checks
+from runs import checkpoints, checks, saved_config
+from runs.overrides import override_error
 from trainers import response_logps
 from utils import ConfigError
 
@@ -198,7 +199,7 @@ def check_config(config: DictConfig) -> None:
 
 def effective_config(config: DictConfig) -> DictConfig:
     """The config to run: with ``resume=<evaluation folder>``, the one saved there, that folder its ``output_dir`` (ConfigError
-    when it names code or an endpoint ``config`` does not: :func:`checks.handed_error`)."""
+    when it names code or an endpoint ``config`` does not: :func:`saved_config.handed_error`)."""
     if config.resume is None:
         return config
     folder = str(config.resume)
@@ -208,7 +209,7 @@ def effective_config(config: DictConfig) -> DictConfig:
         raise ConfigError(
             f"resume={folder} is not an evaluation folder (no config.yaml of evaluate.py in it); give the folder evaluate.py printed."
         )
-    problem = checks.handed_error(folder, run_config, config, "evaluate.py")  # its code and endpoints: only if given too
+    problem = saved_config.handed_error(folder, run_config, config, "evaluate.py")  # its code and endpoints: only if given too
     if problem is not None:
         raise ConfigError(problem)
     config = run_config
@@ -242,12 +243,12 @@ def output_dir_problem(config: DictConfig) -> str | None:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
         return f"output_dir={config.output_dir} is a folder with other files in it ({shown}); give a new or empty folder."
     differences = [
-        d for d in checks.config_differences(other, config) if not any(d[0].split(".")[0] == k for k in RESULT_FREE_KEYS)
+        d for d in saved_config.config_differences(other, config) if not any(d[0].split(".")[0] == k for k in RESULT_FREE_KEYS)
     ]
     if not differences:
         return None  # the same evaluation, continued: nothing finished is redone
     return (
-        f"output_dir={config.output_dir} holds another evaluation ({checks.describe_differences(differences)}); give a new "
+        f"output_dir={config.output_dir} holds another evaluation ({saved_config.describe_differences(differences)}); give a new "
         f"folder, or continue that one with python evaluate.py resume={config.output_dir}."
     )
 
@@ -483,7 +484,7 @@ def cli(hydra_main) -> None:
 
     processes.die_with_launcher()  # a torchrun rank dies with torchrun, even by kill -9
     overrides = sys.argv[1:]
-    problem = None if any(a.startswith("-") for a in overrides) else checks.override_error(overrides, config_name="evaluate")
+    problem = None if any(a.startswith("-") for a in overrides) else override_error(overrides, config_name="evaluate")
     if problem is not None:
         if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             print(f"Error: {problem}", file=sys.stderr, flush=True)
