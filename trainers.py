@@ -106,7 +106,7 @@ def single_logps(
 
 
 class BasicTrainer:
-    """Train ``policy`` on ``preference_datasets.load_examples`` examples with ``config.loss`` on one process;
+    """Train ``policy`` on ``data.loading.load_examples`` examples with ``config.loss`` on one process;
     a ``peft.PeftModel`` policy trains its adapters and is its own reference with them off, else
     ``reference_model`` is the frozen reference (None when the objective needs none)."""
 

@@ -60,6 +60,24 @@ def check_archive_model(config: DictConfig, model: torch.nn.Module, tokenizer) -
         )
 
 
+def read_archive(config: DictConfig) -> dict:
+    """``model.archive``'s policy.pt: a ``state`` dict of a whole model's weights, else utils.ConfigError."""
+    state = models.load_weights_file(
+        config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
+    )
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
+        raise utils.ConfigError(
+            f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."
+        )
+    if state.get("lora") is not None or any(".lora_" in k for k in state["state"]):
+        raise utils.ConfigError(
+            f"model.archive={config.model.archive} holds only the LoRA adapters of a run with model.lora.r set, not a "
+            "whole model; give the policy.pt of a full fine-tuning run, or train from that run's merged export "
+            "(model.lora.export_merged=true: model.name_or_path=<its checkpoint>/hf/merged)."
+        )
+    return state
+
+
 def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> tuple[torch.nn.Module, torch.nn.Module | None]:
     """The policy (or reward model) and frozen reference (None without one or with LoRA), with ``model.archive``'s weights."""
     objective = losses.get_objective(config.loss.name)
@@ -69,22 +87,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
     remote_reference = config.launcher == "ray" and config.ray.reference_workers > 0  # on Ray actors
     local_reference = needs_reference and not remote_reference
 
-    @functools.cache
-    def archive() -> dict:
-        state = models.load_weights_file(
-            config.model.archive, f"model.archive={config.model.archive}", "give the policy.pt of an earlier run"
-        )
-        if not isinstance(state, dict) or not isinstance(state.get("state"), dict):
-            raise utils.ConfigError(
-                f"model.archive={config.model.archive} holds no 'state' dict of weights; give the policy.pt of an earlier run."
-            )
-        if state.get("lora") is not None or any(".lora_" in k for k in state["state"]):
-            raise utils.ConfigError(
-                f"model.archive={config.model.archive} holds only the LoRA adapters of a run with model.lora.r set, not a "
-                "whole model; give the policy.pt of a full fine-tuning run, or train from that run's merged export "
-                "(model.lora.export_merged=true: model.name_or_path=<its checkpoint>/hf/merged)."
-            )
-        return state
+    archive = functools.cache(lambda: read_archive(config))  # read once, for the policy and the reference
 
     def build_policy() -> torch.nn.Module:
         policy = models.load_model(config.model, tokenizer, utils.get_dtype(config.model.policy_dtype), config.seed, reward_head)

@@ -1,12 +1,10 @@
-"""Every config rule, checked once where a job starts, and the checks that all ranks run the same job."""
+"""Every config rule, checked once where a job starts, and the command line checked before Hydra runs it."""
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import os
 import re
-import socket
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -16,7 +14,8 @@ import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and I
 import utils
 from parallel.process_group import DEFAULT_DIST_TIMEOUT_MINUTES
 from runs import checkpoints
-from runs.config_text import digest, flat_config, override_text, shell_line
+from runs.config_text import override_text
+from runs.overrides import override_error
 
 TRAINERS = ("BasicTrainer", "FSDPTrainer", "TensorParallelTrainer")
 
@@ -539,7 +538,7 @@ NUMBER_KEYS = {  # key: (whole numbers only, the least value allowed, whether th
 
 def config_default(key: str):
     """The value ``key`` has in config/config.yaml (for examples in error messages)."""
-    path = os.path.join(REPO_DIR, "config", "config.yaml")
+    path = os.path.join(CONFIG_DIR, "config.yaml")
     return OmegaConf.load(path).get(key)
 
 
@@ -652,284 +651,8 @@ def check_eval_size(config: DictConfig, n_eval: int) -> str | None:
     )
 
 
-RUN_FOLDER_KEYS = ("resume", "output_root", "ray.storage_path", "ray.name")
-"""Keys that name where a run is, not what it trains: left out when a new command is compared
-with a run's saved config (:func:`config_differences`)."""
-
-
-HANDED_KEYS = ("judge.base_url", "judge.api_key_env", "ray.address", "hub.model_id", "wandb.entity")
-"""Keys whose value is an address a job sends to or the environment variable of a secret it sends: a run or evaluation
-folder's saved value is used on ``resume=`` only when the command gives it too (:func:`handed_values`)."""
-
-REWARD_FUNCTION_KEYS = ("reward_functions", "eval_reward_functions")
-"""Keys that take reward functions, whose ``module:function`` entries import code (:func:`handed_values`)."""
-
-
-def _plain(value):
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def handed_values(saved: DictConfig, given: DictConfig) -> list[tuple[str, object]]:
-    """``(key, saved value)`` for each value of ``saved`` (a folder's config.yaml) that names code (a reward function as
-    ``module:function``), a secret or an endpoint (:data:`HANDED_KEYS`) and differs from ``given`` (this command's config)."""
-    found = []
-    for key in REWARD_FUNCTION_KEYS:
-        value = _plain(OmegaConf.select(saved, key, default=None))
-        names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
-        if any(":" in str(name) for name in names) and value != _plain(OmegaConf.select(given, key, default=None)):
-            found.append((key, value))  # registered names alone are taken from the folder
-    for key in HANDED_KEYS:
-        value = _plain(OmegaConf.select(saved, key, default=None))
-        if value is not None and value != _plain(OmegaConf.select(given, key, default=None)):
-            found.append((key, value))
-    return found
-
-
-def handed_error(folder: str, saved: DictConfig, given: DictConfig, script: str = "train.py") -> str | None:
-    """One sentence when ``resume={folder}``'s saved config ``saved`` names code, a secret or an endpoint that the command's
-    config ``given`` does not give (:func:`handed_values`), with the command that gives them; else None."""
-    found = handed_values(saved, given)
-    if not found:
-        return None
-    values = [f"{key}={override_text(value)}" for key, value in found]
-    return (
-        f"resume={folder}: its config.yaml names code, a secret or an address to send to ({', '.join(values)}), which a "
-        "folder alone never decides, since it may have been handed to you; if you trust them, give them on the command "
-        f"line too: {shell_line(script, [f'resume={folder}', *values])}"
-    )
-
-
-def config_differences(saved: DictConfig, new: DictConfig, keys: list[str] | None = None) -> list[tuple[str, object, object]]:
-    """``(dotted key, saved value, new value)`` for each leaf where the resolved configs differ (a
-    key one lacks: ``"absent"``), in ``saved``'s key order, :data:`RUN_FOLDER_KEYS` left out;
-    ``keys`` limits it to those keys and what lies under them (e.g. ``loss`` for ``loss=ipo``)."""
-    a, b = flat_config(saved), flat_config(new)
-
-    def inside(key: str, top: str) -> bool:
-        return key == top or key.startswith(top + ".")
-
-    out = []
-    for key in list(a) + [k for k in b if k not in a]:
-        if any(inside(key, skip) for skip in RUN_FOLDER_KEYS):
-            continue
-        if keys is not None and not any(inside(key, k) for k in keys):
-            continue
-        va, vb = a.get(key, "absent"), b.get(key, "absent")
-        if va != vb:
-            out.append((key, va, vb))
-    return out
-
-
-def describe_differences(differences: list[tuple[str, object, object]], limit: int = 3) -> str:
-    """``lr (saved 0.003, given 1.0), loss.name (saved dpo, given ipo)``: the first ``limit`` of
-    :func:`config_differences`, and how many more."""
-    text = ", ".join(f"{k} (saved {override_text(a)}, given {override_text(b)})" for k, a, b in differences[:limit])
-    more = len(differences) - limit
-    return text + (f" and {more} more" if more > 0 else "")
-
-
-# ----------------------------------------------------------------------------- several nodes: the same run everywhere
-
-REPO_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # runs/ -> the repository root
-
-
-def code_files(repo: str = REPO_DIR) -> dict[str, str]:
-    """``{path relative to repo: sha256}`` of the checkout's code (the top-level ``.py`` files and its packages'
-    modules) and ``config/**/*.yaml``."""
-    import glob
-    import hashlib
-
-    packages = [os.path.dirname(p) for p in glob.glob(os.path.join(repo, "*", "__init__.py"))]
-    paths = glob.glob(os.path.join(repo, "*.py")) + glob.glob(os.path.join(repo, "config", "**", "*.yaml"), recursive=True)
-    paths += [p for package in packages for p in glob.glob(os.path.join(package, "**", "*.py"), recursive=True)]
-    files = {}
-    for path in sorted(paths):
-        with open(path, "rb") as f:
-            files[os.path.relpath(path, repo).replace(os.sep, "/")] = hashlib.sha256(f.read()).hexdigest()
-    return files
-
-
-CONFIG_CHECK_SKIPS = ("output_root",)
-"""Keys left out of the config check across ranks: output_root is checked by what it must do
-(:func:`check_shared_output_root`), since two nodes may mount one file system at two paths."""
-
-
-def run_identity(config: DictConfig, host: str | None = None, repo: str = REPO_DIR) -> dict:
-    """What every rank must agree on, with the host for messages: ``{"host", "config" (flat,
-    without :data:`CONFIG_CHECK_SKIPS`), "config_hash", "code" (:func:`code_files`), "code_hash"}``."""
-    flat = {k: v for k, v in flat_config(config).items() if k not in CONFIG_CHECK_SKIPS}
-    code = code_files(repo)
-    return {
-        "host": host or socket.gethostname(),
-        "config": flat,
-        "config_hash": digest(flat),
-        "code": code,
-        "code_hash": digest(code),
-    }
-
-
-_UNSET = object()
-
-
-def identity_mismatch(identities: list[dict], auto_resume: bool = False) -> str | None:
-    """One sentence on how the first rank whose :func:`run_identity` (``identities``, in rank order) differs from rank 0's
-    differs (code first, then config), else None; ``auto_resume``: ``resume=auto`` was given, so ranks found ``resume``."""
-    base = identities[0]
-    h0 = base["host"]
-    for rank, other in enumerate(identities[1:], start=1):
-        who = f"Rank {rank} (host {other['host']})"
-        if other["code_hash"] != base["code_hash"]:
-            names = list(base["code"]) + [p for p in other["code"] if p not in base["code"]]
-            path = next((p for p in names if base["code"].get(p) != other["code"].get(p)), "a file")
-            return f"{who} runs other code than rank 0 (host {h0}): {path} differs; give every node the same checkout."
-        if other["config_hash"] == base["config_hash"]:
-            continue
-        mine, theirs = base["config"], other["config"]
-        keys = list(mine) + [k for k in theirs if k not in mine]
-        key = next((k for k in keys if mine.get(k, _UNSET) != theirs.get(k, _UNSET)), None)
-        if key is None:
-            return f"{who} was started with another config than rank 0 (host {h0}); start every node with the same command."
-        if key == "resume" and auto_resume:
-            return (
-                f"resume=auto found resume={override_text(theirs.get(key))} on rank {rank} (host {other['host']}) but "
-                f"resume={override_text(mine.get(key))} on rank 0 (host {h0}); every node must see the same output_root."
-            )
-        said = [f"with {key}={override_text(values[key])}" if key in values else f"without {key}" for values in (theirs, mine)]
-        return f"{who} was started {said[0]}, rank 0 (host {h0}) {said[1]}; start every node with the same command."
-    return None
-
-
-def check_same_run(config: DictConfig, auto_resume: bool = False) -> None:
-    """Raise ConfigError on every rank if any rank's :func:`run_identity` differs from rank 0's (a collective)."""
-    problem = identity_mismatch(utils.all_gather_object(run_identity(config)), auto_resume)
-    if problem is not None:
-        raise utils.ConfigError(problem)
-
-
-SHARED_MARKER = ".shared-"
-"""The prefix of the file :func:`check_shared_output_root` writes into ``output_root`` (then removes)."""
-
-
-def _sees(path: str, wait_s: float) -> bool:
-    """Whether ``path`` exists, asking again for up to ``wait_s`` seconds (NFS may show a new file late)."""
-    import time
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        with contextlib.suppress(OSError):
-            if os.path.exists(path) or os.path.basename(path) in os.listdir(os.path.dirname(path) or "."):
-                return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.2)
-
-
-def check_shared_output_root(output_root: str, rank: int, wait_s: float = 5.0) -> None:
-    """Raise ConfigError on every rank unless all see the file rank 0 writes in ``output_root`` within ``wait_s`` s
-    (a collective)."""
-    import uuid
-
-    host = socket.gethostname()
-    name = failure = None
-    if rank == 0:
-        name = f"{SHARED_MARKER}{uuid.uuid4().hex}"
-        try:
-            os.makedirs(output_root, exist_ok=True)
-            utils.write_atomic(os.path.join(output_root, name), f"written by rank 0 on {host}\n")
-        except OSError as e:
-            failure = f"output_root={output_root} cannot be written on rank 0 (host {host}): {utils.failure_reason(e)}; give a folder it can write."
-    name, failure = utils.broadcast_object((name, failure))
-    if failure is not None:
-        raise utils.ConfigError(failure)
-    try:
-        seen = utils.all_gather_object((_sees(os.path.join(output_root, name), wait_s), host, output_root))
-    finally:
-        if rank == 0:
-            with contextlib.suppress(OSError):
-                os.remove(os.path.join(output_root, name))
-    blind = next((r for r, (ok, _, _) in enumerate(seen) if not ok), None)
-    if blind is not None:
-        _, where, theirs = seen[blind]
-        root = seen[0][2]
-        there = f", looking in output_root={theirs}" if theirs != root else ""
-        raise utils.ConfigError(
-            f"output_root={root} is not shared: rank {blind} (host {where}{there}) does not see the file "
-            f"rank 0 (host {seen[0][1]}) wrote there; put output_root on a file system every node mounts at the same path."
-        )
-
-
+# ----------------------------------------------------------------------------- the command line
 CONFIG_DIR = checkpoints.CONFIG_DIR
-
-
-def _keys(node: DictConfig, top: bool) -> str:
-    """``node``'s keys, sorted and comma-separated (Hydra's own node left out at the top)."""
-    return ", ".join(sorted(str(k) for k in node.keys() if not (top and k == "hydra")))
-
-
-def override_error(overrides: list[str], config_name: str = "config") -> str | None:
-    """One sentence when a command-line override names what ``config_name``'s config lacks (an unknown key, a near-miss ``+key``,
-    a missing group option, a folder as ``model=``), else None (Hydra reports other failures)."""
-    import difflib
-
-    from hydra import compose, initialize_config_dir
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
-
-    try:
-        parsed = OverridesParser.create().parse_overrides(overrides)
-    except HydraException:
-        return None
-    for text, o in zip(overrides, parsed):  # model=<a folder or hub id>: a preset name was expected
-        value = o.value() if o.key_or_group == "model" and not o.is_sweep_override() else None
-        if isinstance(value, str) and ("/" in value or os.path.isdir(value)):
-            return (
-                f"{text}: model= takes a preset of config/model/ (e.g. tiny, pythia28); to load a folder or hub id, "
-                f"give model=blank_model model.name_or_path={value}."
-            )
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        try:
-            config = compose(config_name=config_name, overrides=overrides)
-        except MissingConfigException as e:  # a group option: e.missing_cfg_file is "<group>/<option>"
-            group, _, option = (e.missing_cfg_file or "").rpartition("/")
-            if not e.options or not any(o.key_or_group == group for o in parsed):
-                return None
-            close = difflib.get_close_matches(option, e.options, n=1)
-            hint = f"; did you mean {group}={close[0]}?" if close else ""
-            return f"{group}={option} is not an option of {group}{hint} (options: {', '.join(e.options)})."
-        except ConfigCompositionException as e:
-            cause = e.__cause__
-            if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not isinstance(cause.parent_node, DictConfig):
-                return None
-            missing, name, parent = str(cause.full_key), str(cause.key), cause.parent_node
-            typed = next((o.key_or_group for o in parsed if f"{o.key_or_group}.".startswith(f"{missing}.")), missing)
-            prefix = missing[: len(missing) - len(name)]  # "loss." for loss.betaa, "" at the top
-            where = f" (keys of {prefix[:-1]}: {_keys(parent, False)})" if prefix else f" (keys: {_keys(parent, True)})"
-            close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
-            if close:
-                return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
-            if prefix == "loss." and parent.get("name"):  # a loss has the keys its formula uses: adding one is no fix
-                return f"loss={parent.name} has no key {name!r}{where}; remove it."
-            text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
-            add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""
-            return f"{typed} is not a config key{where}{add}."
-        added = [  # +key near-misses of top-level keys; nested additions are validate_config's
-            (text, o)
-            for text, o in zip(overrides, parsed)
-            if (o.is_add() or o.is_force_add()) and o.key_or_group in config and not any(c in o.key_or_group for c in "./@")
-        ]
-        if not added:
-            return None
-        base = compose(config_name=config_name, overrides=[text for text, o in zip(overrides, parsed) if (text, o) not in added])
-    for text, o in added:
-        if o.key_or_group not in base:
-            close = difflib.get_close_matches(o.key_or_group, [str(k) for k in base.keys()], n=1, cutoff=0.8)
-            if close:
-                return (
-                    f"{o.key_or_group} is not a config key; did you mean {close[0]}? "
-                    f"({text} would add a key nothing reads; keys: {_keys(base, True)})"
-                )
-    return None
 
 
 def command_line_error(argv: list[str]) -> str | None:

@@ -196,21 +196,8 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
                     print(f"Stopped by {name} after stage 1 finished; stage 2: {shell_line(script, args)}", file=sys.stderr)
                     return 128 + received[0]
             print(f"\n=== Stage {number} of 2: {what}\n    {shell_line(script, args)}\n", flush=True)
-            folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
-            env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1]), STAGE_ENV: str(number)}
-            env[processes.LAUNCHER_PID_ENV] = str(os.getpid())  # the stage dies with this runner, even by kill -9
-            try:
-                command = [sys.executable, script, *args]
-                child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
-            finally:
-                os.close(folder_pipe[1])
-            code = child[0].wait()
-            os.set_blocking(folder_pipe[0], False)  # a process the stage left behind may hold the write end
-            said = b""
-            with contextlib.suppress(OSError):  # nothing written: the stage made no run folder
-                said = os.read(folder_pipe[0], 1 << 16)
-            os.close(folder_pipe[0])
-            folders.append(said.decode() or None)
+            code, folder = _run_stage(script, args, number, child)
+            folders.append(folder)
             if folders[-1] is not None:
                 tell_launcher(folders[-1])  # this command's run folder is its last stage's
             if code != 0:
@@ -231,6 +218,25 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
     for line in stage_summary(sft_dir, run_dir):
         print(line)
     return 0
+
+
+def _run_stage(script: str, args: list[str], number: int, child: list[subprocess.Popen]) -> tuple[int, str | None]:
+    """Run stage ``number`` as ``script args`` (held in ``child`` for the stop signals); returns its exit code and run folder."""
+    folder_pipe = os.pipe()  # the stage's own run folder, not another's: sweep jobs may share output_root and run at once
+    env = {**os.environ, RUN_FOLDER_FD_ENV: str(folder_pipe[1]), STAGE_ENV: str(number)}
+    env[processes.LAUNCHER_PID_ENV] = str(os.getpid())  # the stage dies with this runner, even by kill -9
+    try:
+        command = [sys.executable, script, *args]
+        child[:] = [subprocess.Popen(command, start_new_session=True, env=env, pass_fds=folder_pipe[1:])]
+    finally:
+        os.close(folder_pipe[1])
+    code = child[0].wait()
+    os.set_blocking(folder_pipe[0], False)  # a process the stage left behind may hold the write end
+    said = b""
+    with contextlib.suppress(OSError):  # nothing written: the stage made no run folder
+        said = os.read(folder_pipe[0], 1 << 16)
+    os.close(folder_pipe[0])
+    return code, said.decode() or None
 
 
 def stage_summary(sft_dir: str | None, run_dir: str) -> list[str]:

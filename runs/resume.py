@@ -60,18 +60,38 @@ SHARDED_METADATA_CLASSES = {
 def read_sharded_checkpoint(state: dict, folder: str) -> None:
     """``torch.distributed.checkpoint.load(state, folder)`` unpickling only :data:`SHARDED_METADATA_CLASSES` and
     ``weights_only=True`` entries; utils.ConfigError naming ``folder`` if it holds more, or a file is missing or cut short."""
-    import pickle
-    import sys
-
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.metadata import StorageMeta
 
     def refuse(what: str) -> utils.ConfigError:
         return utils.ConfigError(
             f"The sharded checkpoint {os.path.realpath(folder)} holds more than tensors and plain values (e.g. {what}), and is not "
             "loaded because unpickling it could run code; resume only from checkpoints written by this repository's train.py."
         )
+
+    def damaged(name: str, problem: str) -> utils.ConfigError:
+        return utils.ConfigError(checkpoints.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
+
+    unpickler, reader, planner = _safe_loaders(refuse)
+    _check_shard_files(folder, unpickler, damaged)
+    try:
+        dcp.load(state, storage_reader=reader(folder), planner=planner())
+    except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
+        failures = [exc for exc, _ in e.failures.values()]
+        refusal = next((exc for exc in failures if isinstance(exc, utils.ConfigError)), None)
+        if refusal is not None:
+            raise refusal from None
+        raise damaged("", f"could not be read ({utils.failure_reason(failures[0])})") from None
+
+
+def _safe_loaders(refuse) -> tuple[type, type, type]:
+    """DCP's metadata unpickler, FileSystemReader and DefaultLoadPlanner, each raising ``refuse(what)`` for what is more than
+    :data:`SHARDED_METADATA_CLASSES` and ``weights_only=True`` entries."""
+    import pickle
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
     class MetadataUnpickler(pickle.Unpickler):
         def find_class(self, module, name):
@@ -105,14 +125,18 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
 
-    def damaged(name: str, problem: str) -> utils.ConfigError:
-        return utils.ConfigError(checkpoints.damaged_checkpoint_message(os.path.dirname(folder), [(f"sharded/{name}", problem)]))
+    return MetadataUnpickler, Reader, Planner
+
+
+def _check_shard_files(folder: str, unpickler: type, damaged) -> None:
+    """Raise ``damaged(file, problem)`` when ``folder``'s .metadata cannot be read or a shard file it names is missing or cut short."""
+    import pickle
 
     metadata = os.path.join(folder, ".metadata")
     if os.path.exists(metadata):  # read first here: DCP would turn a refusal into a fallback, then an AssertionError
         with open(metadata, "rb") as f:
             try:
-                storage = getattr(MetadataUnpickler(f).load(), "storage_data", None) or {}
+                storage = getattr(unpickler(f).load(), "storage_data", None) or {}
             except (EOFError, pickle.UnpicklingError) as e:  # cut short
                 raise damaged(".metadata", f"could not be read ({utils.failure_reason(e)})") from None
         ends = {}  # each shard file's length, from where its last entry ends
@@ -123,11 +147,3 @@ def read_sharded_checkpoint(state: dict, folder: str) -> None:
             if not os.path.isfile(path) or os.path.getsize(path) < end:
                 problem = f"is cut short ({os.path.getsize(path)} of its {end} bytes)" if os.path.isfile(path) else "is missing"
                 raise damaged(name, problem)
-    try:
-        dcp.load(state, storage_reader=Reader(folder), planner=Planner())
-    except dcp.CheckpointException as e:  # DCP wraps each rank's error: (exception, stack) by rank
-        failures = [exc for exc, _ in e.failures.values()]
-        refusal = next((exc for exc in failures if isinstance(exc, utils.ConfigError)), None)
-        if refusal is not None:
-            raise refusal from None
-        raise damaged("", f"could not be read ({utils.failure_reason(failures[0])})") from None

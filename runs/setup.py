@@ -21,7 +21,7 @@ from evaluation import reward_functions
 from export import modelcard
 from modeling import models, optimization
 from parallel import process_group
-from runs import checkpoints, checks, processes
+from runs import checkpoints, checks, nodes, processes, saved_config
 from runs.config_text import command_text
 from runs.files import open_append
 from runs.resume import read_checkpoint_file
@@ -33,7 +33,7 @@ EXTENSIONS_LOG = "extensions.log"  # in a run folder: one line per extension of 
 
 def effective_config(config: DictConfig, budget: dict | None = None) -> DictConfig:
     """The config to run: ``resume=auto`` resolved and, with ``resume=<run folder>``, its saved config with ``budget`` set
-    (ConfigError when it names code or an endpoint ``config`` does not: :func:`checks.handed_error`)."""
+    (ConfigError when it names code or an endpoint ``config`` does not: :func:`saved_config.handed_error`)."""
     if config.resume == "auto":
         root, exp_name = config.output_root, config.exp_name
         found, other = auto_resume_run(config)
@@ -43,14 +43,14 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
             elif found is None:
                 print(
                     f"resume=auto: the newest unfinished run of exp_name={exp_name}, {other[0]}, was started with "
-                    f"another config ({checks.describe_differences(other[1])}); starting a fresh run."
+                    f"another config ({saved_config.describe_differences(other[1])}); starting a fresh run."
                 )
             elif other is None:
                 print(f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name}.")
             else:
                 print(
                     f"resume=auto: continuing {found}, the newest unfinished run of exp_name={exp_name} with this "
-                    f"config (the newer {other[0]} differs in {checks.describe_differences(other[1])})."
+                    f"config (the newer {other[0]} differs in {saved_config.describe_differences(other[1])})."
                 )
         config.resume = found
     resume_dir = config.resume
@@ -71,7 +71,7 @@ def effective_config(config: DictConfig, budget: dict | None = None) -> DictConf
                 hint = f"; it looks like a checkpoint inside one: give the run folder, resume={parent}"
             raise utils.ConfigError(f"resume={resume_dir} is not a run folder with a LATEST checkpoint and config.yaml{hint}.")
         run_config = checkpoints.load_run_config(saved)
-        problem = checks.handed_error(resume_dir, run_config, config)  # the folder's code and endpoints: only if given too
+        problem = saved_config.handed_error(resume_dir, run_config, config)  # the folder's code and endpoints: only if given too
         if problem is not None:
             raise utils.ConfigError(problem)
         config = run_config
@@ -93,7 +93,7 @@ def auto_resume_run(config: DictConfig, finished: bool = False) -> tuple[str | N
         except Exception as e:  # an unreadable config.yaml: that run cannot be matched
             differences = [("config.yaml", f"unreadable ({type(e).__name__})", "this command")]
         else:
-            differences = checks.config_differences(saved, new)
+            differences = saved_config.config_differences(saved, new)
         if not differences:
             return run, newest_other
         newest_other = newest_other or (run, differences)
@@ -106,12 +106,12 @@ def resume_override_error(config: DictConfig, given: set[str]) -> str | None:
     keys = [k for k in given if k != "resume" and k not in BUDGET_KEYS]  # a new length extends the run
     if not keys or not os.path.isfile(saved):
         return None
-    differences = checks.config_differences(checkpoints.load_run_config(saved), config, keys)
+    differences = saved_config.config_differences(checkpoints.load_run_config(saved), config, keys)
     if not differences:
         return None
     return (
         f"resume={config.resume} continues that run with its saved config, but this command changes "
-        f"{checks.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
+        f"{saved_config.describe_differences(differences)}; drop those overrides to continue the run, or start a new run "
         f"from its checkpoint with model.archive={os.path.join(str(config.resume), 'LATEST', 'policy.pt')} and them."
     )
 
@@ -326,8 +326,8 @@ def check_config(config: DictConfig) -> list:
 def start_ranks(config: DictConfig, auto: bool) -> int:
     """Join the FSDP/TP process group and check that every rank runs the same config and code; returns this rank."""
     rank = process_group.init_distributed(config.dist_timeout_minutes)
-    checks.check_same_run(config, auto)  # every rank: the same config and code as rank 0, before any model loads
-    checks.check_shared_output_root(config.output_root, rank)
+    nodes.check_same_run(config, auto)  # every rank: the same config and code as rank 0, before any model loads
+    nodes.check_shared_output_root(config.output_root, rank)
     if rank != 0:
         import transformers
 

@@ -53,7 +53,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evaluation import evaluate, sampling  # noqa: E402  (the repository's modules, from the repository root)
+from evaluation import report, sampling, statistics  # noqa: E402  (the repository's modules, from the repository root)
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 REWARD = "sentiment"
@@ -274,7 +274,7 @@ def preferred_rows(pairs: list[dict]) -> list[dict]:
 def row_from_eval(folder: Path, method: str, label: str, beta: float | None) -> dict:
     """A table row from an evaluate.py folder's results.json (temperature 1)."""
     results = json.loads((folder / "results.json").read_text())
-    r = results["temperatures"][evaluate.temperature_key(TEMPERATURE)]
+    r = results["temperatures"][report.temperature_key(TEMPERATURE)]
     keys = ("reward_mean", "reward_ci_low", "reward_ci_high", "kl_mean", "kl_ci_low", "kl_ci_high", "reward_n")
     row = {"method": method, "label": label, "beta": beta, **{k: r[k] for k in keys}}
     row.update(kl="Monte Carlo", win_rate_vs_reference=r["win_rate"], ended=r["a_ended"], tokens=r["a_tokens"])
@@ -290,7 +290,7 @@ def bon_rows(samples: list[dict], sizes: list[int]) -> list[dict]:
     rows = []
     for n in sizes:
         best = best_of_n(list(scores.values()), n)
-        mean, low, high = evaluate.mean_interval(best)
+        mean, low, high = statistics.mean_interval(best)
         kl = best_of_n_kl(n)
         rows.append(
             {
@@ -431,19 +431,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    """Run the pipeline; returns results.json's contents."""
-    args = parse_args(argv)
-    started = time.time()
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    if not (args.model / "config.json").is_file():
-        refuse(f"--model {args.model} is not a Hugging Face model folder (no config.json); give stories260K's folder.")
-    out = (args.out or Path("outputs") / f"frontier_{stamp}").resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    model = shown_path(args.model.resolve())
-    print(f"[frontier] output folder: {out}", flush=True)
+SAMPLING = ["temperature=1.0", "top_k=0", "top_p=1.0"]  # make_pairs.py's: the model's own distribution
 
-    # 1. prompts, from the model's own stories
+
+def make_prompts(args, out: Path, model: str) -> tuple[list[str], list[str]]:
+    """Step 1: the train and held-out prompts, prefixes of the model's own stories, written to ``out``."""
     stories = sample_stories(args.model, args.n_stories, args.seed)
     prompts = story_prefixes(stories, random.Random(args.seed), args.min_words, args.max_words)
     random.Random(args.seed).shuffle(prompts)
@@ -460,30 +452,18 @@ def main(argv: list[str] | None = None) -> dict:
         f"{args.min_words}-{args.max_words}-word prefixes; {len(train)} train, {len(test)} held out, e.g. {train[:3]}",
         flush=True,
     )
+    return train, test
 
-    py = sys.executable
-    common = [f"seed={args.seed}", "num_threads=1", f"reward_functions=[{REWARD}]", f"max_new_tokens={args.max_new_tokens}"]
-    sampling = ["temperature=1.0", "top_k=0", "top_p=1.0"]
-    runner = Runner(out, args.jobs)
 
-    def pairs_job(name: str, split: str, n: int, k: int, output: Path, extra: list[str] = ()) -> Job:
-        cmd = [py, "make_pairs.py", f"policy={model}", *prompt_data(out), f"split={split}", f"n_prompts={n}", f"k={k}"]
-        return Job(name, [[*cmd, *sampling, *common, *extra, f"output={shown_path(output)}"]])
+def pairs_job(name: str, model: str, out: Path, common: list[str], split: str, n: int, k: int, output: Path, extra=()) -> Job:
+    """make_pairs.py: ``k`` completions of each of ``n`` prompts of ``split`` sampled from ``model``, scored, to ``output``."""
+    cmd = [sys.executable, "make_pairs.py", f"policy={model}", *prompt_data(out), f"split={split}", f"n_prompts={n}", f"k={k}"]
+    return Job(name, [[*cmd, *SAMPLING, *common, *extra, f"output={shown_path(output)}"]])
 
-    # 2. pairs from the model's own samples, as the paper built them
-    runner.run(
-        [
-            pairs_job("pairs_train", "train", len(train), args.k, out / "pairs_train.jsonl"),
-            pairs_job("pairs_test", "test", len(test), args.k, out / "pairs_test.jsonl"),
-        ]
-    )
-    pairs = read_jsonl(out / "pairs_train.jsonl")
-    write_jsonl(out / "preferred_train.jsonl", preferred_rows(pairs))
-    budget = max(1, round(len(pairs) * args.epochs))
-    print(f"[frontier] {len(pairs)} train pairs; every run trains on {budget} examples", flush=True)
 
-    # 3-5. train and evaluate each method; the model itself; Best-of-N
-    train_common = [
+def train_overrides(args, model: str, budget: int, n_test: int) -> list[str]:
+    """train.py's overrides shared by every method: the model, the optimizer, the length, the eval."""
+    return [
         "model=blank_model",
         f"model.name_or_path={model}",
         f"seed={args.seed}",
@@ -496,7 +476,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"n_examples={budget}",
         f"eval_every={budget}",
         "do_first_eval=false",
-        f"n_eval_examples={min(128, len(test))}",
+        f"n_eval_examples={min(128, n_test)}",
         "sample_during_eval=false",
         "save_hf_export=false",
         "keep_checkpoints=1",
@@ -505,51 +485,61 @@ def main(argv: list[str] | None = None) -> dict:
         f"reward_functions=[{REWARD}]",
         "progress_bar=false",
     ]
-    eval_common = [
+
+
+def eval_overrides(out: Path, n_test: int, common: list[str]) -> list[str]:
+    """evaluate.py's overrides shared by every evaluation: the reward function on the held-out prompts at temperature 1."""
+    return [
         "judge=reward_function",
         f"temperatures=[{TEMPERATURE:g}]",
         *prompt_data(out),
-        f"n_prompts={len(test)}",
+        f"n_prompts={n_test}",
         "top_k=0",
         "top_p=1.0",
         "max_prompt_length=64",
         *common,
         "progress_bar=false",
     ]
-    rows: dict[str, dict] = {}
-    jobs = []
-    for m in methods(args, out):
-        root = out / "runs" / m.name
-        folder = out / "eval" / m.name
-        for old in (root, folder):  # an earlier run's: the run folder is found below as the one folder in root
-            if old.exists():
-                shutil.rmtree(old)
-        train_cmd = [py, "train.py", *train_common, *m.overrides, f"output_root={shown_path(root)}", f"exp_name={m.name}"]
 
-        def eval_cmd(root=root, m=m, folder=folder):
-            (run,) = root.iterdir()  # the run folder train.py made: <exp_name>_<timestamp>
-            return [
-                py,
-                "evaluate.py",
-                f"policy={shown_path(run)}",
-                "baseline=reference",
-                *eval_common,
-                f"label={m.name}",
-                f"output_dir={shown_path(folder)}",
-            ]
 
-        def record(m=m, folder=folder):
-            rows[m.name] = row_from_eval(folder, m.family, m.label, m.beta)
+def method_job(m: Method, out: Path, train_common: list[str], eval_common: list[str], rows: dict) -> Job:
+    """Train method ``m`` from the model, evaluate it against the model, then record its row in ``rows``."""
+    py = sys.executable
+    root = out / "runs" / m.name
+    folder = out / "eval" / m.name
+    for old in (root, folder):  # an earlier run's: the run folder is found below as the one folder in root
+        if old.exists():
+            shutil.rmtree(old)
+    train_cmd = [py, "train.py", *train_common, *m.overrides, f"output_root={shown_path(root)}", f"exp_name={m.name}"]
 
-        jobs.append(Job(m.name, [train_cmd, eval_cmd], after=[record]))
+    def eval_cmd():
+        (run,) = root.iterdir()  # the run folder train.py made: <exp_name>_<timestamp>
+        return [
+            py,
+            "evaluate.py",
+            f"policy={shown_path(run)}",
+            "baseline=reference",
+            *eval_common,
+            f"label={m.name}",
+            f"output_dir={shown_path(folder)}",
+        ]
+
+    def record():
+        rows[m.name] = row_from_eval(folder, m.family, m.label, m.beta)
+
+    return Job(m.name, [train_cmd, eval_cmd], after=[record])
+
+
+def reference_job(model: str, out: Path, eval_common: list[str], rows: dict) -> Job:
+    """Evaluate the model itself (KL 0), then record its row in ``rows``."""
     ref_folder = out / "eval" / "reference"
     if ref_folder.exists():
         shutil.rmtree(ref_folder)
-    ref = Job(
+    return Job(
         "reference",
         [
             [
-                py,
+                sys.executable,
                 "evaluate.py",
                 f"policy={model}",
                 f"baseline={model}",
@@ -561,8 +551,45 @@ def main(argv: list[str] | None = None) -> dict:
         ],
         after=[lambda: rows.__setitem__("reference", row_from_eval(ref_folder, "reference", "reference (stories260K)", None))],
     )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the pipeline; returns results.json's contents."""
+    args = parse_args(argv)
+    started = time.time()
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    if not (args.model / "config.json").is_file():
+        refuse(f"--model {args.model} is not a Hugging Face model folder (no config.json); give stories260K's folder.")
+    out = (args.out or Path("outputs") / f"frontier_{stamp}").resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    model = shown_path(args.model.resolve())
+    print(f"[frontier] output folder: {out}", flush=True)
+
+    # 1. prompts, from the model's own stories
+    train, test = make_prompts(args, out, model)
+    common = [f"seed={args.seed}", "num_threads=1", f"reward_functions=[{REWARD}]", f"max_new_tokens={args.max_new_tokens}"]
+    runner = Runner(out, args.jobs)
+
+    # 2. pairs from the model's own samples, as the paper built them
+    runner.run(
+        [
+            pairs_job("pairs_train", model, out, common, "train", len(train), args.k, out / "pairs_train.jsonl"),
+            pairs_job("pairs_test", model, out, common, "test", len(test), args.k, out / "pairs_test.jsonl"),
+        ]
+    )
+    pairs = read_jsonl(out / "pairs_train.jsonl")
+    write_jsonl(out / "preferred_train.jsonl", preferred_rows(pairs))
+    budget = max(1, round(len(pairs) * args.epochs))
+    print(f"[frontier] {len(pairs)} train pairs; every run trains on {budget} examples", flush=True)
+
+    # 3-5. train and evaluate each method; the model itself; Best-of-N
+    train_common = train_overrides(args, model, budget, len(test))
+    eval_common = eval_overrides(out, len(test), common)
+    rows: dict[str, dict] = {}
+    jobs = [method_job(m, out, train_common, eval_common, rows) for m in methods(args, out)]
+    ref = reference_job(model, out, eval_common, rows)
     bon_path = out / "best_of_n.jsonl"
-    bon = pairs_job("best_of_n", "test", len(test), max(args.best_of), bon_path, ["max_pairs_per_prompt=1"])
+    bon = pairs_job("best_of_n", model, out, common, "test", len(test), max(args.best_of), bon_path, ["max_pairs_per_prompt=1"])
     bon.after.append(
         lambda: rows.update({r["label"]: r for r in bon_rows(read_jsonl(Path(f"{bon_path}.samples.jsonl")), args.best_of)})
     )
@@ -570,22 +597,30 @@ def main(argv: list[str] | None = None) -> dict:
     runner.run(online + [bon] + [j for j in jobs if j not in online] + [ref])
 
     # 6. the table, the plot, results.json
+    sizes = {"n_train_prompts": len(train), "n_test_prompts": len(test), "n_train_pairs": len(pairs), "examples_per_run": budget}
+    jobs_s = {j.name: round(j.seconds, 1) for j in jobs + [ref, bon]}
+    return write_results(args, argv, out, rows, sizes, model, started, jobs_s, runner.commands)
+
+
+def write_results(args, argv, out: Path, rows: dict, sizes: dict, model: str, started: float, jobs_s: dict, commands) -> dict:
+    """Step 6: frontier.md (the table), frontier.png (the plot) and results.json in ``out``; returns results.json's contents."""
     order = ["reference", *(m.name for m in methods(args, out)), *(f"Best-of-{n}" for n in args.best_of)]
     table_rows = [rows[k] for k in order]
     wall = time.time() - started
     command = "python " + shlex.join(["scripts/frontier.py", *(sys.argv[1:] if argv is None else argv)])
+    n_test = sizes["n_test_prompts"]
     title = (
         f"{REWARD} reward against KL, {args.model.name} (DPO paper Figure 2, left, in miniature)\n"
-        f"{len(train)} train prompts x {args.k} completions ({len(pairs)} pairs), {len(test)} held-out prompts, "
+        f"{sizes['n_train_prompts']} train prompts x {args.k} completions ({sizes['n_train_pairs']} pairs), {n_test} held-out prompts, "
         f"temperature {TEMPERATURE:g}, <= {args.max_new_tokens} new tokens"
     )
     table = frontier_table(table_rows)
     note = (
-        f"Reward: mean {REWARD} score of one completion per held-out prompt ({len(test)} prompts, temperature {TEMPERATURE:g}, "
+        f"Reward: mean {REWARD} score of one completion per held-out prompt ({n_test} prompts, temperature {TEMPERATURE:g}, "
         f"at most {args.max_new_tokens} new tokens); KL: Monte Carlo mean over those completions of "
         "sum_t log pi(y_t|x,y<t) - log pi_ref(y_t|x,y<t) (evaluate.py); [95%]: t interval over prompts. "
         f"Best-of-N: the best of the first N of {max(args.best_of)} reference samples per held-out prompt; its KL is {KL_BOUND}. "
-        f"Every trained run: {budget} examples, lr {args.lr:g}, batch {args.batch_size}, from {model}. "
+        f"Every trained run: {sizes['examples_per_run']} examples, lr {args.lr:g}, batch {args.batch_size}, from {model}. "
         "PPO is not implemented here.\n"
     )
     (out / "frontier.md").write_text(
@@ -597,13 +632,10 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": wall,
         "date": datetime.date.today().isoformat(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "n_train_prompts": len(train),
-        "n_test_prompts": len(test),
-        "n_train_pairs": len(pairs),
-        "examples_per_run": budget,
+        **sizes,
         "rows": table_rows,
-        "jobs_s": {j.name: round(j.seconds, 1) for j in jobs + [ref, bon]},
-        "commands": runner.commands,
+        "jobs_s": jobs_s,
+        "commands": commands,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(f"\n{table}\n{note}")

@@ -14,7 +14,7 @@ from conftest import needs_shared
 from omegaconf import OmegaConf
 
 import trainers
-from evaluation import evaluate, in_training, rewards, sampling
+from evaluation import cache, evaluate, in_training, judging, rewards, sampling
 from online import make_pairs
 from online import trainer as online
 
@@ -149,10 +149,10 @@ def test_online_dpo_evaluate_make_pairs_and_answers_eval_hand_a_reward_function_
     load = lambda *_: (policy, tokenizer)  # noqa: E731
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampling, "load_source", load)
-        a = evaluate.sample_all(source, "a", [[item]], config, evaluate.Cache(str(tmp_path), "samples"), "cpu", False)
+        a = evaluate.sample_all(source, "a", [[item]], config, cache.Cache(str(tmp_path), "samples"), "cpu", False)
     rows = evaluate._rows(config, [[item]], a, a, {})
-    judge = evaluate.Judge.__new__(evaluate.Judge)
-    judge.kind, judge.cache, judge.errors = "reward_function", evaluate.Cache(str(tmp_path), "scores"), []
+    judge = judging.Judge.__new__(judging.Judge)
+    judge.kind, judge.cache, judge.errors = "reward_function", cache.Cache(str(tmp_path), "scores"), []
     judge._built = {"None": recording_scorer(seen.setdefault("evaluate", []))}
     judge.judge_all(rows)
 

@@ -24,7 +24,8 @@ from conftest import REPO, needs_shared, run_torchrun, run_train
 from hydra import compose, initialize_config_dir
 from test_online import LocalChatServer, LongerIsBetterJudgeServer, save_tiny_reward_model
 
-from evaluation import evaluate, rewards, sampling
+from evaluation import evaluate, judging, report, rewards, sampling, statistics
+from evaluation.cache import Cache
 from utils import ConfigError, DataError
 
 # ----------------------------------------------------------------------------- helpers
@@ -75,20 +76,22 @@ def test_wilson_interval_by_hand():
         p = wins / n
         centre = (p + z * z / (2 * n)) / (1 + z * z / n)
         half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-        low, high = evaluate.wilson_interval(wins, n)
+        low, high = statistics.wilson_interval(wins, n)
         assert low == pytest.approx(centre - half, abs=1e-9) and high == pytest.approx(centre + half, abs=1e-9)
-    assert evaluate.wilson_interval(0, 0) == (None, None)
+    assert statistics.wilson_interval(0, 0) == (None, None)
 
 
 def test_ties_and_failures_are_counted_apart_never_for_a_side():
-    stats = evaluate.win_rate_stats(["win", "win", "tie", "loss", "failed"], max_failure_rate=0.1)
+    stats = statistics.win_rate_stats(["win", "win", "tie", "loss", "failed"], max_failure_rate=0.1)
     # n = 4 judged pairs (the failed one is out of n): 2 wins, 1 tie, 1 loss.
     assert (stats["n"], stats["wins"], stats["ties"], stats["losses"], stats["failed"]) == (4, 2, 1, 1, 1)
     assert (stats["win_rate"], stats["tie_rate"], stats["loss_rate"]) == (0.5, 0.25, 0.25)
-    assert (stats["ci_low"], stats["ci_high"]) == evaluate.wilson_interval(2, 4)
+    assert (stats["ci_low"], stats["ci_high"]) == statistics.wilson_interval(2, 4)
     assert stats["failure_rate"] == 0.2 and stats["too_many_failures"]  # 1 of 5 > 0.1
-    assert not evaluate.win_rate_stats(["win", "failed", "loss", "tie", "tie"], 0.2)["too_many_failures"]  # 0.2 is not above 0.2
-    empty = evaluate.win_rate_stats(["failed", "failed"], 0.1)
+    assert not statistics.win_rate_stats(["win", "failed", "loss", "tie", "tie"], 0.2)[
+        "too_many_failures"
+    ]  # 0.2 is not above 0.2
+    empty = statistics.win_rate_stats(["failed", "failed"], 0.1)
     assert empty["n"] == 0 and empty["win_rate"] is None and empty["ci_low"] is None and empty["failure_rate"] == 1.0
 
 
@@ -106,11 +109,11 @@ def test_ties_and_failures_are_counted_apart_never_for_a_side():
     ],
 )
 def test_both_orders_combine_as_documented(a_first, b_first, expected):
-    assert evaluate.combine_orders(a_first, b_first) == expected
+    assert statistics.combine_orders(a_first, b_first) == expected
 
 
 def test_scores_compare_with_ties_and_nan():
-    assert [evaluate.compare_scores(*s) for s in [(2.0, 1.0), (1.0, 2.0), (1.0, 1.0), (float("nan"), 1.0)]] == [
+    assert [statistics.compare_scores(*s) for s in [(2.0, 1.0), (1.0, 2.0), (1.0, 1.0), (float("nan"), 1.0)]] == [
         "win",
         "loss",
         "tie",
@@ -166,7 +169,7 @@ def test_reward_model_judge_end_to_end_results_png_html_and_default_folder(runs,
     assert f"Evaluation folder: {out}" in printed and "| temperature | win rate |" in printed
     assert out.parent == runs["dpo"] / "eval" and out.name.startswith("vs_chosen_reward_model_")
     got = results(out)
-    assert set(got["temperatures"]) == {"0", "1"} and got["interval"] == evaluate.INTERVAL
+    assert set(got["temperatures"]) == {"0", "1"} and got["interval"] == statistics.INTERVAL
     rows = verdicts(out)
     assert len(rows) == 2 * 6
     # Recompute every verdict from scratch: the reward model's scores of prompt + response.
@@ -183,7 +186,7 @@ def test_reward_model_judge_end_to_end_results_png_html_and_default_folder(runs,
         stats = got["temperatures"][t]
         assert (stats["n"], stats["failed"]) == (6, 0)
         assert stats["win_rate"] == wins / 6 and stats["tie_rate"] == ties / 6
-        assert (stats["ci_low"], stats["ci_high"]) == pytest.approx(evaluate.wilson_interval(wins, 6))
+        assert (stats["ci_low"], stats["ci_high"]) == pytest.approx(statistics.wilson_interval(wins, 6))
         assert {r["b"] for r in mine} == {
             r["b"] for r in rows if r["temperature"] == 0.0
         }  # chosen: the same at every temperature
@@ -263,7 +266,7 @@ def test_a_baseline_with_another_tokenizer_is_decoded_and_re_tokenized_for_the_j
     scorer = rewards.RewardModelScorer(runs["rm"])
     for r in rows:
         sa, sb = scorer.score([r["judge_prompt"]] * 2, [r["a"], r["b"]]).tolist()
-        assert r["verdict"] == evaluate.compare_scores(sa, sb)
+        assert r["verdict"] == statistics.compare_scores(sa, sb)
 
 
 # ----------------------------------------------------------------------------- the cache: resume, nothing redone
@@ -306,14 +309,14 @@ def test_an_interrupted_sampling_resumes_without_resampling(runs, monkeypatch):
 
 
 def test_an_interrupted_judging_resumes_without_rescoring(runs, monkeypatch):
-    monkeypatch.setattr(evaluate, "JUDGE_CHUNK", 4)
+    monkeypatch.setattr(judging, "JUDGE_CHUNK", 4)
     args = [f"policy={runs['dpo']}", *rm_args(runs), "max_new_tokens=12"]
     calls = count_calls(monkeypatch, rewards.RewardModelScorer, "score", stop_at=3)
     with pytest.raises(evaluate.Interrupted) as stopped:
         run_eval(args)
     done = calls["texts"]
     assert done == 8  # two chunks of 4 texts were scored and cached before the stop
-    monkeypatch.setattr(evaluate, "JUDGE_CHUNK", 4)
+    monkeypatch.setattr(judging, "JUDGE_CHUNK", 4)
     calls = count_calls(monkeypatch, rewards.RewardModelScorer, "score")
     resumed = Path(evaluate.main(eval_config([f"resume={stopped.value.output_dir}"])))
     unique = {(r["judge_prompt"], x) for r in verdicts(resumed) for x in (r["a"], r["b"])}
@@ -326,10 +329,10 @@ def test_an_interrupted_judging_resumes_without_rescoring(runs, monkeypatch):
 def test_a_cut_last_line_is_skipped_and_the_next_record_starts_a_line(tmp_path):
     path = tmp_path / "samples-rank0.jsonl"
     path.write_text('{"key": "a", "text": "x"}\n{"key": "b", "te')  # killed mid-write
-    cache = evaluate.Cache(str(tmp_path), "samples", 0)
+    cache = Cache(str(tmp_path), "samples", 0)
     assert cache.get("a") == {"key": "a", "text": "x"} and cache.get("b") is None
     cache.put([{"key": "b", "text": "y"}])
-    assert evaluate.Cache(str(tmp_path), "samples", 1).get("b") == {"key": "b", "text": "y"}  # other ranks read it too
+    assert Cache(str(tmp_path), "samples", 1).get("b") == {"key": "b", "text": "y"}  # other ranks read it too
 
 
 # ----------------------------------------------------------------------------- HTTP judge on 127.0.0.1
@@ -575,12 +578,12 @@ def test_plot_with_adds_other_evaluations_lines(runs, tmp_path):
         [f"policy={runs['dpo']}", f"baseline={runs['sft']}", "baseline_label=SFT", *rm_args(runs), "temperatures=[0]"]
     )
     assert second.name.startswith("vs_SFT_reward_model_")
-    series = evaluate.plot_series({"policy": "DPO", "baseline": "chosen", "temperatures": {}}, [str(first), str(second)])
+    series = report.plot_series({"policy": "DPO", "baseline": "chosen", "temperatures": {}}, [str(first), str(second)])
     assert [s["label"] for s in series] == ["DPO", "SFT", f"{runs['dpo'].name} (vs SFT)"] and series[1][
         "temperatures"
     ].keys() == {"0"}
     with pytest.raises(ConfigError, match="holds no results.json"):
-        evaluate.plot_series({"policy": "dpo", "baseline": "chosen", "temperatures": {}}, [str(tmp_path)])
+        report.plot_series({"policy": "dpo", "baseline": "chosen", "temperatures": {}}, [str(tmp_path)])
 
 
 def test_a_lora_run_is_evaluated_with_its_adapters_on_its_base(runs, tmp_path):
@@ -656,10 +659,10 @@ def test_a_causal_lm_as_the_judges_reward_model_is_refused_before_sampling(tmp_p
     stories = needs_shared("models", "stories260K")
     for judge in ("reward_model", "reward_model_judge"):
         with pytest.raises(ConfigError, match=r"has no trained score head \(its config.json names LlamaForCausalLM\)"):
-            evaluate.Judge(eval_config([*FAST, "policy=unused", f"judge={judge}", f"reward_model.name_or_path={stories}"]))
+            judging.Judge(eval_config([*FAST, "policy=unused", f"judge={judge}", f"reward_model.name_or_path={stories}"]))
     # A folder whose config.json names no architecture passes that check, and is refused when loaded.
     lm = causal_lm_without_architectures(tmp_path / "lm")
-    judge = evaluate.Judge(eval_config([*FAST, "policy=unused", f"reward_model.name_or_path={lm}"]))
+    judge = judging.Judge(eval_config([*FAST, "policy=unused", f"reward_model.name_or_path={lm}"]))
     with pytest.raises(ConfigError, match="has no trained score head .score.weight not in the checkpoint."):
         judge._build()
 
@@ -672,7 +675,7 @@ def test_a_reward_model_run_folder_as_the_judge_is_one_sentence_naming_its_expor
     (run / "step-8" / "hf" / "config.json").write_text("{}")
     (run / "LATEST").symlink_to("step-8")
     with pytest.raises(ConfigError) as error:
-        evaluate.Judge(eval_config([*FAST, "policy=unused", "judge=reward_model", f"reward_model.name_or_path={run}"]))
+        judging.Judge(eval_config([*FAST, "policy=unused", "judge=reward_model", f"reward_model.name_or_path={run}"]))
     assert str(error.value) == (
         f"reward_model.name_or_path={run} is a run folder or checkpoint of train.py, not a model folder; give its export, "
         f"reward_model.name_or_path={run / 'LATEST' / 'hf'}."
@@ -687,8 +690,8 @@ def test_the_embedded_default_run_is_evaluated_on_its_own_held_out_arithmetic_pr
     judge_run.mkdir()
     (judge_run / "LATEST").symlink_to(runs["rm"])  # a judge named through a LATEST link
     titles = []
-    plot = evaluate.plot_win_rates
-    monkeypatch.setattr(evaluate, "plot_win_rates", lambda *a: titles.append(plot(*a)))
+    plot = report.plot_win_rates
+    monkeypatch.setattr(report, "plot_win_rates", lambda *a: titles.append(plot(*a)))
     no_datasets = [a for a in FAST if not a.startswith(("datasets=", "data."))]  # nothing says which prompts
     out = Path(
         evaluate.main(eval_config([*no_datasets, f"policy={runs['dpo']}", f"reward_model.name_or_path={judge_run}/LATEST"]))
@@ -728,13 +731,13 @@ def test_given_datasets_win_and_a_policy_without_a_run_falls_back_to_hh_with_a_n
 
 def test_the_win_rate_title_names_the_number_of_prompts_and_the_judge(tmp_path):
     config = eval_config(["policy=x", "judge=http_judge", "judge.model=gpt-4"])
-    assert evaluate.judge_text(config) == "http_judge gpt-4"
+    assert report.judge_text(config) == "http_judge gpt-4"
     config = eval_config(["policy=x", "judge=reward_function", "reward_functions=[arithmetic,length]"])
-    assert evaluate.judge_text(config) == "reward_function arithmetic+length"
-    title = evaluate.win_rates_title(64, "http_judge gpt-4")
+    assert report.judge_text(config) == "reward_function arithmetic+length"
+    title = report.win_rates_title(64, "http_judge gpt-4")
     assert title == "64 prompts, judge: http_judge gpt-4\n(bands: 95% Wilson interval)"
     series = [{"label": "A", "temperatures": {"0": {"win_rate": 0.5, "ci_low": 0.3, "ci_high": 0.7}}}]
-    assert evaluate.plot_win_rates(series, str(tmp_path / "w.png"), "chosen", title) == title
+    assert report.plot_win_rates(series, str(tmp_path / "w.png"), "chosen", title) == title
     assert (tmp_path / "w.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from test_evaluate import FAST, eval_config, results, rm_args, run_eval, verdicts
 from test_online import save_tiny_reward_model
 
-from evaluation import evaluate, rewards, sampling
+from evaluation import evaluate, report, rewards, sampling, statistics
 from utils import ConfigError
 
 # ----------------------------------------------------------------------------- the t interval by hand
@@ -29,12 +29,12 @@ from utils import ConfigError
 def test_mean_interval_is_the_student_t_interval_by_hand():
     # [1, 2, 3, 4]: mean 2.5, sd = sqrt(5/3) (n-1), t(0.975, 3) = 3.182446 (the t table), half = t * sd / 2.
     half = 3.182446305284263 * math.sqrt(5 / 3) / 2  # = 2.054
-    mean, low, high = evaluate.mean_interval([1.0, 2.0, 3.0, 4.0])
+    mean, low, high = statistics.mean_interval([1.0, 2.0, 3.0, 4.0])
     assert mean == 2.5 and low == pytest.approx(2.5 - half, abs=1e-9) and high == pytest.approx(2.5 + half, abs=1e-9)
     assert low == pytest.approx(0.44573, abs=1e-5)
-    assert evaluate.mean_interval([0.0, 0.0, 0.0]) == (0.0, 0.0, 0.0)  # no spread: the interval is the point
-    assert evaluate.mean_interval([3.0]) == (3.0, None, None)  # one sample: no interval
-    assert evaluate.mean_interval([]) == (None, None, None)
+    assert statistics.mean_interval([0.0, 0.0, 0.0]) == (0.0, 0.0, 0.0)  # no spread: the interval is the point
+    assert statistics.mean_interval([3.0]) == (3.0, None, None)  # one sample: no interval
+    assert statistics.mean_interval([]) == (None, None, None)
 
 
 # ----------------------------------------------------------------------------- the exact KL of an enumerable model
@@ -131,7 +131,7 @@ def test_the_monte_carlo_kl_at_temperature_1_covers_the_exact_kl(enumerated):
     policy, reference, _, _, exact = enumerated
     assert exact > 0.5  # two seeds this sharp are far apart
     ratios = log_ratios(policy, reference, sample(policy, 4000, 1.0))
-    mean, low, high = evaluate.mean_interval(ratios)
+    mean, low, high = statistics.mean_interval(ratios)
     assert low <= exact <= high
     assert mean == pytest.approx(exact, rel=0.05)
 
@@ -174,7 +174,7 @@ def test_reward_and_kl_end_to_end_against_independent_scores_and_log_probs(runs,
     assert "| loss rate | n | failed | baseline reward [95%] | reward [95%] | KL [95%] |" in printed
     assert "KL against reference (" in printed
     got = results(out)
-    assert got["reference"] == f"reference ({runs['sft']}/LATEST/policy.pt)" and got["kl_of"] == evaluate.KL_OF
+    assert got["reference"] == f"reference ({runs['sft']}/LATEST/policy.pt)" and got["kl_of"] == statistics.KL_OF
     rows, samples = verdicts(out), a_samples(out)
     config = eval_config([*FAST, f"policy={runs['dpo']}"])
     policy = sampling.resolve_source(runs["dpo"], config)
@@ -195,7 +195,7 @@ def test_reward_and_kl_end_to_end_against_independent_scores_and_log_probs(runs,
         scores = scorer.score([r["judge_prompt"] for r in mine], [r["a"] for r in mine]).tolist()
         stats = got["temperatures"][t]
         assert stats["reward_mean"] == pytest.approx(sum(scores) / len(scores), abs=1e-5) and stats["reward_n"] == 6
-        assert (stats["reward_ci_low"], stats["reward_ci_high"]) == pytest.approx(evaluate.mean_interval(scores)[1:], abs=1e-5)
+        assert (stats["reward_ci_low"], stats["reward_ci_high"]) == pytest.approx(statistics.mean_interval(scores)[1:], abs=1e-5)
         baseline = scorer.score([r["judge_prompt"] for r in mine], [r["b"] for r in mine]).tolist()  # the reference's
         assert stats["baseline_reward_mean"] == pytest.approx(sum(baseline) / 6, abs=1e-5) and stats["baseline_reward_n"] == 6
         assert stats["loss_rate"] == sum(r["verdict"] == "loss" for r in mine) / stats["n"]
@@ -284,7 +284,7 @@ def test_the_plot_has_a_point_per_policy_and_temperature(tmp_path):
         plt.Axes, "annotate", lambda self, text, xy, **kw: (drawn.setdefault(text, xy), original(self, text, xy, **kw))[1]
     )
     try:
-        evaluate.plot_reward_kl(series, str(tmp_path / "reward_kl.png"), "reward_model")
+        report.plot_reward_kl(series, str(tmp_path / "reward_kl.png"), "reward_model")
     finally:
         monkey.undo()
     assert drawn == {"T=0.5": (2.0, 1.0), "T=1": (2.5, 1.0)}

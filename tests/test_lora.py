@@ -30,6 +30,7 @@ import utils
 from data.loading import load_examples
 from modeling import loading, models
 from runs import checkpoints, checks, reference_cache
+from runs.overrides import override_error
 
 LORA = ["model.lora.r=8"]
 # the tiny Llama: 2 blocks of q, k, v, o, gate, up and down projections, each with lora_A and lora_B
@@ -130,12 +131,12 @@ def test_the_lora_block_composes_with_every_model_yaml_and_from_the_command_line
             "export_merged": False,
         }, yaml
     overrides = ["model.lora.r=16", "model.lora.target_modules=[q_proj,v_proj]"]
-    assert checks.override_error(overrides) is None
+    assert override_error(overrides) is None
     config = compose_config(overrides)
     assert config.model.lora.r == 16 and list(config.model.lora.target_modules) == ["q_proj", "v_proj"]
     assert config.model.config.model_type == "llama"  # the tiny model's own keys are still there
     checks.validate_config(config)
-    assert "did you mean model.lora.r?" in checks.override_error(["model.lora.rr=16"])
+    assert "did you mean model.lora.r?" in override_error(["model.lora.rr=16"])
 
 
 # ----------------------------------------------------------------------------- the reference is the base

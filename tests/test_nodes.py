@@ -28,7 +28,7 @@ from test_distributed import COMMON, assert_same_run, cli, start_train, weights
 
 import train
 import utils
-from runs import checkpoints, checks, setup
+from runs import checkpoints, nodes, setup
 from runs.config_text import digest, flat_config
 
 FSDP = [*COMMON, "trainer=FSDPTrainer", "sample_during_eval=false", "save_hf_export=false"]
@@ -176,23 +176,23 @@ def test_identity_mismatch_names_the_first_difference():
         }
 
     same = {"lr": 0.0002, "datasets": ["hh", "shp"], "loss.beta": 0.1}
-    assert checks.identity_mismatch([identity(same), identity(dict(same), host="h2")]) is None
+    assert nodes.identity_mismatch([identity(same), identity(dict(same), host="h2")]) is None
     other = {**same, "datasets": ["hh"], "loss.beta": 0.2}  # two keys differ: the first in rank 0's order is named
-    assert checks.identity_mismatch([identity(same), identity(same, host="h2"), identity(other, host="h3")]) == (
+    assert nodes.identity_mismatch([identity(same), identity(same, host="h2"), identity(other, host="h3")]) == (
         "Rank 2 (host h3) was started with datasets=[hh], rank 0 (host h1) with datasets=[hh,shp]; "
         "start every node with the same command."
     )
     added = {**same, "loss.label_smoothing": None}
-    assert checks.identity_mismatch([identity(same), identity(added, host="h2")]) == (
+    assert nodes.identity_mismatch([identity(same), identity(added, host="h2")]) == (
         "Rank 1 (host h2) was started with loss.label_smoothing=null, rank 0 (host h1) without loss.label_smoothing; "
         "start every node with the same command."
     )
     code = {"train.py": "a", "utils.py": "c"}
-    assert checks.identity_mismatch([identity(same), identity(added, code, host="h2")]) == (
+    assert nodes.identity_mismatch([identity(same), identity(added, code, host="h2")]) == (
         "Rank 1 (host h2) runs other code than rank 0 (host h1): utils.py differs; give every node the same checkout."
     )
     moved = {**same, "resume": "/o/dpo_run_b"}
-    assert checks.identity_mismatch([identity({**same, "resume": "/o/dpo_run_a"}), identity(moved, host="h2")], True) == (
+    assert nodes.identity_mismatch([identity({**same, "resume": "/o/dpo_run_a"}), identity(moved, host="h2")], True) == (
         "resume=auto found resume=/o/dpo_run_b on rank 1 (host h2) but resume=/o/dpo_run_a on rank 0 (host h1); "
         "every node must see the same output_root."
     )
@@ -200,15 +200,15 @@ def test_identity_mismatch_names_the_first_difference():
 
 def test_run_identity_covers_every_key_but_output_root(tmp_path):
     base = compose_config(["output_root=/a"])
-    assert checks.run_identity(compose_config(["output_root=/b"]))["config_hash"] == checks.run_identity(base)["config_hash"]
+    assert nodes.run_identity(compose_config(["output_root=/b"]))["config_hash"] == nodes.run_identity(base)["config_hash"]
     flat = flat_config(base)
     assert len(flat) > 100 and flat["loss.beta"] == 0.1 and flat["data.arithmetic.n_train"] == 4000
     for override in ("lr=0.001", "loss.beta=0.2", "data.arithmetic.n_train=7", "world_size=2", "num_threads=3", "datasets=[hh]"):
         assert (
-            checks.run_identity(compose_config(["output_root=/a", override]))["config_hash"]
-            != checks.run_identity(base)["config_hash"]
+            nodes.run_identity(compose_config(["output_root=/a", override]))["config_hash"]
+            != nodes.run_identity(base)["config_hash"]
         ), override
-    files = checks.code_files()
+    files = nodes.code_files()
     assert {"train.py", "trainers.py", "utils.py", "runs/checks.py", "config/config.yaml", "config/model/tiny.yaml"} <= set(files)
     assert not any(p.startswith("tests/") for p in files)
 

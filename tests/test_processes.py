@@ -24,7 +24,8 @@ import train
 import trainers
 import utils
 from modeling import loading
-from runs import checkpoints, checks, processes, setup
+from runs import checkpoints, processes, setup
+from runs.overrides import override_error
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
@@ -536,13 +537,13 @@ LOSS_OPTIONS = ", ".join(sorted(p.stem for p in (REPO / "config" / "loss").glob(
     ],
 )
 def test_a_mistyped_nested_key_names_the_closest_one(overrides, sentence):
-    assert checks.override_error(overrides) == sentence
+    assert override_error(overrides) == sentence
 
 
 def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
     top = sorted(set(compose_config([]).keys()))
     for typed in ("batch_szie=8", "+batch_szie=8", "++batch_szie=8"):
-        message = checks.override_error([typed])
+        message = override_error([typed])
         assert message.startswith("batch_szie is not a config key; did you mean batch_size? ("), message
         assert message.endswith(f"keys: {', '.join(top)})")
 
@@ -561,7 +562,7 @@ def test_a_mistyped_top_level_key_or_addition_names_the_closest_one():
     ],
 )
 def test_legitimate_overrides_and_other_mistakes_are_left_alone(overrides):
-    assert checks.override_error(overrides) is None
+    assert override_error(overrides) is None
 
 
 @pytest.mark.timeout(120)
