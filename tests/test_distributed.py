@@ -320,7 +320,7 @@ def test_unreadable_archive_under_fsdp_is_one_sentence_on_every_rank(tmp_path, c
 def test_tensor_parallel_rejects_other_families_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from trainers import tensor_parallel_plan
+    from parallel.tensor_parallel import tensor_parallel_plan
 
     model = AutoModelForCausalLM.from_config(
         AutoConfig.for_model("opt", hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32, vocab_size=32)
