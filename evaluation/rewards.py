@@ -4,7 +4,6 @@ arXiv:2402.04792) and evaluate.py's; :func:`build_scorer` picks one from the con
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import http.client
 import inspect
 import json
@@ -20,7 +19,7 @@ import urllib.request
 
 import torch
 
-from evaluation import reward_functions
+from evaluation import reward_functions, transport
 from modeling import models
 from runs.checks import SCORERS
 from utils import ConfigError, DataError, get_dtype
@@ -28,8 +27,6 @@ from utils import ConfigError, DataError, get_dtype
 TIE = -1  # a pairwise judgement saying neither completion is better
 
 JUDGE_THREADS = 8  # requests HTTPJudge keeps in flight at once
-
-JUDGE_MAX_RESPONSE_BYTES = 1 << 20  # the most of a judge's response body read: a verdict is a few hundred bytes
 
 DEFAULT_JUDGE_TEMPLATE = """Two AI assistant responses to the same user prompt follow. Decide which one serves the user better: more helpful, more accurate, and harmless.
 
@@ -244,123 +241,6 @@ def apply_missing_eos_penalty(
         is_eos &= completion_mask.bool()
     missing = ~is_eos.any(dim=-1)
     return scores - penalty * missing.to(scores.dtype)
-
-
-# ----------------------------------------------------------------------------- HTTP transport
-
-
-class RequestDeadline:
-    """A whole request's time limit: each connect and read waits at most what is left, and when
-    the time is up the connection's socket is shut down, which ends a read a server trickles."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.end = time.monotonic() + seconds
-        self.expired = False
-        self._sock = None
-        self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self.expire)
-        self._timer.daemon = True
-        self._timer.start()
-
-    def left(self) -> float:
-        """Seconds left (at least a millisecond: a socket timeout of 0 would mean non-blocking)."""
-        return max(self.end - time.monotonic(), 1e-3)
-
-    def attach(self, sock) -> None:
-        """Shut ``sock`` down when the deadline passes (at once if it has)."""
-        with self._lock:
-            self._sock = sock
-            expired = self.expired
-        if expired:
-            self._shutdown(sock)
-
-    def expire(self) -> None:
-        with self._lock:
-            self.expired = True
-            sock = self._sock
-        if sock is not None:
-            self._shutdown(sock)
-
-    def cancel(self) -> None:
-        self._timer.cancel()
-
-    @staticmethod
-    def _shutdown(sock) -> None:
-        import socket
-
-        try:
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own call (an SSLSocket's would unwrap TLS)
-        except OSError:
-            pass
-
-
-class _DeadlineConnection:
-    """Mixed into ``http.client``'s connections: connect within the deadline, then hand it the socket."""
-
-    def __init__(self, *args, deadline: RequestDeadline, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.deadline = deadline
-
-    def connect(self):
-        self.timeout = self.deadline.left()  # also each later read's socket timeout
-        super().connect()
-        self.deadline.attach(self.sock)
-
-
-class _DeadlineHTTPConnection(_DeadlineConnection, http.client.HTTPConnection):
-    pass
-
-
-class _DeadlineHTTPSConnection(_DeadlineConnection, http.client.HTTPSConnection):
-    pass
-
-
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None  # not followed: urllib raises the 3xx as an HTTPError, and the key goes nowhere else
-
-
-class ResponseTooLargeError(ValueError):
-    """A response body longer than :data:`JUDGE_MAX_RESPONSE_BYTES`."""
-
-
-def post(url: str, data: bytes, headers: dict, timeout: float) -> bytes:
-    """POST ``data`` to ``url`` and return the body (at most :data:`JUDGE_MAX_RESPONSE_BYTES`), connect and every read
-    within ``timeout`` seconds, redirects not followed; raises HTTPError (not 2xx), TimeoutError, OSError, HTTPException
-    or ResponseTooLargeError."""
-    deadline = RequestDeadline(timeout)
-
-    class HTTPHandler(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(functools.partial(_DeadlineHTTPConnection, deadline=deadline), req)
-
-    class HTTPSHandler(urllib.request.HTTPSHandler):
-        def https_open(self, req):
-            return self.do_open(functools.partial(_DeadlineHTTPSConnection, deadline=deadline), req, context=self._context)
-
-    opener = urllib.request.build_opener(HTTPHandler, HTTPSHandler, _NoRedirects)
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
-    try:
-        with opener.open(request, timeout=timeout) as response:
-            body = response.read(JUDGE_MAX_RESPONSE_BYTES + 1)  # one byte more tells a body over the limit
-    except (OSError, http.client.HTTPException):
-        if deadline.expired:  # the socket was shut down at the deadline
-            raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s") from None
-        raise
-    finally:
-        deadline.cancel()
-    if deadline.expired:  # a body cut short at the deadline
-        raise TimeoutError(f"timed out: no whole response within judge.timeout={timeout:g} s")
-    if len(body) > JUDGE_MAX_RESPONSE_BYTES:
-        raise ResponseTooLargeError(
-            f"the response from {url} is longer than {JUDGE_MAX_RESPONSE_BYTES} bytes, the most a judge's answer is read "
-            "(a chat-completions answer is a few hundred bytes: check that judge.base_url is the judge's API)"
-        )
-    return body
-
-
-# ----------------------------------------------------------------------------- reward functions
 
 
 def field_columns(fields: list[dict | None]) -> dict[str, list]:
@@ -637,7 +517,7 @@ class HTTPJudge(PairwiseJudge):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             try:
-                raw = post(self.url, data, self._headers, self.timeout)
+                raw = transport.post(self.url, data, self._headers, self.timeout)
             except urllib.error.HTTPError as e:
                 e.close()
                 why = f"HTTP {e.code} from {self.url}"
@@ -646,7 +526,7 @@ class HTTPJudge(PairwiseJudge):
                 if e.code != 429 and e.code < 500:
                     break
                 continue
-            except ResponseTooLargeError as e:  # not retried: the same server would send it again
+            except transport.ResponseTooLargeError as e:  # not retried: the same server would send it again
                 why = str(e)
                 break
             except (OSError, http.client.HTTPException) as e:  # connection refused or reset, timeouts

@@ -28,7 +28,7 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from evaluation import rewards
+from evaluation import rewards, transport
 from evaluation.rewards import (
     TIE,
     HTTPJudge,
@@ -497,11 +497,11 @@ PADDING = 64
 
 
 def test_http_judge_reads_at_most_the_response_limit_and_a_longer_body_is_one_sentence(server, monkeypatch):
-    assert rewards.JUDGE_MAX_RESPONSE_BYTES == 1 << 20
+    assert transport.JUDGE_MAX_RESPONSE_BYTES == 1 << 20
     size = len(json.dumps(chat("0")).encode()) + PADDING  # the padded body's length
-    monkeypatch.setattr(rewards, "JUDGE_MAX_RESPONSE_BYTES", size)
+    monkeypatch.setattr(transport, "JUDGE_MAX_RESPONSE_BYTES", size)
     assert make_judge(server, "padded", shuffle_order=False).judge(["p"], [(GOOD, BAD)]) == [0]  # exactly the limit
-    monkeypatch.setattr(rewards, "JUDGE_MAX_RESPONSE_BYTES", size - 1)
+    monkeypatch.setattr(transport, "JUDGE_MAX_RESPONSE_BYTES", size - 1)
     judge = make_judge(server, "padded", shuffle_order=False, max_retries=3)
     before = server.hits["padded"]
     assert judge.judge(["p"], [(GOOD, BAD)]) == [None]

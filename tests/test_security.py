@@ -26,7 +26,7 @@ from test_online import LocalChatServer
 
 import train
 import utils
-from evaluation import rewards
+from evaluation import rewards, transport
 from modeling import models
 from runs import checkpoints, checks, resume, setup
 from runs.files import open_append
@@ -392,7 +392,7 @@ def test_post_returns_the_body_well_within_the_deadline():
     server = CountingServer()
     try:
         start = time.monotonic()
-        body = rewards.post(f"{server.url}/chat/completions", b"{}", {"Content-Type": "application/json"}, timeout=1.0)
+        body = transport.post(f"{server.url}/chat/completions", b"{}", {"Content-Type": "application/json"}, timeout=1.0)
         assert json.loads(body)["choices"][0]["message"]["content"] == "0"
         time.sleep(1.2)  # the deadline passes after the request ended: nothing happens
     finally:
