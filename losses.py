@@ -1,5 +1,5 @@
-"""Preference-learning losses and batch log-probabilities as pure tensor functions (B pairs, T tokens, V vocabulary;
-log-probs log pi(y | x) in nats)."""
+"""Preference-learning losses as pure tensor functions of (B,) log-probs log pi(y | x) in nats (SFT, DPO, cDPO, IPO),
+and the objective registry that every objective plugs into."""
 
 from __future__ import annotations
 
@@ -14,77 +14,6 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # the label of a position that carries no loss (prompt or padding)
-
-
-def get_batch_logps(
-    logits: torch.Tensor, labels: torch.Tensor, average_log_prob: bool = False, token_weight: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (B,), of each sequence's labelled tokens from (B, T, V) ``logits`` and (B, T) ``labels``
-    (position t predicts label t + 1): logps in nats, float32 (float64 for float64 logits), summed or, with
-    ``average_log_prob``, per token; n_tokens float32; ValueError if the shapes disagree. ``token_weight``: each labelled
-    token's weight in the sum (:func:`sum_by_sequence`)."""
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must share (B, T).")
-    labels = labels[:, 1:]
-    logits = logits[:, :-1, :]
-    mask = labels != IGNORE_INDEX
-    safe_labels = torch.where(mask, labels, 0)
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
-    picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).to(dtype)
-    per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)  # no full-vocabulary log-softmax copy
-    per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
-    n_tokens = mask.sum(-1).float()
-    if token_weight is not None:  # the labelled tokens in order, as sum_by_sequence weighs them
-        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
-        rank = (mask.cumsum(-1) - 1)[mask]
-        weights = torch.zeros_like(per_token)
-        weights[mask] = token_weight(rank, rows[mask], n_tokens).to(per_token.dtype)
-        per_token = per_token * weights
-    total = per_token.sum(-1)
-    if average_log_prob:
-        # A sequence with no labelled token gets 0, never NaN (0 / 0).
-        return total / n_tokens.clamp(min=1.0), n_tokens
-    return total, n_tokens
-
-
-def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(N,) log softmax(logits[rows[k]])[targets[k]] in nats, float32 (float64 for float64 logits), from (M, V)
-    ``logits`` and (N,) long ``rows`` and ``targets``; ValueError for other shapes."""
-    if logits.dim() != 2 or rows.shape != targets.shape or rows.dim() != 1:
-        raise ValueError(
-            f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
-        )
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    picked = logits[rows, targets].to(dtype)
-    return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]  # logsumexp once per row, no log-softmax copy
-
-
-def sum_by_sequence(
-    token_logps, sequence, n_sequences: int, average_log_prob: bool = False, token_weight: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (S = ``n_sequences``,), the sums (or means) of (N,) ``token_logps`` per (N,) ``sequence``:
-    logps in nats, float32 (float64 for float64 input), n_tokens float32; a sequence without tokens gets 0.
-
-    ``token_weight(rank, sequence, n_tokens)`` (an objective's ``token_weights``, e.g. LD-DPO's), if given, returns each
-    token's (N,) weight in the sum from its 0-based place among its sequence's tokens (they come in order), its
-    sequence and the (S,) token counts."""
-    total = torch.zeros(n_sequences, dtype=torch.promote_types(token_logps.dtype, torch.float32), device=token_logps.device)
-    ones = torch.ones_like(token_logps, dtype=torch.float32)
-    n_tokens = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device).index_add(0, sequence, ones)
-    if token_weight is not None:
-        token_logps = token_logps * token_weight(token_ranks(sequence, n_sequences), sequence, n_tokens).to(token_logps.dtype)
-    total = total.index_add(0, sequence, token_logps.to(total.dtype))
-    return (total / n_tokens.clamp(min=1.0) if average_log_prob else total), n_tokens
-
-
-def token_ranks(sequence: torch.Tensor, n_sequences: int) -> torch.Tensor:
-    """(N,) each token's 0-based place among the tokens of its (N,) ``sequence``, in the order they come."""
-    order = torch.argsort(sequence, stable=True)
-    counts = torch.bincount(sequence, minlength=n_sequences)
-    starts = counts.cumsum(0) - counts
-    ranks = torch.empty_like(sequence)
-    ranks[order] = torch.arange(len(sequence), device=sequence.device) - starts[sequence[order]]
-    return ranks
 
 
 def dpo_loss(
@@ -154,31 +83,6 @@ def implicit_rewards(
     chosen = beta * (policy_chosen_logps - reference_chosen_logps).detach()
     rejected = beta * (policy_rejected_logps - reference_rejected_logps).detach()
     return chosen, rejected
-
-
-def sft_loss(policy_logps_sum: torch.Tensor, n_tokens_total: float | torch.Tensor) -> torch.Tensor:
-    """Scalar SFT negative log-likelihood in nats per target token: -sum of (B,) ``policy_logps_sum`` / ``n_tokens_total``
-    (the target tokens of the whole batch, all micro-batches)."""
-    # divided by the whole batch's tokens: independent of sequence length and of the micro-batch split
-    return -policy_logps_sum.sum() / n_tokens_total
-
-
-def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(N,) float32 scores of right-padded (N, T) sequences at their last real token, from a one-label
-    ``*ForSequenceClassification`` model's ``score`` head, gradients flowing (ValueError without such a head)."""
-    head = getattr(model, "score", None)
-    if head is None or getattr(head, "out_features", 1) != 1:
-        raise ValueError(f"{type(model).__name__} has no one-output `score` head; load it with num_labels=1.")
-    captured = []
-    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask)
-    finally:
-        handle.remove()
-    per_position = captured[0][..., 0]  # (N, T)
-    # not the model's own pooling (last non-pad token), which is wrong when pad is EOS and a sequence ends with EOS
-    last = (attention_mask.sum(1) - 1).clamp(min=0).to(per_position.device)
-    return per_position.gather(1, last.unsqueeze(1)).squeeze(1).float()
 
 
 # ============================================================================ the objectives registry

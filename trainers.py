@@ -20,7 +20,7 @@ import tqdm
 
 import losses
 import utils
-from modeling import models
+from modeling import logprobs, models
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel.fsdp import find_block_classes, fully_shard_blocks
 from parallel.tensor_parallel import _gpt2_state_to_conv1d, tensor_parallel_plan
@@ -85,12 +85,12 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 def response_logps(
     model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK, token_weight=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (B,) float32 on the model's output device: ``losses.get_batch_logps`` of the padded
+    """(logps, n_tokens), each (B,) float32 on the model's output device: ``logprobs.get_batch_logps`` of the padded
     forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
     (``packing.output_layer_logps``; None or 0: all at once), each token weighed by ``token_weight`` if given."""
     if not chunk:
         logits, labels = response_logits(model, inputs)
-        return losses.get_batch_logps(logits, labels, average_log_prob, token_weight)
+        return logprobs.get_batch_logps(logits, labels, average_log_prob, token_weight)
     labels = inputs["labels"]
     n, length = labels.shape
     keep = _kept_positions(labels)
@@ -99,7 +99,7 @@ def response_logps(
     rows = seqs * keep + cols - (length - keep)
     kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
     token_logps = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep)
-    return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
+    return logprobs.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
 
 
 def single_logps(

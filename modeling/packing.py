@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 
 import losses
+from modeling import logprobs
 
 PACKED_CHUNK_COST = 0.05  # plan_chunks' cost of one more forward call, as a fraction of the batch's padded positions
 
@@ -166,7 +167,7 @@ class ChunkedOutputLayer(torch.nn.Module):
 
     def _chunk_logps(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden)  # (c, V); the head may move it to its own device
-        return losses.gathered_token_logps(logits, rows.to(logits.device), targets.to(logits.device))
+        return logprobs.gathered_token_logps(logits, rows.to(logits.device), targets.to(logits.device))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N,) float32 log-probs of the targets from ``hidden`` (..., H); RuntimeError unless it holds ``n_positions``."""
@@ -223,7 +224,7 @@ def output_layer_logps(
         raise RuntimeError(
             f"{type(model).__name__} ignored logits_to_keep (logits {tuple(logits.shape)}, not {n_positions} positions)."
         )
-    return losses.gathered_token_logps(flat, rows.to(flat.device), targets.to(flat.device))
+    return logprobs.gathered_token_logps(flat, rows.to(flat.device), targets.to(flat.device))
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -283,12 +284,12 @@ def _packed_logps(
     model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk, token_weight=None
 ):
     """(logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`' groups, one graph
-    (``token_weight``: :func:`losses.sum_by_sequence`'s)."""
+    (``token_weight``: :func:`logprobs.sum_by_sequence`'s)."""
     keep_bool = packed_forward_support(model)[0]
     groups = plan_chunks([len(r.ids) for r in rows], max_chunks)
     parts = [_packed_chunk_logps(model, [rows[k] for k in group], device, keep_bool, chunk) for group in groups]
     token_logps, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return losses.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob, token_weight)
+    return logprobs.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob, token_weight)
 
 
 def pack_single_rows(inputs: dict) -> list[PackedRow] | None:
@@ -308,7 +309,7 @@ def packed_single_logps(
     max_chunks: int | None = None,
     chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logps, n_tokens), each (B,) float32, of single right-padded sequences forwarded packed (``losses.get_batch_logps``'s
+    """(logps, n_tokens), each (B,) float32, of single right-padded sequences forwarded packed (``logprobs.get_batch_logps``'s
     values on the padded forward); None when one is not right-padded."""
     rows = pack_single_rows(inputs)
     if rows is None:
@@ -328,7 +329,7 @@ def packed_sequence_logps(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed (the padded forward's within float
     tolerance) in at most ``max_chunks`` calls, ``chunk`` positions per output-layer call (None or 0: all), each response
-    token weighed by ``token_weight`` (:func:`losses.sum_by_sequence`); None if not right-padded."""
+    token weighed by ``token_weight`` (:func:`logprobs.sum_by_sequence`); None if not right-padded."""
     rows = pack_preference_rows(batch, share_prompt and packed_forward_support(model)[1])
     n = 2 * batch["chosen_input_ids"].shape[0]
     return None if rows is None else _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk, token_weight)

@@ -10,7 +10,7 @@ from losses import BETA, NLL_WEIGHT, Key, _get, dpo_loss, objective
 
 
 def length_desensitized_weight(alpha: float):
-    """LD-DPO's token weight for :func:`losses.sum_by_sequence`: 1 for the first min(|y_w|, |y_l|) response tokens of
+    """LD-DPO's token weight for :func:`modeling.logprobs.sum_by_sequence`: 1 for the first min(|y_w|, |y_l|) response tokens of
     each pair (the public part), ``alpha`` after them, so log pi(y|x) becomes the public log-prob plus alpha times the
     verbose one (Eq. 9). The 2B sequences are the pairs' chosen responses, then their rejected ones."""
 

@@ -14,6 +14,7 @@ from test_packed import make_model, random_pairs
 
 import losses
 import trainers
+from modeling import logprobs
 from preference_datasets import collate
 
 
@@ -22,10 +23,10 @@ def test_the_weights_are_one_for_the_shorter_responses_length_and_alpha_after_by
     # two pairs: chosen lengths 3 and 5, rejected 4 and 2 -> the public lengths are 3 and 2
     n_tokens = torch.tensor([3.0, 5.0, 4.0, 2.0])
     sequence = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3])
-    got = weight(losses.token_ranks(sequence, 4), sequence, n_tokens)
+    got = weight(logprobs.token_ranks(sequence, 4), sequence, n_tokens)
     assert got.tolist() == pytest.approx([1, 1, 1] + [1, 1, 0.3, 0.3, 0.3] + [1, 1, 1, 0.3] + [1, 1])
     shuffled = torch.tensor([2, 0, 2, 0, 2, 0, 2])  # ranks count each sequence's tokens in the order they come
-    assert losses.token_ranks(shuffled, 3).tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert logprobs.token_ranks(shuffled, 3).tolist() == [0, 0, 1, 1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 1.0])
@@ -77,7 +78,7 @@ def test_equals_trl_dpo_trainer_ld_alpha(alpha):
     ours_leaf = values.clone().requires_grad_(True)
     response = mask[:, 1:].bool()
     sequence = torch.arange(2 * b)[:, None].expand(2 * b, t)[response]
-    logps, n_tokens = losses.sum_by_sequence(ours_leaf[response], sequence, 2 * b, False, decl.token_weights(cfg))
+    logps, n_tokens = logprobs.sum_by_sequence(ours_leaf[response], sequence, 2 * b, False, decl.token_weights(cfg))
     ours_inputs = losses.ObjectiveInputs(
         policy_chosen_logps=logps[:b],
         policy_rejected_logps=logps[b:],
