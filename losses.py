@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import inspect
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,9 +45,9 @@ def dpo_loss(
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()
-    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
-    return losses, chosen_rewards, rejected_rewards
+    return losses, *implicit_rewards(
+        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta
+    )
 
 
 def ipo_loss(
@@ -104,16 +103,20 @@ class Key:
     doc: str = ""  # what the key means, one line
 
 
+PAIR_LOGPS = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
     """The declaration of one training objective ``loss=<name>``: its pure loss function, keys and what the trainer
     computes for it."""
 
     name: str  # loss=<name> (TRL's loss_type name where TRL has it)
-    fn: Callable  # args named after ObjectiveInputs fields and keys; returns (losses, chosen, rejected[, metrics]), (B,) each
+    fn: Callable  # (inputs: ObjectiveInputs, loss: the keys' values by name) -> (losses, chosen, rejected[, metrics]), (B,) each
     keys: dict  # the loss.* keys besides name
     source: str  # paper and equation
     summary: str  # one line for docs/objectives.md's table
+    needs: tuple = PAIR_LOGPS  # the ObjectiveInputs fields fn reads (compute refuses inputs without one)
     reference: bool | str = True  # a key name: uses the reference unless that boolean key is true
     average_log_prob: bool | None = None  # log-probs are means per response token; None: as loss.average_log_prob says
     nll: bool = False  # uses the chosen NLL per token (policy_chosen_nll)
@@ -140,8 +143,7 @@ class Objective:
         return bool(_get(loss_config, "average_log_prob", self.keys.get("average_log_prob", Key(False)).default))
 
     def keys_for(self, loss_config) -> dict:
-        """The ``loss.*`` keys (name -> :class:`Key`) ``loss_config`` may set (a ``mix``'s depend on its components;
-        ObjectiveConfigError for bad ``losses``/``weights``)."""
+        """The ``loss.*`` keys (name -> :class:`Key`) ``loss_config`` may set (a ``mix``'s depend on its components)."""
         return self.keys
 
     def uses_nll(self, loss_config) -> bool:
@@ -154,19 +156,13 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """Call :attr:`fn` with the inputs and keys it names (``overrides`` win over ``loss_config``), plus ``loss.nll_weight``
-        times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1); ValueError for a missing input."""
-        kwargs = {}
-        for name, parameter in self._signature.items():
-            if name in overrides:
-                kwargs[name] = overrides[name]
-            elif name in self.keys:
-                kwargs[name] = _get(loss_config, name, self.keys[name].default)
-            elif getattr(inputs, name, None) is not None:
-                kwargs[name] = getattr(inputs, name)
-            elif parameter.default is not None:  # None: an optional input (e.g. KTO's label), the function's default
-                raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
-        per_example, chosen_rewards, rejected_rewards, *extra = self.fn(**kwargs)
+        """:attr:`fn` of ``inputs`` and the keys' values (``overrides`` win over ``loss_config``, then the defaults), plus
+        ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1)."""
+        missing = next((field for field in self.needs if getattr(inputs, field) is None), None)
+        if missing is not None:
+            raise ValueError(f"loss={self.name} needs {missing}, which the trainer did not compute.")
+        values = {key: overrides.get(key, _get(loss_config, key, spec.default)) for key, spec in self.keys.items()}
+        per_example, chosen_rewards, rejected_rewards, *extra = self.fn(inputs, types.SimpleNamespace(**values))
         extra = extra[0] if extra else {}
         nll_weight = float(_get(loss_config, "nll_weight", 0.0) or 0.0)
         if nll_weight > 0:
@@ -180,14 +176,6 @@ class Objective:
             per_example = per_example + nll_weight * nll
             extra = {**extra, "nll": nll.detach()}
         return ObjectiveOutput(per_example, chosen_rewards, rejected_rewards, extra)
-
-    def _parameters(self) -> list[str]:
-        return list(self._signature)
-
-    @functools.cached_property
-    def _signature(self):
-        """The function's parameters by name, read once (compute runs on every micro-batch)."""
-        return inspect.signature(self.fn).parameters
 
 
 @dataclasses.dataclass
@@ -223,18 +211,13 @@ OBJECTIVES: dict[str, Objective] = {}  # every registered objective by name (los
 
 
 def objective(name: str, **declaration) -> Callable:
-    """Register the decorated function as objective ``name`` (the other arguments: :class:`Objective`'s fields) and return
-    it unchanged; ValueError for a taken name or an argument that is neither an input field nor a declared key."""
+    """Register the decorated ``fn(inputs, loss)`` as objective ``name`` (the other arguments: :class:`Objective`'s fields)
+    and return it unchanged; ValueError for a taken name."""
 
     def register(fn: Callable) -> Callable:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is registered twice.")
-        decl = Objective(name=name, fn=fn, **declaration)
-        fields = {f.name for f in dataclasses.fields(ObjectiveInputs)}
-        unknown = [p for p in decl._parameters() if p not in fields and p not in decl.keys]
-        if unknown:
-            raise ValueError(f"objective {name!r}: argument {unknown[0]!r} is neither an input nor a declared key.")
-        OBJECTIVES[name] = decl
+        OBJECTIVES[name] = Objective(name=name, fn=fn, **declaration)
         return fn
 
     return register
@@ -330,12 +313,13 @@ def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
     average_log_prob=False,
     sft_data=True,
     per_token=True,
+    needs=("policy_chosen_logps",),
     unit="nats per target token",
     inputs=sft_inputs,
 )
-def sft_objective(policy_chosen_logps: torch.Tensor):
+def sft_objective(inputs: ObjectiveInputs, loss):
     """SFT as an objective: per-example -log pi(y | x) over the target tokens, no rewards; (B,) in and out."""
-    return -policy_chosen_logps, None, None
+    return -inputs.policy_chosen_logps, None, None
 
 
 @objective(
@@ -352,25 +336,11 @@ def sft_objective(policy_chosen_logps: torch.Tensor):
     reference="reference_free",
     unit="nats, −log σ(β·log-ratio gap)",
 )
-def dpo_objective(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-    label_smoothing: float = 0.0,
-    reference_free: bool = False,
-):
+def dpo_objective(inputs: ObjectiveInputs, loss):
     """DPO and conservative DPO as an objective: :func:`dpo_loss` of the trainer's (B,) log-probs and the loss keys."""
-    return dpo_loss(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta,
-        label_smoothing,
-        reference_free,
-    )
+    policy = inputs.policy_chosen_logps, inputs.policy_rejected_logps
+    reference = inputs.reference_chosen_logps, inputs.reference_rejected_logps
+    return dpo_loss(*policy, *reference, loss.beta, loss.label_smoothing, loss.reference_free)
 
 
 @objective(
@@ -380,12 +350,8 @@ def dpo_objective(
     summary="IPO: the log-ratio gap regressed to 1 / (2 beta)",
     unit="nats², (log-ratio gap − 1/(2β))²",
 )
-def ipo_objective(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-):
+def ipo_objective(inputs: ObjectiveInputs, loss):
     """IPO as an objective: :func:`ipo_loss` of the trainer's (B,) log-probs (means per token by default) and ``beta``."""
-    return ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    policy = inputs.policy_chosen_logps, inputs.policy_rejected_logps
+    reference = inputs.reference_chosen_logps, inputs.reference_rejected_logps
+    return ipo_loss(*policy, *reference, loss.beta)

@@ -18,7 +18,7 @@ from losses import (
     ObjectiveOutput,
     _get,
 )
-from objectives.pairwise import _log_ratios, _pair_rewards
+from objectives.pairwise import log_ratios, pair_rewards
 
 # ---- loss=mix: sum_k weights[k] * (per-example loss of losses[k]); component nll is the chosen NLL per token
 # (TRL's loss_type "sft"); the other keys are the components' keys, one value shared by all that have it, as in TRL.
@@ -160,13 +160,7 @@ class MixObjective(Objective):
         losses = weighted_sum(parts, values["weights"])
         chosen_rewards = rejected_rewards = None
         if "beta" in values:
-            h_w, h_l = _log_ratios(
-                inputs.policy_chosen_logps,
-                inputs.policy_rejected_logps,
-                inputs.reference_chosen_logps,
-                inputs.reference_rejected_logps,
-            )
-            chosen_rewards, rejected_rewards = _pair_rewards(values["beta"], h_w, h_l)
+            chosen_rewards, rejected_rewards = pair_rewards(values["beta"], *log_ratios(inputs))
         if values["nll_weight"] > 0:
             if inputs.policy_chosen_nll is None:
                 raise ValueError("loss.nll_weight > 0 needs the chosen NLL, which the trainer did not compute for loss=mix.")

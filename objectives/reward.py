@@ -51,9 +51,11 @@ def score_inputs(trainer, batch: dict) -> ObjectiveInputs:
     average_log_prob=False,
     score_head=True,
     reward_metric="scores",
+    needs=("chosen_scores", "rejected_scores"),
     unit="nats, −log σ(score margin)",
     inputs=score_inputs,
 )
-def reward_objective(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor):
+def reward_objective(inputs: ObjectiveInputs, loss):
     """Reward-model training: :func:`bradley_terry_loss` per pair, the scores as rewards; (B,) each."""
-    return bradley_terry_loss(chosen_scores, rejected_scores), chosen_scores.detach(), rejected_scores.detach()
+    chosen, rejected = inputs.chosen_scores, inputs.rejected_scores
+    return bradley_terry_loss(chosen, rejected), chosen.detach(), rejected.detach()
