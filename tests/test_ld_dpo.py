@@ -4,12 +4,11 @@ chunked output layer) as each sequence forwarded alone and weighed by hand."""
 
 from __future__ import annotations
 
-import collections
 import types
 
 import pytest
 import torch
-from test_objectives_trl import BETA, TRL_PAIRS, _Accelerator, _Model
+from test_objectives_trl import BETA, TRL_PAIRS, trl_dpo_loss
 from test_packed import make_model, random_pairs
 
 import losses
@@ -31,7 +30,7 @@ def test_the_weights_are_one_for_the_shorter_responses_length_and_alpha_after_by
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 1.0])
 def test_equals_trl_dpo_trainer_ld_alpha(alpha):
-    trl = pytest.importorskip("trl.trainer.dpo_trainer")
+    pytest.importorskip("trl.trainer.dpo_trainer")
     dtype = torch.float64
     b = len(TRL_PAIRS)
     lengths = [p[4] for p in TRL_PAIRS] + [p[5] for p in TRL_PAIRS]  # rows: chosen..., rejected...
@@ -46,31 +45,7 @@ def test_equals_trl_dpo_trainer_ld_alpha(alpha):
     ref_rejected = torch.tensor([p[3] for p in TRL_PAIRS], dtype=dtype)
 
     leaf = values.clone().requires_grad_(True)
-    stand_in = types.SimpleNamespace(
-        model=_Model(leaf),
-        accelerator=_Accelerator(),
-        aux_loss_enabled=False,
-        ld_alpha=alpha,
-        precompute_ref_logps=True,
-        f_divergence_type="reverse_kl",
-        loss_types=["sigmoid"],
-        loss_weights=[1.0],
-        beta=BETA,
-        label_smoothing=0.0,
-        use_weighting=False,
-        args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
-        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
-        _total_train_tokens=0,
-        _tp_size=1,
-    )
-    inputs = {
-        "input_ids": torch.zeros(2 * b, t + 1, dtype=torch.long),
-        "attention_mask": torch.ones(2 * b, t + 1, dtype=torch.long),
-        "completion_mask": mask,
-        "ref_chosen_logps": ref_chosen,
-        "ref_rejected_logps": ref_rejected,
-    }
-    trl_loss = trl.DPOTrainer._compute_loss(stand_in, stand_in.model, inputs, return_outputs=False)
+    trl_loss = trl_dpo_loss(leaf, mask, ref_chosen, ref_rejected, ["sigmoid"], [1.0], ld_alpha=alpha)
     trl_loss.backward()
 
     cfg = {"name": "ld_dpo", "beta": BETA, "ld_alpha": alpha}
