@@ -45,9 +45,8 @@ def dpo_loss(
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    return losses, *implicit_rewards(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta
-    )
+    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    return losses, *rewards
 
 
 def ipo_loss(
@@ -60,10 +59,8 @@ def ipo_loss(
     """IPO (Azar et al. 2023, Eq. 17, empirical form), (h - 1 / (2 beta))^2 on DPO's log-ratio gap h, ``beta`` the paper's
     tau > 0: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, each (B,), rewards as DPO's."""
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
-    losses = (h - 1 / (2 * beta)) ** 2
-    return losses, *implicit_rewards(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta
-    )
+    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    return (h - 1 / (2 * beta)) ** 2, *rewards
 
 
 def implicit_rewards(
@@ -74,8 +71,7 @@ def implicit_rewards(
     beta: float,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's implicit rewards beta * (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5, without the partition
-    function), detached: (B,) inputs, (chosen_rewards, rejected_rewards) each (B,); ``reference_free``: reference 0."""
+    """DPO's implicit rewards beta (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5), detached, (B,) in and out."""
     if reference_free:
         reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
@@ -85,8 +81,7 @@ def implicit_rewards(
 
 
 # ============================================================================ the objectives registry
-# One declaration per objective (inputs, loss.* keys, pure function); the trainer names no objective.
-# Adding one: docs/objectives.md.
+# One declaration per objective (keys, inputs, function); the trainer names no objective. Adding one: docs/objectives.md.
 
 
 class ObjectiveConfigError(ValueError):
@@ -108,8 +103,7 @@ PAIR_LOGPS = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_
 
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The declaration of one training objective ``loss=<name>``: its pure loss function, keys and what the trainer
-    computes for it."""
+    """The declaration of objective ``loss=<name>``: its function, its keys and what the trainer computes for it."""
 
     name: str  # loss=<name> (TRL's loss_type name where TRL has it)
     fn: Callable  # (inputs: ObjectiveInputs, loss: the keys' values by name) -> (losses, chosen, rejected[, metrics]), (B,) each
@@ -195,11 +189,12 @@ class ObjectiveInputs:
     policy_kl_logps: torch.Tensor | None = None  # log-probs of mismatched pairs (x_i, y_{i+1})
     reference_kl_logps: torch.Tensor | None = None
     label: torch.Tensor | None = None  # bool, unpaired rows only: the completion is desirable
+    policy_chosen_statistic: torch.Tensor | None = None  # mean per response of a token statistic of the policy's logits (WPO)
+    policy_rejected_statistic: torch.Tensor | None = None
 
 
 class ObjectiveOutput(NamedTuple):
-    """An objective's result for one micro-batch: ``losses`` (B,), detached rewards (B,) each (or None),
-    and extra per-example metric tensors by name."""
+    """An objective's result for one micro-batch: ``losses`` (B,), detached rewards (B,) or None, metric tensors by name."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor | None
@@ -236,8 +231,7 @@ def get_objective(name: str) -> Objective:
 
 
 def validate_loss_config(loss_config) -> Objective:
-    """Check the ``loss`` section against its objective's declaration and return the objective (ObjectiveConfigError
-    names the first bad key and the fix)."""
+    """Check the ``loss`` section against its objective's declaration and return it (ObjectiveConfigError: key and fix)."""
     decl = get_objective(loss_config["name"])
     keys = decl.keys_for(loss_config)
     allowed = {"name", *keys}
@@ -293,8 +287,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
 
 
 def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
-    """SFT's inputs: each SFT target's log-prob under the policy (the ``chosen_*`` rows alone, no pairs), (B,), and its
-    number of target tokens, (B,)."""
+    """SFT's inputs: each SFT target's (B,) log-prob under the policy (the ``chosen_*`` rows alone) and its target tokens."""
     chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
     logps, n_tokens = trainer.one_side_logps(trainer.policy, chosen)
     return ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)

@@ -12,14 +12,20 @@ from losses import IGNORE_INDEX
 
 
 def get_batch_logps(
-    logits: torch.Tensor, labels: torch.Tensor, average_log_prob: bool = False, token_weight: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    average_log_prob: bool = False,
+    token_weight: Callable | None = None,
+    token_statistic: Callable | None = None,
+) -> tuple[torch.Tensor, ...]:
     """(logps, n_tokens), each (B,), of each sequence's labelled tokens from (B, T, V) ``logits`` and (B, T) ``labels``
     (position t predicts label t + 1): logps in nats, float32 (float64 for float64 logits), summed or, with
     ``average_log_prob``, per token; n_tokens float32; ValueError if the shapes disagree. ``token_weight``: each labelled
-    token's weight in the sum (:func:`sum_by_sequence`)."""
+    token's weight in the sum (:func:`sum_by_sequence`); ``token_statistic``: also its (B,) mean per sequence
+    (:func:`statistic_means`)."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must share (B, T).")
+    full = logits
     labels = labels[:, 1:]
     logits = logits[:, :-1, :]
     mask = labels != IGNORE_INDEX
@@ -37,9 +43,13 @@ def get_batch_logps(
         per_token = per_token * weights
     total = per_token.sum(-1)
     if average_log_prob:
-        # A sequence with no labelled token gets 0, never NaN (0 / 0).
-        return total / n_tokens.clamp(min=1.0), n_tokens
-    return total, n_tokens
+        total = total / n_tokens.clamp(min=1.0)  # a sequence with no labelled token gets 0, never NaN (0 / 0)
+    if token_statistic is None:
+        return total, n_tokens
+    seqs, cols = mask.nonzero(as_tuple=True)
+    rows = seqs * full.shape[1] + cols  # the position predicting each labelled token, row-major over (B, T)
+    values = statistic_values(token_statistic, full.reshape(-1, full.shape[-1]), rows, labels[mask])
+    return total, n_tokens, statistic_means(values, seqs, mask.shape[0])
 
 
 def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -80,3 +90,15 @@ def token_ranks(sequence: torch.Tensor, n_sequences: int) -> torch.Tensor:
     ranks = torch.empty_like(sequence)
     ranks[order] = torch.arange(len(sequence), device=sequence.device) - starts[sequence[order]]
     return ranks
+
+
+def statistic_values(token_statistic: Callable, logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """(N,) ``token_statistic(logits, rows, targets)``, an objective's quantity per target token (WPO's log weight) from the
+    (M, V) logits of the positions, (N,) ``rows`` predicting (N,) ``targets``, computed without gradient."""
+    with torch.no_grad():
+        return token_statistic(logits.detach(), rows, targets)
+
+
+def statistic_means(values: torch.Tensor, sequence: torch.Tensor, n_sequences: int) -> torch.Tensor:
+    """(S,) float32 means per (N,) ``sequence`` of the (N,) :func:`statistic_values` (0 for a sequence without tokens)."""
+    return sum_by_sequence(values, sequence, n_sequences, average_log_prob=True)[0]
