@@ -48,6 +48,11 @@ def _mix_keys(loss_config) -> dict:
             f"loss.losses must be a non-empty list of objective names (e.g. [dpo, bco_pair, nll]) for loss=mix, got {names}."
         )
     names = list(names)
+    if _get(loss_config, "use_weighting", False) is True:  # objectives/wpo.py's key, on single objectives only
+        raise ObjectiveConfigError(
+            "loss=mix does not weigh its components by WPO's weights; train one objective with loss.use_weighting=true "
+            "(e.g. loss=dpo loss.use_weighting=true)."
+        )
     for name in names:
         if name == "sft":
             raise ObjectiveConfigError(
@@ -88,7 +93,7 @@ def _mix_keys(loss_config) -> dict:
         if name == MIX_NLL:
             continue
         for key, spec in OBJECTIVES[name].keys.items():
-            if key in ("average_log_prob", "nll_weight"):
+            if key in ("average_log_prob", "nll_weight", "use_weighting"):
                 continue
             if key not in keys:
                 keys[key] = spec
