@@ -37,10 +37,8 @@ def _is_list(value) -> bool:
     return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__") and hasattr(value, "__len__")
 
 
-def _mix_keys(loss_config) -> dict:
-    """The keys of a ``mix`` of ``loss_config``'s ``losses``: ``losses``, ``weights``, each component's keys (the first's
-    default, every component's range; not ``average_log_prob``), ``nll_weight``; ObjectiveConfigError for bad
-    ``losses``/``weights``."""
+def _mix_names(loss_config) -> list[str]:
+    """``loss_config``'s ``losses``, the components of a ``mix``; ObjectiveConfigError for a bad list or component."""
     names = _get(loss_config, "losses", MIX_LOSSES.default)
     choices = sorted([n for n, d in OBJECTIVES.items() if _mixable(d)] + [MIX_NLL])
     if not _is_list(names) or not list(names) or not all(isinstance(n, str) for n in names):
@@ -73,6 +71,11 @@ def _mix_keys(loss_config) -> dict:
     duplicate = next((n for i, n in enumerate(names) if n in names[:i]), None)
     if duplicate is not None:
         raise ObjectiveConfigError(f"loss.losses of loss=mix names {duplicate} twice; give it once with the summed weight.")
+    return names
+
+
+def _check_mix_weights(loss_config, names: list[str]) -> None:
+    """ObjectiveConfigError unless ``loss_config``'s ``weights`` are numbers >= 0, one per component of ``names``."""
     weights = _get(loss_config, "weights", MIX_WEIGHTS.default)
     if not _is_list(weights) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
         raise ObjectiveConfigError(
@@ -88,6 +91,14 @@ def _mix_keys(loss_config) -> dict:
         raise ObjectiveConfigError(
             f"loss.weights[{negative}] (the weight of {names[negative]}) is {weights[negative]}; weights must be >= 0."
         )
+
+
+def _mix_keys(loss_config) -> dict:
+    """The keys of a ``mix`` of ``loss_config``'s ``losses``: ``losses``, ``weights``, each component's keys (the first's
+    default, every component's range; not ``average_log_prob``), ``nll_weight``; ObjectiveConfigError for bad
+    ``losses``/``weights``."""
+    names = _mix_names(loss_config)
+    _check_mix_weights(loss_config, names)
     keys = {"losses": MIX_LOSSES, "weights": MIX_WEIGHTS}
     for name in names:
         if name == MIX_NLL:
