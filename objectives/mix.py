@@ -29,7 +29,7 @@ MIX_NLL = "nll"
 def _mixable(decl: Objective) -> bool:
     """True if ``decl`` can be a component of ``loss=mix``: a paired objective on (chosen,
     rejected) log-probs with a per-example loss, each token weighing 1 (the components share one forward)."""
-    plain = not (decl.unpaired or decl.mismatched_kl or decl.per_token or decl.token_weights)
+    plain = not (decl.unpaired or decl.mismatched_kl or decl.per_token or decl.token_weights or decl.inputs)
     return decl.paired and plain and not isinstance(decl, MixObjective)
 
 
@@ -46,11 +46,6 @@ def _mix_names(loss_config) -> list[str]:
             f"loss.losses must be a non-empty list of objective names (e.g. [dpo, bco_pair, nll]) for loss=mix, got {names}."
         )
     names = list(names)
-    if _get(loss_config, "use_weighting", False) is True:  # objectives/wpo.py's key, on single objectives only
-        raise ObjectiveConfigError(
-            "loss=mix does not weigh its components by WPO's weights; train one objective with loss.use_weighting=true "
-            "(e.g. loss=dpo loss.use_weighting=true)."
-        )
     for name in names:
         if name == "sft":
             raise ObjectiveConfigError(
@@ -60,6 +55,11 @@ def _mix_names(loss_config) -> list[str]:
         if name in OBJECTIVES and OBJECTIVES[name].token_weights is not None:
             raise ObjectiveConfigError(
                 f"loss.losses of loss=mix names {name!r}, which weighs response tokens in its own log-probs, and the mix's "
+                f"components share one forward; train loss={name} alone, or mix from {', '.join(choices)}."
+            )
+        if name in OBJECTIVES and OBJECTIVES[name].paired and OBJECTIVES[name].inputs and not OBJECTIVES[name].unpaired:
+            raise ObjectiveConfigError(
+                f"loss.losses of loss=mix names {name!r}, whose inputs come from a forward of its own, and the mix's "
                 f"components share one forward; train loss={name} alone, or mix from {', '.join(choices)}."
             )
         if name != MIX_NLL and not (name in OBJECTIVES and _mixable(OBJECTIVES[name])):
@@ -104,7 +104,7 @@ def _mix_keys(loss_config) -> dict:
         if name == MIX_NLL:
             continue
         for key, spec in OBJECTIVES[name].keys.items():
-            if key in ("average_log_prob", "nll_weight", "use_weighting"):
+            if key in ("average_log_prob", "nll_weight"):
                 continue
             if key not in keys:
                 keys[key] = spec

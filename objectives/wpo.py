@@ -1,6 +1,6 @@
-"""``loss.use_weighting=true``: WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization",
-arXiv:2406.11827, Eq. 2), TRL's ``use_weighting``: each pair's loss weighed by how likely its two responses are under the
-policy, on DPO, IPO and TRL's pairwise family (not AOT, which sorts the pairs, nor a mix)."""
+"""``loss=wpo``: WPO (Zhou et al. 2024, "WPO: Enhancing RLHF with Weighted Preference Optimization", arXiv:2406.11827,
+Eq. 2), TRL's ``use_weighting``: the loss of ``loss.loss_type`` (DPO, IPO, f-DPO or one of TRL's pairwise family; not AOT,
+which sorts the pairs) with each pair's loss weighed by how likely its two responses are under the policy."""
 
 from __future__ import annotations
 
@@ -8,19 +8,14 @@ import dataclasses
 
 import torch
 
-from losses import OBJECTIVES, Key, ObjectiveInputs, _get
-from objectives import f_divergence, ld_dpo, pairwise  # noqa: F401  (registered before they are given the key)
+from losses import OBJECTIVES, Key, Objective, ObjectiveConfigError, ObjectiveInputs, ObjectiveOutput, _get
+from objectives import f_divergence, pairwise  # noqa: F401  (registered before loss=wpo names them)
 
-WEIGHTED = (  # TRL's loss types that take use_weighting, and the objectives built on its sigmoid
+WEIGHTED = (  # TRL's loss types that take use_weighting, and f-DPO on its sigmoid (LD-DPO's weighted sums are its own)
     *("dpo", "ipo", "hinge", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard"),
-    *("apo_zero", "apo_down", "discopop", "sigmoid_norm", "f_dpo", "ld_dpo"),
+    *("apo_zero", "apo_down", "discopop", "sigmoid_norm", "f_dpo"),
 )
-USE_WEIGHTING = Key(
-    False,
-    lambda v: isinstance(v, bool),
-    "true or false",
-    "WPO: weigh each pair's loss by its responses' per-token probabilities under the policy (TRL's use_weighting)",
-)
+LOSS_TYPE = Key("dpo", lambda v: v in WEIGHTED, f"one of {', '.join(WEIGHTED)}", "the loss whose pairs WPO weighs")
 
 
 def log_weight_per_token(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -37,15 +32,13 @@ def log_weight_per_token(logits: torch.Tensor, rows: torch.Tensor, targets: torc
 def pair_weights(inputs: ObjectiveInputs) -> torch.Tensor:
     """(B,) w(y_w) w(y_l), w(y) = exp(mean over y's tokens of :func:`log_weight_per_token`), without gradient."""
     if inputs.policy_chosen_statistic is None or inputs.policy_rejected_statistic is None:
-        raise ValueError("loss.use_weighting needs the policy's WPO weights, which the trainer did not compute.")
+        raise ValueError("loss=wpo needs the policy's WPO weights, which the trainer did not compute.")
     return torch.exp(inputs.policy_chosen_statistic + inputs.policy_rejected_statistic).detach()
 
 
 def weighted_pair_inputs(trainer, batch: dict) -> ObjectiveInputs:
-    """The pairs' inputs (``trainer.pair_inputs``) and, with ``loss.use_weighting``, the means per response of
-    :func:`log_weight_per_token` from the policy's forward (the same call as its log-probs), (B,) each."""
-    if not _get(trainer.loss_config, "use_weighting", False):
-        return trainer.pair_inputs(batch)
+    """The pairs' inputs, as ``trainer.pair_inputs`` gives them, and the means per response of :func:`log_weight_per_token`
+    from the policy's forward (the same call as its log-probs), (B,) each."""
     n = len(batch["prompt"])
     chosen, rejected, n_tokens, statistic = trainer.concatenated_forward(trainer.policy, batch, log_weight_per_token)
     if trainer.uses_reference:
@@ -64,18 +57,46 @@ def weighted_pair_inputs(trainer, batch: dict) -> ObjectiveInputs:
     )
 
 
-def weighted(fn):
-    """``fn(inputs, loss)`` whose (B,) losses, with ``loss.use_weighting``, are multiplied by :func:`pair_weights`."""
+@dataclasses.dataclass(frozen=True)
+class WeightedObjective(Objective):
+    """``loss=wpo``: the objective ``loss.loss_type`` (its keys, reference and log-probs) with each pair's loss, its
+    ``nll_weight`` term included, multiplied by :func:`pair_weights` (TRL's ``per_sequence_loss *= weights``)."""
 
-    def wpo(inputs: ObjectiveInputs, loss):
-        losses, *rest = fn(inputs, loss)
-        return (losses * pair_weights(inputs) if loss.use_weighting else losses), *rest
+    def base(self, loss_config) -> Objective:
+        """The weighed objective, ``loss.loss_type``'s (ObjectiveConfigError for another name)."""
+        name = _get(loss_config, "loss_type", LOSS_TYPE.default)
+        if name not in WEIGHTED:
+            raise ObjectiveConfigError(f"loss.loss_type must be {LOSS_TYPE.rule} for loss=wpo, got {name}.")
+        return OBJECTIVES[name]
 
-    wpo.__name__, wpo.__doc__ = fn.__name__, fn.__doc__
-    return wpo
+    def keys_for(self, loss_config) -> dict:
+        """``loss_type`` and the keys of the objective it names."""
+        return {"loss_type": LOSS_TYPE, **self.base(loss_config).keys}
+
+    def uses_reference(self, loss_config) -> bool:
+        return self.base(loss_config).uses_reference(loss_config)
+
+    def averages(self, loss_config) -> bool:
+        return self.base(loss_config).averages(loss_config)
+
+    def uses_nll(self, loss_config) -> bool:
+        return self.base(loss_config).uses_nll(loss_config)
+
+    def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
+        """The base objective's output with its (B,) losses multiplied by :func:`pair_weights` (rewards unweighted)."""
+        out = self.base(loss_config).compute(inputs, loss_config, **overrides)
+        return out._replace(losses=out.losses * pair_weights(inputs))
 
 
-for _name in WEIGHTED:  # each gets the key, WPO's builder of its inputs and its weighted function
-    _decl = OBJECTIVES[_name]
-    _keys = {**_decl.keys, "use_weighting": USE_WEIGHTING}
-    OBJECTIVES[_name] = dataclasses.replace(_decl, keys=_keys, fn=weighted(_decl.fn), inputs=weighted_pair_inputs)
+if "wpo" in OBJECTIVES:
+    raise ValueError("objective 'wpo' is registered twice.")
+OBJECTIVES["wpo"] = WeightedObjective(
+    name="wpo",
+    fn=pair_weights,
+    keys={"loss_type": LOSS_TYPE, **OBJECTIVES["dpo"].keys},
+    source="WPO, Zhou et al. 2024 (arXiv:2406.11827), Eq. 2; TRL's use_weighting",
+    summary="WPO: the loss_type's loss of each pair times w(y_w) w(y_l), w(y) = exp(mean_t log(p(y_t) / Σ_v p_v²)) under the policy",
+    reference=True,
+    inputs=weighted_pair_inputs,
+    unit="nats per example, the weighed loss_type's",
+)

@@ -1,7 +1,7 @@
-"""loss.use_weighting=true (objectives/wpo.py): WPO (Zhou et al. 2024, Eq. 2) equal to TRL 1.16's DPOTrainer with
+"""loss=wpo (objectives/wpo.py): WPO (Zhou et al. 2024, Eq. 2) equal to TRL 1.16's DPOTrainer with
 ``use_weighting`` to 1e-6 in the loss and every gradient, its weights by hand from the softmax, the same numbers on every
 forward path (packed, padded, chunked output layer) as each sequence forwarded alone, the trainer's step, and loss=mix's
-refusal."""
+refusal. (TRL's hinge with use_weighting fails in its backward: ``per_sequence_loss *= weights`` writes into relu's output.)"""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ from preference_datasets import collate
 
 
 @pytest.mark.parametrize(
-    "loss_type, cfg",
+    "loss_type, base",
     [
-        ("sigmoid", {"name": "dpo"}),
-        ("ipo", {"name": "ipo"}),
-        ("nca_pair", {"name": "nca_pair"}),
-        ("discopop", {"name": "discopop"}),
-        ("bco_pair", {"name": "bco_pair"}),
-        ("sigmoid_norm", {"name": "sigmoid_norm"}),
+        ("sigmoid", "dpo"),
+        ("ipo", "ipo"),
+        ("nca_pair", "nca_pair"),
+        ("discopop", "discopop"),
+        ("bco_pair", "bco_pair"),
+        ("sigmoid_norm", "sigmoid_norm"),
     ],
 )
-def test_equals_trl_dpo_trainer_use_weighting(loss_type, cfg):
+def test_equals_trl_dpo_trainer_use_weighting(loss_type, base):
     pytest.importorskip("trl.trainer.dpo_trainer")
     dtype = torch.float64
     b = len(TRL_PAIRS)
@@ -52,7 +52,7 @@ def test_equals_trl_dpo_trainer_use_weighting(loss_type, cfg):
     trl_loss = trl_dpo_loss(leaf, mask, ref_chosen, ref_rejected, [loss_type], [1.0], **options)
     trl_loss.backward()
 
-    cfg = {**cfg, "beta": BETA, "use_weighting": True}
+    cfg = {"name": "wpo", "loss_type": base, "beta": BETA}
     decl = losses.validate_loss_config(cfg)
     ours_leaf = values.clone().requires_grad_(True)
     response = mask[:, 1:].to(dtype)
@@ -76,7 +76,7 @@ def test_equals_trl_dpo_trainer_use_weighting(loss_type, cfg):
     ours.backward()
     assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-6, abs=1e-6)
     torch.testing.assert_close(ours_leaf.grad * response, leaf.grad * response, rtol=1e-6, atol=1e-7)
-    unweighted = decl.compute(ours_inputs, {**cfg, "use_weighting": False}).losses.mean()
+    unweighted = losses.get_objective(base).compute(ours_inputs, cfg).losses.mean()
     assert unweighted.item() != pytest.approx(ours.item(), rel=1e-3)  # the weights acted
 
 
@@ -102,11 +102,11 @@ def test_the_weights_by_hand_from_the_softmax():
         policy_chosen_statistic=got[:2].mean().reshape(1),
         policy_rejected_statistic=got[2:].mean().reshape(1),
     )
-    out = losses.get_objective("dpo").compute(inputs, {"name": "dpo", "beta": 0.5, "use_weighting": True})
+    out = losses.get_objective("wpo").compute(inputs, {"name": "wpo", "beta": 0.5})
     dpo = -math.log(1 / (1 + math.exp(-0.5 * ((-3.0 + 4.0) - (-3.5 + 3.6)))))
     assert out.losses.item() == pytest.approx(dpo * w_chosen * w_rejected, rel=1e-6)
-    with pytest.raises(ValueError, match=r"^loss.use_weighting needs the policy's WPO weights"):
-        losses.get_objective("dpo").compute(losses.ObjectiveInputs(pc, pr, rc, rr), {"name": "dpo", "use_weighting": True})
+    with pytest.raises(ValueError, match=r"^loss=wpo needs the policy's WPO weights"):
+        losses.get_objective("wpo").compute(losses.ObjectiveInputs(pc, pr, rc, rr), {"name": "wpo"})
 
 
 def by_hand(model, elements):
@@ -153,7 +153,7 @@ def test_every_forward_path_gives_the_weights_of_each_sequence_alone_by_hand(pac
 def test_the_trainers_step_weighs_each_pairs_loss(tmp_path):
     from test_train import build_trainer
 
-    weighted = build_trainer(["loss=dpo", "loss.use_weighting=true"], tmp_path / "wpo")
+    weighted = build_trainer(["loss=wpo"], tmp_path / "wpo")
     plain = build_trainer(["loss=dpo"], tmp_path / "dpo")
     batch = next(iter(trainers.get_batch_iterator(plain.train_examples, plain.tokenizer, 8, 64, 32, seed=0, n_examples=8)))
     loss, metrics = weighted.get_batch_metrics(batch, 8, 1.0, "train")
@@ -168,10 +168,14 @@ def test_the_trainers_step_weighs_each_pairs_loss(tmp_path):
     assert not torch.allclose(loss, plain_loss)  # the weights acted
 
 
-def test_every_weighted_objective_declares_the_key_and_aot_and_mix_refuse_it():
+def test_each_loss_type_takes_its_own_keys_and_aot_and_mix_are_refused_in_one_sentence():
     for name in wpo.WEIGHTED:
-        assert losses.get_objective(name).keys["use_weighting"] is wpo.USE_WEIGHTING
-    with pytest.raises(losses.ObjectiveConfigError, match=r"^loss=aot has no key 'use_weighting'"):
-        losses.validate_loss_config({"name": "aot", "use_weighting": True})
-    with pytest.raises(losses.ObjectiveConfigError, match=r"^loss=mix does not weigh its components by WPO's weights; "):
-        losses.validate_loss_config({"name": "mix", "losses": ["dpo"], "weights": [1.0], "use_weighting": True})
+        cfg = {"name": "wpo", "loss_type": name}
+        decl = losses.validate_loss_config(cfg)
+        assert decl.keys_for(cfg) == {"loss_type": wpo.LOSS_TYPE, **losses.get_objective(name).keys}
+        assert decl.averages(cfg) == losses.get_objective(name).averages(cfg)  # ipo: per token
+    assert not losses.get_objective("wpo").uses_reference({"name": "wpo", "reference_free": True})
+    with pytest.raises(losses.ObjectiveConfigError, match=r"^loss.loss_type must be one of dpo, ipo, .* for loss=wpo, got aot.$"):
+        losses.validate_loss_config({"name": "wpo", "loss_type": "aot"})
+    with pytest.raises(losses.ObjectiveConfigError, match=r"^loss.losses of loss=mix names 'wpo', whose inputs come from a "):
+        losses.validate_loss_config({"name": "mix", "losses": ["dpo", "wpo"], "weights": [1.0, 1.0]})
