@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from losses import OBJECTIVES, Key, Objective, ObjectiveConfigError, ObjectiveInputs, ObjectiveOutput, _get
+from losses import BETA, OBJECTIVES, Key, Objective, ObjectiveConfigError, ObjectiveInputs, ObjectiveOutput, _get
 from objectives import f_divergence, pairwise  # noqa: F401  (registered before loss=wpo names them)
 
 WEIGHTED = (  # TRL's loss types that take use_weighting, and f-DPO on its sigmoid (LD-DPO's weighted sums are its own)
@@ -74,12 +74,15 @@ class WeightedObjective(Objective):
         return {"loss_type": LOSS_TYPE, **self.base(loss_config).keys}
 
     def uses_reference(self, loss_config) -> bool:
+        """As ``loss_type``'s."""
         return self.base(loss_config).uses_reference(loss_config)
 
     def averages(self, loss_config) -> bool:
+        """As ``loss_type``'s."""
         return self.base(loss_config).averages(loss_config)
 
     def uses_nll(self, loss_config) -> bool:
+        """As ``loss_type``'s."""
         return self.base(loss_config).uses_nll(loss_config)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
@@ -93,7 +96,7 @@ if "wpo" in OBJECTIVES:
 OBJECTIVES["wpo"] = WeightedObjective(
     name="wpo",
     fn=pair_weights,
-    keys={"loss_type": LOSS_TYPE, **OBJECTIVES["dpo"].keys},
+    keys={"loss_type": LOSS_TYPE, "beta": BETA},  # the keys every loss_type has; keys_for gives the rest
     source="WPO, Zhou et al. 2024 (arXiv:2406.11827), Eq. 2; TRL's use_weighting",
     summary="WPO: the loss_type's loss of each pair times w(y_w) w(y_l), w(y) = exp(mean_t log(p(y_t) / Σ_v p_v²)) under the policy",
     reference=True,
