@@ -1,12 +1,11 @@
-"""Preference-learning losses and batch log-probabilities as pure tensor functions (B pairs, T tokens, V vocabulary;
-log-probs log pi(y | x) in nats)."""
+"""Preference-learning losses as pure tensor functions of (B,) log-probs log pi(y | x) in nats (SFT, DPO, cDPO, IPO),
+and the objective registry that every objective plugs into."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import inspect
+import types
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -14,77 +13,6 @@ import torch
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # the label of a position that carries no loss (prompt or padding)
-
-
-def get_batch_logps(
-    logits: torch.Tensor, labels: torch.Tensor, average_log_prob: bool = False, token_weight: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (B,), of each sequence's labelled tokens from (B, T, V) ``logits`` and (B, T) ``labels``
-    (position t predicts label t + 1): logps in nats, float32 (float64 for float64 logits), summed or, with
-    ``average_log_prob``, per token; n_tokens float32; ValueError if the shapes disagree. ``token_weight``: each labelled
-    token's weight in the sum (:func:`sum_by_sequence`)."""
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must share (B, T).")
-    labels = labels[:, 1:]
-    logits = logits[:, :-1, :]
-    mask = labels != IGNORE_INDEX
-    safe_labels = torch.where(mask, labels, 0)
-    dtype = torch.promote_types(logits.dtype, torch.float32)  # float32, or float64 for float64 logits
-    picked = torch.gather(logits, 2, safe_labels.unsqueeze(2)).squeeze(2).to(dtype)
-    per_token = picked - torch.logsumexp(logits.to(dtype), dim=-1)  # no full-vocabulary log-softmax copy
-    per_token = torch.where(mask, per_token, 0.0)  # not * mask: a NaN at a pad position must not leak
-    n_tokens = mask.sum(-1).float()
-    if token_weight is not None:  # the labelled tokens in order, as sum_by_sequence weighs them
-        rows = torch.arange(mask.shape[0], device=mask.device)[:, None].expand_as(mask)
-        rank = (mask.cumsum(-1) - 1)[mask]
-        weights = torch.zeros_like(per_token)
-        weights[mask] = token_weight(rank, rows[mask], n_tokens).to(per_token.dtype)
-        per_token = per_token * weights
-    total = per_token.sum(-1)
-    if average_log_prob:
-        # A sequence with no labelled token gets 0, never NaN (0 / 0).
-        return total / n_tokens.clamp(min=1.0), n_tokens
-    return total, n_tokens
-
-
-def gathered_token_logps(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """(N,) log softmax(logits[rows[k]])[targets[k]] in nats, float32 (float64 for float64 logits), from (M, V)
-    ``logits`` and (N,) long ``rows`` and ``targets``; ValueError for other shapes."""
-    if logits.dim() != 2 or rows.shape != targets.shape or rows.dim() != 1:
-        raise ValueError(
-            f"logits must be (M, V) and rows, targets (N,); got {tuple(logits.shape)}, {tuple(rows.shape)}, {tuple(targets.shape)}."
-        )
-    dtype = torch.promote_types(logits.dtype, torch.float32)
-    picked = logits[rows, targets].to(dtype)
-    return picked - torch.logsumexp(logits.to(dtype), dim=-1)[rows]  # logsumexp once per row, no log-softmax copy
-
-
-def sum_by_sequence(
-    token_logps, sequence, n_sequences: int, average_log_prob: bool = False, token_weight: Callable | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (S = ``n_sequences``,), the sums (or means) of (N,) ``token_logps`` per (N,) ``sequence``:
-    logps in nats, float32 (float64 for float64 input), n_tokens float32; a sequence without tokens gets 0.
-
-    ``token_weight(rank, sequence, n_tokens)`` (an objective's ``token_weights``, e.g. LD-DPO's), if given, returns each
-    token's (N,) weight in the sum from its 0-based place among its sequence's tokens (they come in order), its
-    sequence and the (S,) token counts."""
-    total = torch.zeros(n_sequences, dtype=torch.promote_types(token_logps.dtype, torch.float32), device=token_logps.device)
-    ones = torch.ones_like(token_logps, dtype=torch.float32)
-    n_tokens = torch.zeros(n_sequences, dtype=torch.float32, device=token_logps.device).index_add(0, sequence, ones)
-    if token_weight is not None:
-        token_logps = token_logps * token_weight(token_ranks(sequence, n_sequences), sequence, n_tokens).to(token_logps.dtype)
-    total = total.index_add(0, sequence, token_logps.to(total.dtype))
-    return (total / n_tokens.clamp(min=1.0) if average_log_prob else total), n_tokens
-
-
-def token_ranks(sequence: torch.Tensor, n_sequences: int) -> torch.Tensor:
-    """(N,) each token's 0-based place among the tokens of its (N,) ``sequence``, in the order they come."""
-    order = torch.argsort(sequence, stable=True)
-    counts = torch.bincount(sequence, minlength=n_sequences)
-    starts = counts.cumsum(0) - counts
-    ranks = torch.empty_like(sequence)
-    ranks[order] = torch.arange(len(sequence), device=sequence.device) - starts[sequence[order]]
-    return ranks
 
 
 def dpo_loss(
@@ -117,9 +45,8 @@ def dpo_loss(
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()
-    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
-    return losses, chosen_rewards, rejected_rewards
+    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    return losses, *rewards
 
 
 def ipo_loss(
@@ -132,10 +59,8 @@ def ipo_loss(
     """IPO (Azar et al. 2023, Eq. 17, empirical form), (h - 1 / (2 beta))^2 on DPO's log-ratio gap h, ``beta`` the paper's
     tau > 0: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, each (B,), rewards as DPO's."""
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
-    losses = (h - 1 / (2 * beta)) ** 2
-    return losses, *implicit_rewards(
-        policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta
-    )
+    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    return (h - 1 / (2 * beta)) ** 2, *rewards
 
 
 def implicit_rewards(
@@ -146,8 +71,7 @@ def implicit_rewards(
     beta: float,
     reference_free: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's implicit rewards beta * (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5, without the partition
-    function), detached: (B,) inputs, (chosen_rewards, rejected_rewards) each (B,); ``reference_free``: reference 0."""
+    """DPO's implicit rewards beta (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5), detached, (B,) in and out."""
     if reference_free:
         reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
@@ -156,34 +80,8 @@ def implicit_rewards(
     return chosen, rejected
 
 
-def sft_loss(policy_logps_sum: torch.Tensor, n_tokens_total: float | torch.Tensor) -> torch.Tensor:
-    """Scalar SFT negative log-likelihood in nats per target token: -sum of (B,) ``policy_logps_sum`` / ``n_tokens_total``
-    (the target tokens of the whole batch, all micro-batches)."""
-    # divided by the whole batch's tokens: independent of sequence length and of the micro-batch split
-    return -policy_logps_sum.sum() / n_tokens_total
-
-
-def last_token_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """(N,) float32 scores of right-padded (N, T) sequences at their last real token, from a one-label
-    ``*ForSequenceClassification`` model's ``score`` head, gradients flowing (ValueError without such a head)."""
-    head = getattr(model, "score", None)
-    if head is None or getattr(head, "out_features", 1) != 1:
-        raise ValueError(f"{type(model).__name__} has no one-output `score` head; load it with num_labels=1.")
-    captured = []
-    handle = head.register_forward_hook(lambda module, args, output: captured.append(output))
-    try:
-        model(input_ids=input_ids, attention_mask=attention_mask)
-    finally:
-        handle.remove()
-    per_position = captured[0][..., 0]  # (N, T)
-    # not the model's own pooling (last non-pad token), which is wrong when pad is EOS and a sequence ends with EOS
-    last = (attention_mask.sum(1) - 1).clamp(min=0).to(per_position.device)
-    return per_position.gather(1, last.unsqueeze(1)).squeeze(1).float()
-
-
 # ============================================================================ the objectives registry
-# One declaration per objective (inputs, loss.* keys, pure function); the trainer names no objective.
-# Adding one: docs/objectives.md.
+# One declaration per objective (keys, inputs, function); the trainer names no objective. Adding one: docs/objectives.md.
 
 
 class ObjectiveConfigError(ValueError):
@@ -200,16 +98,19 @@ class Key:
     doc: str = ""  # what the key means, one line
 
 
+PAIR_LOGPS = ("policy_chosen_logps", "policy_rejected_logps", "reference_chosen_logps", "reference_rejected_logps")
+
+
 @dataclasses.dataclass(frozen=True)
 class Objective:
-    """The declaration of one training objective ``loss=<name>``: its pure loss function, keys and what the trainer
-    computes for it."""
+    """The declaration of objective ``loss=<name>``: its function, its keys and what the trainer computes for it."""
 
     name: str  # loss=<name> (TRL's loss_type name where TRL has it)
-    fn: Callable  # args named after ObjectiveInputs fields and keys; returns (losses, chosen, rejected[, metrics]), (B,) each
+    fn: Callable  # (inputs: ObjectiveInputs, loss: the keys' values by name) -> (losses, chosen, rejected[, metrics]), (B,) each
     keys: dict  # the loss.* keys besides name
     source: str  # paper and equation
     summary: str  # one line for docs/objectives.md's table
+    needs: tuple = PAIR_LOGPS  # the ObjectiveInputs fields fn reads (compute refuses inputs without one)
     reference: bool | str = True  # a key name: uses the reference unless that boolean key is true
     average_log_prob: bool | None = None  # log-probs are means per response token; None: as loss.average_log_prob says
     nll: bool = False  # uses the chosen NLL per token (policy_chosen_nll)
@@ -236,8 +137,7 @@ class Objective:
         return bool(_get(loss_config, "average_log_prob", self.keys.get("average_log_prob", Key(False)).default))
 
     def keys_for(self, loss_config) -> dict:
-        """The ``loss.*`` keys (name -> :class:`Key`) ``loss_config`` may set (a ``mix``'s depend on its components;
-        ObjectiveConfigError for bad ``losses``/``weights``)."""
+        """The ``loss.*`` keys (name -> :class:`Key`) ``loss_config`` may set (a ``mix``'s depend on its components)."""
         return self.keys
 
     def uses_nll(self, loss_config) -> bool:
@@ -250,19 +150,13 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """Call :attr:`fn` with the inputs and keys it names (``overrides`` win over ``loss_config``), plus ``loss.nll_weight``
-        times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1); ValueError for a missing input."""
-        kwargs = {}
-        for name, parameter in self._signature.items():
-            if name in overrides:
-                kwargs[name] = overrides[name]
-            elif name in self.keys:
-                kwargs[name] = _get(loss_config, name, self.keys[name].default)
-            elif getattr(inputs, name, None) is not None:
-                kwargs[name] = getattr(inputs, name)
-            elif parameter.default is not None:  # None: an optional input (e.g. KTO's label), the function's default
-                raise ValueError(f"loss={self.name} needs {name}, which the trainer did not compute.")
-        per_example, chosen_rewards, rejected_rewards, *extra = self.fn(**kwargs)
+        """:attr:`fn` of ``inputs`` and the keys' values (``overrides`` win over ``loss_config``, then the defaults), plus
+        ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1)."""
+        missing = next((field for field in self.needs if getattr(inputs, field) is None), None)
+        if missing is not None:
+            raise ValueError(f"loss={self.name} needs {missing}, which the trainer did not compute.")
+        values = {key: overrides.get(key, _get(loss_config, key, spec.default)) for key, spec in self.keys.items()}
+        per_example, chosen_rewards, rejected_rewards, *extra = self.fn(inputs, types.SimpleNamespace(**values))
         extra = extra[0] if extra else {}
         nll_weight = float(_get(loss_config, "nll_weight", 0.0) or 0.0)
         if nll_weight > 0:
@@ -276,14 +170,6 @@ class Objective:
             per_example = per_example + nll_weight * nll
             extra = {**extra, "nll": nll.detach()}
         return ObjectiveOutput(per_example, chosen_rewards, rejected_rewards, extra)
-
-    def _parameters(self) -> list[str]:
-        return list(self._signature)
-
-    @functools.cached_property
-    def _signature(self):
-        """The function's parameters by name, read once (compute runs on every micro-batch)."""
-        return inspect.signature(self.fn).parameters
 
 
 @dataclasses.dataclass
@@ -303,11 +189,12 @@ class ObjectiveInputs:
     policy_kl_logps: torch.Tensor | None = None  # log-probs of mismatched pairs (x_i, y_{i+1})
     reference_kl_logps: torch.Tensor | None = None
     label: torch.Tensor | None = None  # bool, unpaired rows only: the completion is desirable
+    policy_chosen_statistic: torch.Tensor | None = None  # mean per response of a token statistic of the policy's logits (WPO)
+    policy_rejected_statistic: torch.Tensor | None = None
 
 
 class ObjectiveOutput(NamedTuple):
-    """An objective's result for one micro-batch: ``losses`` (B,), detached rewards (B,) each (or None),
-    and extra per-example metric tensors by name."""
+    """An objective's result for one micro-batch: ``losses`` (B,), detached rewards (B,) or None, metric tensors by name."""
 
     losses: torch.Tensor
     chosen_rewards: torch.Tensor | None
@@ -319,18 +206,13 @@ OBJECTIVES: dict[str, Objective] = {}  # every registered objective by name (los
 
 
 def objective(name: str, **declaration) -> Callable:
-    """Register the decorated function as objective ``name`` (the other arguments: :class:`Objective`'s fields) and return
-    it unchanged; ValueError for a taken name or an argument that is neither an input field nor a declared key."""
+    """Register the decorated ``fn(inputs, loss)`` as objective ``name`` (the other arguments: :class:`Objective`'s fields)
+    and return it unchanged; ValueError for a taken name."""
 
     def register(fn: Callable) -> Callable:
         if name in OBJECTIVES:
             raise ValueError(f"objective {name!r} is registered twice.")
-        decl = Objective(name=name, fn=fn, **declaration)
-        fields = {f.name for f in dataclasses.fields(ObjectiveInputs)}
-        unknown = [p for p in decl._parameters() if p not in fields and p not in decl.keys]
-        if unknown:
-            raise ValueError(f"objective {name!r}: argument {unknown[0]!r} is neither an input nor a declared key.")
-        OBJECTIVES[name] = decl
+        OBJECTIVES[name] = Objective(name=name, fn=fn, **declaration)
         return fn
 
     return register
@@ -349,8 +231,7 @@ def get_objective(name: str) -> Objective:
 
 
 def validate_loss_config(loss_config) -> Objective:
-    """Check the ``loss`` section against its objective's declaration and return the objective (ObjectiveConfigError
-    names the first bad key and the fix)."""
+    """Check the ``loss`` section against its objective's declaration and return it (ObjectiveConfigError: key and fix)."""
     decl = get_objective(loss_config["name"])
     keys = decl.keys_for(loss_config)
     allowed = {"name", *keys}
@@ -406,8 +287,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
 
 
 def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
-    """SFT's inputs: each SFT target's log-prob under the policy (the ``chosen_*`` rows alone, no pairs), (B,), and its
-    number of target tokens, (B,)."""
+    """SFT's inputs: each SFT target's (B,) log-prob under the policy (the ``chosen_*`` rows alone) and its target tokens."""
     chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
     logps, n_tokens = trainer.one_side_logps(trainer.policy, chosen)
     return ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
@@ -426,12 +306,13 @@ def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
     average_log_prob=False,
     sft_data=True,
     per_token=True,
+    needs=("policy_chosen_logps",),
     unit="nats per target token",
     inputs=sft_inputs,
 )
-def sft_objective(policy_chosen_logps: torch.Tensor):
+def sft_objective(inputs: ObjectiveInputs, loss):
     """SFT as an objective: per-example -log pi(y | x) over the target tokens, no rewards; (B,) in and out."""
-    return -policy_chosen_logps, None, None
+    return -inputs.policy_chosen_logps, None, None
 
 
 @objective(
@@ -448,25 +329,11 @@ def sft_objective(policy_chosen_logps: torch.Tensor):
     reference="reference_free",
     unit="nats, −log σ(β·log-ratio gap)",
 )
-def dpo_objective(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-    label_smoothing: float = 0.0,
-    reference_free: bool = False,
-):
+def dpo_objective(inputs: ObjectiveInputs, loss):
     """DPO and conservative DPO as an objective: :func:`dpo_loss` of the trainer's (B,) log-probs and the loss keys."""
-    return dpo_loss(
-        policy_chosen_logps,
-        policy_rejected_logps,
-        reference_chosen_logps,
-        reference_rejected_logps,
-        beta,
-        label_smoothing,
-        reference_free,
-    )
+    policy = inputs.policy_chosen_logps, inputs.policy_rejected_logps
+    reference = inputs.reference_chosen_logps, inputs.reference_rejected_logps
+    return dpo_loss(*policy, *reference, loss.beta, loss.label_smoothing, loss.reference_free)
 
 
 @objective(
@@ -476,31 +343,15 @@ def dpo_objective(
     summary="IPO: the log-ratio gap regressed to 1 / (2 beta)",
     unit="nats², (log-ratio gap − 1/(2β))²",
 )
-def ipo_objective(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-):
+def ipo_objective(inputs: ObjectiveInputs, loss):
     """IPO as an objective: :func:`ipo_loss` of the trainer's (B,) log-probs (means per token by default) and ``beta``."""
-    return ipo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    policy = inputs.policy_chosen_logps, inputs.policy_rejected_logps
+    reference = inputs.reference_chosen_logps, inputs.reference_rejected_logps
+    return ipo_loss(*policy, *reference, loss.beta)
 
 
 REFERENCE_UPDATES: dict[str, type] = {}
-"""``reference_update.mode`` -> the plugin class that moves the reference during training (objectives/: TR-DPO's
-``soft`` and ``hard``, ``bema``). The trainer builds ``cls(trainer)`` once its models are placed and calls
-``step(step) -> dict`` (train metrics) after each optimizer step ``step`` (1-based); ``state_dict()`` and
-``load_state_dict(state)`` hold what resume needs beyond the reference's weights; ``cls.check(update)`` returns None or
-one sentence naming a wrong ``reference_update`` key."""
-
-
-def reference_update(*modes: str) -> Callable[[type], type]:
-    """Register a class as the reference update of ``reference_update.mode`` = each of ``modes``."""
-
-    def register(cls: type) -> type:
-        for mode in modes:
-            REFERENCE_UPDATES[mode] = cls
-        return cls
-
-    return register
+"""``reference_update.mode`` -> the class that moves the reference during training (objectives/: TR-DPO, BEMA), set by
+its plugin: built as ``cls(trainer)`` once the models are placed; ``step(step) -> dict`` (train metrics) after each
+optimizer step; ``state_dict()``/``load_state_dict(state)``: what resume needs beyond the reference's weights;
+``cls.check(update)``: None, or one sentence naming a wrong ``reference_update`` key."""

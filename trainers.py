@@ -18,7 +18,7 @@ import tqdm
 
 import losses
 from data.chat import stop_token_ids
-from modeling import models, optimization
+from modeling import logprobs, models, optimization
 from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
 from parallel import fsdp, tensor_parallel
 from parallel.dist import Dist, shard_from_rank0, split_batch
@@ -68,14 +68,20 @@ def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def response_logps(
-    model, inputs: dict, average_log_prob: bool = False, chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK, token_weight=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (B,) float32 on the model's output device: ``losses.get_batch_logps`` of the padded
+    model,
+    inputs: dict,
+    average_log_prob: bool = False,
+    chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
+    token_weight=None,
+    token_statistic=None,
+) -> tuple[torch.Tensor, ...]:
+    """(logps, n_tokens), each (B,) float32 on the model's output device: ``logprobs.get_batch_logps`` of the padded
     forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
-    (``packing.output_layer_logps``; None or 0: all at once), each token weighed by ``token_weight`` if given."""
+    (``packing.output_layer_logps``; None or 0: all at once), each token weighed by ``token_weight`` if given, and with
+    ``token_statistic`` its (B,) means (``logprobs.statistic_means``)."""
     if not chunk:
         logits, labels = response_logits(model, inputs)
-        return losses.get_batch_logps(logits, labels, average_log_prob, token_weight)
+        return logprobs.get_batch_logps(logits, labels, average_log_prob, token_weight, token_statistic)
     labels = inputs["labels"]
     n, length = labels.shape
     keep = _kept_positions(labels)
@@ -83,8 +89,10 @@ def response_logps(
     seqs, cols = (predicted != losses.IGNORE_INDEX).nonzero(as_tuple=True)  # column cols predicts token cols + 1
     rows = seqs * keep + cols - (length - keep)
     kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-    token_logps = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep)
-    return losses.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
+    out = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep, token_statistic)
+    token_logps = out if token_statistic is None else out[0]
+    sums = logprobs.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
+    return sums if token_statistic is None else (*sums, logprobs.statistic_means(out[1], seqs.to(out[1].device), n))
 
 
 def single_logps(
@@ -211,7 +219,7 @@ class BasicTrainer:
 
     packed = True  # pairs go through modeling/packing.py's forward: the padded one's numbers, without its padding
 
-    def concatenated_forward(self, model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def concatenated_forward(self, model, batch: dict, token_statistic: Callable | None = None) -> tuple[torch.Tensor, ...]:
         """``model``'s log-probs of B pairs' chosen and rejected responses, summed (or averaged) over response tokens, in
         one forward call of chosen stacked over rejected (the reference repository's).
 
@@ -219,22 +227,25 @@ class BasicTrainer:
             model: a causal LM (the policy, or the reference under no_grad).
             batch: ``{chosen,rejected}_{input_ids,attention_mask,labels}``, (B, T_c) and (B, T_r), right-padded;
                 labels are -100 outside the responses.
+            token_statistic: an objective's quantity per response token from the logits, without gradient
+                (``(logits (M, V), rows (N,), targets (N,)) -> (N,)``, WPO's log weight); None: none is computed.
 
         Returns:
-            chosen_logps (B,), rejected_logps (B,), n_tokens (2B,): float32, response tokens, chosen first.
+            chosen_logps (B,), rejected_logps (B,), n_tokens (2B,): float32, response tokens, chosen first; with
+            ``token_statistic``, also its means per response (2B,), chosen first.
         """
         n = batch["chosen_input_ids"].shape[0]
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)  # a default for stand-ins without a config
         weight = getattr(self, "token_weight", None)  # an objective's weight per response token (LD-DPO); None: 1
         if self.packed:  # each pair one row, the prompt once (None: a batch that is not right-padded)
-            out = packed_sequence_logps(
-                model, batch, self.average_log_prob, self.device, self.max_forward_chunks, chunk=chunk, token_weight=weight
-            )
+            args = (model, batch, self.average_log_prob, self.device, self.max_forward_chunks)
+            out = packed_sequence_logps(*args, chunk=chunk, token_weight=weight, token_statistic=token_statistic)
             if out is not None:
-                return out[0][:n], out[0][n:], out[1]
+                return out[0][:n], out[0][n:], *out[1:]
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}  # (2B, max(T_c, T_r))
-        logps, n_tokens = (t.to(self.device) for t in response_logps(model, inputs, self.average_log_prob, chunk, weight))
-        return logps[:n], logps[n:], n_tokens
+        out = response_logps(model, inputs, self.average_log_prob, chunk, weight, token_statistic)
+        logps, *rest = (t.to(self.device) for t in out)
+        return logps[:n], logps[n:], *rest
 
     remote_reference = None  # batch -> (chosen, rejected) on other workers, e.g. ray_launcher.RemoteReference
 

@@ -603,7 +603,7 @@ def worker_profile(spec: dict) -> dict:
         from collections import defaultdict
 
         import losses as L
-        from modeling import optimization
+        from modeling import logprobs, optimization
         from preference_datasets import collate
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -653,7 +653,7 @@ def worker_profile(spec: dict) -> dict:
                             f"{n} model forward", phases[f"{n} model forward"] + time.perf_counter() - s.pop()
                         )
                     )
-            L.get_batch_logps = timed(grad_label("get_batch_logps"), L.get_batch_logps)
+            logprobs.get_batch_logps = timed(grad_label("get_batch_logps"), logprobs.get_batch_logps)
             L.dpo_loss = timed("dpo_loss", L.dpo_loss)
             torch.Tensor.backward = timed("backward", torch.Tensor.backward)
             optimization.clip_gradients = timed("clip_gradients", optimization.clip_gradients)

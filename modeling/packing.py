@@ -15,6 +15,7 @@ import torch
 import torch.utils.checkpoint
 
 import losses
+from modeling import logprobs
 
 PACKED_CHUNK_COST = 0.05  # plan_chunks' cost of one more forward call, as a fraction of the batch's padded positions
 
@@ -150,13 +151,15 @@ def _refuse_chunking(model, reason: str) -> None:
 class ChunkedOutputLayer(torch.nn.Module):
     """Stands in for a causal LM's output layer during one forward call and returns the (N,) float32 log-prob of each
     target, calling the real layer (inside the model's forward, so FSDP2, accelerate hooks and tied weights apply) on
-    ``chunk`` positions at a time under non-reentrant checkpointing; ``rows`` (N,) index the (M, H) flattened hidden states."""
+    ``chunk`` positions at a time under non-reentrant checkpointing; ``rows`` (N,) index the (M, H) flattened hidden states;
+    with ``token_statistic``, also each target's :func:`logprobs.statistic_values` from the same logits (``statistic``)."""
 
-    def __init__(self, head, rows: torch.Tensor, targets: torch.Tensor, chunk: int, n_positions: int | None = None):
+    def __init__(self, head, rows, targets, chunk: int, n_positions: int | None = None, token_statistic=None):
         super().__init__()
         self.head = head
         self.rows, self.targets, self.chunk, self.n_positions = rows.cpu(), targets.cpu(), int(chunk), n_positions
-        self.result = None
+        self.token_statistic = token_statistic
+        self.result = self.statistic = None
 
     def __getattr__(self, name):
         try:
@@ -164,9 +167,13 @@ class ChunkedOutputLayer(torch.nn.Module):
         except AttributeError:  # e.g. ``.weight``, read by a model's own code: the head's
             return getattr(super().__getattr__("head"), name)
 
-    def _chunk_logps(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _chunk_logps(self, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor):
         logits = self.head(hidden)  # (c, V); the head may move it to its own device
-        return losses.gathered_token_logps(logits, rows.to(logits.device), targets.to(logits.device))
+        rows, targets = rows.to(logits.device), targets.to(logits.device)
+        token_logps = logprobs.gathered_token_logps(logits, rows, targets)
+        if self.token_statistic is None:
+            return token_logps
+        return token_logps, logprobs.statistic_values(self.token_statistic, logits, rows, targets)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N,) float32 log-probs of the targets from ``hidden`` (..., H); RuntimeError unless it holds ``n_positions``."""
@@ -187,17 +194,22 @@ class ChunkedOutputLayer(torch.nn.Module):
                 parts.append(torch.utils.checkpoint.checkpoint(self._chunk_logps, *args, use_reentrant=False))
             else:
                 parts.append(self._chunk_logps(*args))
+        if self.token_statistic is not None:  # (logps, statistic) per chunk
+            statistic = torch.cat([p[1] for p in parts])
+            self.statistic = statistic[torch.argsort(order).to(statistic.device)]
+            parts = [p[0] for p in parts]
         sorted_logps = torch.cat(parts)
         self.result = sorted_logps[torch.argsort(order).to(sorted_logps.device)]
         return self.result
 
 
 def output_layer_logps(
-    model, kwargs: dict, logits_to_keep, rows, targets, chunk=DEFAULT_OUTPUT_LAYER_CHUNK, n_positions=None
-) -> torch.Tensor:
+    model, kwargs: dict, logits_to_keep, rows, targets, chunk=DEFAULT_OUTPUT_LAYER_CHUNK, n_positions=None, token_statistic=None
+):
     """The (N,) float32 log-prob in nats of each (N,) ``targets`` at its (N,) ``rows`` among the M kept positions (row-major;
     ``logits_to_keep``: an int, each row's last, or a 2-D bool mask) of one forward call of ``model``, the output layer
-    a :class:`ChunkedOutputLayer` if ``chunk`` (else, or where it cannot be, unchunked); RuntimeError if M != ``n_positions``."""
+    a :class:`ChunkedOutputLayer` if ``chunk`` (else, or where it cannot be, unchunked); RuntimeError if M != ``n_positions``.
+    With ``token_statistic``: (log-probs, each target's :func:`logprobs.statistic_values`), (N,) each."""
     prefer_masked_gqa(kwargs["input_ids"].device)
     if chunk and model not in _UNCHUNKED:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -208,14 +220,14 @@ def output_layer_logps(
         elif transform := _logit_transform(model):
             _refuse_chunking(model, f"changes its logits after the output layer ({transform})")
         else:
-            stand_in = ChunkedOutputLayer(head, rows, targets, chunk, n_positions)
+            stand_in = ChunkedOutputLayer(head, rows, targets, chunk, n_positions, token_statistic)
             setattr(*place, stand_in)
             try:
                 out = model(**kwargs, logits_to_keep=logits_to_keep)
             finally:
                 setattr(*place, head)
             if stand_in.result is not None and out.logits is stand_in.result:
-                return stand_in.result
+                return stand_in.result if token_statistic is None else (stand_in.result, stand_in.statistic)
             _refuse_chunking(model, "does not return its output layer's output as its logits")
     logits = model(**kwargs, logits_to_keep=logits_to_keep).logits
     flat = logits.reshape(-1, logits.shape[-1])
@@ -223,7 +235,11 @@ def output_layer_logps(
         raise RuntimeError(
             f"{type(model).__name__} ignored logits_to_keep (logits {tuple(logits.shape)}, not {n_positions} positions)."
         )
-    return losses.gathered_token_logps(flat, rows.to(flat.device), targets.to(flat.device))
+    rows, targets = rows.to(flat.device), targets.to(flat.device)
+    token_logps = logprobs.gathered_token_logps(flat, rows, targets)
+    if token_statistic is None:
+        return token_logps
+    return token_logps, logprobs.statistic_values(token_statistic, flat, rows, targets)
 
 
 def compute_dtype(model) -> torch.dtype:
@@ -246,9 +262,9 @@ def _row_matrix(values: list[list[int]], width: int, fill: int) -> torch.Tensor:
     return torch.tensor([v + [fill] * (width - len(v)) for v in values], dtype=torch.long)
 
 
-def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool, chunk=DEFAULT_OUTPUT_LAYER_CHUNK):
-    """(log-probs (N,) float32, sequence ids (N,) long) of the targets of ``rows``, in row order, from one forward call
-    padded to the longest row (:func:`output_layer_logps`)."""
+def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool, chunk=DEFAULT_OUTPUT_LAYER_CHUNK, statistic=None):
+    """(log-probs (N,) float32, sequence ids (N,) long[, ``statistic``'s values (N,)]) of the targets of ``rows``, in row
+    order, from one forward call padded to the longest row (:func:`output_layer_logps`)."""
     width = max(len(r.ids) for r in rows)
     kwargs = {"input_ids": _row_matrix([r.ids for r in rows], width, 0).to(device), "use_cache": False}
     if any(r.branch is not None for r in rows):
@@ -275,20 +291,25 @@ def _packed_chunk_logps(model, rows: list[PackedRow], device, keep_bool: bool, c
         first = int(col_idx.min()) if len(col_idx) else width - 1
         where = row_idx * (width - first) + col_idx - first
         keep_arg, n_positions = width - first, len(rows) * (width - first)
-    token_logps = output_layer_logps(model, kwargs, keep_arg, where, targets, chunk, n_positions)
-    return token_logps.to(device), seqs  # a split model's log-probs come from its last GPU
+    out = output_layer_logps(model, kwargs, keep_arg, where, targets, chunk, n_positions, statistic)
+    if statistic is not None:  # (log-probs, statistic values)
+        return out[0].to(device), seqs, out[1].to(device)
+    return out.to(device), seqs  # a split model's log-probs come from its last GPU
 
 
 def _packed_logps(
-    model, rows: list[PackedRow], n_sequences: int, average_log_prob: bool, device, max_chunks, chunk, token_weight=None
+    model, rows: list[PackedRow], n_sequences, average_log_prob, device, max_chunks, chunk, token_weight=None, statistic=None
 ):
-    """(logps, n_tokens), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`' groups, one graph
-    (``token_weight``: :func:`losses.sum_by_sequence`'s)."""
+    """(logps, n_tokens[, statistic means]), each (n_sequences,) float32, of packed ``rows`` forwarded in :func:`plan_chunks`'
+    groups, one graph (``token_weight``: :func:`logprobs.sum_by_sequence`'s; ``statistic``: :func:`logprobs.statistic_means`)."""
     keep_bool = packed_forward_support(model)[0]
     groups = plan_chunks([len(r.ids) for r in rows], max_chunks)
-    parts = [_packed_chunk_logps(model, [rows[k] for k in group], device, keep_bool, chunk) for group in groups]
+    parts = [_packed_chunk_logps(model, [rows[k] for k in group], device, keep_bool, chunk, statistic) for group in groups]
     token_logps, seqs = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    return losses.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob, token_weight)
+    out = logprobs.sum_by_sequence(token_logps, seqs, n_sequences, average_log_prob, token_weight)
+    if statistic is None:
+        return out
+    return *out, logprobs.statistic_means(torch.cat([p[2] for p in parts]), seqs, n_sequences)
 
 
 def pack_single_rows(inputs: dict) -> list[PackedRow] | None:
@@ -308,7 +329,7 @@ def packed_single_logps(
     max_chunks: int | None = None,
     chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(logps, n_tokens), each (B,) float32, of single right-padded sequences forwarded packed (``losses.get_batch_logps``'s
+    """(logps, n_tokens), each (B,) float32, of single right-padded sequences forwarded packed (``logprobs.get_batch_logps``'s
     values on the padded forward); None when one is not right-padded."""
     rows = pack_single_rows(inputs)
     if rows is None:
@@ -325,10 +346,14 @@ def packed_sequence_logps(
     share_prompt=True,
     chunk=DEFAULT_OUTPUT_LAYER_CHUNK,
     token_weight=None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    token_statistic=None,
+) -> tuple[torch.Tensor, ...] | None:
     """(logps, n_tokens), each (2B,) float32 chosen first, of a DPO batch forwarded packed (the padded forward's within float
     tolerance) in at most ``max_chunks`` calls, ``chunk`` positions per output-layer call (None or 0: all), each response
-    token weighed by ``token_weight`` (:func:`losses.sum_by_sequence`); None if not right-padded."""
+    token weighed by ``token_weight`` (:func:`logprobs.sum_by_sequence`), and with ``token_statistic`` its (2B,) means
+    (:func:`logprobs.statistic_means`); None if not right-padded."""
     rows = pack_preference_rows(batch, share_prompt and packed_forward_support(model)[1])
+    if rows is None:
+        return None
     n = 2 * batch["chosen_input_ids"].shape[0]
-    return None if rows is None else _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk, token_weight)
+    return _packed_logps(model, rows, n, average_log_prob, device, max_chunks, chunk, token_weight, token_statistic)

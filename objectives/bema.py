@@ -13,7 +13,6 @@ KEYS = ("update_freq", "lag", "update_after", "ref_model_update_freq", "ref_mode
 POWERS = ("ema_power", "bias_power", "multiplier", "min_ema_multiplier")  # real numbers >= 0
 
 
-@losses.reference_update("bema")
 class BEMAUpdate:
     """theta'_t = EMA_t + alpha_t (theta_t - theta_0), EMA_t = (1 - beta_t) EMA_{t-1} + beta_t theta_t, with
     beta_t = max((lag + multiplier t)^-ema_power, min_ema_multiplier) and alpha_t = (lag + multiplier t)^-bias_power
@@ -97,3 +96,6 @@ class BEMAUpdate:
             for name, value in state[part].items():
                 if mine[name] is not value:  # DCP has filled this run's own tensors already
                     mine[name].copy_(value)
+
+
+losses.REFERENCE_UPDATES["bema"] = BEMAUpdate

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from losses import BETA, NLL_WEIGHT, Key, dpo_loss, objective
+from losses import BETA, NLL_WEIGHT, Key, ObjectiveInputs, dpo_loss, objective
 from objectives.pairwise import PAIR_LABEL_SMOOTHING
 
 F_DIVERGENCES = ("reverse_kl", "forward_kl", "js_divergence", "alpha_divergence")
@@ -54,24 +54,16 @@ def f_prime(h: torch.Tensor, f_divergence_type: str, alpha: float) -> torch.Tens
     average_log_prob=False,
     unit="nats",
 )
-def f_dpo(
-    policy_chosen_logps,
-    policy_rejected_logps,
-    reference_chosen_logps,
-    reference_rejected_logps,
-    beta,
-    f_divergence_type,
-    f_alpha_divergence_coef,
-    label_smoothing,
-):
-    """-log sigmoid(beta (f'(u_w) - f'(u_l))), u = pi(y|x) / ref(y|x); reverse KL is DPO itself.
+def f_dpo(inputs: ObjectiveInputs, loss):
+    """-log sigmoid(beta (f'(u_w) - f'(u_l))), u = pi(y|x) / ref(y|x), as :func:`losses.dpo_loss` of the scores f'(u); reverse
+    KL is DPO itself.
 
-    Shapes: the four (B,) summed log-probs in nats; returns (losses, chosen_rewards, rejected_rewards), (B,) each, the
-    rewards DPO's beta (log pi - log ref), detached.
+    Shapes: ``inputs``' four (B,) summed log-probs in nats; returns (losses, chosen_rewards, rejected_rewards), (B,) each,
+    the rewards DPO's beta (log pi - log ref), detached.
     """
-    h_w = policy_chosen_logps - reference_chosen_logps
-    h_l = policy_rejected_logps - reference_rejected_logps
-    scores_w, scores_l = (f_prime(h, f_divergence_type, f_alpha_divergence_coef) for h in (h_w, h_l))
+    h_w = inputs.policy_chosen_logps - inputs.reference_chosen_logps
+    h_l = inputs.policy_rejected_logps - inputs.reference_rejected_logps
+    scores_w, scores_l = (f_prime(h, loss.f_divergence_type, loss.f_alpha_divergence_coef) for h in (h_w, h_l))
     zero = torch.zeros_like(h_w)  # the scores are already relative to the reference
-    losses, _, _ = dpo_loss(scores_w, scores_l, zero, zero, beta, label_smoothing)
-    return losses, beta * h_w.detach(), beta * h_l.detach()
+    losses, _, _ = dpo_loss(scores_w, scores_l, zero, zero, loss.beta, loss.label_smoothing)
+    return losses, loss.beta * h_w.detach(), loss.beta * h_l.detach()

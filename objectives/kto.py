@@ -52,22 +52,6 @@ def gathered_kl(dist, policy_kl: torch.Tensor, reference_kl: torch.Tensor) -> tu
     return torch.tensor([mean], dtype=torch.float32, device=policy_kl.device), torch.zeros(1, device=policy_kl.device)
 
 
-@objective(
-    "kto",
-    keys={
-        "beta": BETA,
-        "desirable_weight": Key(1.0, _positive, "> 0", "lambda_D, weight of the desirable completions' losses"),
-        "undesirable_weight": Key(1.0, _positive, "> 0", "lambda_U, weight of the undesirable completions' losses"),
-        "nll_weight": NLL_WEIGHT,
-    },
-    source="Ethayarajh et al. 2024, Eq. 8",
-    summary="KTO: prospect-theoretic loss on desirable / undesirable completions (paired or unpaired)",
-    average_log_prob=False,
-    unpaired=True,
-    mismatched_kl=True,
-    inputs=kto_inputs,
-    unit="value loss per completion, in [0, λ]",
-)
 def kto_objective(
     policy_chosen_logps,
     reference_chosen_logps,
@@ -110,6 +94,40 @@ def kto_objective(
     if not label.all():
         metrics["rewards_undesirable"] = rewards[~label]
     return losses, None, None, metrics
+
+
+@objective(
+    "kto",
+    keys={
+        "beta": BETA,
+        "desirable_weight": Key(1.0, _positive, "> 0", "lambda_D, weight of the desirable completions' losses"),
+        "undesirable_weight": Key(1.0, _positive, "> 0", "lambda_U, weight of the undesirable completions' losses"),
+        "nll_weight": NLL_WEIGHT,
+    },
+    source="Ethayarajh et al. 2024, Eq. 8",
+    summary="KTO: prospect-theoretic loss on desirable / undesirable completions (paired or unpaired)",
+    average_log_prob=False,
+    unpaired=True,
+    mismatched_kl=True,
+    needs=("policy_chosen_logps", "reference_chosen_logps", "policy_kl_logps", "reference_kl_logps"),
+    inputs=kto_inputs,
+    unit="value loss per completion, in [0, λ]",
+)
+def kto(inputs: ObjectiveInputs, loss):
+    """loss=kto: :func:`kto_objective` of the (B,) log-probs (paired, or unpaired with their labels), the mismatched
+    pairs' and the keys."""
+    return kto_objective(
+        inputs.policy_chosen_logps,
+        inputs.reference_chosen_logps,
+        inputs.policy_kl_logps,
+        inputs.reference_kl_logps,
+        loss.beta,
+        loss.desirable_weight,
+        loss.undesirable_weight,
+        inputs.policy_rejected_logps,
+        inputs.reference_rejected_logps,
+        inputs.label,
+    )
 
 
 # KTO's reference point z0 (Ethayarajh et al. 2024, Sec. 4.1): within each micro-batch of B examples, prompt x_i

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from losses import BETA, NLL_WEIGHT, Key, _get, dpo_loss, objective
+from losses import BETA, NLL_WEIGHT, Key, ObjectiveInputs, _get, dpo_loss, objective
 
 
 def length_desensitized_weight(alpha: float):
-    """LD-DPO's token weight for :func:`losses.sum_by_sequence`: 1 for the first min(|y_w|, |y_l|) response tokens of
+    """LD-DPO's token weight for :func:`modeling.logprobs.sum_by_sequence`: 1 for the first min(|y_w|, |y_l|) response tokens of
     each pair (the public part), ``alpha`` after them, so log pi(y|x) becomes the public log-prob plus alpha times the
     verbose one (Eq. 9). The 2B sequences are the pairs' chosen responses, then their rejected ones."""
 
@@ -40,12 +40,12 @@ def length_desensitized_weight(alpha: float):
     token_weights=lambda loss_config: length_desensitized_weight(float(_get(loss_config, "ld_alpha", 0.5))),
     unit="nats, −log σ(β·log-ratio gap)",
 )
-def ld_dpo_objective(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-):
+def ld_dpo_objective(inputs: ObjectiveInputs, loss):
     """LD-DPO's loss: :func:`losses.dpo_loss` of the length-desensitized (B,) log-probs of policy and reference."""
-    return dpo_loss(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
+    return dpo_loss(
+        inputs.policy_chosen_logps,
+        inputs.policy_rejected_logps,
+        inputs.reference_chosen_logps,
+        inputs.reference_rejected_logps,
+        loss.beta,
+    )

@@ -18,7 +18,7 @@ from losses import (
     ObjectiveOutput,
     _get,
 )
-from objectives.pairwise import _log_ratios, _pair_rewards
+from objectives.pairwise import log_ratios, pair_rewards
 
 # ---- loss=mix: sum_k weights[k] * (per-example loss of losses[k]); component nll is the chosen NLL per token
 # (TRL's loss_type "sft"); the other keys are the components' keys, one value shared by all that have it, as in TRL.
@@ -29,7 +29,7 @@ MIX_NLL = "nll"
 def _mixable(decl: Objective) -> bool:
     """True if ``decl`` can be a component of ``loss=mix``: a paired objective on (chosen,
     rejected) log-probs with a per-example loss, each token weighing 1 (the components share one forward)."""
-    plain = not (decl.unpaired or decl.mismatched_kl or decl.per_token or decl.token_weights)
+    plain = not (decl.unpaired or decl.mismatched_kl or decl.per_token or decl.token_weights or decl.inputs)
     return decl.paired and plain and not isinstance(decl, MixObjective)
 
 
@@ -37,8 +37,8 @@ def _is_list(value) -> bool:
     return not isinstance(value, (str, bytes, dict)) and hasattr(value, "__iter__") and hasattr(value, "__len__")
 
 
-def _mix_losses(loss_config) -> list[str]:
-    """``loss.losses`` of a ``mix``: registered pairwise objectives and ``nll``, each once; ObjectiveConfigError otherwise."""
+def _mix_names(loss_config) -> list[str]:
+    """``loss_config``'s ``losses``, the components of a ``mix``; ObjectiveConfigError for a bad list or component."""
     names = _get(loss_config, "losses", MIX_LOSSES.default)
     choices = sorted([n for n, d in OBJECTIVES.items() if _mixable(d)] + [MIX_NLL])
     if not _is_list(names) or not list(names) or not all(isinstance(n, str) for n in names):
@@ -57,6 +57,11 @@ def _mix_losses(loss_config) -> list[str]:
                 f"loss.losses of loss=mix names {name!r}, which weighs response tokens in its own log-probs, and the mix's "
                 f"components share one forward; train loss={name} alone, or mix from {', '.join(choices)}."
             )
+        if name in OBJECTIVES and OBJECTIVES[name].paired and OBJECTIVES[name].inputs and not OBJECTIVES[name].unpaired:
+            raise ObjectiveConfigError(
+                f"loss.losses of loss=mix names {name!r}, whose inputs come from a forward of its own, and the mix's "
+                f"components share one forward; train loss={name} alone, or mix from {', '.join(choices)}."
+            )
         if name != MIX_NLL and not (name in OBJECTIVES and _mixable(OBJECTIVES[name])):
             close = difflib.get_close_matches(name, choices, n=1)
             hint = f"did you mean {close[0]}? " if close else ""
@@ -70,7 +75,7 @@ def _mix_losses(loss_config) -> list[str]:
 
 
 def _check_mix_weights(loss_config, names: list[str]) -> None:
-    """Raise ObjectiveConfigError unless ``loss.weights`` is one number >= 0 per entry of ``names`` (``loss.losses``)."""
+    """ObjectiveConfigError unless ``loss_config``'s ``weights`` are numbers >= 0, one per component of ``names``."""
     weights = _get(loss_config, "weights", MIX_WEIGHTS.default)
     if not _is_list(weights) or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights):
         raise ObjectiveConfigError(
@@ -92,7 +97,7 @@ def _mix_keys(loss_config) -> dict:
     """The keys of a ``mix`` of ``loss_config``'s ``losses``: ``losses``, ``weights``, each component's keys (the first's
     default, every component's range; not ``average_log_prob``), ``nll_weight``; ObjectiveConfigError for bad
     ``losses``/``weights``."""
-    names = _mix_losses(loss_config)
+    names = _mix_names(loss_config)
     _check_mix_weights(loss_config, names)
     keys = {"losses": MIX_LOSSES, "weights": MIX_WEIGHTS}
     for name in names:
@@ -171,13 +176,7 @@ class MixObjective(Objective):
         losses = weighted_sum(parts, values["weights"])
         chosen_rewards = rejected_rewards = None
         if "beta" in values:
-            h_w, h_l = _log_ratios(
-                inputs.policy_chosen_logps,
-                inputs.policy_rejected_logps,
-                inputs.reference_chosen_logps,
-                inputs.reference_rejected_logps,
-            )
-            chosen_rewards, rejected_rewards = _pair_rewards(values["beta"], h_w, h_l)
+            chosen_rewards, rejected_rewards = pair_rewards(values["beta"], *log_ratios(inputs))
         if values["nll_weight"] > 0:
             if inputs.policy_chosen_nll is None:
                 raise ValueError("loss.nll_weight > 0 needs the chosen NLL, which the trainer did not compute for loss=mix.")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from losses import BETA, NLL_WEIGHT, Key, _non_negative, _positive_or_list, objective
+from losses import BETA, NLL_WEIGHT, Key, ObjectiveInputs, _non_negative, _positive_or_list, objective
 from objectives.pairwise import _smoothed_logistic
 
 # ---------------------------------------------------------------- reference-free objectives (SimPO, CPO, ORPO) and KTO
@@ -14,6 +14,16 @@ from objectives.pairwise import _smoothed_logistic
 LABEL_SMOOTHING = Key(
     0.0, lambda v: _non_negative(v) and v < 0.5, "in [0, 0.5)", "assumed label-flip rate (conservative loss, as TRL's CPO)"
 )
+
+
+def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, label_smoothing):
+    """SimPO (Meng et al. 2024, Eq. 6; TRL CPOTrainer's ``simpo`` with label smoothing), -(1 - eps) log sigmoid(r_w - r_l -
+    gamma) - eps log sigmoid(-(r_w - r_l - gamma)) with r = beta * mean_t log pi(y_t | x, y_<t) (no reference), gamma TRL's
+    ``simpo_gamma``: (B,) per-token log-probs in, (losses, rewards r detached) each (B,) out."""
+    chosen_rewards = beta * policy_chosen_logps
+    rejected_rewards = beta * policy_rejected_logps
+    losses = _smoothed_logistic(chosen_rewards - rejected_rewards - gamma, label_smoothing)
+    return losses, chosen_rewards.detach(), rejected_rewards.detach()
 
 
 @objective(
@@ -28,16 +38,23 @@ LABEL_SMOOTHING = Key(
     summary="SimPO: reference-free, length-normalised rewards with a target margin",
     reference=False,
     average_log_prob=True,
+    needs=("policy_chosen_logps", "policy_rejected_logps"),
     unit="nats, −log σ(β·avg log-prob gap − γ)",
 )
-def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, label_smoothing):
-    """SimPO (Meng et al. 2024, Eq. 6; TRL CPOTrainer's ``simpo`` with label smoothing), -(1 - eps) log sigmoid(r_w - r_l -
-    gamma) - eps log sigmoid(-(r_w - r_l - gamma)) with r = beta * mean_t log pi(y_t | x, y_<t) (no reference), gamma TRL's
-    ``simpo_gamma``: (B,) per-token log-probs in, (losses, rewards r detached) each (B,) out."""
-    chosen_rewards = beta * policy_chosen_logps
-    rejected_rewards = beta * policy_rejected_logps
-    losses = _smoothed_logistic(chosen_rewards - rejected_rewards - gamma, label_smoothing)
-    return losses, chosen_rewards.detach(), rejected_rewards.detach()
+def simpo(inputs: ObjectiveInputs, loss):
+    """loss=simpo: :func:`simpo_objective` of the policy's (B,) per-token log-probs and the keys."""
+    return simpo_objective(inputs.policy_chosen_logps, inputs.policy_rejected_logps, loss.beta, loss.gamma, loss.label_smoothing)
+
+
+def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta, label_smoothing, cpo_alpha):
+    """CPO (Xu et al. 2024, Eq. 3 plus the NLL term; TRL CPOTrainer's ``sigmoid``), -(1 - eps) log sigmoid(beta (log pi(y_w|x)
+    - log pi(y_l|x))) - eps log sigmoid(-...) + cpo_alpha * NLL(y_w): (B,) summed log-probs and NLL per token in, (B,) losses,
+    rewards beta * log pi(y|x) detached and metric ``nll`` out."""
+    losses = _smoothed_logistic(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
+    losses = losses + cpo_alpha * policy_chosen_nll
+    chosen_rewards = beta * policy_chosen_logps.detach()
+    rejected_rewards = beta * policy_rejected_logps.detach()
+    return losses, chosen_rewards, rejected_rewards, {"nll": policy_chosen_nll.detach()}
 
 
 @objective(
@@ -52,17 +69,19 @@ def simpo_objective(policy_chosen_logps, policy_rejected_logps, beta, gamma, lab
     reference=False,
     average_log_prob=False,
     nll=True,
+    needs=("policy_chosen_logps", "policy_rejected_logps", "policy_chosen_nll"),
     unit="nats, −log σ(β·log-prob gap) + α·NLL per token",
 )
-def cpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta, label_smoothing, cpo_alpha):
-    """CPO (Xu et al. 2024, Eq. 3 plus the NLL term; TRL CPOTrainer's ``sigmoid``), -(1 - eps) log sigmoid(beta (log pi(y_w|x)
-    - log pi(y_l|x))) - eps log sigmoid(-...) + cpo_alpha * NLL(y_w): (B,) summed log-probs and NLL per token in, (B,) losses,
-    rewards beta * log pi(y|x) detached and metric ``nll`` out."""
-    losses = _smoothed_logistic(beta * (policy_chosen_logps - policy_rejected_logps), label_smoothing)
-    losses = losses + cpo_alpha * policy_chosen_nll
-    chosen_rewards = beta * policy_chosen_logps.detach()
-    rejected_rewards = beta * policy_rejected_logps.detach()
-    return losses, chosen_rewards, rejected_rewards, {"nll": policy_chosen_nll.detach()}
+def cpo(inputs: ObjectiveInputs, loss):
+    """loss=cpo: :func:`cpo_objective` of the policy's (B,) summed log-probs, the chosen NLL per token and the keys."""
+    return cpo_objective(
+        inputs.policy_chosen_logps,
+        inputs.policy_rejected_logps,
+        inputs.policy_chosen_nll,
+        loss.beta,
+        loss.label_smoothing,
+        loss.cpo_alpha,
+    )
 
 
 def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
@@ -73,16 +92,6 @@ def log_odds(avg_logps: torch.Tensor) -> torch.Tensor:
     return x - log_one_minus_p
 
 
-@objective(
-    "orpo",
-    keys={"beta": Key(0.1, _positive_or_list, BETA.rule, "weight lambda of the odds-ratio term (TRL's beta)")},
-    source="Hong et al. 2024, Eqs. 6-7",
-    summary="ORPO: chosen NLL plus lambda times an odds-ratio preference loss, no reference",
-    reference=False,
-    average_log_prob=True,
-    nll=True,
-    unit="nats, NLL per token + λ·(−log σ(log odds ratio))",
-)
 def orpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll, beta):
     """ORPO (Hong et al. 2024, Eqs. 6-7), NLL(y_w) - lambda log sigmoid(log odds(y_w) - log odds(y_l)) with odds(y) = p / (1 - p),
     p = exp(mean_t log pi(y_t | x, y_<t)), lambda = ``beta``: (B,) in and out, rewards beta * mean log-prob, TRL's metrics
@@ -96,3 +105,19 @@ def orpo_objective(policy_chosen_logps, policy_rejected_logps, policy_chosen_nll
         "log_odds_chosen": ratio.detach(),
     }
     return losses, beta * policy_chosen_logps.detach(), beta * policy_rejected_logps.detach(), metrics
+
+
+@objective(
+    "orpo",
+    keys={"beta": Key(0.1, _positive_or_list, BETA.rule, "weight lambda of the odds-ratio term (TRL's beta)")},
+    source="Hong et al. 2024, Eqs. 6-7",
+    summary="ORPO: chosen NLL plus lambda times an odds-ratio preference loss, no reference",
+    reference=False,
+    average_log_prob=True,
+    nll=True,
+    needs=("policy_chosen_logps", "policy_rejected_logps", "policy_chosen_nll"),
+    unit="nats, NLL per token + λ·(−log σ(log odds ratio))",
+)
+def orpo(inputs: ObjectiveInputs, loss):
+    """loss=orpo: :func:`orpo_objective` of the policy's (B,) per-token log-probs, the chosen NLL per token and ``beta``."""
+    return orpo_objective(inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.policy_chosen_nll, loss.beta)

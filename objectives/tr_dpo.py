@@ -34,7 +34,6 @@ def update_reference(trainer, mode: str, alpha: float) -> None:
             ref.mul_(1.0 - alpha).add_(theta, alpha=alpha)
 
 
-@losses.reference_update("soft", "hard")
 class TRDPOUpdate:
     """TR-DPO's update every ``reference_update.every`` steps; the train records count the updates (``reference_updates``)."""
 
@@ -64,3 +63,6 @@ class TRDPOUpdate:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+
+losses.REFERENCE_UPDATES.update(soft=TRDPOUpdate, hard=TRDPOUpdate)

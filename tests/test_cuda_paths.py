@@ -241,7 +241,7 @@ def test_the_packed_forward_indexes_the_logits_where_they_came_out(monkeypatch):
         seen["logits"], seen["rows"], seen["targets"] = logits.device, rows.device, targets.device
         return torch.zeros(len(rows))
 
-    monkeypatch.setattr(packing.losses, "gathered_token_logps", gathered)
+    monkeypatch.setattr(packing.logprobs, "gathered_token_logps", gathered)
     rows = [
         packing.PackedRow([1, 2, 3], None, None, [0, 1], [2, 3], [0, 0]),
         packing.PackedRow([4, 5], None, None, [0], [5], [1]),

@@ -4,16 +4,16 @@ chunked output layer) as each sequence forwarded alone and weighed by hand."""
 
 from __future__ import annotations
 
-import collections
 import types
 
 import pytest
 import torch
-from test_objectives_trl import BETA, TRL_PAIRS, _Accelerator, _Model
+from test_objectives_trl import BETA, TRL_PAIRS, trl_dpo_loss
 from test_packed import make_model, random_pairs
 
 import losses
 import trainers
+from modeling import logprobs
 from preference_datasets import collate
 
 
@@ -22,15 +22,15 @@ def test_the_weights_are_one_for_the_shorter_responses_length_and_alpha_after_by
     # two pairs: chosen lengths 3 and 5, rejected 4 and 2 -> the public lengths are 3 and 2
     n_tokens = torch.tensor([3.0, 5.0, 4.0, 2.0])
     sequence = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3])
-    got = weight(losses.token_ranks(sequence, 4), sequence, n_tokens)
+    got = weight(logprobs.token_ranks(sequence, 4), sequence, n_tokens)
     assert got.tolist() == pytest.approx([1, 1, 1] + [1, 1, 0.3, 0.3, 0.3] + [1, 1, 1, 0.3] + [1, 1])
     shuffled = torch.tensor([2, 0, 2, 0, 2, 0, 2])  # ranks count each sequence's tokens in the order they come
-    assert losses.token_ranks(shuffled, 3).tolist() == [0, 0, 1, 1, 2, 2, 3]
+    assert logprobs.token_ranks(shuffled, 3).tolist() == [0, 0, 1, 1, 2, 2, 3]
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 1.0])
 def test_equals_trl_dpo_trainer_ld_alpha(alpha):
-    trl = pytest.importorskip("trl.trainer.dpo_trainer")
+    pytest.importorskip("trl.trainer.dpo_trainer")
     dtype = torch.float64
     b = len(TRL_PAIRS)
     lengths = [p[4] for p in TRL_PAIRS] + [p[5] for p in TRL_PAIRS]  # rows: chosen..., rejected...
@@ -45,31 +45,7 @@ def test_equals_trl_dpo_trainer_ld_alpha(alpha):
     ref_rejected = torch.tensor([p[3] for p in TRL_PAIRS], dtype=dtype)
 
     leaf = values.clone().requires_grad_(True)
-    stand_in = types.SimpleNamespace(
-        model=_Model(leaf),
-        accelerator=_Accelerator(),
-        aux_loss_enabled=False,
-        ld_alpha=alpha,
-        precompute_ref_logps=True,
-        f_divergence_type="reverse_kl",
-        loss_types=["sigmoid"],
-        loss_weights=[1.0],
-        beta=BETA,
-        label_smoothing=0.0,
-        use_weighting=False,
-        args=types.SimpleNamespace(gradient_checkpointing_kwargs=None),
-        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
-        _total_train_tokens=0,
-        _tp_size=1,
-    )
-    inputs = {
-        "input_ids": torch.zeros(2 * b, t + 1, dtype=torch.long),
-        "attention_mask": torch.ones(2 * b, t + 1, dtype=torch.long),
-        "completion_mask": mask,
-        "ref_chosen_logps": ref_chosen,
-        "ref_rejected_logps": ref_rejected,
-    }
-    trl_loss = trl.DPOTrainer._compute_loss(stand_in, stand_in.model, inputs, return_outputs=False)
+    trl_loss = trl_dpo_loss(leaf, mask, ref_chosen, ref_rejected, ["sigmoid"], [1.0], ld_alpha=alpha)
     trl_loss.backward()
 
     cfg = {"name": "ld_dpo", "beta": BETA, "ld_alpha": alpha}
@@ -77,7 +53,7 @@ def test_equals_trl_dpo_trainer_ld_alpha(alpha):
     ours_leaf = values.clone().requires_grad_(True)
     response = mask[:, 1:].bool()
     sequence = torch.arange(2 * b)[:, None].expand(2 * b, t)[response]
-    logps, n_tokens = losses.sum_by_sequence(ours_leaf[response], sequence, 2 * b, False, decl.token_weights(cfg))
+    logps, n_tokens = logprobs.sum_by_sequence(ours_leaf[response], sequence, 2 * b, False, decl.token_weights(cfg))
     ours_inputs = losses.ObjectiveInputs(
         policy_chosen_logps=logps[:b],
         policy_rejected_logps=logps[b:],

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import losses
-from losses import IGNORE_INDEX, dpo_loss, get_batch_logps, implicit_rewards, ipo_loss, sft_loss
+from losses import IGNORE_INDEX, dpo_loss, implicit_rewards, ipo_loss
+from modeling.logprobs import get_batch_logps
 from trainers import concatenated_inputs, split_batch
 
 # ----------------------------------------------------------------------------- hand formulas
@@ -486,57 +487,6 @@ def test_concatenated_forward_path_matches_unpadded(tiny_lm):
         )
         assert logps[row].item() == pytest.approx(single.item(), abs=1e-5)
         assert n[row].item() == n_single.item()
-
-
-# ----------------------------------------------------------------------------- SFT
-
-
-def test_sft_loss_by_hand():
-    loss = sft_loss(torch.tensor([-3.0, -1.5], dtype=torch.float64), 5)
-    assert loss.item() == pytest.approx(4.5 / 5)
-    loss = sft_loss(torch.tensor([-3.0, -1.5], dtype=torch.float64), torch.tensor(5.0, dtype=torch.float64))
-    assert loss.item() == pytest.approx(0.9)
-
-
-def test_sft_loss_micro_batches_sum_to_full_batch():
-    logps_sum = torch.tensor([-3.0, -10.0, -0.5, -7.25, -2.0], dtype=torch.float64)
-    n_total = 3 + 12 + 1 + 9 + 2
-    full = sft_loss(logps_sum, n_total)
-    assert full.item() == pytest.approx(22.75 / 27)
-    for cut in range(1, 5):
-        parts = sft_loss(logps_sum[:cut], n_total) + sft_loss(logps_sum[cut:], n_total)
-        assert parts.item() == pytest.approx(full.item(), rel=1e-12)
-
-
-def test_sft_loss_independent_of_response_length():
-    # Logits for which every labelled token has log-prob log(0.5): logits [log 1, log 1, -inf-ish]
-    # and label 0 or 1 -> log(1 / 2) (up to e^-30).
-    def batch(length):
-        logits = torch.full((1, length + 1, 3), 0.0)
-        logits[..., 2] = -30.0
-        labels = torch.tensor([[IGNORE_INDEX] + [t % 2 for t in range(length)]])
-        return logits, labels
-
-    values = []
-    for length in (1, 3, 10):
-        logits, labels = batch(length)
-        s, n = get_batch_logps(logits, labels)
-        assert n.item() == length
-        values.append(sft_loss(s, n.sum()).item())
-    for v in values:
-        assert v == pytest.approx(math.log(2.0), rel=1e-6)
-
-    # A short and a long sequence in one batch: still log 2 per token.
-    s1, n1 = get_batch_logps(*batch(2))
-    s2, n2 = get_batch_logps(*batch(8))
-    loss = sft_loss(torch.cat([s1, s2]), (n1 + n2).item())
-    assert loss.item() == pytest.approx(math.log(2.0), rel=1e-6)
-
-
-def test_sft_loss_gradient():
-    logps_sum = torch.tensor([-3.0, -1.5], dtype=torch.float64, requires_grad=True)
-    sft_loss(logps_sum, 6).backward()
-    assert logps_sum.grad.tolist() == pytest.approx([-1 / 6, -1 / 6])
 
 
 def test_micro_batch_scaling_of_preference_losses():

@@ -24,11 +24,11 @@ import torch
 from conftest import TINY, compose_config, metric_records
 from omegaconf import OmegaConf
 
-import losses
 import trainers
 from data.loading import load_examples
 from data.prompts import load_prompt_examples
 from modeling import models
+from objectives import reward
 
 BETA = 0.5
 L = math.log1p  # log(1 + x)
@@ -151,7 +151,7 @@ def test_reward_model_metrics_by_hand(tmp_path, monkeypatch):
     # Scores chosen (1, 0, 2, -1), rejected (0, 2, 2, -3): margins (1, -2, 0, 2), pair 2 a tie.
     trainer = build(tmp_path, ["loss=reward"])
     scores = torch.tensor([1.0, 0.0, 2.0, -1.0, 0.0, 2.0, 2.0, -3.0])  # chosen rows, then rejected
-    monkeypatch.setattr(losses, "last_token_scores", lambda model, ids, mask: scores.clone())
+    monkeypatch.setattr(reward, "last_token_scores", lambda model, ids, mask: scores.clone())
     for split in ("train", "eval"):
         value, metrics = trainer.get_batch_metrics(trainer.eval_batches[0], 8, 1.0, split)
         expected_loss = [L(E(-1)), L(E(2)), math.log(2), L(E(-2))]

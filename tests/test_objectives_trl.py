@@ -274,24 +274,60 @@ class _Accelerator:
 
 
 class _Model:
-    """Stands in for the policy: its forward returns the given per-token log-probs."""
+    """Stands in for the policy: its forward returns the given per-token log-probs (and log sum_v p_v^2, WPO's)."""
 
     training = True
 
-    def __init__(self, log_probs: torch.Tensor):
-        self.log_probs = log_probs
+    def __init__(self, log_probs: torch.Tensor, log_sum_sq_probs: torch.Tensor | None = None):
+        self.log_probs, self.log_sum_sq_probs = log_probs, log_sum_sq_probs
 
     def __call__(self, **kwargs):
         zeros = torch.zeros_like(self.log_probs).detach()
-        return SimpleNamespace(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        out = SimpleNamespace(log_probs=self.log_probs, entropy=zeros, mean_logits=zeros, is_top1=zeros.bool())
+        out.log_sum_sq_probs = self.log_sum_sq_probs
+        return out
+
+
+def trl_dpo_loss(log_probs, completion_mask, ref_chosen, ref_rejected, loss_types, loss_weights, **options):
+    """TRL 1.16's ``DPOTrainer._compute_loss`` on a stand-in trainer of 2B rows (chosen, then rejected): its policy returns
+    the (2B, T) per-token ``log_probs`` (``options["log_sum_sq_probs"]``: WPO's), the reference is precomputed (B,) each,
+    ``completion_mask`` (2B, T + 1) has the prompt at position 0; ``options`` set the trainer's other attributes
+    (label_smoothing, ld_alpha, use_weighting, discopop_tau, f_divergence_type, ...)."""
+    from trl.trainer.dpo_trainer import DPOTrainer
+
+    model = _Model(log_probs, options.pop("log_sum_sq_probs", None))
+    stand_in = SimpleNamespace(
+        model=model,
+        accelerator=_Accelerator(),
+        aux_loss_enabled=False,
+        ld_alpha=None,
+        precompute_ref_logps=True,
+        f_divergence_type="reverse_kl",
+        loss_types=loss_types,
+        loss_weights=loss_weights,
+        beta=BETA,
+        label_smoothing=0.0,
+        use_weighting=False,
+        args=SimpleNamespace(discopop_tau=options.pop("discopop_tau", 0.05), gradient_checkpointing_kwargs=None),
+        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
+        _total_train_tokens=0,
+        _tp_size=1,
+    )
+    vars(stand_in).update(options)
+    inputs = {
+        "input_ids": torch.zeros_like(completion_mask),
+        "attention_mask": torch.ones_like(completion_mask),
+        "completion_mask": completion_mask,
+        "ref_chosen_logps": ref_chosen,
+        "ref_rejected_logps": ref_rejected,
+    }
+    return DPOTrainer._compute_loss(stand_in, model, inputs, return_outputs=False)
 
 
 def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs, dtype=torch.float64, **trl_options):
     """(TRL's scalar loss, its gradient per response token, our mean loss, our gradient per response
     token); the gradients are zeroed outside the responses (TRL sums log-probs over every position,
     relying on the model's zeros there, except for its sft, which masks)."""
-    from trl.trainer.dpo_trainer import DPOTrainer
-
     b = len(pairs)
     lengths = [p[4] for p in pairs] + [p[5] for p in pairs]  # rows: [chosen..., rejected...]
     summed = [p[0] for p in pairs] + [p[1] for p in pairs]
@@ -306,33 +342,8 @@ def trl_and_ours(loss_types, loss_weights, trl_label_smoothing, cfg, pairs, dtyp
     ref_rejected = torch.tensor([p[3] for p in pairs], dtype=dtype)
 
     leaf = values.clone().requires_grad_(True)
-    model = _Model(leaf)
-    stand_in = SimpleNamespace(
-        model=model,
-        accelerator=_Accelerator(),
-        aux_loss_enabled=False,
-        ld_alpha=None,
-        precompute_ref_logps=True,
-        f_divergence_type="reverse_kl",
-        loss_types=loss_types,
-        loss_weights=loss_weights,
-        beta=BETA,
-        label_smoothing=trl_label_smoothing,
-        use_weighting=False,
-        args=SimpleNamespace(discopop_tau=cfg.get("discopop_tau", 0.05), gradient_checkpointing_kwargs=None),
-        _metrics=collections.defaultdict(lambda: collections.defaultdict(list)),
-        _total_train_tokens=0,
-        _tp_size=1,
-    )
-    vars(stand_in).update(trl_options)  # e.g. f_divergence_type, f_alpha_divergence_coef
-    inputs = {
-        "input_ids": torch.zeros(2 * b, t + 1, dtype=torch.long),
-        "attention_mask": torch.ones(2 * b, t + 1, dtype=torch.long),
-        "completion_mask": mask,
-        "ref_chosen_logps": ref_chosen,
-        "ref_rejected_logps": ref_rejected,
-    }
-    trl_loss = DPOTrainer._compute_loss(stand_in, model, inputs, return_outputs=False)
+    options = {"discopop_tau": cfg.get("discopop_tau", 0.05), "label_smoothing": trl_label_smoothing, **trl_options}
+    trl_loss = trl_dpo_loss(leaf, mask, ref_chosen, ref_rejected, loss_types, loss_weights, **options)
     trl_loss.backward()
 
     ours_leaf = values.clone().requires_grad_(True)

@@ -121,9 +121,9 @@ def test_last_token_scores_read_the_last_real_token_even_when_pad_is_eos():
     batch = torch.tensor([[5, 6, 7, eos], [5, 8, eos, pad]])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
     with torch.no_grad():
-        alone_a = losses.last_token_scores(model, a, torch.ones_like(a))
-        alone_b = losses.last_token_scores(model, b, torch.ones_like(b))
-        both = losses.last_token_scores(model, batch, mask)
+        alone_a = reward.last_token_scores(model, a, torch.ones_like(a))
+        alone_b = reward.last_token_scores(model, b, torch.ones_like(b))
+        both = reward.last_token_scores(model, batch, mask)
         # Independent reference: the head applied to the backbone's hidden state at the EOS position.
         hidden = model.model(input_ids=a).last_hidden_state[:, -1]
         by_hand = model.score(hidden)[:, 0]

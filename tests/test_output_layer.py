@@ -18,11 +18,10 @@ import pytest
 import torch
 from conftest import compose_config, needs_shared
 
-import losses
 import trainers
 import utils
 from losses import IGNORE_INDEX
-from modeling import models, packing
+from modeling import logprobs, models, packing
 from preference_datasets import collate
 from runs import checks
 
@@ -130,7 +129,7 @@ def chosen_rows(batch: dict) -> dict:
 def padded_sft(model, rows, average=False):
     """SFT's forward before this change: the padded batch, all its logits at once."""
     logits, labels = trainers.response_logits(model, rows)
-    return losses.get_batch_logps(logits, labels, average)
+    return logprobs.get_batch_logps(logits, labels, average)
 
 
 def by_hand(model, elements, sides=("chosen", "rejected")) -> torch.Tensor:
@@ -399,7 +398,7 @@ def test_a_split_models_chunks_are_indexed_where_its_head_puts_them(monkeypatch)
         seen["targets"].add(targets.device)
         return torch.zeros(len(rows))  # (a real one: on the logits' device, which "meta" cannot leave)
 
-    monkeypatch.setattr(packing.losses, "gathered_token_logps", gathered)
+    monkeypatch.setattr(packing.logprobs, "gathered_token_logps", gathered)
     rows = [
         packing.PackedRow([1, 2, 3], None, None, [0, 1, 2], [2, 3, 4], [0, 0, 0]),
         packing.PackedRow([4, 5], None, None, [0, 1], [5, 6], [1, 1]),

@@ -13,7 +13,7 @@ import torch
 import losses
 import trainers
 from losses import IGNORE_INDEX
-from modeling import models, packing
+from modeling import logprobs, models, packing
 from preference_datasets import collate
 
 transformers = pytest.importorskip("transformers")
@@ -78,7 +78,7 @@ def plain(model, batch, average=False):
     """The replaced path: chosen stacked over rejected, padded, one forward."""
     inputs = trainers.concatenated_inputs(batch)
     logits, labels = trainers.response_logits(model, inputs)
-    logps, n = losses.get_batch_logps(logits, labels, average)
+    logps, n = logprobs.get_batch_logps(logits, labels, average)
     b = batch["chosen_input_ids"].shape[0]
     return logps[:b], logps[b:], n
 
@@ -91,7 +91,7 @@ def alone(model, elements, average=False):
         for side in out:
             ids = torch.tensor([el[f"{side}_input_ids"]])
             logits = model(input_ids=ids).logits
-            logp, n = losses.get_batch_logps(logits, torch.tensor([el[f"{side}_labels"]]), average)
+            logp, n = logprobs.get_batch_logps(logits, torch.tensor([el[f"{side}_labels"]]), average)
             out[side].append(logp[0])
             counts[side].append(n[0])
     return torch.stack(out["chosen"]), torch.stack(out["rejected"]), torch.stack(counts["chosen"] + counts["rejected"])
@@ -248,24 +248,24 @@ def test_plan_chunks_splits_two_length_modes_and_keeps_equal_lengths_together():
 def test_gathered_token_logps_and_sum_by_sequence_by_hand():
     logits = torch.tensor([[0.0, 1.0, 2.0], [3.0, 0.0, 0.0]], requires_grad=True)
     rows, targets = torch.tensor([0, 0, 1]), torch.tensor([2, 1, 0])
-    tok = losses.gathered_token_logps(logits, rows, targets)
+    tok = logprobs.gathered_token_logps(logits, rows, targets)
     lse0 = torch.logsumexp(torch.tensor([0.0, 1.0, 2.0]), 0)
     lse1 = torch.logsumexp(torch.tensor([3.0, 0.0, 0.0]), 0)
     torch.testing.assert_close(tok, torch.stack([2.0 - lse0, 1.0 - lse0, 3.0 - lse1]))
-    total, n = losses.sum_by_sequence(tok, torch.tensor([0, 2, 2]), 4)
+    total, n = logprobs.sum_by_sequence(tok, torch.tensor([0, 2, 2]), 4)
     assert n.tolist() == [1.0, 0.0, 2.0, 0.0]
     torch.testing.assert_close(total, torch.stack([tok[0], torch.tensor(0.0), tok[1] + tok[2], torch.tensor(0.0)]))
-    mean, _ = losses.sum_by_sequence(tok, torch.tensor([0, 2, 2]), 4, average_log_prob=True)
+    mean, _ = logprobs.sum_by_sequence(tok, torch.tensor([0, 2, 2]), 4, average_log_prob=True)
     assert torch.isfinite(mean).all() and mean[1].item() == 0.0
     total.sum().backward()
     assert torch.isfinite(logits.grad).all()
     with pytest.raises(ValueError):
-        losses.gathered_token_logps(logits[0], rows, targets)
+        logprobs.gathered_token_logps(logits[0], rows, targets)
 
 
 def test_bf16_logits_give_float32_logps():
     logits = torch.randn(4, 7).bfloat16()
-    out = losses.gathered_token_logps(logits, torch.tensor([0, 3]), torch.tensor([1, 6]))
+    out = logprobs.gathered_token_logps(logits, torch.tensor([0, 3]), torch.tensor([1, 6]))
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.log_softmax(logits.float(), -1)[[0, 3], [1, 6]])
 
