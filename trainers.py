@@ -18,8 +18,8 @@ import tqdm
 
 import losses
 from data.chat import stop_token_ids
-from modeling import logprobs, models, optimization
-from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, output_layer_logps, packed_sequence_logps, packed_single_logps
+from modeling import forward, models, optimization
+from modeling.packing import DEFAULT_OUTPUT_LAYER_CHUNK, packed_sequence_logps
 from parallel import fsdp, tensor_parallel
 from parallel.dist import Dist, shard_from_rank0, split_batch
 from preference_datasets import concatenated_inputs, get_batch_iterator
@@ -46,71 +46,6 @@ class NonFiniteLossError(RuntimeError):
 class RunStoppedError(RuntimeError):
     """A trainer that extends BasicTrainer stopped the run after a checkpoint (online DPO: its judge failed too often);
     the message names the checkpoint kept."""
-
-
-def _kept_positions(labels: torch.Tensor) -> int:
-    """K, the last positions of each (B, T) row that the padded forward keeps logits for: from
-    the one before the batch's first labelled token on."""
-    length = labels.shape[1]
-    labelled = (labels != losses.IGNORE_INDEX).any(0)
-    first = int(labelled.float().argmax()) if labelled.any() else length - 1
-    return length - max(first - 1, 0)
-
-
-def response_logits(model, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits (B, K, V) from the position before the batch's first response token on
-    (``logits_to_keep``), and the labels (B, K) aligned with them; inputs (B, T) right-padded, K <= T."""
-    labels = inputs["labels"]
-    keep = _kept_positions(labels)  # the output layer (B x T x V) skips the prompts
-    logits = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], logits_to_keep=keep).logits
-    # a split model's logits may end on another GPU
-    return logits, labels[:, labels.shape[1] - logits.shape[1] :].to(logits.device)
-
-
-def response_logps(
-    model,
-    inputs: dict,
-    average_log_prob: bool = False,
-    chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
-    token_weight=None,
-    token_statistic=None,
-) -> tuple[torch.Tensor, ...]:
-    """(logps, n_tokens), each (B,) float32 on the model's output device: ``logprobs.get_batch_logps`` of the padded
-    forward of inputs (B, T) padded on either side, the output layer ``chunk`` predicted positions at a time
-    (``packing.output_layer_logps``; None or 0: all at once), each token weighed by ``token_weight`` if given, and with
-    ``token_statistic`` its (B,) means (``logprobs.statistic_means``)."""
-    if not chunk:
-        logits, labels = response_logits(model, inputs)
-        return logprobs.get_batch_logps(logits, labels, average_log_prob, token_weight, token_statistic)
-    labels = inputs["labels"]
-    n, length = labels.shape
-    keep = _kept_positions(labels)
-    predicted = labels[:, 1:].cpu()
-    seqs, cols = (predicted != losses.IGNORE_INDEX).nonzero(as_tuple=True)  # column cols predicts token cols + 1
-    rows = seqs * keep + cols - (length - keep)
-    kwargs = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
-    out = output_layer_logps(model, kwargs, keep, rows, predicted[seqs, cols], chunk, n * keep, token_statistic)
-    token_logps = out if token_statistic is None else out[0]
-    sums = logprobs.sum_by_sequence(token_logps, seqs.to(token_logps.device), n, average_log_prob, token_weight)
-    return sums if token_statistic is None else (*sums, logprobs.statistic_means(out[1], seqs.to(out[1].device), n))
-
-
-def single_logps(
-    model,
-    rows: dict,
-    average_log_prob: bool,
-    device,
-    max_forward_chunks: int | None = None,
-    output_layer_chunk: int | None = DEFAULT_OUTPUT_LAYER_CHUNK,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logps, n_tokens), each (B,), of single sequences ``rows`` (B, T) (SFT targets, KTO completions), packed
-    without padding (:func:`packed_single_logps`), or padded (:func:`response_logps`) when not right-padded."""
-    packed = packed_single_logps(model, rows, average_log_prob, device, max_forward_chunks, output_layer_chunk)
-    if packed is not None:
-        return packed
-    inputs = {k: v.to(device) for k, v in rows.items()}
-    logps, n_tokens = response_logps(model, inputs, average_log_prob, output_layer_chunk)
-    return logps.to(device), n_tokens.to(device)
 
 
 class BasicTrainer:
@@ -243,7 +178,7 @@ class BasicTrainer:
             if out is not None:
                 return out[0][:n], out[0][n:], *out[1:]
         inputs = {k: v.to(self.device) for k, v in concatenated_inputs(batch).items()}  # (2B, max(T_c, T_r))
-        out = response_logps(model, inputs, self.average_log_prob, chunk, weight, token_statistic)
+        out = forward.response_logps(model, inputs, self.average_log_prob, chunk, weight, token_statistic)
         logps, *rest = (t.to(self.device) for t in out)
         return logps[:n], logps[n:], *rest
 
@@ -251,8 +186,8 @@ class BasicTrainer:
 
     @torch.no_grad()
     def reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's log-probs of B pairs, from a live module, a precomputed cache or remote workers: the one seam
-        to the reference (RuntimeError when there is none).
+        """The reference's log-probs of B pairs, from remote workers, a precomputed cache, or computed here (the reference
+        module, or a LoRA policy with its adapters off): the one seam to the reference (RuntimeError when there is none).
 
         Args:
             batch: B pairs (:meth:`concatenated_forward`'s layout) with their ``key``s (the cache's index).
@@ -269,13 +204,7 @@ class BasicTrainer:
                 torch.tensor([c for c, _ in pairs], dtype=torch.float32, device=self.device),
                 torch.tensor([r for _, r in pairs], dtype=torch.float32, device=self.device),
             )
-        return self.live_reference_logps(batch)
-
-    @torch.no_grad()
-    def live_reference_logps(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference's log-probs of ``batch`` computed here, each (B,) float32: the reference module's, or a
-        LoRA policy's with its adapters off (``models.adapters_off``); RuntimeError when there is neither."""
-        if self.peft_model is not None:
+        if self.peft_model is not None:  # LoRA: the policy with its adapters off
             with models.adapters_off(self.peft_model) as base:
                 chosen, rejected, _ = self.concatenated_forward(base, batch)
             return chosen, rejected
@@ -355,9 +284,9 @@ class BasicTrainer:
         )
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`single_logps` of ``model`` on ``rows`` with this trainer's settings."""
+        """``forward.single_logps`` of ``model`` on ``rows`` with this trainer's settings."""
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)
-        return single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
+        return forward.single_logps(model, rows, self.average_log_prob, self.device, self.max_forward_chunks, chunk)
 
     @property
     def beta(self) -> float | None:

@@ -20,11 +20,11 @@ from evaluation import judging, report, rewards, sampling
 from evaluation.cache import Cache
 from losses import IGNORE_INDEX
 from modeling import models
+from modeling.forward import response_logps
 from parallel import process_group
 from runs import checkpoints, checks, saved_config
 from runs.config_text import digest
 from runs.overrides import override_error
-from trainers import response_logps
 from utils import ConfigError, DataError
 
 

@@ -123,7 +123,7 @@ def precompute_reference(trainer, examples: list[dict], path: str) -> dict:
         batch = next(batches, None)
         real = batch is not None and bool(mine)  # else a stand-in: this rank's share is done
         batch = batch if batch is not None else last
-        chosen, rejected = trainer.live_reference_logps(batch)
+        chosen, rejected = trainer.reference_logps(batch)  # computed here: no cache or remote workers yet
         if real:
             computed.update(zip(batch["key"], zip(chosen.tolist(), rejected.tolist())))
             n_done += len(batch["key"])

@@ -3,7 +3,7 @@ small enough to enumerate every completion, the t interval by hand, and end to e
 
 The exact KL(A || ref) = sum_y pA(y) (log pA(y) - log pref(y)) is summed here over every completion
 y of at most 2 tokens (ending at EOS or at the length limit), with each y's log-probability from a
-plain full-logits forward (``torch.log_softmax``), independent of ``trainers.response_logps``.
+plain full-logits forward (``torch.log_softmax``), independent of ``modeling.forward.response_logps``.
 """
 
 from __future__ import annotations

@@ -603,7 +603,7 @@ def test_nan_logits_at_unlabelled_positions_do_not_leak():
 def test_response_logits_give_the_same_logps_as_full_logits():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trainers import response_logits
+    from modeling.forward import response_logits
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(

@@ -21,7 +21,7 @@ from conftest import compose_config, needs_shared
 import trainers
 import utils
 from losses import IGNORE_INDEX
-from modeling import logprobs, models, packing
+from modeling import forward, logprobs, models, packing
 from preference_datasets import collate
 from runs import checks
 
@@ -128,7 +128,7 @@ def chosen_rows(batch: dict) -> dict:
 
 def padded_sft(model, rows, average=False):
     """SFT's forward before this change: the padded batch, all its logits at once."""
-    logits, labels = trainers.response_logits(model, rows)
+    logits, labels = forward.response_logits(model, rows)
     return logprobs.get_batch_logps(logits, labels, average)
 
 
@@ -226,7 +226,7 @@ def test_log_probs_equal_a_full_log_softmax_gather_written_here():
         sft, _ = one_side(model, chosen_rows(batch), 3)
         torch.testing.assert_close(sft, want[: len(ELEMENTS)], rtol=1e-9, atol=1e-9)
         # the padded fallback (a left-padded batch is not packed) gives them too
-        padded, _ = trainers.response_logps(model, left_padded(chosen_rows(batch)), chunk=3)
+        padded, _ = forward.response_logps(model, left_padded(chosen_rows(batch)), chunk=3)
         torch.testing.assert_close(padded, want[: len(ELEMENTS)], rtol=1e-9, atol=1e-9)
 
 
@@ -248,8 +248,8 @@ def test_padded_fallback_chunked_equals_unchunked(family):
     batch = collate(ELEMENTS, pad_token_id=0)
     rows = left_padded(chosen_rows(batch))
     assert packing.pack_single_rows(rows) is None  # not right-padded: the padded forward
-    expected = grads(model, lambda: trainers.response_logps(model, rows, chunk=None))
-    assert_close_all(grads(model, lambda: trainers.response_logps(model, rows, chunk=3)), expected)
+    expected = grads(model, lambda: forward.response_logps(model, rows, chunk=None))
+    assert_close_all(grads(model, lambda: forward.response_logps(model, rows, chunk=3)), expected)
     assert_close_all(grads(model, lambda: one_side(model, rows, 3)), expected)
     pairs = {f"{side}_{k}": v for side in ("chosen", "rejected") for k, v in left_padded(chosen_rows(batch)).items()}
     with torch.no_grad():

@@ -14,6 +14,7 @@ import losses
 import trainers
 from losses import IGNORE_INDEX
 from modeling import logprobs, models, packing
+from modeling.forward import response_logits
 from preference_datasets import collate
 
 transformers = pytest.importorskip("transformers")
@@ -77,7 +78,7 @@ def forward(model, batch, average=False, max_chunks=None):
 def plain(model, batch, average=False):
     """The replaced path: chosen stacked over rejected, padded, one forward."""
     inputs = trainers.concatenated_inputs(batch)
-    logits, labels = trainers.response_logits(model, inputs)
+    logits, labels = response_logits(model, inputs)
     logps, n = logprobs.get_batch_logps(logits, labels, average)
     b = batch["chosen_input_ids"].shape[0]
     return logps[:b], logps[b:], n
