@@ -45,8 +45,9 @@ def dpo_loss(
         reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
     losses = -F.logsigmoid(beta * h) * (1 - label_smoothing) - F.logsigmoid(-beta * h) * label_smoothing
-    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
-    return losses, *rewards
+    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()  # Eq. 5's implicit rewards
+    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
+    return losses, chosen_rewards, rejected_rewards
 
 
 def ipo_loss(
@@ -155,10 +156,10 @@ class Objective:
         missing = next((field for field in self.needs if getattr(inputs, field) is None), None)
         if missing is not None:
             raise ValueError(f"loss={self.name} needs {missing}, which the trainer did not compute.")
-        values = {key: overrides.get(key, _get(loss_config, key, spec.default)) for key, spec in self.keys.items()}
+        values = {key: overrides.get(key, loss_config.get(key, spec.default)) for key, spec in self.keys.items()}
         per_example, chosen_rewards, rejected_rewards, *extra = self.fn(inputs, types.SimpleNamespace(**values))
         extra = extra[0] if extra else {}
-        nll_weight = float(_get(loss_config, "nll_weight", 0.0) or 0.0)
+        nll_weight = float(loss_config.get("nll_weight", 0.0) or 0.0)
         if nll_weight > 0:
             if inputs.policy_chosen_nll is None:
                 raise ValueError(

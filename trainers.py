@@ -239,7 +239,11 @@ class BasicTrainer:
         if out.chosen_rewards is not None:
             named = objective.reward_metric != "rewards"  # e.g. a reward model's scores
             prefix = f"{objective.reward_metric}_{split}" if named or split != "train" else self.train_rewards
-            metrics |= reward_metrics(prefix, out.chosen_rewards.detach()[keep], out.rejected_rewards.detach()[keep])
+            chosen_rewards, rejected_rewards = out.chosen_rewards.detach()[keep], out.rejected_rewards.detach()[keep]
+            metrics[f"{prefix}/chosen"] = chosen_rewards.tolist()
+            metrics[f"{prefix}/rejected"] = rejected_rewards.tolist()
+            metrics[f"{prefix}/accuracies"] = (chosen_rewards > rejected_rewards).float().tolist()
+            metrics[f"{prefix}/margins"] = (chosen_rewards - rejected_rewards).tolist()
         for side in ("chosen", "rejected"):
             logps = getattr(inputs, f"policy_{side}_logps")
             if logps is not None:
@@ -495,17 +499,6 @@ class BasicTrainer:
     def made_before_models(cls, config) -> dict:
         """Keyword arguments an extending trainer builds from ``config`` before the models load, failing fast (none)."""
         return {}
-
-
-def reward_metrics(prefix: str, chosen: torch.Tensor, rejected: torch.Tensor) -> dict[str, list[float]]:
-    """The (implicit) rewards of chosen and rejected, (B,) each, as the reference repository logs them: each side,
-    whether chosen's is higher (accuracies) and by how much (margins)."""
-    return {
-        f"{prefix}/chosen": chosen.tolist(),
-        f"{prefix}/rejected": rejected.tolist(),
-        f"{prefix}/accuracies": (chosen > rejected).float().tolist(),
-        f"{prefix}/margins": (chosen - rejected).tolist(),
-    }
 
 
 def count_tokens(batch: dict) -> int:
