@@ -267,17 +267,19 @@ class BasicTrainer:
             inputs.policy_chosen_nll = -per_token
         return inputs
 
-    def pair_inputs(self, batch: dict) -> losses.ObjectiveInputs:
+    def pair_inputs(self, batch: dict, token_statistic: Callable | None = None) -> losses.ObjectiveInputs:
         """The pairs' log-probs under the policy (:meth:`concatenated_forward`) and the reference
-        (:meth:`reference_logps`; zeros for a reference-free objective), (B,) each, and their target tokens."""
+        (:meth:`reference_logps`; zeros for a reference-free objective), (B,) each, and their target tokens; with
+        ``token_statistic`` (WPO), also its means per response from the policy's forward."""
         if "label" in batch:  # unpaired rows {prompt, completion, label}: an objective that takes them names its builder
             raise ValueError(f"loss={self.objective.name} trains on pairs; this batch holds unpaired rows.")
         n = len(batch["prompt"])
-        policy_chosen, policy_rejected, n_tokens = self.concatenated_forward(self.policy, batch)
+        policy_chosen, policy_rejected, n_tokens, *statistic = self.concatenated_forward(self.policy, batch, token_statistic)
         if self.uses_reference:
             ref_chosen, ref_rejected = self.reference_logps(batch)
         else:  # a uniform reference (reference_free), never computed
             ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
+        statistic = statistic[0] if statistic else None
         return losses.ObjectiveInputs(
             policy_chosen_logps=policy_chosen,
             policy_rejected_logps=policy_rejected,
@@ -285,6 +287,8 @@ class BasicTrainer:
             reference_rejected_logps=ref_rejected,
             chosen_n_tokens=n_tokens[:n],
             rejected_n_tokens=n_tokens[n:],
+            policy_chosen_statistic=None if statistic is None else statistic[:n],
+            policy_rejected_statistic=None if statistic is None else statistic[n:],
         )
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:

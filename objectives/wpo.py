@@ -37,24 +37,9 @@ def pair_weights(inputs: ObjectiveInputs) -> torch.Tensor:
 
 
 def weighted_pair_inputs(trainer, batch: dict) -> ObjectiveInputs:
-    """The pairs' inputs, as ``trainer.pair_inputs`` gives them, and the means per response of :func:`log_weight_per_token`
-    from the policy's forward (the same call as its log-probs), (B,) each."""
-    n = len(batch["prompt"])
-    chosen, rejected, n_tokens, statistic = trainer.concatenated_forward(trainer.policy, batch, log_weight_per_token)
-    if trainer.uses_reference:
-        ref_chosen, ref_rejected = trainer.reference_logps(batch)
-    else:  # a uniform reference (reference_free), never computed
-        ref_chosen, ref_rejected = torch.zeros_like(chosen), torch.zeros_like(rejected)
-    return ObjectiveInputs(
-        policy_chosen_logps=chosen,
-        policy_rejected_logps=rejected,
-        reference_chosen_logps=ref_chosen,
-        reference_rejected_logps=ref_rejected,
-        chosen_n_tokens=n_tokens[:n],
-        rejected_n_tokens=n_tokens[n:],
-        policy_chosen_statistic=statistic[:n],
-        policy_rejected_statistic=statistic[n:],
-    )
+    """The pairs' inputs (``trainer.pair_inputs``) with the means per response of :func:`log_weight_per_token` from the
+    policy's forward (the same call as its log-probs), (B,) each."""
+    return trainer.pair_inputs(batch, log_weight_per_token)
 
 
 @dataclasses.dataclass(frozen=True)
