@@ -25,7 +25,7 @@ import utils
 from data import splits
 from export import modelcard
 from modeling import loading, models
-from runs import checkpoints, checks, ending, launch, processes, reference_cache, setup, tracking
+from runs import checkpoints, checks, ending, launch, processes, reference_cache, setup, tracking, trainer_checkpoint
 from utils import DataError
 
 
@@ -89,7 +89,7 @@ def _main(config, run_dir, checkpoint_dir, attach, held, stops, made: list[str],
     if attach is not None:
         attach(trainer)
     if checkpoint_dir is not None:
-        trainer.load(checkpoint_dir)
+        trainer_checkpoint.load(trainer, checkpoint_dir)
         if rank == 0:
             print(f"Resuming after {trainer.example_counter} examples.")
         setup.scheduled_lr(trainer)

@@ -298,8 +298,7 @@ class BasicTrainer:
 
     @property
     def beta(self) -> float | None:
-        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`); None for an
-        objective without one."""
+        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`); None for an objective without one."""
         if "beta" not in self.objective.keys:
             return None
         epoch = self.example_counter // max(len(self.train_examples), 1)
@@ -486,10 +485,6 @@ class BasicTrainer:
     def save(self) -> str:
         """Write ``step-<examples>/`` atomically, point ``LATEST`` at it and return its path."""
         return trainer_checkpoint.save(self)
-
-    def load(self, checkpoint_dir: str) -> None:
-        """Restore the weights, optimizer, scheduler, counters and RNG from a checkpoint folder."""
-        trainer_checkpoint.load(self, checkpoint_dir)
 
     def trainer_state(self) -> dict:
         """What trainer_state.pt holds: counters, RNG states, the W&B run id, the data's fingerprint."""
