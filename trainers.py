@@ -466,9 +466,9 @@ class BasicTrainer:
         return path
 
     def log_train(self, pending: dict, n_examples: int, n_tokens: int, seconds: float, bar) -> None:
-        """Log the means of the train metrics gathered since the last log, then clear them;
-        throughput counts examples and non-padding tokens (prompt + responses) per second."""
-        means = {k: float(np.mean(v)) for k, v in pending.items() if len(v)}  # none when every pair tied
+        """Log the means of the train metrics gathered since the last log (a ``counters/`` metric: its last value; none
+        when every pair tied), then clear them; throughput counts examples and non-padding tokens per second."""
+        means = {k: float(v[-1] if k.startswith("counters/") else np.mean(v)) for k, v in pending.items() if len(v)}
         means["examples_per_second"] = n_examples / seconds
         means["tokens_per_second"] = n_tokens / seconds
         means["counters/examples"] = self.example_counter

@@ -37,6 +37,12 @@ class BEMAUpdate:
         missing = [k for k in (*KEYS, *POWERS) if k not in update]
         if missing:
             return f"reference_update.mode=bema needs its keys ({', '.join(missing)}); select them with reference_update=bema."
+        extra = next((key for key in update if key not in ("mode", *KEYS, *POWERS)), None)
+        if extra is not None:  # another mode's key (TR-DPO's), which BEMA would never read
+            return (
+                f"reference_update.{extra} is not a key of reference_update.mode=bema (its keys: {', '.join((*KEYS, *POWERS))}); "
+                "remove it (each mode's keys come with its config: reference_update=tr_dpo or reference_update=bema)."
+            )
         for key in KEYS:
             value, least = update[key], 1 if key.endswith("freq") else 0
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -83,7 +89,7 @@ class BEMAUpdate:
                 reference[name].copy_(self.running[name].to(reference[name].dtype))
         first = max(after, 1) if after else every  # step 0 is never an optimizer step
         updates = 0 if step < first else (step - first) // every + 1
-        return {"reference_updates": float(updates)}
+        return {"counters/reference_updates": float(updates)}
 
     def state_dict(self) -> dict:
         """theta_0, the EMA and theta' (sharded like the policy under FSDP and TP), which resume needs."""

@@ -45,6 +45,15 @@ class TRDPOUpdate:
     @staticmethod
     def check(update) -> str | None:
         """One sentence on a wrong ``every`` or (``soft``) ``alpha``, else None."""
+        own = ("mode", "alpha", "every")
+        if "every" not in update:
+            return f"reference_update.mode={update.mode} needs its keys (alpha, every); select them with reference_update=tr_dpo."
+        extra = next((key for key in update if key not in own), None)
+        if extra is not None:  # another mode's key (BEMA's), which TR-DPO would never read
+            return (
+                f"reference_update.{extra} is not a key of reference_update.mode={update.mode} (its keys: alpha, every); "
+                "remove it (each mode's keys come with its config: reference_update=tr_dpo or reference_update=bema)."
+            )
         every, alpha = update.get("every"), update.get("alpha")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             return f"reference_update.every must be a whole number of optimizer steps >= 1, got {every}."
@@ -56,7 +65,7 @@ class TRDPOUpdate:
         """After optimizer step ``step``: update when ``step`` is a multiple of ``every``; returns the updates so far."""
         if step % self.every == 0:
             update_reference(self.trainer, self.mode, self.alpha)
-        return {"reference_updates": float(step // self.every)}  # a resumed run counts on
+        return {"counters/reference_updates": float(step // self.every)}  # a resumed run counts on
 
     def state_dict(self) -> dict:
         return {}  # the reference's weights are all TR-DPO's state

@@ -64,9 +64,10 @@ CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 @functools.cache
-def _defaults(config_name: str, loss: str | None) -> DictConfig:
-    """Today's ``config_name`` as Hydra composes it with ``loss`` (None: the default) and model=blank_model, not struct."""
-    overrides = [] if loss is None else [f"loss={loss}"]
+def _defaults(config_name: str, groups: tuple[tuple[str, str], ...]) -> DictConfig:
+    """Today's ``config_name`` as Hydra composes it with the config ``groups`` options (``(("loss", "ipo"),)``; the rest
+    default) and model=blank_model, not struct."""
+    overrides = [f"{group}={option}" for group, option in groups]
     if config_name == "config":
         overrides.append("model=blank_model")  # no preset's top-level keys (tiny's lr...): config.yaml's own
     if GlobalHydra.instance().is_initialized():  # inside train.py's or evaluate.py's hydra.main: config/ is its path
@@ -84,9 +85,12 @@ def load_run_config(path: str) -> DictConfig:
     saved = OmegaConf.load(path)
     if not isinstance(saved, DictConfig):
         return saved
-    loss = OmegaConf.select(saved, "loss.name", default=None)
-    known = isinstance(loss, str) and os.path.isfile(os.path.join(CONFIG_DIR, "loss", f"{loss}.yaml"))
-    return OmegaConf.merge(_defaults("evaluate" if "policy" in saved else "config", loss if known else None), saved)
+    groups = {}  # the group options its values were composed from: the loss's, a reference update's (bema)
+    for group, key in (("loss", "loss.name"), ("reference_update", "reference_update.mode")):
+        option = OmegaConf.select(saved, key, default=None)
+        if isinstance(option, str) and os.path.isfile(os.path.join(CONFIG_DIR, group, f"{option}.yaml")):
+            groups[group] = option
+    return OmegaConf.merge(_defaults("evaluate" if "policy" in saved else "config", tuple(groups.items())), saved)
 
 
 def local_path(path) -> str:

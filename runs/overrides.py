@@ -70,6 +70,16 @@ def _missing_option_error(e, parsed: list) -> str | None:
     return f"{group}={option} is not an option of {group}{hint} (options: {', '.join(e.options)})."
 
 
+def _loss_keys(loss: DictConfig) -> set[str]:
+    """The ``loss.*`` keys the objective ``loss.name`` reads with these settings (``loss=wpo``: its loss_type's too)."""
+    import losses
+
+    try:
+        return set(losses.get_objective(loss.name).keys_for(loss))
+    except (losses.ObjectiveConfigError, KeyError, TypeError, ValueError):
+        return set()
+
+
 def _unknown_key_error(e, overrides: list[str], parsed: list) -> str | None:
     """One sentence for Hydra's ConfigCompositionException ``e`` when an override named a key the config lacks, else None."""
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
@@ -84,7 +94,7 @@ def _unknown_key_error(e, overrides: list[str], parsed: list) -> str | None:
     close = difflib.get_close_matches(name, [str(k) for k in parent.keys() if k != "hydra"], n=1)
     if close:
         return f"{typed} is not a config key; did you mean {prefix}{close[0]}{typed[len(missing) :]}?{where}"
-    if prefix == "loss." and parent.get("name"):  # a loss has the keys its formula uses: adding one is no fix
+    if prefix == "loss." and parent.get("name") and name not in _loss_keys(parent):  # adding a key no formula reads is no fix
         return f"loss={parent.name} has no key {name!r}{where}; remove it."
     text = next((t for t, o in zip(overrides, parsed) if o.key_or_group == typed), None)
     add = f"; to add it, write +{text}" if prefix and text is not None and not text.startswith("+") else ""

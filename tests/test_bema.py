@@ -42,7 +42,7 @@ def test_one_weight_follows_the_papers_rule_by_hand():
     bema = BEMAUpdate(trainer_for(policy, reference, **keys))
     with torch.no_grad():
         policy.weight.fill_(2.0)  # theta_1
-    assert bema.step(1) == {"reference_updates": 1.0}
+    assert bema.step(1) == {"counters/reference_updates": 1.0}
     # beta_1 = alpha_1 = (1 + 1)^-1 = 1/2: EMA = 1/2 * 1 + 1/2 * 2 = 1.5; theta' = 1.5 + 1/2 * (2 - 1) = 2
     assert reference.weight.item() == pytest.approx(2.0, abs=1e-7)
     with torch.no_grad():
@@ -125,7 +125,7 @@ def test_a_run_moves_the_reference_as_the_paper_says_from_its_own_checkpoints(be
     assert set(saved) == {"theta0", "ema", "running"}
     from conftest import metric_records
 
-    counts = [r["reference_updates"] for r in metric_records(bema_run) if "reference_updates" in r]
+    counts = [r["counters/reference_updates"] for r in metric_records(bema_run) if "counters/reference_updates" in r]
     assert counts[-1] == 2.0
 
 
@@ -173,6 +173,10 @@ def test_two_fsdp_ranks_move_the_reference_as_one_process(bema_run, tmp_path):
         (["reference_update=bema", "reference_update.lag=0", "reference_update.multiplier=0"], "are both 0"),
         (["reference_update=bema", "model.lora.r=4"], "reference_update moves the reference, but with model.lora"),
         (["reference_update=bema", "loss=simpo"], "but loss=simpo uses none; remove it."),
+        # regressions (a new user): another mode's key was added with + and silently never read
+        (["reference_update.mode=soft", "+reference_update.update_freq=2"], "reference_update.update_freq is not a key of"),
+        (["reference_update=bema", "+reference_update.alpha=0.5"], "reference_update.alpha is not a key of reference_update"),
+        (["reference_update=bema", "reference_update.mode=soft"], "select them with reference_update=tr_dpo."),
     ],
 )
 def test_bema_mistakes_are_one_sentence_before_any_model_loads(overrides, sentence):

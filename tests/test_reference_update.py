@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import REPO, TINY, compose_config, run_train
 
+import trainers
 import utils
 from modeling import models
 from objectives import tr_dpo
@@ -142,6 +143,18 @@ def test_reference_update_mistakes_are_one_sentence_before_any_model_loads(overr
 def test_the_train_records_count_the_reference_updates(soft_run):
     from conftest import metric_records
 
-    counts = [r["reference_updates"] for r in metric_records(soft_run) if "reference_updates" in r]
+    counts = [r["counters/reference_updates"] for r in metric_records(soft_run) if "counters/reference_updates" in r]
     assert counts and counts[-1] == 2.0  # 6 optimizer steps, an update after steps 3 and 6
     assert counts == sorted(counts)
+
+
+def test_a_log_over_several_steps_keeps_the_count_not_its_mean():
+    # regression (a new user): 4 updates in one 1-second log window were logged as 2.5, the mean of 1, 2, 3, 4
+    logged = {}
+    trainer = SimpleNamespace(
+        example_counter=32, batch_counter=4, logger=SimpleNamespace(log=lambda means, step: logged.update(means))
+    )
+    pending = {"counters/reference_updates": [1.0, 2.0, 3.0, 4.0], "loss/train": [1.0, 3.0]}
+    bar = SimpleNamespace(set_postfix=lambda _: None)
+    trainers.BasicTrainer.log_train(trainer, pending, 32, 100, 1.0, bar)
+    assert logged["counters/reference_updates"] == 4.0 and logged["loss/train"] == 2.0

@@ -179,3 +179,27 @@ def test_each_loss_type_takes_its_own_keys_and_aot_and_mix_are_refused_in_one_se
         losses.validate_loss_config({"name": "wpo", "loss_type": "aot"})
     with pytest.raises(losses.ObjectiveConfigError, match=r"^loss.losses of loss=mix names 'wpo', whose inputs come from a "):
         losses.validate_loss_config({"name": "mix", "losses": ["dpo", "wpo"], "weights": [1.0, 1.0]})
+
+
+@pytest.mark.parametrize("loss_type", ["ipo", "hinge", "f_dpo"])
+def test_the_yaml_with_only_loss_type_composes_to_that_losss_own_defaults(loss_type):
+    # regression (a new user): wpo.yaml carried DPO's keys, so loss_type=ipo trained on summed log-probs (IPO's default
+    # is per token) and loss_type=hinge was refused until each DPO key was removed by hand, one command per key
+    from conftest import compose_config
+
+    from runs import checks
+
+    config = compose_config(["loss=wpo", f"loss.loss_type={loss_type}"])
+    checks.validate_config(config)  # no key to remove
+    base = losses.get_objective(loss_type)
+    assert losses.get_objective("wpo").averages(config.loss) == base.averages({"name": loss_type})
+    assert losses.get_objective("wpo").averages(config.loss) == (loss_type == "ipo")
+
+
+def test_a_key_of_the_weighed_loss_is_added_with_plus_not_removed():
+    # regression: "loss=wpo has no key 'f_divergence_type' ...; remove it." for a key loss_type=f_dpo reads
+    from runs.overrides import override_error
+
+    said = override_error(["loss=wpo", "loss.loss_type=f_dpo", "loss.f_divergence_type=js_divergence"])
+    assert said.endswith("to add it, write +loss.f_divergence_type=js_divergence.")
+    assert override_error(["loss=wpo", "loss.gamma=1"]).startswith("loss=wpo has no key 'gamma'")  # dpo reads no gamma
