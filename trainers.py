@@ -274,12 +274,12 @@ class BasicTrainer:
         if "label" in batch:  # unpaired rows {prompt, completion, label}: an objective that takes them names its builder
             raise ValueError(f"loss={self.objective.name} trains on pairs; this batch holds unpaired rows.")
         n = len(batch["prompt"])
-        policy_chosen, policy_rejected, n_tokens, *statistic = self.concatenated_forward(self.policy, batch, token_statistic)
+        args = (self.policy, batch) if token_statistic is None else (self.policy, batch, token_statistic)
+        policy_chosen, policy_rejected, n_tokens, *statistic = self.concatenated_forward(*args)
         if self.uses_reference:
             ref_chosen, ref_rejected = self.reference_logps(batch)
         else:  # a uniform reference (reference_free), never computed
             ref_chosen, ref_rejected = torch.zeros_like(policy_chosen), torch.zeros_like(policy_rejected)
-        statistic = statistic[0] if statistic else None
         return losses.ObjectiveInputs(
             policy_chosen_logps=policy_chosen,
             policy_rejected_logps=policy_rejected,
@@ -287,8 +287,8 @@ class BasicTrainer:
             reference_rejected_logps=ref_rejected,
             chosen_n_tokens=n_tokens[:n],
             rejected_n_tokens=n_tokens[n:],
-            policy_chosen_statistic=None if statistic is None else statistic[:n],
-            policy_rejected_statistic=None if statistic is None else statistic[n:],
+            policy_chosen_statistic=statistic[0][:n] if statistic else None,
+            policy_rejected_statistic=statistic[0][n:] if statistic else None,
         )
 
     def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
