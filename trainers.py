@@ -70,7 +70,6 @@ class BasicTrainer:
         """The loop over ``train_examples`` for ``policy`` against ``reference_model`` (or the precomputed
         ``reference_cache``), evaluating on ``eval_examples`` and checkpointing into ``run_dir``."""
         self.config = config
-        self.dist = Dist(self.rank, self.world_size, self.mesh)  # one process here; a parallel trainer set its mesh first
         self.reference_cache = reference_cache  # example key -> (chosen, rejected) reference log-probs, or None
         self.data_fingerprint = data_fingerprint  # {split: examples_fingerprint}, kept in each checkpoint for resume
         self.run_dir = run_dir
@@ -129,12 +128,9 @@ class BasicTrainer:
         self.trainable_names = {n for n, p in self.policy.named_parameters() if p.requires_grad}
         self.prepare_models()
 
-    # ------------------------------------------------------------------ what a parallel trainer sets (collectives: self.dist)
+    # ------------------------------------------------------------------ what a parallel trainer sets
 
-    rank = 0
-    world_size = 1
-    tp_size = 1  # over how many processes each weight matrix is split (the mesh's ``tp`` dimension)
-    mesh = None  # a parallel trainer's (dp, tp) torch.distributed DeviceMesh
+    dist = Dist()  # the processes and their collectives: one process here; a parallel trainer's its (dp, tp) mesh's
     grad_scale = 1.0  # FSDP averages gradients over ranks; the loss is scaled to undo it
     generate_kwargs: dict = {}  # extra ``generate`` arguments (FSDP keeps all ranks stepping until all are done)
 
@@ -375,7 +371,7 @@ class BasicTrainer:
             if weight:
                 for k, v in metrics.items():
                     collected[k].extend(v)
-        grad_norm = optimization.clip_gradients(self.policy, self.config.max_grad_norm, self.mesh, self.tp_size, self.device)
+        grad_norm = optimization.clip_gradients(self.policy, self.config.max_grad_norm, self.dist, self.device)
         if not torch.isfinite(grad_norm):
             raise NonFiniteLossError(ending.non_finite_message(self, f"gradient norm is {grad_norm.item()}"))
         collected = defaultdict(list, self.dist.gather_metrics(collected))
@@ -522,8 +518,7 @@ class _DistributedTrainer(BasicTrainer):
 
         if not dist.is_initialized():
             raise RuntimeError(f"{type(self).__name__} needs torch.distributed; start it with train.py or torchrun.")
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
         if torch.cuda.is_available():
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
@@ -533,9 +528,9 @@ class _DistributedTrainer(BasicTrainer):
         from torch.distributed.device_mesh import init_device_mesh
 
         config = args[1] if len(args) > 1 else kwargs["config"]
-        self.tp_size = self.tensor_parallel_size(config)
-        dp_size = self.world_size // self.tp_size
-        self.mesh = init_device_mesh(self.device.type, (dp_size, self.tp_size), mesh_dim_names=("dp", "tp"))
+        tp_size = self.tensor_parallel_size(config)
+        mesh = init_device_mesh(self.device.type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
+        self.dist = Dist(rank, world_size, mesh)
         super().__init__(*args, **kwargs)
 
     def tensor_parallel_size(self, config) -> int:
@@ -544,7 +539,7 @@ class _DistributedTrainer(BasicTrainer):
 
     def shard_from_rank0(self, model: torch.nn.Module, shard) -> None:
         """Shard ``model`` over the mesh with ``shard`` (FSDP or a TP plan), its weights sent from rank 0."""
-        shard_from_rank0(model, shard, self.rank, self.device)
+        shard_from_rank0(model, shard, self.dist.rank, self.device)
 
 
 class FSDPTrainer(_DistributedTrainer):

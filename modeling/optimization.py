@@ -53,11 +53,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer, config, n_steps: int):
     )
 
 
-def clip_gradients(policy: torch.nn.Module, max_norm: float, mesh, tp_size: int, device) -> torch.Tensor:
+def clip_gradients(policy: torch.nn.Module, max_norm: float, dist, device) -> torch.Tensor:
     """Clip the policy's gradients to ``max_norm`` by their global L2 norm and return that norm (torch's own clipping,
-    or :func:`clip_mixed_gradients` where the gradients live on several meshes)."""
+    or :func:`clip_mixed_gradients` where the gradients live on several meshes of ``dist``, the trainer's processes)."""
     grads = [p.grad for p in policy.parameters() if p.grad is not None]
-    if mesh is None or (tp_size == 1 and len(parameter_groups(grads)) == 1):
+    if dist.mesh is None or (dist.tp_size == 1 and len(parameter_groups(grads)) == 1):
         norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP
     return clip_mixed_gradients(grads, max_norm, device)

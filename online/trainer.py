@@ -131,9 +131,9 @@ class OnlineSampling:
             return
         self.judged_since_eval, self.failed_since_eval = int(state["judged_since_eval"]), int(state["failed_since_eval"])
         ranks = state.get("ranks") or []
-        if self.rank >= len(ranks):  # resumed on more ranks than saved: the shared RNG state stays
+        if self.dist.rank >= len(ranks):  # resumed on more ranks than saved: the shared RNG state stays
             return
-        mine = ranks[self.rank]
+        mine = ranks[self.dist.rank]
         if mine["judge"] is not None and callable(getattr(self.scorer, "load_state_dict", None)):
             self.scorer.load_state_dict(mine["judge"])
         torch.set_rng_state(mine["torch_rng"])
@@ -223,7 +223,7 @@ class OnlineSampling:
         elif scores is not None and None in preferences:
             self.judge_error = "a NaN score"
 
-        coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.rank}")  # reproducible on resume
+        coin = random.Random(f"{self.config.seed}-{self.batch_counter}-{self.dist.rank}")  # reproducible on resume
         elements, weights, ties, failed, order = [], [], [], [], []
         for i, preference in enumerate(preferences):
             ties.append(float(preference == rewards.TIE))

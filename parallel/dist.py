@@ -30,6 +30,11 @@ class Dist:
         return self.world_size if self.mesh is None else self.mesh["dp"].size()
 
     @property
+    def tp_size(self) -> int:
+        """Over how many processes each weight matrix is split (the mesh's ``tp`` dimension)."""
+        return 1 if self.mesh is None else self.mesh["tp"].size()
+
+    @property
     def is_main(self) -> bool:
         """True on the process that logs, prints and writes the run folder's files."""
         return self.rank == 0

@@ -46,18 +46,18 @@ def shard_models(trainer) -> None:
     from parallel.dist import shard_from_rank0
     from parallel.tensor_parallel import tensor_parallel_plan
 
-    config, mesh = trainer.config, trainer.mesh
+    config, mesh, tp_size = trainer.config, trainer.dist.mesh, trainer.dist.tp_size
     kwargs = {"mesh": mesh["dp"]}
     if config.model.fsdp_policy_mp:
         dtype = utils.get_dtype(config.model.fsdp_policy_mp)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # float32 reduction
-    if trainer.tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
+    if tp_size > 1:  # DTensor's hint that 2-D norms and full-state gathers take two collectives: known, rare
         logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     for model in (trainer.policy, trainer.reference_model):
         if model is None:
             continue
         blocks = find_block_classes(model, config.model.block_name)
-        plan = tensor_parallel_plan(model, trainer.tp_size) if trainer.tp_size > 1 else None
+        plan = tensor_parallel_plan(model, tp_size) if tp_size > 1 else None
 
         def shard(model, blocks=blocks, plan=plan):
             if plan is not None:  # 2-D: tensor parallel within each group of tp_size ranks, then FSDP across groups
@@ -66,4 +66,4 @@ def shard_models(trainer) -> None:
                 parallelize_module(model, mesh["tp"], plan)
             fully_shard_blocks(model, blocks, **kwargs)
 
-        shard_from_rank0(model, shard, trainer.rank, trainer.device)
+        shard_from_rank0(model, shard, trainer.dist.rank, trainer.device)

@@ -86,6 +86,6 @@ def shard_models(trainer) -> None:
     for model in (trainer.policy, trainer.reference_model):
         if model is None:
             continue
-        plan = tensor_parallel_plan(model, trainer.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
-        shard = lambda model, plan=plan: parallelize_module(model, trainer.mesh["tp"], plan)  # noqa: E731
-        shard_from_rank0(model, shard, trainer.rank, trainer.device)
+        plan = tensor_parallel_plan(model, trainer.dist.world_size)  # GPT-2: Conv1D -> Linear first, on every rank
+        shard = lambda model, plan=plan: parallelize_module(model, trainer.dist.mesh["tp"], plan)  # noqa: E731
+        shard_from_rank0(model, shard, trainer.dist.rank, trainer.device)

@@ -41,7 +41,7 @@ def save(trainer) -> str:
 def save_checkpoint_dir(trainer, name: str, write) -> str:
     """checkpoints.save_checkpoint_dir of ``<run_dir>/<name>`` on the main process, with ``write(folder)`` run inside it
     on every process; checkpoints.CheckpointError on every process if it cannot be written."""
-    if trainer.mesh is None:
+    if trainer.dist.mesh is None:
         return checkpoints.save_checkpoint_dir(trainer.run_dir, name, write)
     dist = trainer.dist
     sent = []  # the folder, once the main process has made it and sent it to the others
@@ -71,7 +71,7 @@ def save_checkpoint_dir(trainer, name: str, write) -> str:
 def write_checkpoint(trainer, folder: str, step: int) -> None:
     """One process: policy.pt, optimizer.pt, scheduler.pt, trainer_state.pt, reference.pt (a moving reference) and
     ``hf/`` (unless its export fails) into ``folder``; a parallel trainer: :func:`write_sharded`."""
-    if trainer.mesh is not None:
+    if trainer.dist.mesh is not None:
         return write_sharded(trainer, folder, step)
     torch.save(policy_checkpoint(trainer, step, trainer.policy.state_dict()), os.path.join(folder, "policy.pt"))
     torch.save({"step_idx": step, "state": trainer.optimizer.state_dict()}, os.path.join(folder, "optimizer.pt"))
@@ -149,12 +149,12 @@ def write_rank0_files(trainer, folder: str, step: int, full_state: dict) -> None
     """policy.pt (full weights), scheduler.pt, trainer_state.pt and hf/ into ``folder``; a tensor-parallel GPT-2's
     weights go back to its own Conv1D layout first."""
     policy = trainer.policy
-    if trainer.tp_size > 1 and policy.config.model_type == "gpt2":
+    if trainer.dist.tp_size > 1 and policy.config.model_type == "gpt2":
         from transformers import AutoModelForCausalLM
 
         from parallel.tensor_parallel import _gpt2_state_to_conv1d
 
-        full_state = _gpt2_state_to_conv1d(full_state, policy.config, trainer.tp_size)
+        full_state = _gpt2_state_to_conv1d(full_state, policy.config, trainer.dist.tp_size)
         trainer.policy = AutoModelForCausalLM.from_config(policy.config)  # the exporter sees a plain GPT-2
         trainer.policy.load_state_dict(full_state)
     try:
@@ -235,7 +235,7 @@ def restore_trainer_state(trainer, state: dict) -> None:
 def load(trainer, checkpoint_dir: str) -> None:
     """Restore policy, optimizer, scheduler, a moving reference, counters and RNG from a checkpoint folder (a parallel
     trainer: each rank its shard of ``sharded/``; LoRA: the adapters and their optimizer state)."""
-    if trainer.mesh is not None:
+    if trainer.dist.mesh is not None:
         _load_sharded(trainer, checkpoint_dir)
     else:
         load_policy_state(trainer, read_checkpoint_file(checkpoint_dir, "policy.pt")["state"])

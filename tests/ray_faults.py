@@ -27,7 +27,7 @@ def exit_before_first_save(marker: str, config, **kwargs):
 
     def wrap(trainer, save):
         def save_or_exit() -> str:
-            if trainer.rank == 0 and not os.path.exists(marker):
+            if trainer.dist.rank == 0 and not os.path.exists(marker):
                 open(marker, "w").close()
                 print(f"[test fault] rank 0 exits before its checkpoint of {trainer.example_counter} examples.", flush=True)
                 os._exit(1)
@@ -46,7 +46,7 @@ def exit_after_first_report(marker: str, config, **kwargs):
             import ray.train
 
             path = save()
-            if trainer.rank == 1 and not os.path.exists(marker):
+            if trainer.dist.rank == 1 and not os.path.exists(marker):
                 # a worker dying right after a report can beat its registration; the restart would begin from the one before
                 ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
                 open(marker, "w").close()

@@ -42,7 +42,7 @@ def main() -> None:
 
     rank = process_group.init_distributed()
     mesh = init_device_mesh("cpu", (2,))
-    trainer = SimpleNamespace(rank=rank, device=torch.device("cpu"), mesh=mesh)
+    trainer = SimpleNamespace(dist=SimpleNamespace(rank=rank), device=torch.device("cpu"))
     tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(1))
     for family, config in CONFIGS.items():
         for how in ("fsdp", "tp"):
