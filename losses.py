@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -60,25 +60,9 @@ def ipo_loss(
     """IPO (Azar et al. 2023, Eq. 17, empirical form), (h - 1 / (2 beta))^2 on DPO's log-ratio gap h, ``beta`` the paper's
     tau > 0: (B,) log-probs in, (losses, chosen_rewards, rejected_rewards) out, each (B,), rewards as DPO's."""
     h = (policy_chosen_logps - policy_rejected_logps) - (reference_chosen_logps - reference_rejected_logps)
-    rewards = implicit_rewards(policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps, beta)
-    return (h - 1 / (2 * beta)) ** 2, *rewards
-
-
-def implicit_rewards(
-    policy_chosen_logps: torch.Tensor,
-    policy_rejected_logps: torch.Tensor,
-    reference_chosen_logps: torch.Tensor,
-    reference_rejected_logps: torch.Tensor,
-    beta: float,
-    reference_free: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DPO's implicit rewards beta (log pi(y|x) - log ref(y|x)) (Rafailov et al. 2023, Eq. 5), detached, (B,) in and out."""
-    if reference_free:
-        reference_chosen_logps = torch.zeros_like(reference_chosen_logps)
-        reference_rejected_logps = torch.zeros_like(reference_rejected_logps)
-    chosen = beta * (policy_chosen_logps - reference_chosen_logps).detach()
-    rejected = beta * (policy_rejected_logps - reference_rejected_logps).detach()
-    return chosen, rejected
+    chosen_rewards = beta * (policy_chosen_logps - reference_chosen_logps).detach()  # DPO's implicit rewards (its Eq. 5)
+    rejected_rewards = beta * (policy_rejected_logps - reference_rejected_logps).detach()
+    return (h - 1 / (2 * beta)) ** 2, chosen_rewards, rejected_rewards
 
 
 # ============================================================================ the objectives registry
@@ -151,20 +135,22 @@ class Objective:
         return not (self.sft_data or self.score_head)
 
     def compute(self, inputs: ObjectiveInputs, loss_config, **overrides) -> ObjectiveOutput:
-        """:attr:`fn` of ``inputs`` and the keys' values (``overrides`` win over ``loss_config``, then the defaults), plus
-        ``loss.nll_weight`` times the chosen NLL per token (RPO, Pang et al. 2024, Eq. 1)."""
-        missing = next((field for field in self.needs if getattr(inputs, field) is None), None)
+        """:attr:`fn` of ``inputs`` and the keys' values, plus ``loss.nll_weight`` times the chosen NLL per token (RPO,
+        Pang et al. 2024, Eq. 1): per-example losses (B,), the detached rewards (B,) or None, and metrics by name.
+
+        Args:
+            inputs: what the trainer computed for B examples, (B,) tensors; the fields in :attr:`needs` are required.
+            loss_config: the ``loss`` section; ``overrides`` win over it (the epoch's ``beta``), then the defaults.
+        """
+        nll_weight = float(loss_config.get("nll_weight", 0.0) or 0.0)
+        needs = self.needs + (("policy_chosen_nll",) if nll_weight > 0 else ())
+        missing = next((field for field in needs if getattr(inputs, field) is None), None)
         if missing is not None:
             raise ValueError(f"loss={self.name} needs {missing}, which the trainer did not compute.")
         values = {key: overrides.get(key, loss_config.get(key, spec.default)) for key, spec in self.keys.items()}
         per_example, chosen_rewards, rejected_rewards, *extra = self.fn(inputs, types.SimpleNamespace(**values))
         extra = extra[0] if extra else {}
-        nll_weight = float(loss_config.get("nll_weight", 0.0) or 0.0)
         if nll_weight > 0:
-            if inputs.policy_chosen_nll is None:
-                raise ValueError(
-                    f"loss.nll_weight > 0 needs the chosen NLL, which the trainer did not compute for loss={self.name}."
-                )
             nll = inputs.policy_chosen_nll
             if inputs.label is not None:  # unpaired rows: only desirable completions are "chosen"
                 nll = nll * inputs.label.to(nll.dtype)
@@ -272,9 +258,8 @@ def _positive(value) -> bool:
 
 def _positive_or_list(value) -> bool:
     """A number > 0, or a non-empty list of them (one per epoch; the last repeats)."""
-    if isinstance(value, (list, tuple)) or (hasattr(value, "__iter__") and not isinstance(value, (str, dict))):
-        values = list(value)
-        return bool(values) and all(_positive(v) for v in values)
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a list or a ListConfig
+        return bool(value) and all(_positive(v) for v in value)
     return _positive(value)
 
 
@@ -331,7 +316,12 @@ def sft_objective(inputs: ObjectiveInputs, loss):
     unit="nats, −log σ(β·log-ratio gap)",
 )
 def dpo_objective(inputs: ObjectiveInputs, loss):
-    """DPO and conservative DPO as an objective: :func:`dpo_loss` of the trainer's (B,) log-probs and the loss keys."""
+    """DPO and conservative DPO as an objective: :func:`dpo_loss` of the trainer's log-probs and the loss keys.
+
+    Args:
+        inputs: the policy's and the reference's chosen and rejected log-probs (:data:`PAIR_LOGPS`), (B,) each.
+        loss: ``beta``, ``label_smoothing``, ``reference_free`` (``config/loss/dpo.yaml``).
+    """
     policy = inputs.policy_chosen_logps, inputs.policy_rejected_logps
     reference = inputs.reference_chosen_logps, inputs.reference_rejected_logps
     return dpo_loss(*policy, *reference, loss.beta, loss.label_smoothing, loss.reference_free)

@@ -12,6 +12,7 @@ import sys
 import time
 
 import hydra
+import transformers
 from omegaconf import DictConfig
 
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
@@ -83,6 +84,9 @@ def _main(config, run_dir, checkpoint_dir, attach, held, stops, made: list[str],
     utils.set_seed(config.seed)
     utils.set_threads(config.num_threads)
     utils.set_malloc_mmap_threshold(config.malloc_mmap_threshold_mib)
+    if not config.progress_bar and transformers.utils.logging.is_progress_bar_enabled():  # Hugging Face's bars too
+        transformers.utils.logging.disable_progress_bar()  # ("Writing model shards" at each checkpoint), for this run
+        held.callback(transformers.utils.logging.enable_progress_bar)
 
     trainer, extended = _trainer(config, run_dir, checkpoint_dir, rank, distributed, held, made, command, answer_functions)
     run_dir = trainer.run_dir

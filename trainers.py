@@ -3,11 +3,8 @@ objective of ``config.loss.name`` (losses.py) declares, the reference's side thr
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-import signal
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -24,19 +21,6 @@ from parallel import fsdp, tensor_parallel
 from parallel.dist import Dist, shard_from_rank0, split_batch
 from preference_datasets import concatenated_inputs, get_batch_iterator
 from runs import checks, ending, tracking, trainer_checkpoint
-
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
-"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
-``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
-
-
-def beta_for_epoch(beta, epoch: int) -> float:
-    """``loss.beta`` in ``epoch`` (0-based): a number, or a list with one value per epoch whose
-    last value repeats (TRL's OnlineDPOConfig ``beta`` list has the same meaning)."""
-    if isinstance(beta, (int, float)):
-        return float(beta)
-    values = list(beta)
-    return float(values[min(epoch, len(values) - 1)])
 
 
 class NonFiniteLossError(RuntimeError):
@@ -194,12 +178,9 @@ class BasicTrainer:
         if self.remote_reference is not None:
             chosen, rejected = self.remote_reference(batch)
             return chosen.to(self.device), rejected.to(self.device)
-        if self.reference_cache is not None:
-            pairs = [self.reference_cache[key] for key in batch["key"]]
-            return (
-                torch.tensor([c for c, _ in pairs], dtype=torch.float32, device=self.device),
-                torch.tensor([r for _, r in pairs], dtype=torch.float32, device=self.device),
-            )
+        if self.reference_cache is not None:  # the precomputed pass's (chosen, rejected) by example key
+            pairs = torch.tensor([self.reference_cache[key] for key in batch["key"]], dtype=torch.float32, device=self.device)
+            return pairs[:, 0], pairs[:, 1]
         if self.peft_model is not None:  # LoRA: the policy with its adapters off
             with models.adapters_off(self.peft_model) as base:
                 chosen, rejected, _ = self.concatenated_forward(base, batch)
@@ -254,8 +235,12 @@ class BasicTrainer:
         return loss, metrics
 
     def objective_inputs(self, batch: dict) -> losses.ObjectiveInputs:
-        """What the objective learns from, computed on this micro-batch of B examples by the builder it declares
-        (:meth:`pair_inputs` unless it names another; see ``losses.ObjectiveInputs`` for the fields and shapes)."""
+        """What the objective learns from, computed by the builder it declares (:meth:`pair_inputs` unless it names
+        another), with the chosen NLL per token when the objective uses it: ``losses.ObjectiveInputs``, (B,) each.
+
+        Args:
+            batch: a micro-batch of B examples (pairs: :meth:`train_step`'s layout).
+        """
         inputs = (self.objective.inputs or BasicTrainer.pair_inputs)(self, batch)
         if self.uses_nll:  # -log pi(y_w | x) per token, from the same forward
             chosen, n_chosen = inputs.policy_chosen_logps, inputs.chosen_n_tokens
@@ -265,8 +250,12 @@ class BasicTrainer:
 
     def pair_inputs(self, batch: dict, token_statistic: Callable | None = None) -> losses.ObjectiveInputs:
         """The pairs' log-probs under the policy (:meth:`concatenated_forward`) and the reference
-        (:meth:`reference_logps`; zeros for a reference-free objective), (B,) each, and their target tokens; with
-        ``token_statistic`` (WPO), also its means per response from the policy's forward."""
+        (:meth:`reference_logps`; zeros for a reference-free objective), and their response tokens, (B,) each.
+
+        Args:
+            batch: B pairs (:meth:`concatenated_forward`'s layout) with their ``key``s.
+            token_statistic: :meth:`concatenated_forward`'s; its means per response fill ``policy_*_statistic`` (WPO).
+        """
         if "label" in batch:  # unpaired rows {prompt, completion, label}: an objective that takes them names its builder
             raise ValueError(f"loss={self.objective.name} trains on pairs; this batch holds unpaired rows.")
         n = len(batch["prompt"])
@@ -294,11 +283,11 @@ class BasicTrainer:
 
     @property
     def beta(self) -> float | None:
-        """``loss.beta`` for the current epoch (see :func:`beta_for_epoch`); None for an objective without one."""
+        """``loss.beta`` for the current epoch (``optimization.beta_for_epoch``); None for an objective without one."""
         if "beta" not in self.objective.keys:
             return None
         epoch = self.example_counter // max(len(self.train_examples), 1)
-        return beta_for_epoch(self.loss_config.get("beta", self.objective.keys["beta"].default), epoch)
+        return optimization.beta_for_epoch(self.loss_config.get("beta", self.objective.keys["beta"].default), epoch)
 
     # ------------------------------------------------------------------ what a trainer that extends this one overrides
     # (online/trainer.py: online DPO samples and labels each step's pairs, weighs them and stops on a failing judge)
@@ -355,15 +344,14 @@ class BasicTrainer:
             NonFiniteLossError comes before the step when a loss or the gradient norm is NaN or inf.
         """
         n_examples = len(batch["prompt"])
-        self.step_tokens = count_tokens(batch)
+        self.step_tokens = tracking.count_tokens(batch)  # for tokens/s
         batch, weight = self.dist.local_batch(batch)
         collected = defaultdict(list)
         batch, n_examples = self.step_pairs(batch, weight, collected, n_examples)
         n_tokens = self.dist.global_sum(float((batch["chosen_labels"] != losses.IGNORE_INDEX).sum()))
         chunks = split_batch(batch, self.config.gradient_accumulation_steps)
         for i, chunk in enumerate(chunks):
-            if hasattr(self.policy, "set_requires_gradient_sync"):  # FSDP2: one gradient reduction per step
-                self.policy.set_requires_gradient_sync(i == len(chunks) - 1)
+            self.dist.sync_gradients(self.policy, i == len(chunks) - 1)  # one gradient reduction per step
             loss, metrics = self.get_batch_metrics(chunk, n_examples, n_tokens, "train")
             if not self.dist.all_finite(loss):
                 raise NonFiniteLossError(ending.non_finite_message(self, f"loss is {loss.item()}"))
@@ -387,45 +375,37 @@ class BasicTrainer:
 
     def train(self) -> int | None:
         """Train to ``n_examples`` / ``n_epochs`` with an eval and a checkpoint every ``eval_every`` examples and at the
-        end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the :data:`STOP_SIGNALS` signal that stopped it."""
-        if self.example_counter >= self.total_examples:
-            ending.say_already_complete(self)
-            self.logger.finish()
-            return None
-        c = self.config
-        iterator = get_batch_iterator(  # shuffled, from example_counter on: a resumed run continues its order
-            self.train_examples, self.tokenizer, c.batch_size, c.max_length, c.max_prompt_length, shuffle=True,
-            seed=c.seed, n_epochs=c.n_epochs, n_examples=c.n_examples, start_example=self.example_counter,
-            length_grouped=c.length_grouped,
-        )  # fmt: skip
-        main_thread = threading.current_thread() is threading.main_thread()  # Ray Train runs this in a thread
-        handler = functools.partial(ending.request_stop, self)  # a stop signal: a checkpoint after this step
-        previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if main_thread else {}
-        bar = tqdm.tqdm(
-            total=self.total_examples,
-            initial=self.example_counter,
-            unit="ex",
-            desc="train",
-            disable=not (self.config.progress_bar and self.dist.is_main),
-        )
+        end (then ``FINISHED``, which ``resume=auto`` skips); returns None, or the ``ending.STOP_SIGNALS`` signal that stopped it."""
         try:
-            self.run_batches(iterator, bar)
+            if self.example_counter >= self.total_examples:
+                return ending.say_already_complete(self)
+            c = self.config
+            iterator = get_batch_iterator(  # shuffled, from example_counter on: a resumed run continues its order
+                self.train_examples, self.tokenizer, c.batch_size, c.max_length, c.max_prompt_length, shuffle=True,
+                seed=c.seed, n_epochs=c.n_epochs, n_examples=c.n_examples, start_example=self.example_counter,
+                length_grouped=c.length_grouped,
+            )  # fmt: skip
+            shown = c.progress_bar and self.dist.is_main
+            bar = tqdm.tqdm(total=self.total_examples, initial=self.example_counter, unit="ex", desc="train", disable=not shown)
+            with ending.stop_signals(self):  # a stop signal: a checkpoint after this step, then stop
+                self.run_batches(iterator, bar)
             bar.close()
             if self.stop_requested:
                 return ending.stop_with_checkpoint(self)
             return ending.finish_run(self)
         finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
             self.logger.finish()
 
     def run_batches(self, iterator, bar) -> None:
         """Train on ``iterator``'s batches until they end or a stop is requested, evaluating when due and logging
-        at most every ``minimum_log_interval_secs`` seconds (the last steps always)."""
+        at most every ``minimum_log_interval_secs`` seconds (the last steps always).
+
+        Args:
+            iterator: batches of B pairs (:meth:`train_step`'s layout) from ``preference_datasets.get_batch_iterator``.
+            bar: the tqdm bar, advanced by each batch's B examples.
+        """
         pending = defaultdict(list)
-        tokens = 0  # non-padding tokens since the last log
-        last_log = time.time()
-        last_log_examples = self.example_counter
+        tokens, last_log, last_log_examples = 0, time.time(), self.example_counter  # non-padding tokens since the last log
         self.policy.train()
         for batch in iterator:
             if self.example_counter >= self.next_eval_at:
@@ -494,16 +474,6 @@ class BasicTrainer:
     def made_before_models(cls, config) -> dict:
         """Keyword arguments an extending trainer builds from ``config`` before the models load, failing fast (none)."""
         return {}
-
-
-def count_tokens(batch: dict) -> int:
-    """Non-padding tokens of a batch: prompt + responses of every sequence (prompts alone for a
-    batch of prompts)."""
-    keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
-    return sum(int(batch[k].sum()) for k in keys)
-
-
-# ============================================================================ precomputed reference
 
 
 # ============================================================================ distributed trainers

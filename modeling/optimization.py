@@ -8,6 +8,15 @@ import math
 import torch
 
 
+def beta_for_epoch(beta, epoch: int) -> float:
+    """``loss.beta`` in ``epoch`` (0-based): a number, or a list with one value per epoch whose
+    last value repeats (TRL's OnlineDPOConfig ``beta`` list has the same meaning)."""
+    if isinstance(beta, (int, float)):
+        return float(beta)
+    values = list(beta)
+    return float(values[min(epoch, len(values) - 1)])
+
+
 def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
     """Learning-rate multiplier for optimizer step ``step`` (0-based): linear warmup
     ``min(1, (step + 1) / (warmup_steps + 1))``, then ``constant``, or ``linear`` / ``cosine`` decay to 0 at ``total_steps``."""

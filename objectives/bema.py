@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 import losses
-from objectives.tr_dpo import gathered_weights_released
 
 KEYS = ("update_freq", "lag", "update_after", "ref_model_update_freq", "ref_model_update_after")  # whole numbers
 POWERS = ("ema_power", "bias_power", "multiplier", "min_ema_multiplier")  # real numbers >= 0
@@ -22,7 +21,7 @@ class BEMAUpdate:
     def __init__(self, trainer):
         self.trainer = trainer
         self.update = trainer.config.reference_update
-        gathered_weights_released(trainer.policy)
+        trainer.dist.reshard(trainer.policy)  # FSDP2 roots keep weights gathered after a no-grad forward
         policy = trainer.policy.named_parameters()
         self.names = [name for name, p in policy if p.requires_grad]  # the trained weights; the others never move
         params = dict(trainer.policy.named_parameters())
@@ -70,7 +69,8 @@ class BEMAUpdate:
         """After optimizer step ``step`` (1-based, TRL's ``global_step``): snapshot, or update theta', then copy it
         into the reference when due; returns the reference's updates so far."""
         u, trainer = self.update, self.trainer
-        gathered_weights_released(trainer.policy, trainer.reference_model)
+        for model in (trainer.policy, trainer.reference_model):  # shards again after the step's no-grad forwards
+            trainer.dist.reshard(model)
         params = dict(trainer.policy.named_parameters())
         if step == u.update_after:
             for name in self.names:

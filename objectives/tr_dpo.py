@@ -9,21 +9,14 @@ import torch
 import losses
 
 
-def gathered_weights_released(*models) -> None:
-    """Reshard FSDP2 roots, which keep their weights gathered after a no-grad forward, so parameters are shards again."""
-    for model in models:
-        for module in model.modules():
-            if hasattr(module, "reshard"):
-                module.reshard()
-
-
 @torch.no_grad()
 def update_reference(trainer, mode: str, alpha: float) -> None:
     """TR-DPO's update of ``trainer.reference_model`` from ``trainer.policy``: ``soft`` theta_ref <- alpha * theta +
     (1 - alpha) * theta_ref, ``hard`` theta_ref <- theta (alpha ignored)."""
     if trainer.reference_model is None:
         raise RuntimeError("reference_update needs the reference model in this process; none is loaded.")
-    gathered_weights_released(trainer.policy, trainer.reference_model)
+    for model in (trainer.policy, trainer.reference_model):  # FSDP2 roots keep weights gathered after a no-grad forward
+        trainer.dist.reshard(model)
     policy = dict(trainer.policy.named_parameters())  # sharded alike (FSDP, TP): nothing is gathered
     for name, ref in trainer.reference_model.named_parameters():
         theta = policy[name].detach()

@@ -36,7 +36,7 @@ class OnlineSampling:
     def step_pairs(self, batch: dict, weight: float, collected: dict, n_examples: float) -> tuple[dict, float]:
         """This step's sampled and labelled pairs (:meth:`labelled_batch`); only labelled pairs count."""
         batch, n_examples = self.labelled_batch(batch, weight, collected)
-        self.step_tokens = int(self.dist.global_sum(trainers.count_tokens(batch) * weight))
+        self.step_tokens = int(self.dist.global_sum(tracking.count_tokens(batch) * weight))
         return batch, n_examples
 
     def batch_loss(self, batch: dict, inputs, per_example: torch.Tensor, normaliser: float, metrics: dict):

@@ -100,6 +100,12 @@ class Dist:
             if isinstance(module, FSDPModule):
                 module.reshard()
 
+    def sync_gradients(self, model, sync: bool) -> None:
+        """Reduce ``model``'s gradients across ranks in the next backward only when ``sync`` (FSDP2: once per step,
+        after the last micro-batch); nothing on one process."""
+        if hasattr(model, "set_requires_gradient_sync"):
+            model.set_requires_gradient_sync(sync)
+
     def wait_for_all(self) -> None:
         """Return once every process has got here."""
         if self.mesh is not None:

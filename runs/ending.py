@@ -3,10 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import signal
+import threading
 
 from runs import checkpoints, tracking
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, name))
+"""The signals on which :meth:`BasicTrainer.train` saves a checkpoint and stops (SIGUSR1, SIGUSR2: SLURM's
+``--signal=USR1@<seconds>``, submitit's USR2; absent on Windows); train.py then exits with 128 + the signal."""
 
 
 def non_finite_message(trainer, what: str) -> str:
@@ -75,7 +82,7 @@ def finish_run(trainer) -> None:
 
 
 def request_stop(trainer, signum, frame) -> None:
-    """The handler of ``trainers.STOP_SIGNALS``: stop after this step with a checkpoint; a second SIGINT raises
+    """The handler of :data:`STOP_SIGNALS`: stop after this step with a checkpoint; a second SIGINT raises
     KeyboardInterrupt, another repeated signal is ignored."""
     if trainer.stop_requested:
         if signum == signal.SIGINT:
@@ -84,3 +91,17 @@ def request_stop(trainer, signum, frame) -> None:
     print(f"\nReceived {signal.Signals(signum).name}: saving a checkpoint after this step, then stopping.")
     trainer.stop_requested = True
     trainer.stop_signal = signum
+
+
+@contextlib.contextmanager
+def stop_signals(trainer):
+    """Within the block, :data:`STOP_SIGNALS` call :func:`request_stop` (in the main thread only: Ray Train runs the
+    loop in a thread, where signals cannot be handled); the previous handlers come back after it."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    handler = functools.partial(request_stop, trainer)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS} if main_thread else {}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)

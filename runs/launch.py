@@ -18,11 +18,10 @@ from omegaconf import DictConfig
 import data  # noqa: F401  (registers the data formats and datasets beyond hh, shp and se)
 import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
-import trainers
 import utils
 from modeling import models
 from parallel.process_group import check_gpu_count
-from runs import checkpoints, checks, processes
+from runs import checkpoints, checks, ending, processes
 from runs.config_text import shell_line
 from runs.processes import says_once
 
@@ -87,8 +86,8 @@ def _run_processes(config: DictConfig, n: int, lock: checkpoints.RunLock) -> int
             if p.poll() is None:
                 p.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in trainers.STOP_SIGNALS}
-    stopped = {128 + s for s in trainers.STOP_SIGNALS}  # the exit codes of a rank that saved and stopped
+    previous = {s: signal.signal(s, forward) for s in ending.STOP_SIGNALS}
+    stopped = {128 + s for s in ending.STOP_SIGNALS}  # the exit codes of a rank that saved and stopped
     codes: dict[int, int] = {}  # in the order the ranks were seen to end
     killed: set[int] = set()  # ranks stopped here because another one failed
     run_dir = None
@@ -182,7 +181,7 @@ def run_stages(config: DictConfig, overrides: list[str]) -> int:
         if child and child[0].poll() is None:
             child[0].send_signal(signum)
 
-    previous = {sig: signal.signal(sig, forward) for sig in trainers.STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, forward) for sig in ending.STOP_SIGNALS}
     try:
         for number, (what, args) in enumerate((("SFT on the chosen responses", sft), (None, dpo)), 1):
             if number == 2:

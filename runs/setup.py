@@ -14,14 +14,13 @@ import time
 from omegaconf import DictConfig, OmegaConf
 
 import preference_datasets
-import trainers
 import utils
 from data.loading import load_examples
 from evaluation import reward_functions
 from export import modelcard
 from modeling import models, optimization
 from parallel import process_group
-from runs import checkpoints, checks, nodes, processes, saved_config
+from runs import checkpoints, checks, ending, nodes, processes, saved_config
 from runs.config_text import command_text
 from runs.files import open_append
 from runs.resume import read_checkpoint_file
@@ -227,7 +226,7 @@ class SetupStops:
 
     def __enter__(self) -> SetupStops:
         if threading.current_thread() is threading.main_thread():
-            self.previous = {s: signal.signal(s, self._stop) for s in trainers.STOP_SIGNALS}
+            self.previous = {s: signal.signal(s, self._stop) for s in ending.STOP_SIGNALS}
         return self
 
     def __exit__(self, *exc) -> None:

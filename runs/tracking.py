@@ -21,6 +21,13 @@ from runs.files import link_refusal, open_append
 _PEAK = {"reset": False, "jobs": 0}  # whether reset_peak_memory could reset the resident peak; jobs it started
 
 
+def count_tokens(batch: dict) -> int:
+    """Non-padding tokens of a batch: prompt + responses of every sequence (prompts alone for a
+    batch of prompts)."""
+    keys = [k for k in ("chosen_attention_mask", "rejected_attention_mask") if k in batch] or ["prompt_attention_mask"]
+    return sum(int(batch[k].sum()) for k in keys)
+
+
 def reset_peak_memory() -> None:
     """Reset the kernel's resident high-water mark and CUDA's peak, so each job of a Hydra multirun reports its own."""
     _PEAK["jobs"] += 1

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 import utils
 from modeling import models
 from objectives.bema import BEMAUpdate
+from parallel.dist import Dist
 from runs import checks
 
 DEFAULTS = OmegaConf.load(REPO / "config" / "reference_update" / "bema.yaml")
@@ -30,7 +31,8 @@ DEFAULTS = OmegaConf.load(REPO / "config" / "reference_update" / "bema.yaml")
 def trainer_for(policy, reference, **keys) -> SimpleNamespace:
     """What BEMAUpdate reads of a trainer: the policy, the reference and ``reference_update``'s keys."""
     update = OmegaConf.merge(DEFAULTS, keys)
-    return SimpleNamespace(policy=policy, reference_model=reference, config=OmegaConf.create({"reference_update": update}))
+    config = OmegaConf.create({"reference_update": update})
+    return SimpleNamespace(policy=policy, reference_model=reference, config=config, dist=Dist())
 
 
 def test_one_weight_follows_the_papers_rule_by_hand():

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import losses
-from losses import IGNORE_INDEX, dpo_loss, implicit_rewards, ipo_loss
+from losses import IGNORE_INDEX, dpo_loss, ipo_loss
 from modeling.logprobs import get_batch_logps
 from trainers import concatenated_inputs, split_batch
 
@@ -255,11 +255,12 @@ def test_ipo_minimum_at_target_margin():
 def test_implicit_rewards_by_hand():
     beta = 0.2
     pc, pr, rc, rr = as_tensors(requires_grad=True)
-    chosen, rejected = implicit_rewards(pc, pr, rc, rr, beta)
-    assert_close_list(chosen, [0.2 * 1.0, 0.2 * -1.5, 0.2 * 0.75, 0.2 * 2.0])
-    assert_close_list(rejected, [0.2 * -1.0, 0.2 * 1.5, 0.2 * 0.75, 0.2 * -31.0])
-    assert not chosen.requires_grad and not rejected.requires_grad
-    chosen, rejected = implicit_rewards(pc, pr, rc, rr, beta, reference_free=True)
+    for loss in (dpo_loss, ipo_loss):  # IPO reports DPO's implicit rewards
+        _, chosen, rejected = loss(pc, pr, rc, rr, beta)
+        assert_close_list(chosen, [0.2 * 1.0, 0.2 * -1.5, 0.2 * 0.75, 0.2 * 2.0])
+        assert_close_list(rejected, [0.2 * -1.0, 0.2 * 1.5, 0.2 * 0.75, 0.2 * -31.0])
+        assert not chosen.requires_grad and not rejected.requires_grad
+    _, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta, reference_free=True)
     assert_close_list(chosen, [0.2 * p[0] for p in PAIRS])
     assert_close_list(rejected, [0.2 * p[1] for p in PAIRS])
 

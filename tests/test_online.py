@@ -20,7 +20,7 @@ import train
 import trainers
 import utils
 from evaluation import rewards, sampling
-from modeling import models
+from modeling import models, optimization
 from objectives import reward
 from online import trainer as online
 from runs import checkpoints, checks
@@ -29,9 +29,9 @@ from runs import checkpoints, checks
 
 
 def test_beta_schedule_one_value_per_epoch_last_repeats():
-    assert trainers.beta_for_epoch(0.1, 7) == 0.1
+    assert optimization.beta_for_epoch(0.1, 7) == 0.1
     schedule = OmegaConf.create({"beta": [0.5, 0.2, 0.1]}).beta  # as Hydra gives it: a ListConfig
-    assert [trainers.beta_for_epoch(schedule, e) for e in range(5)] == [0.5, 0.2, 0.1, 0.1, 0.1]
+    assert [optimization.beta_for_epoch(schedule, e) for e in range(5)] == [0.5, 0.2, 0.1, 0.1, 0.1]
 
 
 def test_beta_list_is_validated():

@@ -21,10 +21,9 @@ from conftest import REPO, TINY, compose_config, run_train
 from omegaconf import OmegaConf
 
 import train
-import trainers
 import utils
 from modeling import loading
-from runs import checkpoints, processes, setup
+from runs import checkpoints, ending, processes, setup
 from runs.overrides import override_error
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
@@ -307,7 +306,7 @@ def test_a_lost_peer_is_recognised_through_the_exceptions_it_caused():
 )
 def test_the_launcher_names_the_rank_that_failed_first_and_exits_with_its_code(tmp_path, capsys, codes, killed, code, said):
     (tmp_path / "LATEST").symlink_to("step-8")
-    stopped = {128 + s for s in trainers.STOP_SIGNALS}
+    stopped = {128 + s for s in ending.STOP_SIGNALS}
     assert processes.rank_failure(codes, killed, stopped, str(tmp_path)) == code
     err = capsys.readouterr().err
     expected = f"Error: {said}, so the run stopped; continue the run with python train.py resume={tmp_path}.\n"

@@ -23,6 +23,7 @@ import trainers
 import utils
 from modeling import models
 from objectives import tr_dpo
+from parallel.dist import Dist
 from runs import checks
 
 
@@ -44,7 +45,7 @@ def test_soft_and_hard_updates_follow_the_rules_on_each_parameter():
         policy.bias.copy_(torch.tensor([8.0, -8.0]))
         reference.weight.copy_(torch.tensor([[5.0, 6.0], [7.0, 8.0]]))
         reference.bias.copy_(torch.tensor([0.0, 4.0]))
-    trainer = SimpleNamespace(policy=policy, reference_model=reference)
+    trainer = SimpleNamespace(policy=policy, reference_model=reference, dist=Dist())
     tr_dpo.update_reference(trainer, "soft", 0.25)  # 0.25 * policy + 0.75 * reference
     assert reference.weight.tolist() == [[4.0, 5.0], [6.0, 7.0]]
     assert reference.bias.tolist() == [2.0, 1.0]

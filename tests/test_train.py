@@ -275,6 +275,16 @@ def test_dpo_run_writes_reference_layout_and_loads_in_transformers(tmp_path):
     assert model(ids).logits.shape[-1] == len(tokenizer)
 
 
+def test_progress_bar_false_hides_hugging_face_bars_for_the_run_only(tmp_path, capfd):
+    # a fresh user's log with progress_bar=false held transformers' "Writing model shards" bar of each hf/ export
+    import transformers
+
+    run_train(["loss=sft", "n_examples=8", "eval_every=8", "save_hf_export=true"], tmp_path)
+    assert (tmp_path / next(p.name for p in tmp_path.iterdir()) / "LATEST").exists()
+    assert "Writing model shards" not in capfd.readouterr().err
+    assert transformers.utils.logging.is_progress_bar_enabled()  # the process's own setting again after the run
+
+
 def test_sft_then_dpo_from_archive_starts_at_ln2(tmp_path):
     sft_dir = run(["loss=sft", "exp_name=sft"], tmp_path)
     sft_first = next(r for r in records(sft_dir) if "loss/eval" in r)
