@@ -620,3 +620,28 @@ def test_a_rank_leaves_with_its_code_and_without_interpreter_teardown(body, code
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr
     assert done.stdout == "trained\n"  # flushed, and no teardown
+
+
+def test_the_training_loop_handles_stop_signals_only_within_it_and_only_in_the_main_thread():
+    import threading
+    from types import SimpleNamespace
+
+    trainer = SimpleNamespace(stop_requested=False, stop_signal=None)
+    before = {s: signal.getsignal(s) for s in ending.STOP_SIGNALS}
+    with ending.stop_signals(trainer):
+        os.kill(os.getpid(), signal.SIGTERM)  # asks for a checkpoint after this step, and stops nothing now
+        time.sleep(0.1)
+    assert (trainer.stop_requested, trainer.stop_signal) == (True, signal.SIGTERM)
+    assert {s: signal.getsignal(s) for s in ending.STOP_SIGNALS} == before  # the handlers it replaced, back
+
+    seen = []  # Ray Train runs the loop in a thread, where signal.signal raises: nothing is installed there
+    thread = threading.Thread(target=lambda: seen.append(_installs_nothing(trainer)))
+    thread.start()
+    thread.join()
+    assert seen == [True]
+
+
+def _installs_nothing(trainer) -> bool:
+    before = {s: signal.getsignal(s) for s in ending.STOP_SIGNALS}
+    with ending.stop_signals(trainer):
+        return {s: signal.getsignal(s) for s in ending.STOP_SIGNALS} == before
