@@ -217,6 +217,7 @@ def centered(values: torch.Tensor) -> torch.Tensor:
 
 
 def rms(values: torch.Tensor) -> float:
+    """The root mean square of ``values``."""
     return float(values.pow(2).mean().sqrt())
 
 
