@@ -61,6 +61,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_dpo  # noqa: E402
+import dpo_report  # noqa: E402
+import measure  # noqa: E402
+import our_worker  # noqa: E402
+import trl_worker  # noqa: E402
 
 REPO = bench_dpo.REPO
 SHARED = bench_dpo.SHARED
@@ -102,12 +106,12 @@ TARGETS = (  # (config, figure, comparison, bound, text): issue 14's targets on 
 def config_spec(base: dict, name: str, side: str, ours_overrides: list[str]) -> dict:
     """The worker spec of one side of configuration ``name``: ``base`` plus the task, LoRA and
     activation checkpointing (for ours as Hydra overrides of the project's config, for TRL as
-    spec keys that bench_dpo._trl_trainer / :func:`_trl_sft_trainer` read)."""
+    spec keys that trl_worker._trl_trainer / :func:`_trl_sft_trainer` read)."""
     task, lora, ac = CONFIGS[name]
     spec = {**base, "config": name, "task": task, "side": side, "mode": "live", "activation_checkpointing": ac}
     spec["lora"] = dict(LORA, r=base.get("lora_r", LORA["r"])) if lora else None
     if side == "ours":
-        spec["loss"] = task  # bench_dpo._our_trainer: loss=<task> (and loss.beta for dpo)
+        spec["loss"] = task  # our_worker._our_trainer: loss=<task> (and loss.beta for dpo)
         overrides = [f"activation_checkpointing={str(ac).lower()}"]
         if lora:
             targets = ",".join(spec["lora"]["target_modules"])
@@ -156,10 +160,10 @@ def check_our_trainer(trainer, spec: dict) -> dict:
 
 
 def worker_ours(spec: dict) -> dict:
-    """bench_dpo.worker_ours (collate + BasicTrainer.train_step, timed per step), with the trainer
+    """our_worker.worker_ours (collate + BasicTrainer.train_step, timed per step), with the trainer
     checked by :func:`check_our_trainer` first."""
     built = {}
-    make = bench_dpo._our_trainer
+    make = our_worker._our_trainer
 
     def checked(spec_, run_dir):
         trainer, elements, precompute_s = make(spec_, run_dir)
@@ -170,11 +174,11 @@ def worker_ours(spec: dict) -> dict:
     if preload:  # --ours-preload: the allocator is in this process, not only in its environment
         maps = Path("/proc/self/maps").read_text()
         assert Path(preload).name in maps, f"LD_PRELOAD={preload} is not loaded in the worker"
-    bench_dpo._our_trainer = checked
+    our_worker._our_trainer = checked
     try:
-        out = bench_dpo.worker_ours(spec)
+        out = our_worker.worker_ours(spec)
     finally:
-        bench_dpo._our_trainer = make
+        our_worker._our_trainer = make
     return {**out, **built}
 
 
@@ -193,15 +197,15 @@ def _checkpointing_check(spec: dict):
 
 
 def worker_trl(spec: dict) -> dict:
-    """bench_dpo.worker_trl: TRL's DPOTrainer (with spec's LoRA and checkpointing), timed per step."""
-    return bench_dpo.worker_trl(
-        spec, build=lambda s, out_dir, callbacks: _with_check(bench_dpo._trl_trainer, s, out_dir, callbacks)
+    """trl_worker.worker_trl: TRL's DPOTrainer (with spec's LoRA and checkpointing), timed per step."""
+    return trl_worker.worker_trl(
+        spec, build=lambda s, out_dir, callbacks: _with_check(trl_worker._trl_trainer, s, out_dir, callbacks)
     )
 
 
 def worker_trl_sft(spec: dict) -> dict:
-    """bench_dpo.worker_trl on TRL's SFTTrainer (:func:`_trl_sft_trainer`)."""
-    return bench_dpo.worker_trl(spec, build=lambda s, out_dir, callbacks: _with_check(_trl_sft_trainer, s, out_dir, callbacks))
+    """trl_worker.worker_trl on TRL's SFTTrainer (:func:`_trl_sft_trainer`)."""
+    return trl_worker.worker_trl(spec, build=lambda s, out_dir, callbacks: _with_check(_trl_sft_trainer, s, out_dir, callbacks))
 
 
 def _with_check(build, spec: dict, out_dir: str, callbacks):
@@ -240,7 +244,7 @@ def _trl_sft_trainer(spec: dict, out_dir: str, callbacks=()):
     rows = _sft_rows(pairs)
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"], trust_remote_code=False)
     args = SFTConfig(
-        **bench_dpo.trl_common_args(SFTConfig, spec, out_dir),
+        **trl_worker.trl_common_args(SFTConfig, spec, out_dir),
         packing=False,
         padding_free=False,
         shuffle_dataset=False,
@@ -251,10 +255,10 @@ def _trl_sft_trainer(spec: dict, out_dir: str, callbacks=()):
         train_dataset=Dataset.from_dict(rows),
         processing_class=tokenizer,
         callbacks=list(callbacks),
-        peft_config=bench_dpo.trl_lora_config(spec),
+        peft_config=trl_worker.trl_lora_config(spec),
     )
     trainer.bench_losses = []
-    bench_dpo.check_trl_trainer(trainer, spec)
+    trl_worker.check_trl_trainer(trainer, spec)
     prepared = trainer.train_dataset
     assert prepared["input_ids"] == rows["input_ids"] and prepared["labels"] == rows["labels"], "TRL changed the SFT rows"
     collator = trainer.data_collator
@@ -445,7 +449,7 @@ def measure_step(trainer, batch, vocab: int) -> dict:
             recording[0] = True
 
     torch.Tensor.backward = backward_unrecorded
-    rss_before = bench_dpo._rss_now_mib()
+    rss_before = measure._rss_now_mib()
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS
     t0 = time.perf_counter()
@@ -457,7 +461,7 @@ def measure_step(trainer, batch, vocab: int) -> dict:
         for h in handles:
             h.remove()
     step_s = time.perf_counter() - t0
-    _, hwm = bench_dpo._peak_rss_mib()
+    _, hwm = measure._peak_rss_mib()
     by_part: dict[str, int] = defaultdict(int)
     shapes: dict[tuple, list] = {}
     for part, shape, dtype, n in saved.values():
@@ -539,14 +543,14 @@ def worker_profile(spec: dict) -> dict:
     """Where ours' memory goes in one step of configuration ``spec``: one warm-up step (AdamW
     state exists from then on), then :func:`measure_step`, :func:`vocab_time_share` and
     :func:`profile_step`, each on the next batch (PROFILE_BATCHES in all)."""
-    bench_dpo._set_threads(spec["threads"])
+    measure._set_threads(spec["threads"])
     sys.path.insert(0, str(REPO))
     from preference_datasets import collate
 
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, elements, _ = bench_dpo._our_trainer(spec, tmp)
+        trainer, elements, _ = our_worker._our_trainer(spec, tmp)
         counts = check_our_trainer(trainer, spec)
-        rss_setup = bench_dpo._rss_now_mib()
+        rss_setup = measure._rss_now_mib()
         pad, bs = trainer.tokenizer.pad_token_id, spec["batch_size"]
         batches = [collate(elements[k * bs : (k + 1) * bs], pad) for k in range(PROFILE_BATCHES)]
         vocab = trainer.policy.get_output_embeddings().weight.shape[0]
@@ -868,10 +872,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     n_batches = max(args.warmup + args.steps, PROFILE_BATCHES if args.profile else 1)
     n_pairs = n_batches * args.batch_size
-    started, code_before = time.time(), bench_dpo._code_hash()
+    started, code_before = time.time(), dpo_report._code_hash()
     setting = (
         f"{model.name}, batch {args.batch_size}, max_length {args.max_length}, fp32, {args.threads} threads, "
-        f"{args.steps} measured steps after {args.warmup}; {bench_dpo._code_state()}"
+        f"{args.steps} measured steps after {args.warmup}; {dpo_report._code_state()}"
         + (f"; ours with {' '.join(args.ours_overrides)}" if args.ours_overrides else "")
     )
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -963,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{_version_or_absent('trl')} (peft {_version_or_absent('peft')}), {setting}"
     )
     text = results_markdown(rows, checks, title)
-    if bench_dpo._code_hash() != code_before:
+    if dpo_report._code_hash() != code_before:
         text += "\nWARNING: the project's code changed on disk during this run.\n"
     text += f"\ntotal wall time {time.time() - started:.0f} s\n"
     print("\n" + text)
@@ -978,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
 def _version_or_absent(pkg: str) -> str:
     """The installed version of ``pkg``, or "absent"."""
     try:
-        return bench_dpo._version(pkg)
+        return dpo_report._version(pkg)
     except Exception:  # noqa: BLE001 - PackageNotFoundError
         return "absent"
 
