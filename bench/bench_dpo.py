@@ -73,163 +73,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dpo_prepare import HH, STORIES, worker_prepare  # noqa: E402
 from dpo_profile import worker_profile  # noqa: E402
 from dpo_report import _code_hash, _code_state, _mean, _version  # noqa: E402
-from measure import _busy_cpu_s, _peak_rss_mib, _set_threads  # noqa: E402
+from measure import _busy_cpu_s, _peak_rss_mib  # noqa: E402
 from our_worker import worker_ours  # noqa: E402
 from trl_worker import worker_trl  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-HH = SHARED / "data" / "hh-rlhf"
-STORIES = SHARED / "models" / "stories260K"
-RANDOM_LLAMA = {
-    "hidden_size": 256,
-    "intermediate_size": 688,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
 SIDES = ("ours", "trl")
-
-
-# ============================================================================ worker: prepare data
-
-
-def worker_prepare(spec: dict) -> dict:
-    """Select the pairs, tokenize them with this project's code, save the random model,
-    and check that TRL's collator turns our ids into exactly our batches."""
-    sys.path.insert(0, str(REPO))
-    import collections
-
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    import preference_datasets as pdata
-    import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
-    import trainers
-    from data.loading import flatten
-
-    _set_threads(spec["threads"])
-    tokenizer = AutoTokenizer.from_pretrained(
-        spec.get("tokenizer_dir", STORIES), trust_remote_code=False
-    )  # bench_memory.py: SmolLM2's
-    if tokenizer.pad_token_id is None:  # as models.load_tokenizer (and TRL) do
-        tokenizer.pad_token = tokenizer.eos_token
-    report = collections.Counter()
-    data = pdata.get_hh("train", report, local_dir=str(HH), subsets=["harmless-base"], holdout_fraction=0.1)
-    examples = flatten("hh", data, sft_mode=False)
-    max_len = spec["max_length"]
-    fitting = []
-    for ex in examples:
-        # no truncation at all: a huge max_length, then keep the pairs that fit max_length whole
-        el = pdata.tokenize_element(
-            ex["prompt"], ex["chosen"], ex["rejected"], ex["truncation_mode"], tokenizer, 10**9, 10**9 - 1
-        )
-        if max(len(el["chosen_input_ids"]), len(el["rejected_input_ids"])) <= max_len:
-            fitting.append((ex, el))
-    import random
-
-    random.Random(spec["seed"]).shuffle(fitting)
-    n_pairs = spec["n_pairs"]
-    if len(fitting) < n_pairs:
-        raise SystemExit(f"only {len(fitting)} pairs fit max_length {max_len}; need {n_pairs} (lower --steps)")
-    chosen = fitting[:n_pairs]
-    # our tokenization at the real max_length / max_prompt_length must give the same ids (nothing cut)
-    pairs = []
-    for ex, el in chosen:
-        real = pdata.tokenize_element(
-            ex["prompt"], ex["chosen"], ex["rejected"], ex["truncation_mode"], tokenizer, max_len, spec["max_prompt_length"]
-        )
-        assert real["chosen_input_ids"] == el["chosen_input_ids"] and real["rejected_input_ids"] == el["rejected_input_ids"]
-        p = len(el["prompt_input_ids"])
-        pairs.append(
-            {
-                "prompt": ex["prompt"],
-                "chosen": ex["chosen"],
-                "rejected": ex["rejected"],
-                "truncation_mode": ex["truncation_mode"],
-                "prompt_ids": el["prompt_input_ids"],
-                "chosen_ids": el["chosen_input_ids"][p:],
-                "rejected_ids": el["rejected_input_ids"][p:],
-            }
-        )
-
-    # TRL's collator on our ids == our collate + concatenated_inputs, batch by batch
-    from trl.trainer.dpo_trainer import DataCollatorForPreference
-
-    trl_collate = DataCollatorForPreference(pad_token_id=tokenizer.pad_token_id, max_length=max_len, truncation_mode="keep_start")
-    bs = spec["batch_size"]
-    tokens = []
-    for k in range(0, n_pairs, bs):
-        rows = pairs[k : k + bs]
-        ours = trainers.concatenated_inputs(
-            pdata.collate(
-                [
-                    pdata.tokenize_element(
-                        r["prompt"],
-                        r["chosen"],
-                        r["rejected"],
-                        r["truncation_mode"],
-                        tokenizer,
-                        max_len,
-                        spec["max_prompt_length"],
-                    )
-                    for r in rows
-                ],
-                tokenizer.pad_token_id,
-            )
-        )
-        theirs = trl_collate([{key: r[key] for key in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in rows])
-        # padding positions (attention mask 0) may hold different ids: ours pads the shorter side with 0, TRL with pad_token_id
-        assert torch.equal(ours["attention_mask"], theirs["attention_mask"]), f"batch {k // bs}: attention_mask differs"
-        real = ours["attention_mask"].bool()
-        assert torch.equal(ours["input_ids"][real], theirs["input_ids"][real]), f"batch {k // bs}: input_ids differ"
-        assert torch.equal((ours["labels"] != -100).long(), theirs["completion_mask"]), f"batch {k // bs}: response mask differs"
-        tokens.append(int(ours["attention_mask"].sum()))
-
-    # What TRL's own text tokenization (its _prepare_dataset) would have made of the same pairs
-    trl_text_same = None
-    try:
-        from datasets import Dataset
-        from trl import DPOConfig, DPOTrainer
-
-        class _Fake:
-            _tokenizer = tokenizer
-
-        args = DPOConfig(output_dir=spec["tmp"], max_length=None, report_to="none", bf16=False, use_cpu=True)
-        text = Dataset.from_dict({k: [r[k] for r in pairs] for k in ("prompt", "chosen", "rejected")})
-        tokenized = DPOTrainer._prepare_dataset(_Fake(), text, tokenizer, args, "check")
-        trl_text_same = sum(
-            t["prompt_ids"] == r["prompt_ids"] and t["chosen_ids"] == r["chosen_ids"] and t["rejected_ids"] == r["rejected_ids"]
-            for t, r in zip(tokenized, pairs)
-        )
-    except Exception as e:  # informational only
-        print(f"[prepare] could not run TRL's text tokenization for comparison: {e!r}", file=sys.stderr)
-
-    # the random Llama, saved with the stories260K tokenizer
-    random_dir = Path(spec["tmp"]) / "random-llama"
-    if "random" in spec["models"]:
-        torch.manual_seed(spec["seed"])
-        cfg = LlamaConfig(**RANDOM_LLAMA, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
-        model = LlamaForCausalLM(cfg)
-        model.save_pretrained(random_dir)
-        tokenizer.save_pretrained(random_dir)
-    with open(spec["pairs_file"], "w") as f:
-        json.dump(pairs, f)
-    return {
-        "n_hh_pairs": len(examples),
-        "n_fitting": len(fitting),
-        "tokens_per_batch": tokens,
-        "widths": [
-            max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in pairs[k : k + bs])
-            for k in range(0, n_pairs, bs)
-        ],
-        "trl_text_tokenization_identical": trl_text_same,
-        "random_dir": str(random_dir),
-    }
 
 
 # ============================================================================ parent
@@ -322,7 +174,8 @@ def run_worker(role: str, spec_path: str, result_path: str, workers: dict | None
     Path(result_path).write_text(json.dumps(out))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (this module's docstring is its description)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=["stories", "random", "both"], default="both", help="which model (default both)")
     parser.add_argument("--mode", choices=["live", "precomputed", "both"], default="both", help="reference mode (default both)")
@@ -361,7 +214,142 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def print_prepared(args, prep: dict, n_pairs: int, measured: slice) -> None:
+    """The pairs used (how many fit, tokens and width per measured batch) and the collator check."""
+    tokens = prep["tokens_per_batch"][measured]
+    print(
+        f"pairs: {prep['n_fitting']} of {prep['n_hh_pairs']} HH harmless-base train pairs fit max_length {args.max_length} "
+        f"untruncated; using {n_pairs} ({len(prep['tokens_per_batch'])} batches of {args.batch_size}, "
+        f"{_mean(tokens):.0f} non-padding tokens and width {_mean(prep['widths'][measured]):.0f} per measured batch). "
+        f"TRL's collator gives our exact batches: checked for all.",
+        flush=True,
+    )
+    if prep["trl_text_tokenization_identical"] is not None:
+        print(
+            f"(TRL tokenizing the texts itself would give the same ids for {prep['trl_text_tokenization_identical']}/{n_pairs} "
+            "pairs, hence the pre-tokenized dataset.)",
+            flush=True,
+        )
+
+
+def run_profiles(args, base: dict, models: list[str], modes: list[str], model_dirs: dict, tmp: Path) -> None:
+    """--profile: each side of each model and mode profiled in its own worker, printed."""
+    for model in models:
+        for mode in modes:
+            for side in SIDES:
+                wait_quiet(args.wait_quiet)
+                r = spawn("profile", {**base, "model": model, "mode": mode, "side": side, "model_dir": model_dirs[model]}, tmp)
+                print(f"\n===== profile: {side}, {model}, {mode} reference ({args.steps} steps) =====")
+                if "phases" in r:
+                    total = sum(r["phases"].values())
+                    print(
+                        f"phase breakdown, ms per step (sum {total * 1e3:.0f} ms; other processes used "
+                        f"{r['others_cpu']:.2f} CPUs meanwhile):"
+                    )
+                    for name, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
+                        print(f"  {name:48} {v * 1e3:8.1f}  {v / total:6.1%}")
+                print(r["ops"])
+                if "cprofile" in r:
+                    print(r["cprofile"])
+
+
+def run_side(args, spec: dict, tmp: Path, rnd: int) -> dict:
+    """One side's run (rerun while contended, up to --retries times), printed; the least contended run."""
+    best = None
+    for _attempt in range(1 + args.retries):
+        waited, _ = wait_quiet(args.wait_quiet)
+        r = spawn(spec["side"], spec, tmp)
+        r["waited_s"] = waited
+        contended = r["others_cpu"] > args.max_others
+        print(
+            f"round {rnd + 1}: {spec['model']:7} {spec['mode']:11} {spec['side']:4} {args.batch_size / r['step_s']:6.2f} pairs/s, "
+            f"peak RSS {r['rss_peak']:.0f} MiB (VmHWM {r['rss_hwm']:.0f}), {r['threads']} threads at "
+            f"{r['cpu_util']:.2f} CPUs, other processes {r['others_cpu']:.2f} CPUs"
+            + (" (CONTENDED)" if contended else "")
+            + f", step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
+            flush=True,
+        )
+        if best is None or r["others_cpu"] < best["others_cpu"]:
+            best = r
+        if not contended:
+            break
+    return best
+
+
+def side_row(args, rs: list[dict], tok_per_step: float) -> dict:
+    """One side's figures of one model and mode over its rounds ``rs``."""
+    step_s = _mean([r["step_s"] for r in rs])
+    return {
+        "pairs_per_s": _mean([args.batch_size / r["step_s"] for r in rs]),
+        "tokens_per_s": _mean([tok_per_step / r["step_s"] for r in rs]),
+        "step_ms": step_s * 1e3,
+        "rss_peak_mib": max(r["rss_peak"] for r in rs),
+        "rss_setup_mib": max(r["rss_setup"] for r in rs),
+        "precompute_s": _mean([r["precompute_s"] for r in rs]) if rs[0]["precompute_s"] is not None else None,
+        "pairs_per_s_rounds": [args.batch_size / r["step_s"] for r in rs],
+        "losses": rs[0]["losses"],
+        "threads": rs[0]["threads"],
+        "optimizer": rs[0]["optimizer"],
+        "others_cpu_max": max(r["others_cpu"] for r in rs),
+        "cpu_util": [r["cpu_util"] for r in rs],
+    }
+
+
+def print_table(args, models: list[str], modes: list[str], results: dict, tok_per_step: float) -> list[dict]:
+    """The table of ours vs TRL per model and mode, printed; its rows."""
+    print(
+        f"\nDPO step, this project (BasicTrainer) vs TRL {_version('trl')} DPOTrainer: batch {args.batch_size} pairs, "
+        f"max_length {args.max_length}, fp32, {args.threads} threads, {args.steps} steps after {args.warmup} warm-up, "
+        f"mean of {args.rounds} rounds; {_code_state()}"
+    )
+    header = (
+        f"{'model':8} {'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>7} | "
+        f"{'peak RSS MiB ours':>17} {'TRL':>6} {'ratio':>6} | {'precompute s ours':>17} {'TRL':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    table = []
+    for model in models:
+        for mode in modes:
+            row = {"model": model, "mode": mode}
+            for side in SIDES:
+                row[side] = side_row(args, results[(model, mode, side)], tok_per_step)
+            o, t = row["ours"], row["trl"]
+            row["speed_ratio"] = o["pairs_per_s"] / t["pairs_per_s"]
+            row["rss_ratio"] = o["rss_peak_mib"] / t["rss_peak_mib"]
+            row["loss0"] = (o["losses"][0], t["losses"][0])
+            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
+            table.append(row)
+            pre = f"{'-':>17} {'-':>6}" if o["precompute_s"] is None else f"{o['precompute_s']:17.2f} {t['precompute_s']:6.2f}"
+            print(
+                f"{model:8} {mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['speed_ratio']:6.2f} | "
+                f"{o['tokens_per_s']:13.0f} {t['tokens_per_s']:7.0f} | {o['rss_peak_mib']:17.0f} {t['rss_peak_mib']:6.0f} "
+                f"{row['rss_ratio']:6.2f} | {pre}"
+            )
+    return table
+
+
+def print_checks(table: list[dict]) -> None:
+    """That both sides did the same work: step-0 losses, loss differences, per-round ratios, threads, optimizers."""
+    print(f"\nsame work, checked (ln 2 = {math.log(2):.6f}):")
+    for row in table:
+        o, t = row["ours"], row["trl"]
+        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(o["pairs_per_s_rounds"], t["pairs_per_s_rounds"]))
+        print(
+            f"  {row['model']:8} {row['mode']:12} step-0 loss ours {row['loss0'][0]:.6f}  TRL {row['loss0'][1]:.6f}; "
+            f"max |loss ours - loss TRL| over {len(o['losses'])} steps {row['max_loss_diff']:.1e}; "
+            f"speed ratio per round {per_round}; RSS after set-up ours {o['rss_setup_mib']:.0f} / TRL {t['rss_setup_mib']:.0f} MiB; "
+            f"threads {o['threads']}/{t['threads']}; other processes at most {max(o['others_cpu_max'], t['others_cpu_max']):.2f} CPUs"
+        )
+    print(f"  optimizers: ours {table[0]['ours']['optimizer']}; TRL {table[0]['trl']['optimizer']}")
+
+
+def main() -> None:
+    """Parse the arguments, prepare the pairs, run the workers (or the profile), print the tables."""
+    args = build_parser().parse_args()
     if args.worker:
         run_worker(args.worker, args.spec, args.result)
         return
@@ -385,127 +373,22 @@ def main() -> None:
         model_dirs = {"stories": str(STORIES), "random": prep["random_dir"]}
         measured = slice(args.warmup, args.warmup + args.steps)
         tokens = prep["tokens_per_batch"][measured]
-        print(
-            f"pairs: {prep['n_fitting']} of {prep['n_hh_pairs']} HH harmless-base train pairs fit max_length {args.max_length} "
-            f"untruncated; using {n_pairs} ({len(prep['tokens_per_batch'])} batches of {args.batch_size}, "
-            f"{_mean(tokens):.0f} non-padding tokens and width {_mean(prep['widths'][measured]):.0f} per measured batch). "
-            f"TRL's collator gives our exact batches: checked for all.",
-            flush=True,
-        )
-        if prep["trl_text_tokenization_identical"] is not None:
-            print(
-                f"(TRL tokenizing the texts itself would give the same ids for {prep['trl_text_tokenization_identical']}/{n_pairs} "
-                "pairs, hence the pre-tokenized dataset.)",
-                flush=True,
-            )
-
+        print_prepared(args, prep, n_pairs, measured)
         if args.profile:
-            for model in models:
-                for mode in modes:
-                    for side in SIDES:
-                        wait_quiet(args.wait_quiet)
-                        r = spawn(
-                            "profile", {**base, "model": model, "mode": mode, "side": side, "model_dir": model_dirs[model]}, tmp
-                        )
-                        print(f"\n===== profile: {side}, {model}, {mode} reference ({args.steps} steps) =====")
-                        if "phases" in r:
-                            total = sum(r["phases"].values())
-                            print(
-                                f"phase breakdown, ms per step (sum {total * 1e3:.0f} ms; other processes used "
-                                f"{r['others_cpu']:.2f} CPUs meanwhile):"
-                            )
-                            for name, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]):
-                                print(f"  {name:48} {v * 1e3:8.1f}  {v / total:6.1%}")
-                        print(r["ops"])
-                        if "cprofile" in r:
-                            print(r["cprofile"])
+            run_profiles(args, base, models, modes, model_dirs, tmp)
             return
-
         results: dict = {}
         for rnd in range(args.rounds):
             for model in models:
                 for mode in modes:
                     for side in SIDES:  # A B A B
                         spec = {**base, "model": model, "mode": mode, "side": side, "model_dir": model_dirs[model]}
-                        best = None
-                        for _attempt in range(1 + args.retries):
-                            waited, _ = wait_quiet(args.wait_quiet)
-                            r = spawn(side, spec, tmp)
-                            r["waited_s"] = waited
-                            contended = r["others_cpu"] > args.max_others
-                            print(
-                                f"round {rnd + 1}: {model:7} {mode:11} {side:4} {args.batch_size / r['step_s']:6.2f} pairs/s, "
-                                f"peak RSS {r['rss_peak']:.0f} MiB (VmHWM {r['rss_hwm']:.0f}), {r['threads']} threads at "
-                                f"{r['cpu_util']:.2f} CPUs, other processes {r['others_cpu']:.2f} CPUs"
-                                + (" (CONTENDED)" if contended else "")
-                                + f", step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
-                                flush=True,
-                            )
-                            if best is None or r["others_cpu"] < best["others_cpu"]:
-                                best = r
-                            if not contended:
-                                break
-                        results.setdefault((model, mode, side), []).append(best)
+                        results.setdefault((model, mode, side), []).append(run_side(args, spec, tmp, rnd))
     elapsed = time.time() - started
     if _code_hash() != code_before:
         print("WARNING: the project's code changed on disk during this run: rounds may have measured different code.")
-
-    tok_per_step = _mean(tokens)
-    print(
-        f"\nDPO step, this project (BasicTrainer) vs TRL {_version('trl')} DPOTrainer: batch {args.batch_size} pairs, "
-        f"max_length {args.max_length}, fp32, {args.threads} threads, {args.steps} steps after {args.warmup} warm-up, "
-        f"mean of {args.rounds} rounds; {_code_state()}"
-    )
-    header = (
-        f"{'model':8} {'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>7} | "
-        f"{'peak RSS MiB ours':>17} {'TRL':>6} {'ratio':>6} | {'precompute s ours':>17} {'TRL':>6}"
-    )
-    print(header)
-    print("-" * len(header))
-    table = []
-    for model in models:
-        for mode in modes:
-            row = {"model": model, "mode": mode}
-            for side in SIDES:
-                rs = results[(model, mode, side)]
-                step_s = _mean([r["step_s"] for r in rs])
-                row[side] = {
-                    "pairs_per_s": _mean([args.batch_size / r["step_s"] for r in rs]),
-                    "tokens_per_s": _mean([tok_per_step / r["step_s"] for r in rs]),
-                    "step_ms": step_s * 1e3,
-                    "rss_peak_mib": max(r["rss_peak"] for r in rs),
-                    "rss_setup_mib": max(r["rss_setup"] for r in rs),
-                    "precompute_s": _mean([r["precompute_s"] for r in rs]) if rs[0]["precompute_s"] is not None else None,
-                    "pairs_per_s_rounds": [args.batch_size / r["step_s"] for r in rs],
-                    "losses": rs[0]["losses"],
-                    "threads": rs[0]["threads"],
-                    "optimizer": rs[0]["optimizer"],
-                    "others_cpu_max": max(r["others_cpu"] for r in rs),
-                    "cpu_util": [r["cpu_util"] for r in rs],
-                }
-            o, t = row["ours"], row["trl"]
-            row["speed_ratio"] = o["pairs_per_s"] / t["pairs_per_s"]
-            row["rss_ratio"] = o["rss_peak_mib"] / t["rss_peak_mib"]
-            row["loss0"] = (o["losses"][0], t["losses"][0])
-            row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
-            table.append(row)
-            pre = f"{'-':>17} {'-':>6}" if o["precompute_s"] is None else f"{o['precompute_s']:17.2f} {t['precompute_s']:6.2f}"
-            print(
-                f"{model:8} {mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['speed_ratio']:6.2f} | "
-                f"{o['tokens_per_s']:13.0f} {t['tokens_per_s']:7.0f} | {o['rss_peak_mib']:17.0f} {t['rss_peak_mib']:6.0f} "
-                f"{row['rss_ratio']:6.2f} | {pre}"
-            )
-    print(f"\nsame work, checked (ln 2 = {math.log(2):.6f}):")
-    for row in table:
-        o, t = row["ours"], row["trl"]
-        per_round = ", ".join(f"{a / b:.2f}" for a, b in zip(o["pairs_per_s_rounds"], t["pairs_per_s_rounds"]))
-        print(
-            f"  {row['model']:8} {row['mode']:12} step-0 loss ours {row['loss0'][0]:.6f}  TRL {row['loss0'][1]:.6f}; "
-            f"max |loss ours - loss TRL| over {len(o['losses'])} steps {row['max_loss_diff']:.1e}; "
-            f"speed ratio per round {per_round}; RSS after set-up ours {o['rss_setup_mib']:.0f} / TRL {t['rss_setup_mib']:.0f} MiB; "
-            f"threads {o['threads']}/{t['threads']}; other processes at most {max(o['others_cpu_max'], t['others_cpu_max']):.2f} CPUs"
-        )
-    print(f"  optimizers: ours {table[0]['ours']['optimizer']}; TRL {table[0]['trl']['optimizer']}")
+    table = print_table(args, models, modes, results, _mean(tokens))
+    print_checks(table)
     print(f"\ntotal wall time {elapsed:.0f} s; 1-minute load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "prepare": prep, "rows": table}, indent=1))

@@ -14,22 +14,9 @@ from measure import _mark, _opt_desc, _rss_now_mib, _set_threads, _steady
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _our_trainer(spec: dict, run_dir: str):
-    """A BasicTrainer built as tests/test_train.py's build_trainer builds one (and train.py the
-    precomputed reference), from the saved model folder. Returns (trainer, elements, precompute_s)."""
-    sys.path.insert(0, str(REPO))
-    import torch
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    import preference_datasets as pdata
-    import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
-    import trainers
-    import utils
-    from modeling import loading, models
-    from runs import checks, reference_cache
-
-    overrides = [
+def _our_overrides(spec: dict, run_dir: str) -> list[str]:
+    """The Hydra overrides of the project's config that give ``spec``'s settings, with outputs under ``run_dir``."""
+    return [
         "model=blank_model",
         f"model.name_or_path={spec['model_dir']}",
         f"model.policy_dtype={spec.get('dtype', 'float32')}",
@@ -56,6 +43,24 @@ def _our_trainer(spec: dict, run_dir: str):
         f"cache_dir={Path(run_dir) / 'cache'}",  # fresh: a cached precompute would not be measured
         *spec.get("overrides", []),  # bench_memory.py / bench_gpu_dpo.py: loss=sft, activation_checkpointing, LoRA, ...
     ]
+
+
+def _our_trainer(spec: dict, run_dir: str):
+    """A BasicTrainer built as tests/test_train.py's build_trainer builds one (and train.py the
+    precomputed reference), from the saved model folder. Returns (trainer, elements, precompute_s)."""
+    sys.path.insert(0, str(REPO))
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import preference_datasets as pdata
+    import train  # noqa: F401  (registers the plugins: datasets, objectives, online DPO, as train.py does)
+    import trainers
+    import utils
+    from modeling import loading, models
+    from runs import checks, reference_cache
+
+    overrides = _our_overrides(spec, run_dir)
     with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
         config = compose(config_name="config", overrides=overrides)
     OmegaConf.resolve(config)
