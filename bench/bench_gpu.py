@@ -80,10 +80,8 @@ def packed_forward_counts(
     return total, n
 
 
-def run(size: str, trainer: str, args, out: Path, peaks: dict) -> dict:
-    """Train ``size`` with ``trainer`` for ``args.steps`` steps in a train.py subprocess; its
-    steady tokens/s and pairs/s, its MFU against the table peak and the measured GEMM peak (None
-    where unknown), the model's parameters and the peak CUDA memory (MiB)."""
+def train_overrides(size: str, trainer: str, args, out: Path) -> list[str]:
+    """train.py's Hydra overrides for ``size`` trained by ``trainer`` on ``out``'s data.jsonl, outputs in ``out``."""
     hidden, layers, heads, inter = SIZES[size]
     n = args.batch_size * args.steps
     overrides = [
@@ -117,6 +115,15 @@ def run(size: str, trainer: str, args, out: Path, peaks: dict) -> dict:
         overrides.append("model.fsdp_policy_mp=bfloat16")
     else:
         overrides.append("model.policy_dtype=bfloat16")
+    return overrides
+
+
+def run(size: str, trainer: str, args, out: Path, peaks: dict) -> dict:
+    """Train ``size`` with ``trainer`` for ``args.steps`` steps in a train.py subprocess; its
+    steady tokens/s and pairs/s, its MFU against the table peak and the measured GEMM peak (None
+    where unknown), the model's parameters and the peak CUDA memory (MiB)."""
+    hidden, layers, heads, inter = SIZES[size]
+    overrides = train_overrides(size, trainer, args, out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "data.jsonl", "w") as f:
         for pair in arithmetic_pairs(args.max_length):

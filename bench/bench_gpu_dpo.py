@@ -112,17 +112,12 @@ def synthetic_texts(n_pairs: int, max_length: int, seed: int) -> list[dict]:
     return pairs
 
 
-def worker_prepare(spec: dict) -> dict:
-    """Build and save the model and tokenizer; tokenize the pairs with this project's code and
-    write them (texts and ids) where bench_dpo's workers read them."""
-    sys.path.insert(0, str(REPO))
+def _save_model(spec: dict, tokenizer):
+    """The GPT-NeoX of ``spec``'s size with random weights (seeded), in ``spec``'s dtype, saved with
+    ``tokenizer`` to a folder of the temporary directory. Returns (model, its folder)."""
     import torch
-    from transformers import ByT5Tokenizer, GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    import preference_datasets as pdata
-    from modeling import packing
-
-    tokenizer = ByT5Tokenizer()
     torch.manual_seed(spec["seed"])
     cfg = GPTNeoXConfig(
         **SIZES[spec["size"]],
@@ -139,6 +134,20 @@ def worker_prepare(spec: dict) -> dict:
     model_dir = Path(spec["tmp"]) / "model"
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
+    return model, model_dir
+
+
+def worker_prepare(spec: dict) -> dict:
+    """Build and save the model and tokenizer; tokenize the pairs with this project's code and
+    write them (texts and ids) where bench_dpo's workers read them."""
+    sys.path.insert(0, str(REPO))
+    from transformers import ByT5Tokenizer
+
+    import preference_datasets as pdata
+    from modeling import packing
+
+    tokenizer = ByT5Tokenizer()
+    model, model_dir = _save_model(spec, tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     n_matmul = n_params - model.get_input_embeddings().weight.numel()
     max_len = spec["max_length"]
@@ -307,8 +316,8 @@ def _default_output_layer_chunk():
     return (yaml.safe_load((REPO / "config" / "config.yaml").read_text()) or {}).get("output_layer_chunk")
 
 
-def main() -> None:
-    """Parse the arguments, run the workers (ours, TRL alternating per mode), print the table."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (this module's docstring is its description)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="pythia-410m", help="model size (default pythia-410m)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="default cuda (cpu: mechanics check)")
@@ -340,104 +349,128 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        spec = json.loads(Path(args.spec).read_text())
-        out = {"prepare": worker_prepare, "device": worker_device}[args.worker](spec)
-        Path(args.result).write_text(json.dumps(out))
-        return
-    started = time.time()
-    modes = ["live", "precomputed"] if args.mode == "both" else [args.mode]
-    n_pairs = (args.warmup + args.steps) * args.batch_size
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        base = {
-            "cuda": args.device == "cuda",
-            "dtype": args.dtype,
-            "size": args.size,
-            "threads": os.cpu_count() or 1,
-            "seed": 0,
-            "batch_size": args.batch_size,
-            "max_length": args.max_length,
-            "max_prompt_length": args.max_length // 2,
-            "lr": args.lr,
-            "max_grad_norm": 1.0,
-            "beta": 0.1,
-            "warmup": args.warmup,
-            "steps": args.steps,
-            "n_pairs": n_pairs,
-            "trl_optim": "adamw_torch",
-            "pairs_file": str(tmp / "pairs.json"),
-            "tmp": str(tmp),
-            "timeout": args.timeout,
-        }
-        device = spawn("device", base, tmp)
-        peak, why = flops.peak_bf16_tflops(device["name"], args.peak_tflops)
-        prep = spawn("prepare", base, tmp)
-        tokens = prep["tokens_per_batch"][args.warmup : args.warmup + args.steps]
-        tok_per_step = sum(tokens) / len(tokens)
-        shape = flops.ModelShape(**prep["shape"])
-        measured = slice(args.warmup, args.warmup + args.steps)
+    return parser
 
-        def step_flops(side: str, mode: str) -> float:
-            """Mean FLOPs of a measured step of ``side`` (ours, trl, useful): policy forward and
-            backward, plus the reference's forward when it is live."""
-            fws = [flops.Forwarded(**f) for f in prep[f"forwarded_{side}"][measured]]
-            return sum(flops.training_flops(shape, fw, fw if mode == "live" else None) for fw in fws) / len(fws)
 
+def base_spec(args, tmp: Path, n_pairs: int) -> dict:
+    """The settings every worker shares, from the command line's ``args``; ``n_pairs`` pairs prepared into ``tmp``."""
+    return {
+        "cuda": args.device == "cuda",
+        "dtype": args.dtype,
+        "size": args.size,
+        "threads": os.cpu_count() or 1,
+        "seed": 0,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "max_prompt_length": args.max_length // 2,
+        "lr": args.lr,
+        "max_grad_norm": 1.0,
+        "beta": 0.1,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "n_pairs": n_pairs,
+        "trl_optim": "adamw_torch",
+        "pairs_file": str(tmp / "pairs.json"),
+        "tmp": str(tmp),
+        "timeout": args.timeout,
+    }
+
+
+def step_flops(prep: dict, measured: slice, side: str, mode: str) -> float:
+    """Mean FLOPs of a measured step of ``side`` (ours, trl, useful): policy forward and
+    backward, plus the reference's forward when it is live."""
+    shape = flops.ModelShape(**prep["shape"])
+    fws = [flops.Forwarded(**f) for f in prep[f"forwarded_{side}"][measured]]
+    return sum(flops.training_flops(shape, fw, fw if mode == "live" else None) for fw in fws) / len(fws)
+
+
+def run_rounds(args, base: dict, prep: dict, modes: list[str], tmp: Path, tok_per_step: float) -> tuple[dict, float]:
+    """Ours and TRL, alternating per mode, over --rounds, printed. Returns ({(mode, side): results},
+    the longest training process's seconds, start to end)."""
+    results: dict = {}
+    longest = 0.0  # the longest training process so far, start to end (s): what a variant is expected to take
+    for rnd in range(args.rounds):
+        for mode in modes:
+            for side in SIDES:
+                t0 = time.time()
+                r = spawn(side, {**base, "mode": mode, "side": side, "model_dir": prep["model_dir"]}, tmp)
+                longest = max(longest, time.time() - t0)
+                results.setdefault((mode, side), []).append(r)
+                print(
+                    f"round {rnd + 1}: {mode:11} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, "
+                    f"{tok_per_step / r['step_s']:9.0f} tokens/s, peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, "
+                    f"RSS {r['rss_peak']:.0f} MiB, step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
+                    flush=True,
+                )
+    return results, longest
+
+
+def run_variants(args, base: dict, prep: dict, tmp: Path, started: float, longest: float, tok_per_step: float) -> dict:
+    """The --variants' live runs, each skipped where it would pass --budget, printed; {name: result,
+    or {"error"} or {"skipped"}}."""
+    variants: dict = {}
+    for name in args.variants:
+        side, keys, _ = VARIANTS[name]
+        elapsed = time.time() - started
+        if args.budget is not None and elapsed + longest + 15 > args.budget:
+            variants[name] = {
+                "skipped": f"skipped: {elapsed:.0f} s + about {longest:.0f} s would pass --budget {args.budget:.0f} s"
+            }
+            print(f"variant {name}: {variants[name]['skipped']}", flush=True)
+            continue
+        t0 = time.time()
+        try:
+            spec = {**base, "mode": "live", "side": side, "model_dir": prep["model_dir"], "task": "dpo", **keys}
+            spec["activation_checkpointing"] = False
+            # bench_memory's workers: bench_dpo's, after checking that the trainer is what the variant asks (LoRA or not)
+            r = bench_dpo.spawn(side, spec, tmp, timeout=spec["timeout"], script=CHECKED_WORKERS)
+        except SystemExit as e:  # bench_dpo.spawn's failure: recorded, the other runs stand
+            lines = str(e).strip().splitlines()
+            variants[name] = {
+                "error": "FAILED: " + next((x for x in reversed(lines) if "Error" in x), lines[-1] if lines else "")
+            }
+            print(f"variant {name}: {str(e)[-3000:]}", flush=True)
+            continue
+        longest = max(longest, time.time() - t0)
+        variants[name] = r
         print(
-            f"{device['name']} (torch {device['torch']}, CUDA {device['cuda']}); {args.size}: {prep['n_params'] / 1e6:.1f}M "
-            f"parameters ({prep['n_matmul_params'] / 1e6:.1f}M in matrix products), {args.dtype}; {n_pairs} synthetic pairs, "
-            f"batch {args.batch_size}, {tok_per_step:.0f} non-padding tokens per measured batch\n"
-            + flops.peak_lines(device, peak, why),
+            f"variant {name:9} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, {tok_per_step / r['step_s']:9.0f} tokens/s, "
+            f"peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, RSS {r['rss_peak']:.0f} MiB, "
+            f"step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
             flush=True,
         )
-        results: dict = {}
-        longest = 0.0  # the longest training process so far, start to end (s): what a variant is expected to take
-        for rnd in range(args.rounds):
-            for mode in modes:
-                for side in SIDES:
-                    t0 = time.time()
-                    r = spawn(side, {**base, "mode": mode, "side": side, "model_dir": prep["model_dir"]}, tmp)
-                    longest = max(longest, time.time() - t0)
-                    results.setdefault((mode, side), []).append(r)
-                    print(
-                        f"round {rnd + 1}: {mode:11} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, "
-                        f"{tok_per_step / r['step_s']:9.0f} tokens/s, peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, "
-                        f"RSS {r['rss_peak']:.0f} MiB, step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
-                        flush=True,
-                    )
-        variants: dict = {}
-        for name in args.variants:
-            side, keys, _ = VARIANTS[name]
-            elapsed = time.time() - started
-            if args.budget is not None and elapsed + longest + 15 > args.budget:
-                variants[name] = {
-                    "skipped": f"skipped: {elapsed:.0f} s + about {longest:.0f} s would pass --budget {args.budget:.0f} s"
-                }
-                print(f"variant {name}: {variants[name]['skipped']}", flush=True)
-                continue
-            t0 = time.time()
-            try:
-                spec = {**base, "mode": "live", "side": side, "model_dir": prep["model_dir"], "task": "dpo", **keys}
-                spec["activation_checkpointing"] = False
-                # bench_memory's workers: bench_dpo's, after checking that the trainer is what the variant asks (LoRA or not)
-                r = bench_dpo.spawn(side, spec, tmp, timeout=spec["timeout"], script=CHECKED_WORKERS)
-            except SystemExit as e:  # bench_dpo.spawn's failure: recorded, the other runs stand
-                lines = str(e).strip().splitlines()
-                variants[name] = {
-                    "error": "FAILED: " + next((x for x in reversed(lines) if "Error" in x), lines[-1] if lines else "")
-                }
-                print(f"variant {name}: {str(e)[-3000:]}", flush=True)
-                continue
-            longest = max(longest, time.time() - t0)
-            variants[name] = r
-            print(
-                f"variant {name:9} {side:4} {args.batch_size / r['step_s']:7.2f} pairs/s, {tok_per_step / r['step_s']:9.0f} tokens/s, "
-                f"peak CUDA {r.get('cuda_peak_mib', float('nan')):.0f} MiB, RSS {r['rss_peak']:.0f} MiB, "
-                f"step-0 loss {r['losses'][0]:.6f}, run {r['wall_s']:.0f} s",
-                flush=True,
-            )
+    return variants
+
+
+def side_row(args, rs: list[dict], prep: dict, device: dict, peak, mode: str, side: str, tok_per_step: float) -> dict:
+    """One side's figures of one mode over its rounds ``rs``: speed, FLOP rates and MFUs, memory, losses."""
+    measured = slice(args.warmup, args.warmup + args.steps)
+    step_s = sum(r["step_s"] for r in rs) / len(rs)
+    tps = tok_per_step / step_s
+    hw, useful = step_flops(prep, measured, side, mode) / step_s, step_flops(prep, measured, "useful", mode) / step_s
+    return {
+        "pairs_per_s": args.batch_size / step_s,
+        "tokens_per_s": tps,
+        "hw_tflop_per_s": hw / 1e12,
+        "useful_tflop_per_s": useful / 1e12,
+        "mfu": hw / (peak * 1e12) if peak else None,
+        "mfu_of_gemm": hw / (device["gemm_tflops"] * 1e12),
+        "useful_mfu": useful / (peak * 1e12) if peak else None,
+        "cuda_peak_mib": max(r.get("cuda_peak_mib", float("nan")) for r in rs),
+        "rss_peak_mib": max(r["rss_peak"] for r in rs),
+        "losses": rs[0]["losses"],
+        "precompute_s": rs[0]["precompute_s"],
+    }
+
+
+def _pct(x):
+    return f"{x:.1%}" if x is not None else "n/a"
+
+
+def print_table(
+    args, modes: list[str], results: dict, prep: dict, device: dict, peak, why: str, tok_per_step: float
+) -> list[dict]:
+    """The table of ours vs TRL per mode (speed, MFUs, memory, loss difference), printed; its rows."""
     rows = []
     header = (
         f"{'reference':12} | {'pairs/s ours':>12} {'TRL':>7} {'ratio':>6} | {'tokens/s ours':>13} {'TRL':>8} | "
@@ -454,41 +487,53 @@ def main() -> None:
     for mode in modes:
         row = {"mode": mode}
         for side in SIDES:
-            rs = results[(mode, side)]
-            step_s = sum(r["step_s"] for r in rs) / len(rs)
-            tps = tok_per_step / step_s
-            hw, useful = step_flops(side, mode) / step_s, step_flops("useful", mode) / step_s
-            row[side] = {
-                "pairs_per_s": args.batch_size / step_s,
-                "tokens_per_s": tps,
-                "hw_tflop_per_s": hw / 1e12,
-                "useful_tflop_per_s": useful / 1e12,
-                "mfu": hw / (peak * 1e12) if peak else None,
-                "mfu_of_gemm": hw / (device["gemm_tflops"] * 1e12),
-                "useful_mfu": useful / (peak * 1e12) if peak else None,
-                "cuda_peak_mib": max(r.get("cuda_peak_mib", float("nan")) for r in rs),
-                "rss_peak_mib": max(r["rss_peak"] for r in rs),
-                "losses": rs[0]["losses"],
-                "precompute_s": rs[0]["precompute_s"],
-            }
+            row[side] = side_row(args, results[(mode, side)], prep, device, peak, mode, side, tok_per_step)
         o, t = row["ours"], row["trl"]
         row["ratio"] = o["pairs_per_s"] / t["pairs_per_s"]
         row["max_loss_diff"] = max(abs(a - b) for a, b in zip(o["losses"], t["losses"]))
         rows.append(row)
-
-        def pct(x):
-            return f"{x:.1%}" if x is not None else "n/a"
-
         print(
             f"{mode:12} | {o['pairs_per_s']:12.2f} {t['pairs_per_s']:7.2f} {row['ratio']:6.2f} | {o['tokens_per_s']:13.0f} "
-            f"{t['tokens_per_s']:8.0f} | {pct(o['mfu']):>11} {pct(t['mfu']):>6} | {pct(o['mfu_of_gemm']):>12} "
-            f"{pct(t['mfu_of_gemm']):>6} | {pct(o['useful_mfu']):>15} {pct(t['useful_mfu']):>6} | "
+            f"{t['tokens_per_s']:8.0f} | {_pct(o['mfu']):>11} {_pct(t['mfu']):>6} | {_pct(o['mfu_of_gemm']):>12} "
+            f"{_pct(t['mfu_of_gemm']):>6} | {_pct(o['useful_mfu']):>15} {_pct(t['useful_mfu']):>6} | "
             f"{o['cuda_peak_mib']:13.0f} {t['cuda_peak_mib']:6.0f} | {row['max_loss_diff']:11.1e}"
         )
     print(
         "step-0 losses (ln 2 = 0.693147): "
         + ", ".join(f"{r['mode']} {r['ours']['losses'][0]:.6f} / {r['trl']['losses'][0]:.6f}" for r in rows)
     )
+    return rows
+
+
+def main() -> None:
+    """Parse the arguments, run the workers (ours, TRL alternating per mode), print the table."""
+    args = build_parser().parse_args()
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        out = {"prepare": worker_prepare, "device": worker_device}[args.worker](spec)
+        Path(args.result).write_text(json.dumps(out))
+        return
+    started = time.time()
+    modes = ["live", "precomputed"] if args.mode == "both" else [args.mode]
+    n_pairs = (args.warmup + args.steps) * args.batch_size
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        base = base_spec(args, tmp, n_pairs)
+        device = spawn("device", base, tmp)
+        peak, why = flops.peak_bf16_tflops(device["name"], args.peak_tflops)
+        prep = spawn("prepare", base, tmp)
+        tokens = prep["tokens_per_batch"][args.warmup : args.warmup + args.steps]
+        tok_per_step = sum(tokens) / len(tokens)
+        print(
+            f"{device['name']} (torch {device['torch']}, CUDA {device['cuda']}); {args.size}: {prep['n_params'] / 1e6:.1f}M "
+            f"parameters ({prep['n_matmul_params'] / 1e6:.1f}M in matrix products), {args.dtype}; {n_pairs} synthetic pairs, "
+            f"batch {args.batch_size}, {tok_per_step:.0f} non-padding tokens per measured batch\n"
+            + flops.peak_lines(device, peak, why),
+            flush=True,
+        )
+        results, longest = run_rounds(args, base, prep, modes, tmp, tok_per_step)
+        variants = run_variants(args, base, prep, tmp, started, longest, tok_per_step)
+    rows = print_table(args, modes, results, prep, device, peak, why, tok_per_step)
     first = {key: rs[0] for key, rs in results.items()}
     extra = variant_rows(variants, first.get(("live", "ours")), first.get(("live", "trl")), args.batch_size, tok_per_step)
     if extra:

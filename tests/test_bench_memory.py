@@ -17,6 +17,7 @@ from conftest import REPO, needs_shared
 sys.path.insert(0, str(REPO / "bench"))
 import bench_gpu_dpo  # noqa: E402
 import bench_memory as bm  # noqa: E402
+import memory_profile  # noqa: E402
 
 LN2 = math.log(2)
 
@@ -156,7 +157,7 @@ def test_a_saved_tensor_is_counted_where_it_was_saved():
         None: "output layer and log-probs",  # outside any module: log-softmax, gather
     }
     for name, part in cases.items():
-        assert bm.part_of(name, decoder) == part, name
+        assert memory_profile.part_of(name, decoder) == part, name
 
 
 def test_bench_gpu_dpo_variants_are_measured_against_ours_defaults():
