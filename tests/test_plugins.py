@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import TINY, compose_config
 from omegaconf import OmegaConf
 
 import trainers
+import utils
 from data.loading import load_examples
 from modeling import models
 
@@ -45,6 +47,10 @@ def test_docs_add_a_trainer_example_works_as_written(tmp_path):
             evaluated, metrics = trainer.get_batch_metrics(batch, 2, 1.0, "eval")
         torch.testing.assert_close(evaluated, sum(alone) / 2)  # both pairs: the plain loss
         assert len(metrics["rewards_eval/accuracies"]) == 2
+        for share in ("abc", 1.5):  # a wrong value of the plugin's own key: one sentence before any model loads
+            bad = compose_config([*TINY, f"output_root={tmp_path}", f"+drop_hardest={share}"])
+            with pytest.raises(utils.ConfigError, match=r"drop_hardest must be a share in \[0, 1\), got"):
+                trainers.trainer_class(bad)
     finally:
         trainers.TRAINER_EXTENSIONS.remove(namespace["drop_hardest"])
     assert trainers.trainer_class(config) is trainers.BasicTrainer  # unregistered: the plain trainer again
