@@ -44,7 +44,8 @@ class Need:
     level: str = "objective"  # objective: compute shows it; trainer: only the forward does; data: only the data does
 
 
-# The one table of keys (objective "*": the key of every objective that declares it) whose effect needs a particular batch, a companion setting or another level than compute's.
+# The one table of keys whose effect needs a particular batch, a companion setting or another level than compute's
+# (objective "*": that key of every objective that declares it).
 NEEDS = {
     ("f_dpo", "f_alpha_divergence_coef"): Need(
         "alpha enters f' only in the alpha-divergence", {"f_divergence_type": "alpha_divergence"}
@@ -70,8 +71,9 @@ MICRO_BATCH_COUPLED = {  # objectives whose losses depend on the micro-batch's o
 
 
 def default_loss(name: str) -> dict:
-    """config/loss/<name>.yaml as a dict (the objective's default loss config)."""
-    return OmegaConf.to_container(OmegaConf.load(REPO / "config" / "loss" / f"{name}.yaml"))
+    """config/loss/<name>.yaml as a dict (the objective's default loss config); ``{"name": name}`` without one."""
+    path = REPO / "config" / "loss" / f"{name}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {"name": name}
 
 
 def declared_keys() -> list[tuple[str, str]]:
@@ -200,6 +202,13 @@ OBJECTIVE_KEYS = [pair for pair in declared_keys() if level(*pair) == "objective
 def test_each_key_changes_the_objective_loss_or_its_gradient(name, key):
     before, after = base_config(name, key), second_value(name, key)
     assert changed(objective_numbers(before), objective_numbers(after)), f"loss.{key} of loss={name}: {before} vs {after}"
+
+
+def test_a_key_without_a_generated_second_value_fails_naming_it(monkeypatch):
+    odd = dataclasses.replace(losses.OBJECTIVES["dpo"], name="odd", keys={"table": losses.Key({"a": 1})})
+    monkeypatch.setitem(losses.OBJECTIVES, "odd", odd)
+    with pytest.raises(pytest.fail.Exception, match=r"loss=odd: no second valid value for loss\.table"):
+        second_value("odd", "table")
 
 
 def test_every_key_of_every_objective_is_covered_at_some_level():
