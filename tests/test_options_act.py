@@ -26,6 +26,8 @@ import trainers
 import utils
 from data import chat
 from data.loading import load_examples
+from evaluation.equivalence import MICRO_BATCH_COUPLED
+from evaluation.equivalence import NOT_TRAINED as OBJECTIVE_ONLY  # objectives the tiny trainer cannot build inputs for
 from modeling import models
 from runs import checks
 
@@ -56,14 +58,6 @@ NEEDS = {
         level="trainer",
     ),
     ("sft", "all_assistant_turns"): Need("it picks the labels when a multi-turn conversation is rendered", level="data"),
-}
-OBJECTIVE_ONLY = {  # objectives whose inputs the tiny trainer cannot build, with the reason
-    "reward": "it trains a score head (a sequence classifier), not the tiny causal LM",
-}
-MICRO_BATCH_COUPLED = {  # objectives whose losses depend on the micro-batch's other pairs: accumulation may change them
-    "aot": "it sorts the margins over the micro-batch, so a micro-batch of 2 ranks other pairs than one of 4",
-    "aot_unpaired": "it sorts the log-ratios over the micro-batch, as aot",
-    "kto": "its reference point z0 is the mean over the micro-batch's mismatched pairs",
 }
 
 

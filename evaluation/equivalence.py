@@ -1,0 +1,420 @@
+"""The equivalence matrix (issue 37, part 2): every objective on every path, against the one-process padded run.
+
+``python -m evaluation.equivalence [--objectives dpo,ipo] [--cells packed,fsdp]`` trains the tiny random model on the
+embedded arithmetic pairs for a few fp32 steps per *cell* (a path: packed forward, chunked output layer, precomputed or
+Ray-actor reference, gradient accumulation, resume mid-epoch, FSDP, tensor parallelism, 2-D, LoRA) and compares each
+with the baseline of the same objective and seed: BasicTrainer in this process with ``trainer.packed = False``. A cell
+is the largest |loss difference| over the steps (metrics.jsonl's train records) and the largest |weight difference| of
+the policy at the end (LATEST/policy.pt), each against its tolerance; a cell over one fails the command (exit 1). The
+table goes to docs/equivalence.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "equivalence.md"
+
+# A run of a few seconds: 48 pairs of the embedded arithmetic data, 6 steps of 8, a checkpoint at 24 and 48 (the
+# resume cell restarts from 24), fp32 on one thread, no export, samples or plots.
+BASE = [
+    "batch_size=8",
+    "eval_batch_size=8",
+    "n_eval_examples=16",
+    "n_examples=48",
+    "eval_every=24",
+    "data.arithmetic.n_train=64",
+    "data.arithmetic.n_test=16",
+    "progress_bar=false",
+    "minimum_log_interval_secs=0",  # a train record per step: the per-step losses
+    "warmup_steps=2",
+    "lr=3e-3",
+    "sft_first.n_examples=null",
+    "sample_during_eval=false",
+    "eval_reward_functions=null",
+    "plot_curves=false",
+    "save_hf_export=false",
+    "keep_checkpoints=0",  # all kept: the resume cell needs step-24
+    "output_layer_chunk=null",  # the baseline takes all logits at once; the chunked cell takes CHUNK at a time
+    "num_threads=1",
+]
+CHUNK = 3  # positions per output-layer call in the chunked cell (the tiny rows are 17-18 long)
+RESUME_AT = 24  # the resume cell's checkpoint: mid-epoch, after 3 of 6 steps
+
+# Objectives whose losses depend on the micro-batch's other pairs: splitting a batch (accumulation, data parallelism)
+# changes them by declaration.
+MICRO_BATCH_COUPLED = {
+    "aot": "it sorts the margins over the micro-batch, so a micro-batch of 2 ranks other pairs than one of 4",
+    "aot_unpaired": "it sorts the log-ratios over the micro-batch, as aot",
+    "kto": "its reference point z0 is the mean over the micro-batch's mismatched pairs",
+}
+NOT_TRAINED = {  # registered objectives the tiny pair runs cannot train, with the reason
+    "reward": "it trains a score head (a sequence classifier), not the tiny causal LM",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """The largest |loss difference| and |weight difference| a cell may show, and why."""
+
+    loss: float
+    weight: float
+    why: str
+
+
+# Losses: fp32 sums of ~20 log-probs of magnitude ~1-30 in another order agree to ~1e-6 (about 1e-7 relative); 1e-5
+# leaves a factor 10. Weights: AdamW divides each gradient entry by its own root mean square, so a rounding difference
+# of 1e-7 in a near-zero entry can move that weight by ~1e-5 in 6 steps at lr 3e-3 (tests/test_distributed.py's
+# atol, on weights of magnitude ~0.1-1): 5e-5. A planted bug moves the losses by 1e-3 or more.
+ONE_PROCESS = Tolerance(1e-5, 5e-5, "one process, the same sums in another order; AdamW amplifies rounding in tiny gradients")
+SPLIT = Tolerance(1e-5, 5e-5, "the batch's sums split over micro-batches or ranks, reduced in another order")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """A path compared with the padded one-process baseline: its overrides, forward and how it runs."""
+
+    name: str
+    what: str
+    overrides: tuple[str, ...] = ()
+    packed: bool = False  # the in-process runs' forward (the processes of their own take the packed one)
+    how: str = "in_process"  # in_process, resume, lora or process (train.py in a process of its own)
+    tolerance: Tolerance = ONE_PROCESS
+    splits_batch: bool = False  # the micro-batch coupled objectives differ by declaration
+    needs_reference: bool = False  # not run for an objective without a reference
+
+
+CELLS = {
+    c.name: c
+    for c in (
+        Cell("packed", "the packed forward (modeling/packing.py)", packed=True),
+        Cell("chunked", f"the output layer {CHUNK} positions at a time", (f"output_layer_chunk={CHUNK}",)),
+        Cell("precomputed", "the reference's log-probs precomputed", ("precompute_ref_log_probs=true",)),
+        Cell("accum 8x1", "8 micro-batches of 1", ("gradient_accumulation_steps=8",), tolerance=SPLIT, splits_batch=True),
+        Cell("accum 2x4", "2 micro-batches of 4", ("gradient_accumulation_steps=2",), tolerance=SPLIT, splits_batch=True),
+        Cell("resume", f"stopped after {RESUME_AT} examples (its checkpoint), resumed", how="resume"),
+        Cell(
+            "lora",
+            "LoRA r=4, the reference its adapters off, vs a separate copy of the base",
+            ("model.lora.r=4",),
+            how="lora",
+            needs_reference=True,
+        ),
+        Cell(
+            "fsdp",
+            "FSDPTrainer, 2 ranks (gloo), packed",
+            ("trainer=FSDPTrainer", "world_size=2"),
+            how="process",
+            tolerance=SPLIT,
+            splits_batch=True,
+        ),
+        Cell(
+            "tp",
+            "TensorParallelTrainer, 2 ranks (gloo), packed",
+            ("trainer=TensorParallelTrainer", "world_size=2"),
+            how="process",
+            tolerance=SPLIT,
+        ),
+        Cell(
+            "fsdp x tp",
+            "FSDP over 2 groups of 2 tensor-parallel ranks (4 processes), packed",
+            ("trainer=FSDPTrainer", "world_size=4", "tensor_parallel_size=2"),
+            how="process",
+            tolerance=SPLIT,
+            splits_batch=True,
+        ),
+        Cell(
+            "ray reference",
+            "launcher=ray, the reference on a Ray actor, packed",
+            ("launcher=ray", "ray.reference_workers=1", "ray.num_cpus=2"),
+            how="process",
+            needs_reference=True,
+        ),
+    )
+}
+
+
+@dataclasses.dataclass
+class Result:
+    """One cell of one objective: its differences, or why it has none."""
+
+    loss_diff: float | None = None
+    weight_diff: float | None = None
+    note: str = ""  # "not run: ...", "failed: ...", or "differs by declaration: ..."
+    over: bool = False
+
+    def text(self) -> str:
+        """The table's entry."""
+        if self.loss_diff is None:
+            return self.note
+        numbers = f"{self.loss_diff:.1e} / {self.weight_diff:.1e}"
+        if self.over:
+            return f"**over tolerance**: {numbers}"
+        return f"differs by declaration: {numbers}" if self.note else numbers
+
+
+def trained_objectives() -> list[str]:
+    """Every registered objective the tiny pair runs train (SFT on the chosen responses included), sorted."""
+    import losses
+    import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
+
+    return sorted(n for n in losses.OBJECTIVES if n not in NOT_TRAINED)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def compose(overrides: list[str]):
+    """The composed config of ``python train.py <overrides>``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def run_in_process(overrides: list[str], packed: bool, attach: Callable | None = None) -> Path:
+    """train.main on ``overrides`` in this process, its forward packed or padded; returns the run folder."""
+    import train
+
+    def set_forward(trainer) -> None:
+        trainer.packed = packed  # no config key: the baseline's padded forward is set on the trainer
+        if attach is not None:
+            attach(trainer)
+
+    run_dir, stop_signal = train.main(compose(overrides), attach=set_forward)
+    assert stop_signal is None, f"the run stopped on signal {stop_signal}"
+    return Path(run_dir)
+
+
+def run_process(overrides: list[str], out: Path, timeout: float = 600) -> Path:
+    """``python train.py <overrides>`` in a process of its own (several ranks, Ray); returns the run folder."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "train.py", *overrides, f"output_root={out}"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    if done.returncode != 0:
+        text = done.stdout + done.stderr
+        errors = [line for line in text.splitlines() if line.startswith("Error:")]
+        raise RuntimeError(errors[0] if errors else text[-2000:])
+    return next(p for p in out.iterdir() if p.is_dir())
+
+
+def resumed_copy(run_dir: Path, parent: Path) -> Path:
+    """A copy of the finished ``run_dir`` cut back to its step-RESUME_AT checkpoint and resumed to the end."""
+    cut = parent / run_dir.name
+    shutil.copytree(run_dir, cut, symlinks=True)
+    for step in cut.glob("step-*"):
+        if int(step.name.removeprefix("step-")) > RESUME_AT:
+            shutil.rmtree(step)
+    (cut / "FINISHED").unlink(missing_ok=True)
+    (cut / "LATEST").unlink()
+    (cut / "LATEST").symlink_to(f"step-{RESUME_AT}")
+    records = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
+    kept = [r for r in records if r.get("step", 0) <= RESUME_AT]  # what the run had logged when it stopped
+    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return cut
+
+
+def separate_reference(trainer) -> None:
+    """Give a LoRA trainer a separate copy of its base as the reference (through the remote-reference seam)."""
+    import copy
+
+    base = copy.deepcopy(trainer.peft_model).unload()  # the adapters are still zero: the base itself
+    base.eval().requires_grad_(False)
+    trainer.remote_reference = lambda batch: trainer.concatenated_forward(base, batch)[:2]
+
+
+# ----------------------------------------------------------------------------- measures
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    """The run's train loss per step (metrics.jsonl's train records, by examples seen)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/train"] for r in records if "loss/train" in r}
+
+
+def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights at the end (LATEST/policy.pt; a LoRA run's: its adapters)."""
+    return torch.load(run_dir / "LATEST" / "policy.pt", weights_only=False, map_location="cpu")["state"]
+
+
+def differences(baseline: Path, other: Path) -> tuple[float, float]:
+    """(largest |loss difference| over the steps, largest |weight difference| at the end) of two runs."""
+    a, b = train_losses(baseline), train_losses(other)
+    if sorted(a) != sorted(b) or not a:
+        raise RuntimeError(f"the runs logged other steps: {sorted(a)} vs {sorted(b)}")
+    loss_diff = max(abs(a[s] - b[s]) for s in a)
+    wa, wb = final_weights(baseline), final_weights(other)
+    if set(wa) != set(wb):
+        raise RuntimeError(f"the runs saved other weights: {sorted(set(wa) ^ set(wb))[:3]}")
+    weight_diff = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wa)
+    return loss_diff, weight_diff
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+def skip_reason(name: str, cell: Cell) -> str | None:
+    """Why ``cell`` is not run for objective ``name`` (None: it is)."""
+    import losses
+
+    loss_config = {k: v for k, v in compose([f"loss={name}"]).loss.items()}
+    if cell.needs_reference and not losses.get_objective(name).uses_reference(loss_config):
+        return f"not run: loss={name} uses no reference"
+    if cell.name == "ray reference":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            return "not run: ray absent"
+    return None
+
+
+def run_cell(name: str, cell: Cell, baseline: Path, tmp: Path) -> Result:
+    """One cell of objective ``name``: its run(s), compared with the padded baseline (or, LoRA, with its own)."""
+    import utils
+
+    overrides = [*BASE, f"loss={name}", f"output_root={tmp}", f"cache_dir={tmp / 'cache'}", *cell.overrides]
+    try:
+        if cell.how == "in_process":
+            other = run_in_process(overrides, cell.packed)
+        elif cell.how == "resume":
+            cut = resumed_copy(baseline, tmp / "cut")
+            other = run_in_process([*overrides, f"resume={cut}"], cell.packed)
+        elif cell.how == "lora":
+            baseline = run_in_process(overrides, False)  # the reference: the policy with its adapters off
+            other = run_in_process(overrides, False, separate_reference)
+        else:
+            other = run_process(overrides, tmp / "process")
+        loss_diff, weight_diff = differences(baseline, other)
+    except utils.ConfigError as e:
+        return Result(note=f"not run: refused: {e}")
+    except Exception as e:  # noqa: BLE001 - a cell that fails is reported, the others still run
+        if str(e).startswith("Error:"):
+            return Result(note=f"not run: refused: {str(e).removeprefix('Error: ')}")
+        traceback.print_exc()
+        return Result(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", over=True)
+    declared = cell.splits_batch and name in MICRO_BATCH_COUPLED
+    over = not declared and (loss_diff > cell.tolerance.loss or weight_diff > cell.tolerance.weight)
+    return Result(loss_diff, weight_diff, "declared" if declared else "", over)
+
+
+def run_matrix(names: list[str], cells: list[Cell], process_names: list[str] | None = None, progress: bool = True):
+    """The cells ``cells`` of every objective in ``names`` (the cells of processes of their own only for
+    ``process_names``, None: all): (objective, cell name) -> Result, every cell and objective named."""
+    import tqdm
+
+    results = {(n, c): Result(note="not run: left out by --objectives") for n in trained_objectives() for c in CELLS}
+    todo = {n: [c for c in cells if c.how != "process" or process_names is None or n in process_names] for n in names}
+    bar = tqdm.tqdm(total=sum(map(len, todo.values())), unit="cell", disable=not progress)
+    for name in names:
+        for cell in CELLS.values():
+            left_out = "--process-objectives" if cell in cells else "--cells"
+            results[name, cell.name] = Result(note=f"not run: left out by {left_out}")
+        with tempfile.TemporaryDirectory(prefix=f"equivalence-{name}-") as folder:
+            tmp = Path(folder)
+            baseline = run_in_process([*BASE, f"loss={name}", f"output_root={tmp / 'baseline'}"], packed=False)
+            for i, cell in enumerate(todo[name]):
+                bar.set_description(f"{name}: {cell.name}")
+                reason = skip_reason(name, cell)
+                results[name, cell.name] = Result(note=reason) if reason else run_cell(name, cell, baseline, tmp / str(i))
+                bar.update()
+    bar.close()
+    return results
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def commit() -> str:
+    """The repository's commit (with "+changes" when its tracked files differ from it)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=REPO, capture_output=True, text=True).stdout
+    return head.strip() + (" +changes" if dirty.strip() else "")
+
+
+def largest(results: dict, cell: str) -> str:
+    """The largest loss and weight differences of ``cell`` over the objectives (declared differences left out)."""
+    measured = [r for (_, c), r in results.items() if c == cell and r.loss_diff is not None and not r.note]
+    if not measured:
+        return "-"
+    return f"{max(r.loss_diff for r in measured):.1e} / {max(r.weight_diff for r in measured):.1e}"
+
+
+def write_table(results: dict, command: str, seconds: float, path: Path) -> None:
+    """docs/equivalence.md: the objective x cell table, the tolerances, the command, its date and commit."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# The equivalence matrix",
+        "",
+        "Every objective on every path against the one-process padded run of the same objective and seed (BasicTrainer",
+        "with `trainer.packed = False`): the tiny random model on 48 arithmetic pairs, 6 steps of 8, fp32 on CPU. Each",
+        "cell is the largest |loss difference| over the steps / the largest |weight difference| of the policy at the end",
+        "(a LoRA cell: of the adapters, against the LoRA run whose reference is a separate copy of the base).",
+        "",
+        f"Written by `{command}` on {date} at commit {commit()} in {seconds / 60:.0f} minutes"
+        " (the cells: [evaluation/equivalence.py](../evaluation/equivalence.py)).",
+        "",
+        "| cell | path | tolerance (loss / weight) | why | largest (loss / weight) |",
+        "|---|---|---|---|---|",
+    ]
+    cells = list(CELLS.values())
+    for c in cells:
+        t = c.tolerance
+        lines.append(f"| {c.name} | {c.what} | {t.loss:.0e} / {t.weight:.0e} | {t.why} | {largest(results, c.name)} |")
+    lines += ["", "| objective | " + " | ".join(c.name for c in cells) + " |", "|---" * (len(cells) + 1) + "|"]
+    for name in trained_objectives():
+        lines.append(f"| {name} | " + " | ".join(results[name, c.name].text() for c in cells) + " |")
+    lines += [""] + [f"- {n}: not run: {why}." for n, why in NOT_TRAINED.items()]
+    lines += [f"- {n}: differs by declaration where a cell splits the batch: {why}." for n, why in MICRO_BATCH_COUPLED.items()]
+    lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line; exit 1 when a cell is over its tolerance or failed."""
+    import time
+
+    parser = argparse.ArgumentParser(prog="python -m evaluation.equivalence", description=__doc__.split("\n")[0])
+    parser.add_argument("--objectives", help="comma-separated objectives (default: every one the tiny runs train)")
+    parser.add_argument("--cells", help=f"comma-separated cells (default: all: {', '.join(CELLS)})")
+    parser.add_argument("--process-objectives", help="the objectives of the cells of processes of their own (default: all)")
+    parser.add_argument("--out", default=str(DOC), help="where the table goes (default: docs/equivalence.md)")
+    args = parser.parse_args(argv)
+    known = trained_objectives()
+    names = args.objectives.split(",") if args.objectives else known
+    process_names = args.process_objectives.split(",") if args.process_objectives else None
+    cells = args.cells.split(",") if args.cells else list(CELLS)
+    unknown = [x for x in [*names, *(process_names or [])] if x not in known] + [c for c in cells if c not in CELLS]
+    if unknown:
+        parser.error(f"unknown objectives or cells: {', '.join(unknown)}")
+    start = time.time()
+    results = run_matrix(names, [CELLS[c] for c in cells], process_names)
+    command = shlex.join(["python", "-m", "evaluation.equivalence", *(argv if argv is not None else sys.argv[1:])])
+    write_table(results, command, time.time() - start, Path(args.out))
+    bad = [(n, c, r.text()) for (n, c), r in results.items() if r.over]
+    for n, c, text in bad:
+        print(f"loss={n}, {c}: {text}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    import data  # noqa: F401  (registers the datasets, as train.py does)
+
+    sys.exit(main())
