@@ -155,8 +155,9 @@ class Result:
 
     loss_diff: float | None = None
     weight_diff: float | None = None
-    note: str = ""  # "not run: ...", "failed: ...", or "differs by declaration: ..."
+    note: str = ""  # "not run: ...", "failed: ...", or "declared" (differs by declaration)
     over: bool = False
+    refusal: str = ""  # the config check's sentence of a refused cell
 
     def text(self) -> str:
         """The table's entry."""
@@ -304,10 +305,10 @@ def run_cell(name: str, cell: Cell, baseline: Path, tmp: Path) -> Result:
             other = run_process(overrides, tmp / "process")
         loss_diff, weight_diff = differences(baseline, other)
     except utils.ConfigError as e:
-        return Result(note=f"not run: refused: {e}")
+        return Result(note="not run: refused", refusal=str(e))
     except Exception as e:  # noqa: BLE001 - a cell that fails is reported, the others still run
         if str(e).startswith("Error:"):
-            return Result(note=f"not run: refused: {str(e).removeprefix('Error: ')}")
+            return Result(note="not run: refused", refusal=str(e).removeprefix("Error: "))
         traceback.print_exc()
         return Result(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", over=True)
     declared = cell.splits_batch and name in MICRO_BATCH_COUPLED
@@ -382,6 +383,7 @@ def write_table(results: dict, command: str, seconds: float, path: Path) -> None
     for name in trained_objectives():
         lines.append(f"| {name} | " + " | ".join(results[name, c.name].text() for c in cells) + " |")
     lines += [""] + [f"- {n}: not run: {why}." for n, why in NOT_TRAINED.items()]
+    lines += [f"- {n}, {c}: refused: {r.refusal}" for (n, c), r in results.items() if r.refusal]
     lines += [f"- {n}: differs by declaration where a cell splits the batch: {why}." for n, why in MICRO_BATCH_COUPLED.items()]
     lines.append("")
     path.write_text("\n".join(lines))
