@@ -77,8 +77,9 @@ class Tolerance:
     why: str
 
 
-# Losses: fp32 sums of ~20 log-probs of magnitude ~1-30 in another order agree to ~1e-6 (about 1e-7 relative); 1e-5
-# leaves a factor 10. Weights: AdamW divides each gradient entry by its own root mean square, so a rounding difference
+# Losses, as |difference| / max(1, |loss|): fp32 sums of ~20 log-probs of magnitude ~1-30 in another order agree to
+# ~1e-6 (about 1e-7 relative), and a squared loss (IPO, SPPO: ~25-50 at the start) scales that by its slope; 1e-5 leaves
+# a factor 10. Weights: AdamW divides each gradient entry by its own root mean square, so a rounding difference
 # of 1e-7 in a near-zero entry can move that weight by ~1e-5 in 6 steps at lr 3e-3 (tests/test_distributed.py's
 # atol, on weights of magnitude ~0.1-1): 5e-5. A planted bug moves the losses by 1e-3 or more.
 ONE_PROCESS = Tolerance(1e-5, 5e-5, "one process, the same sums in another order; AdamW amplifies rounding in tiny gradients")
@@ -141,7 +142,13 @@ CELLS = {
         Cell(
             "ray reference",
             "launcher=ray, the reference on a Ray actor, packed",
-            ("launcher=ray", "ray.reference_workers=1", "ray.num_cpus=2"),
+            (
+                "launcher=ray",
+                "ray.reference_workers=1",
+                "ray.num_cpus=2",
+                "ray.cpus_per_worker=1",
+                "ray.reference_resources={CPU: 0.5, GPU: 0}",
+            ),
             how="process",
             needs_reference=True,
         ),
@@ -257,11 +264,11 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def differences(baseline: Path, other: Path) -> tuple[float, float]:
-    """(largest |loss difference| over the steps, largest |weight difference| at the end) of two runs."""
+    """(largest |loss difference| / max(1, |loss|) over the steps, largest |weight difference| at the end) of two runs."""
     a, b = train_losses(baseline), train_losses(other)
     if sorted(a) != sorted(b) or not a:
         raise RuntimeError(f"the runs logged other steps: {sorted(a)} vs {sorted(b)}")
-    loss_diff = max(abs(a[s] - b[s]) for s in a)
+    loss_diff = max(abs(a[s] - b[s]) / max(1.0, abs(a[s])) for s in a)
     wa, wb = final_weights(baseline), final_weights(other)
     if set(wa) != set(wb):
         raise RuntimeError(f"the runs saved other weights: {sorted(set(wa) ^ set(wb))[:3]}")
@@ -366,7 +373,8 @@ def write_table(results: dict, command: str, seconds: float, path: Path) -> None
         "",
         "Every objective on every path against the one-process padded run of the same objective and seed (BasicTrainer",
         "with `trainer.packed = False`): the tiny random model on 48 arithmetic pairs, 6 steps of 8, fp32 on CPU. Each",
-        "cell is the largest |loss difference| over the steps / the largest |weight difference| of the policy at the end",
+        "cell is the largest |loss difference| over the steps (divided by max(1, |loss|): IPO's and SPPO's squared losses",
+        "start at 25-50) / the largest |weight difference| of the policy at the end",
         "(a LoRA cell: of the adapters, against the LoRA run whose reference is a separate copy of the base).",
         "",
         f"Written by `{command}` on {date} at commit {commit()} in {seconds / 60:.0f} minutes"
