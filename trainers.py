@@ -225,8 +225,8 @@ class BasicTrainer:
             logps = getattr(inputs, f"policy_{side}_logps")
             if logps is not None:
                 metrics[f"logps_{split}/{side}"] = logps.detach()[keep].tolist()
-        if objective.per_token:  # per pair, scaled so that the batch's mean is its loss per target token
-            metrics[f"loss/{split}"] = (per_example.detach() * (n_batch_examples / max(n_batch_tokens, 1))).tolist()
+        if objective.per_token:  # one value per micro-batch: its mean per target token
+            metrics[f"loss/{split}"] = [(per_example.detach().sum() / inputs.chosen_n_tokens.sum().clamp(min=1)).item()]
         else:
             metrics[f"loss/{split}"] = per_example.detach()[keep].tolist()
         for name, value in out.metrics.items():
