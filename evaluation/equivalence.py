@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import shlex
 import shutil
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from runs import tracking
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "equivalence.md"
@@ -238,9 +239,7 @@ def resumed_copy(run_dir: Path, parent: Path) -> Path:
     (cut / "FINISHED").unlink(missing_ok=True)
     (cut / "LATEST").unlink()
     (cut / "LATEST").symlink_to(f"step-{RESUME_AT}")
-    records = [json.loads(line) for line in (cut / "metrics.jsonl").read_text().splitlines()]
-    kept = [r for r in records if r.get("step", 0) <= RESUME_AT]  # what the run had logged when it stopped
-    (cut / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tracking.rewind_jsonl(str(cut / "metrics.jsonl"), RESUME_AT)  # what the run had logged when it stopped
     return cut
 
 
@@ -258,7 +257,7 @@ def separate_reference(trainer) -> None:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     """The run's train loss per step (metrics.jsonl's train records, by examples seen)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = tracking.jsonl_records(str(run_dir / "metrics.jsonl"))
     return {r["step"]: r["loss/train"] for r in records if "loss/train" in r}
 
 
