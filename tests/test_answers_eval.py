@@ -123,7 +123,7 @@ def test_stage_commands_drop_what_the_sft_stage_sets_itself():
         "datasets=[json]",
         "seed=3",
         "loss=sft",
-        "n_examples=40000",
+        "n_examples=80000",
         "sft_first.n_examples=null",
         "lr=0.003",
         "exp_name=mine_sft",
@@ -155,13 +155,13 @@ def test_when_the_sft_stage_applies(capsys, tmp_path):
     assert wanted(["loss=ipo"])
     assert not wanted(["sft_first.n_examples=null"])
     assert not wanted(["model.archive=/x/policy.pt"])  # the preset's stage steps aside, with a note
-    assert "Note: no SFT stage (sft_first.n_examples=40000 from the preset): model.archive is given" in capsys.readouterr().out
+    assert "Note: no SFT stage (sft_first.n_examples=80000 from the preset): model.archive is given" in capsys.readouterr().out
     assert not wanted(["loss=sft"])
     assert not wanted(["loss=reward"])
     assert not wanted(["online.enabled=true"])
     with pytest.raises(utils.ConfigError, match="sft_first.n_examples=10 cannot apply: model.archive is given"):
         wanted(["sft_first.n_examples=10", "model.archive=/x/policy.pt"])
-    with pytest.raises(utils.ConfigError, match=r"=40000 \(set by the model preset\) runs two runs .* resume=auto continues one"):
+    with pytest.raises(utils.ConfigError, match=r"=80000 \(set by the model preset\) runs two runs .* resume=auto continues one"):
         wanted(["resume=auto", f"output_root={tmp_path}"])
 
 
