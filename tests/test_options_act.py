@@ -12,137 +12,43 @@ from __future__ import annotations
 import copy
 import dataclasses
 import types
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import TINY, compose_config
 from omegaconf import OmegaConf
+from option_cells import (
+    NEEDS,
+    OBJECTIVE_KEYS,
+    OBJECTIVE_ONLY,
+    ONE_PROCESS,
+    REPO,
+    SAME,
+    SETUP,
+    TRAINED,
+    TRAINER_KEYS,
+    B,
+    base_config,
+    build,
+    changed,
+    declared_keys,
+    default_loss,
+    level,
+    one_sentence,
+    refusal,
+    second_value,
+    tiny_setup,
+    trainer_numbers,
+)
 
 import losses
-import objectives  # noqa: F401  (registers every objective)
 import preference_datasets
 import trainers
 import utils
 from data import chat
-from data.loading import load_examples
 from evaluation.equivalence import MICRO_BATCH_COUPLED
-from evaluation.equivalence import NOT_TRAINED as OBJECTIVE_ONLY  # objectives the tiny trainer cannot build inputs for
-from modeling import models
+from objectives import bema
 from runs import checks
-
-REPO = Path(__file__).resolve().parents[1]
-B = 4  # pairs of the objective-level inputs and of the trainer's batch
-SAME = {"rtol": 1e-4, "atol": 1e-5}  # fp32: two paths computing the same numbers in another order agree this closely
-CHUNK = 3  # positions per output-layer call on the chunked path (the tiny batch's rows are 17-18 long)
-
-
-@dataclasses.dataclass(frozen=True)
-class Need:
-    """What a key needs to show its effect, and why."""
-
-    reason: str
-    companion: dict = dataclasses.field(default_factory=dict)  # other loss keys set in both configs (default and changed)
-    level: str = "objective"  # objective: compute shows it; trainer: only the forward does; data: only the data does
-
-
-# The one table of keys whose effect needs a particular batch, a companion setting or another level than compute's
-# (objective "*": that key of every objective that declares it).
-NEEDS = {
-    ("f_dpo", "f_alpha_divergence_coef"): Need(
-        "alpha enters f' only in the alpha-divergence", {"f_divergence_type": "alpha_divergence"}
-    ),
-    ("*", "average_log_prob"): Need("the forward averages the log-probs; compute sees them as given", level="trainer"),
-    ("ld_dpo", "ld_alpha"): Need(
-        "the forward weighs tokens past the pair's shorter response (pairs of different lengths: the tiny batch's)",
-        level="trainer",
-    ),
-    ("sft", "all_assistant_turns"): Need("it picks the labels when a multi-turn conversation is rendered", level="data"),
-}
-
-
-# ----------------------------------------------------------------------------- configs from the declarations
-
-
-def default_loss(name: str) -> dict:
-    """config/loss/<name>.yaml as a dict (the objective's default loss config); ``{"name": name}`` without one."""
-    path = REPO / "config" / "loss" / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path)) if path.exists() else {"name": name}
-
-
-def declared_keys() -> list[tuple[str, str]]:
-    """Every (objective, key) of ``decl.keys_for`` its default loss config, sorted."""
-    return sorted((name, key) for name, decl in losses.OBJECTIVES.items() for key in decl.keys_for(default_loss(name)))
-
-
-def with_value(name: str, key: str, value) -> dict | None:
-    """The default loss config of ``name`` with its companions and ``key=value`` (the keys the new value leaves the
-    objective without dropped), or None when ``losses.validate_loss_config`` refuses it."""
-    base = {**default_loss(name), **need(name, key).companion, key: value}
-    try:
-        keys = losses.get_objective(name).keys_for(base)
-        config = {k: v for k, v in base.items() if k == "name" or k in keys}
-        losses.validate_loss_config(config)
-    except (losses.ObjectiveConfigError, TypeError, ValueError):
-        return None
-    return config
-
-
-def _choices(spec: losses.Key) -> list:
-    """The values a choice key accepts: its rule's "one of a, b, c", else a tuple of strings its check names."""
-    if spec.rule.startswith("one of "):
-        return [v.strip() for v in spec.rule.removeprefix("one of ").split(",")]
-    code = getattr(spec.valid, "__code__", None)
-    names = code.co_names + code.co_freevars if code else ()
-    found = [getattr(spec.valid, "__globals__", {}).get(n) for n in names]
-    return next((list(v) for v in found if isinstance(v, (tuple, list)) and v and all(isinstance(s, str) for s in v)), [])
-
-
-def _candidates(spec: losses.Key, default) -> list:
-    """Second values to try, nearest first, by the default's type."""
-    if isinstance(default, bool):
-        return [not default]
-    if isinstance(default, (int, float)):
-        return [default * 2, default / 2, default + 0.25, default + 1, 0.25, 0.5, 1.0, 2.0]
-    if isinstance(default, str):
-        return _choices(spec)
-    if isinstance(default, list) and default and all(isinstance(v, (int, float)) for v in default):
-        return [[v * 2 for v in default], [v + 1 for v in default]]
-    if isinstance(default, list) and default and all(isinstance(v, str) for v in default):
-        # another objective's name in its place, from the alphabet's end: aot's sorted margins can equal DPO's on 4 pairs
-        return [[n] for n in sorted(losses.OBJECTIVES, reverse=True)]
-    return []
-
-
-def second_value(name: str, key: str) -> dict:
-    """The loss config of ``name`` with ``key`` changed to the first candidate the declaration accepts; fails the test
-    naming the key when there is none (a new key is never skipped)."""
-    spec = losses.get_objective(name).keys_for(default_loss(name))[key]
-    default = default_loss(name).get(key, spec.default)
-    for value in _candidates(spec, default):
-        config = with_value(name, key, value)
-        if value != default and config is not None:
-            return config
-    pytest.fail(f"loss={name}: no second valid value for loss.{key} (default {default!r}) could be generated")
-
-
-def base_config(name: str, key: str) -> dict:
-    """The default loss config of ``name`` with the companions ``key`` needs."""
-    config = with_value(
-        name, key, default_loss(name).get(key, losses.get_objective(name).keys_for(default_loss(name))[key].default)
-    )
-    assert config is not None, f"loss={name}: the default config with {key}'s companions is refused"
-    return config
-
-
-def need(name: str, key: str) -> Need:
-    """The :data:`NEEDS` entry of ``key`` of ``name`` (its own, else every objective's), else none."""
-    return NEEDS.get((name, key)) or NEEDS.get(("*", key)) or Need("")
-
-
-def level(name: str, key: str) -> str:
-    return need(name, key).level
-
 
 # ----------------------------------------------------------------------------- the objective level
 
@@ -184,14 +90,6 @@ def objective_numbers(loss_config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return loss.detach(), torch.cat([torch.zeros(B) if g is None else g for g in grads])
 
 
-def changed(a: tuple, b: tuple) -> bool:
-    """True if the losses or the gradients of ``a`` and ``b`` differ beyond fp32 rounding."""
-    return any(not torch.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b))
-
-
-OBJECTIVE_KEYS = [pair for pair in declared_keys() if level(*pair) == "objective"]
-
-
 @pytest.mark.parametrize("name,key", OBJECTIVE_KEYS, ids=[f"{n}.{k}" for n, k in OBJECTIVE_KEYS])
 def test_each_key_changes_the_objective_loss_or_its_gradient(name, key):
     before, after = base_config(name, key), second_value(name, key)
@@ -219,49 +117,11 @@ def test_every_key_of_every_objective_is_covered_at_some_level():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """The tiny config, tokenizer, examples and models (the reference from another seed, so h != 0), on one thread."""
+    """option_cells.tiny_setup's config, tokenizer, examples and models, on one thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    tmp = tmp_path_factory.mktemp("options")
-    config = compose_config([*TINY, f"output_root={tmp}", "n_eval_examples=4", f"eval_batch_size={B}", "warmup_steps=0"])
-    OmegaConf.resolve(config)
-    tokenizer = models.load_tokenizer(config.model)
-    options = OmegaConf.to_container(config.data)
-    train, test = (load_examples(list(config.datasets), s, options, False, silent=True) for s in ("train", "test"))
-    policy = models.load_model(config.model, tokenizer, torch.float32, 0)
-    reference = models.load_model(config.model, tokenizer, torch.float32, 1)
-    yield dict(config=config, tokenizer=tokenizer, train=train, test=test, policy=policy, reference=reference, tmp=tmp, cache={})
+    yield tiny_setup(tmp_path_factory.mktemp("options"))
     torch.set_num_threads(threads)
-
-
-def build(tiny: dict, loss_config: dict, path: str = "packed", config=None, weights=None, **settings) -> trainers.BasicTrainer:
-    """A BasicTrainer on the tiny models (or ``weights``, (policy, reference)) with ``loss_config`` on ``path`` (padded,
-    packed or chunked), from the tiny config (or ``config``) with ``settings`` (config keys, e.g.
-    gradient_accumulation_steps)."""
-    policy, reference = weights or (tiny["policy"], tiny["reference"])
-    config = OmegaConf.create(OmegaConf.to_container(config or tiny["config"]))
-    config.loss = loss_config
-    config.output_layer_chunk = CHUNK if path == "chunked" else 0
-    for key, value in settings.items():
-        OmegaConf.update(config, key, value)
-    uses_reference = losses.get_objective(loss_config["name"]).uses_reference(loss_config)
-    run_dir = tiny["tmp"] / "run"
-    run_dir.mkdir(exist_ok=True)
-    args = (policy, config, str(run_dir), tiny["tokenizer"], tiny["train"], tiny["test"])
-    trainer = trainers.BasicTrainer(*args, reference if uses_reference else None)
-    trainer.packed = path != "padded"
-    return trainer
-
-
-def trainer_numbers(trainer: trainers.BasicTrainer, batch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the micro-batch's loss, the policy's gradient, flattened) of one ``get_batch_metrics`` on the eval batch."""
-    batch = batch or trainer.eval_batches[0]
-    trainer.policy.zero_grad(set_to_none=True)
-    loss, _ = trainer.get_batch_metrics(batch, len(batch["prompt"]), 1.0, "train")
-    loss.backward()
-    grad = torch.cat([p.grad.flatten() for p in trainer.policy.parameters() if p.grad is not None])
-    trainer.policy.zero_grad(set_to_none=True)
-    return loss.detach(), grad
 
 
 def cached_numbers(tiny: dict, loss_config: dict, path: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,26 +132,27 @@ def cached_numbers(tiny: dict, loss_config: dict, path: str) -> tuple[torch.Tens
     return tiny["cache"][key]
 
 
-PATHS = ("padded", "packed", "chunked")
-TRAINER_KEYS = [(n, k) for n, k in declared_keys() if n not in OBJECTIVE_ONLY and level(n, k) != "data"]
-
-
 @pytest.mark.parametrize("name,key", TRAINER_KEYS, ids=[f"{n}.{k}" for n, k in TRAINER_KEYS])
 def test_each_key_changes_the_loss_or_the_gradient_on_each_trainer_path(tiny, name, key):
+    # A path that cannot honour the objective or the key's second value (the precomputed reference of a reference-free
+    # one) refuses it in one sentence before anything loads; on every other path the key acts.
     before, after = base_config(name, key), second_value(name, key)
-    for path in PATHS:
+    for path in ONE_PROCESS:
+        refused = refusal(tiny["config"], before, path) or refusal(tiny["config"], after, path)
+        if refused:
+            assert one_sentence(refused), f"loss={name} loss.{key} on the {path} path: {refused}"
+            continue
         a, b = cached_numbers(tiny, before, path), trainer_numbers(build(tiny, after, path))
-        assert changed(a, b), f"loss.{key} of loss={name} does not act on the {path} forward: {before} vs {after}"
-
-
-TRAINED = sorted(n for n in losses.OBJECTIVES if n not in OBJECTIVE_ONLY and not losses.OBJECTIVES[n].sft_data)
+        assert changed(a, b), f"loss.{key} of loss={name} does not act on the {path} path: {before} vs {after}"
 
 
 @pytest.mark.parametrize("name", TRAINED)
-def test_packing_and_chunking_change_neither_loss_nor_gradient(tiny, name):
+def test_packing_chunking_and_a_precomputed_reference_change_neither_loss_nor_gradient(tiny, name):
     config = default_loss(name)
     padded = trainer_numbers(build(tiny, config, "padded"))
-    for path in ("packed", "chunked"):
+    for path in ("packed", "chunked", "precomputed"):  # the precomputed reference: the live one's numbers, read back
+        if path == "precomputed" and refusal(tiny["config"], config, path):  # its sentence: the key test checks it
+            continue
         for a, b in zip(padded, trainer_numbers(build(tiny, config, path))):
             torch.testing.assert_close(b, a, **SAME, msg=f"loss={name}: padded vs {path}")
     packed = build(tiny, config, "packed")
@@ -352,8 +213,12 @@ def rendered_sft_batch(tiny: dict, all_assistant_turns: bool) -> dict:
     return preference_datasets.collate(elements, pad_token_id=tokenizer.pad_token_id)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ONE_PROCESS)
 def test_sft_all_assistant_turns_changes_the_labels_and_the_loss_on_each_path(tiny, path):
+    refused = refusal(tiny["config"], {"name": "sft", "all_assistant_turns": True}, path)
+    if refused:  # the precomputed reference of an objective without one
+        assert one_sentence(refused) and "loss=sft uses no reference" in refused
+        return
     numbers = []
     for every in (False, True):
         batch = rendered_sft_batch(tiny, every)
@@ -366,7 +231,23 @@ def test_sft_all_assistant_turns_changes_the_labels_and_the_loss_on_each_path(ti
 # ----------------------------------------------------------------------------- reference_update moves the reference
 
 SOFT = ["reference_update.mode=soft", "reference_update.alpha=0.6", "reference_update.every=1"]
-BEMA = ["reference_update=bema", "reference_update.update_freq=1", "reference_update.ref_model_update_freq=1"]
+# BEMA updates its average every step and copies it into the reference at step 2 alone, so that each of its keys, one
+# unit more (a whole number + 1, a real + 1.0), acts within 2 steps: ref_model_update_after=1 copies at step 1 instead,
+# ref_model_update_freq=3 never, update_after=1 restarts theta_0 at step 1, min_ema_multiplier=1 makes the EMA the policy.
+BEMA = ["reference_update=bema", "reference_update.update_freq=1", "reference_update.ref_model_update_freq=2"]
+
+
+def bema_settings() -> dict[str, list[str]]:
+    """``"bema <key>"``: :data:`BEMA` with that key one unit more, for every key of config/reference_update/bema.yaml."""
+    config = OmegaConf.merge(
+        {"reference_update": OmegaConf.load(REPO / "config" / "reference_update" / "bema.yaml")},
+        OmegaConf.from_dotlist([o for o in BEMA if "." in o]),
+    ).reference_update
+    keys = [key for key in config if key != "mode"]
+    assert set(keys) == set(bema.KEYS + bema.POWERS), "config/reference_update/bema.yaml and objectives/bema.py name other keys"
+    return {f"bema {key}": [*BEMA, f"reference_update.{key}={config[key] + 1}"] for key in keys}
+
+
 UPDATES = {  # each pair below differs in one reference_update key
     "fixed": [],
     "soft": SOFT,
@@ -374,8 +255,7 @@ UPDATES = {  # each pair below differs in one reference_update key
     "soft every": [*SOFT, "reference_update.every=2"],
     "hard": ["reference_update.mode=hard", "reference_update.every=1"],
     "bema": BEMA,
-    "bema lag": [*BEMA, "reference_update.lag=2"],
-    "bema ema_power": [*BEMA, "reference_update.ema_power=1.0"],
+    **bema_settings(),
 }
 DIFFER = [
     ("fixed", "soft"),
@@ -383,8 +263,7 @@ DIFFER = [
     ("soft", "soft every"),
     ("soft", "hard"),
     ("fixed", "bema"),
-    ("bema", "bema lag"),
-    ("bema", "bema ema_power"),
+    *[("bema", name) for name in UPDATES if name.startswith("bema ")],
 ]
 
 
@@ -393,15 +272,14 @@ def reference_after_two_steps(tiny):
     """Each :data:`UPDATES` setting's reference log-probs of the eval batch after 2 DPO steps from the same weights."""
     out = {}
     for name, overrides in UPDATES.items():
-        config = compose_config(
-            [*TINY, f"output_root={tiny['tmp']}", "n_eval_examples=4", f"eval_batch_size={B}", "warmup_steps=0", *overrides]
-        )
+        config = compose_config([*TINY, f"output_root={tiny['tmp']}", *SETUP, *overrides])
         checks.validate_config(config)
         weights = (copy.deepcopy(tiny["policy"]), copy.deepcopy(tiny["reference"]))  # the steps move them
         trainer = build(tiny, default_loss("dpo"), "packed", config=config, weights=weights)
         batch = trainer.eval_batches[0]
         for _ in range(2):
             trainer.train_step(batch)
+            trainer.batch_counter += 1  # as run_batches counts the steps: the updates' schedule reads it
         out[name] = torch.cat(trainer.reference_logps(batch))
     return out
 
