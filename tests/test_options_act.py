@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import types
 
 import pytest
@@ -46,6 +47,7 @@ import preference_datasets
 import trainers
 import utils
 from data import chat
+from data.loading import load_examples
 from evaluation.equivalence import MICRO_BATCH_COUPLED
 from objectives import bema
 from runs import checks
@@ -80,13 +82,22 @@ def random_inputs() -> losses.ObjectiveInputs:
     )
 
 
-def objective_numbers(loss_config: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the summed loss, d loss / d the policy's chosen and rejected log-probs and scores) of ``loss_config``."""
-    inputs = random_inputs()
+def unpaired(inputs: losses.ObjectiveInputs) -> losses.ObjectiveInputs:
+    """``inputs`` as B unpaired rows (KTO's): each chosen completion with a label, half of them desirable, no rejected."""
+    return dataclasses.replace(
+        inputs, policy_rejected_logps=None, reference_rejected_logps=None, label=torch.tensor([True, False, True, False])
+    )
+
+
+def objective_numbers(loss_config: dict, rows=lambda inputs: inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the summed loss, d loss / d the policy's chosen and rejected log-probs and scores) of ``loss_config`` on
+    :func:`random_inputs` (through ``rows``, e.g. :func:`unpaired`)."""
+    inputs = rows(random_inputs())
     decl = losses.get_objective(loss_config["name"])
     loss = decl.compute(inputs, loss_config).losses.sum()
     leaves = [inputs.policy_chosen_logps, inputs.policy_rejected_logps, inputs.chosen_scores]
-    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = iter(torch.autograd.grad(loss, [x for x in leaves if x is not None], allow_unused=True))
+    grads = [None if x is None else next(grads) for x in leaves]
     return loss.detach(), torch.cat([torch.zeros(B) if g is None else g for g in grads])
 
 
@@ -226,6 +237,41 @@ def test_sft_all_assistant_turns_changes_the_labels_and_the_loss_on_each_path(ti
         numbers.append((batch["chosen_labels"].ne(losses.IGNORE_INDEX).sum(), *trainer_numbers(trainer, batch)))
     assert numbers[1][0] > numbers[0][0]  # the first assistant turn is trained too
     assert changed(numbers[0][1:], numbers[1][1:]), f"all_assistant_turns does not act on the {path} forward"
+
+
+# ----------------------------------------------------------------------------- unpaired rows (KTO's)
+
+UNPAIRED_KEYS = [(n, k) for n, k in TRAINER_KEYS if losses.OBJECTIVES[n].unpaired]
+
+
+@pytest.fixture(scope="module")
+def unpaired_batch(tiny):
+    """B unpaired rows {prompt, completion, label}, half of them desirable, read by data/formats.py's json loader."""
+    rows = [{"prompt": f"Q: {i}+{i}=\nA:", "completion": f" {2 * i + i % 2}", "label": i % 2 == 0} for i in range(B)]
+    path = tiny["tmp"] / "unpaired.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = {"json": {"path": {"train": str(path), "test": str(path)}, "holdout_fraction": 0.1}}
+    examples = load_examples(["json"], "train", options, False, silent=True)
+    c = tiny["config"]
+    batches = preference_datasets.get_batch_iterator(
+        examples, tiny["tokenizer"], B, c.max_length, c.max_prompt_length, n_epochs=1
+    )
+    batch = next(batches)
+    assert "rejected_input_ids" not in batch and batch["label"].tolist().count(True) == B // 2
+    return batch
+
+
+@pytest.mark.parametrize("name,key", UNPAIRED_KEYS, ids=[f"{n}.{k}" for n, k in UNPAIRED_KEYS])
+def test_each_key_acts_on_unpaired_rows_at_the_objective_level_and_on_each_path(tiny, unpaired_batch, name, key):
+    before, after = base_config(name, key), second_value(name, key)
+    assert changed(objective_numbers(before, unpaired), objective_numbers(after, unpaired)), f"loss={name} loss.{key}"
+    for path in ONE_PROCESS:
+        refused = refusal(tiny["config"], before, path) or refusal(tiny["config"], after, path)
+        if refused:  # a precomputed reference cannot hold KTO's mismatched pairs
+            assert one_sentence(refused), f"loss={name} loss.{key} on the {path} path: {refused}"
+            continue
+        a, b = (trainer_numbers(build(tiny, config, path), unpaired_batch) for config in (before, after))
+        assert changed(a, b), f"loss.{key} of loss={name} does not act on unpaired rows on the {path} path"
 
 
 # ----------------------------------------------------------------------------- reference_update moves the reference
