@@ -92,13 +92,13 @@ def _numbers_problem(c: DictConfig, _) -> str | None:
     return None
 
 
-def _scorer_problem(c: DictConfig, _) -> str | None:
-    """What is wrong with ``online.scorer``, its judge or its reward model (online DPO only)."""
-    if not online_enabled(c):
-        return None
+def _scorer_problem(c: DictConfig) -> str | None:
+    """What is wrong with ``online.scorer``: its judge, its reward model, or a penalty on the scores a judge does not give."""
     problem = scorer_error(c.online.scorer, c, "online.scorer")
     if problem is None and c.online.scorer in ("reward_model", "reward_model_judge"):
         problem = reward_model_error(c, f"online.scorer={c.online.scorer}")
+    if problem is None and c.online.scorer.endswith("_judge") and c.online.get("missing_eos_penalty") is not None:
+        problem = f"online.missing_eos_penalty is subtracted from scores, and online.scorer={c.online.scorer} gives none (it picks one of two); set online.missing_eos_penalty=null, or online.scorer=reward_model or reward_function."
     return problem
 
 
@@ -266,7 +266,7 @@ RULES = [
      lambda c: f"online DPO needs the reference model: set loss.{_objective(c).reference}=false."),
     ("online.enabled", lambda c: not (online_enabled(c) and c.precompute_ref_log_probs),
      "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."),
-    ("online.scorer", _scorer_problem),
+    ("online.scorer", lambda c, _: _scorer_problem(c) if online_enabled(c) else None),
     ("online.ties", lambda c: not online_enabled(c) or c.online.ties in ("skip", "random"),
      "online.ties must be skip or random, got {c.online.ties}."),
     ("online.max_new_tokens", lambda c: not online_enabled(c) or c.online.max_new_tokens >= 1,
