@@ -278,6 +278,30 @@ def build(tiny: dict, loss_config: dict, path: str = "packed", config=None, weig
     return trainer
 
 
+UNPAIRED_KEYS = [(n, k) for n, k in TRAINER_KEYS if losses.OBJECTIVES[n].unpaired]  # also checked on unpaired rows
+
+
+def unpaired_rows(tiny: dict) -> dict:
+    """A batch of B unpaired rows {prompt, completion, label}, half of them desirable, read by data/formats.py's json
+    loader."""
+    import json
+
+    import preference_datasets
+    from data.loading import load_examples
+
+    rows = [{"prompt": f"Q: {i}+{i}=\nA:", "completion": f" {2 * i + i % 2}", "label": i % 2 == 0} for i in range(B)]
+    path = tiny["tmp"] / "unpaired.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = {"json": {"path": {"train": str(path), "test": str(path)}, "holdout_fraction": 0.1}}
+    examples = load_examples(["json"], "train", options, False, silent=True)
+    c = tiny["config"]
+    batch = next(
+        preference_datasets.get_batch_iterator(examples, tiny["tokenizer"], B, c.max_length, c.max_prompt_length, n_epochs=1)
+    )
+    assert "rejected_input_ids" not in batch and batch["label"].tolist().count(True) == B // 2
+    return batch
+
+
 def gradient(policy) -> torch.Tensor:
     """The policy's gradient, flattened (this rank's shards of a sharded model)."""
     grads = [p.grad for p in policy.parameters() if p.grad is not None]

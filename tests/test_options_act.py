@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import types
 
 import pytest
@@ -28,6 +27,7 @@ from option_cells import (
     SETUP,
     TRAINED,
     TRAINER_KEYS,
+    UNPAIRED_KEYS,
     B,
     base_config,
     build,
@@ -40,6 +40,7 @@ from option_cells import (
     second_value,
     tiny_setup,
     trainer_numbers,
+    unpaired_rows,
 )
 
 import losses
@@ -47,7 +48,6 @@ import preference_datasets
 import trainers
 import utils
 from data import chat
-from data.loading import load_examples
 from evaluation.equivalence import MICRO_BATCH_COUPLED
 from objectives import bema
 from runs import checks
@@ -241,24 +241,10 @@ def test_sft_all_assistant_turns_changes_the_labels_and_the_loss_on_each_path(ti
 
 # ----------------------------------------------------------------------------- unpaired rows (KTO's)
 
-UNPAIRED_KEYS = [(n, k) for n, k in TRAINER_KEYS if losses.OBJECTIVES[n].unpaired]
-
 
 @pytest.fixture(scope="module")
 def unpaired_batch(tiny):
-    """B unpaired rows {prompt, completion, label}, half of them desirable, read by data/formats.py's json loader."""
-    rows = [{"prompt": f"Q: {i}+{i}=\nA:", "completion": f" {2 * i + i % 2}", "label": i % 2 == 0} for i in range(B)]
-    path = tiny["tmp"] / "unpaired.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    options = {"json": {"path": {"train": str(path), "test": str(path)}, "holdout_fraction": 0.1}}
-    examples = load_examples(["json"], "train", options, False, silent=True)
-    c = tiny["config"]
-    batches = preference_datasets.get_batch_iterator(
-        examples, tiny["tokenizer"], B, c.max_length, c.max_prompt_length, n_epochs=1
-    )
-    batch = next(batches)
-    assert "rejected_input_ids" not in batch and batch["label"].tolist().count(True) == B // 2
-    return batch
+    return unpaired_rows(tiny)
 
 
 @pytest.mark.parametrize("name,key", UNPAIRED_KEYS, ids=[f"{n}.{k}" for n, k in UNPAIRED_KEYS])
