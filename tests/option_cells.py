@@ -321,16 +321,25 @@ def trainer_numbers(trainer: trainers.BasicTrainer, batch: dict | None = None) -
     return loss.detach(), grad
 
 
-def cell_counts(config) -> dict[str, dict[str, int]]:
-    """Per path, the (objective, key) cells whose key is checked to act and those the path refuses, from the
-    declarations and runs/checks.py alone (the tests check each; the objective level: every key of
-    :data:`OBJECTIVE_KEYS`)."""
-    counts = {"objective": {"acts": len(OBJECTIVE_KEYS), "refused": 0}}
-    for path in PATHS:
-        counts[path] = {"acts": 0, "refused": 0}
-        for name, key in TRAINER_KEYS:
-            refused = refusal(config, base_config(name, key), path) or refusal(config, second_value(name, key), path)
-            counts[path]["refused" if refused else "acts"] += 1
+def _tally(config, path: str, cells: list) -> dict[str, int]:
+    refused = [refusal(config, base_config(n, k), path) or refusal(config, second_value(n, k), path) for n, k in cells]
+    return {"acts": sum(not r for r in refused), "refused": sum(bool(r) for r in refused)}
+
+
+def cell_counts(tmp: Path) -> dict[str, dict[str, int]]:
+    """Per path, the (objective, key) cells the tests check to act and those the path refuses in one sentence, generated
+    as the tests generate them: the objective level (pairs, and unpaired rows where declared); each of :data:`PATHS`
+    (the trainer-level keys on pairs and on unpaired rows, the data-level ones on one process); online DPO's pairs; and
+    online DPO's own keys (tests/test_options_act_online.py)."""
+    config = tiny_config(tmp)
+    data_keys = [pair for pair in declared_keys() if level(*pair) == "data"]
+    counts = {"objective": {"acts": len(OBJECTIVE_KEYS) + len(UNPAIRED_KEYS), "refused": 0}}
+    for path, spec in PATHS.items():
+        counts[path] = _tally(config, path, TRAINER_KEYS + UNPAIRED_KEYS + (data_keys if spec.processes == 1 else []))
+    online = tiny_config(tmp, "online.enabled=true", "online.scorer=reward_function")
+    capable = [(n, k) for n, k in TRAINER_KEYS if checks.online_capable(losses.OBJECTIVES[n])]
+    counts["online pairs"] = _tally(online, "packed", capable)
+    counts["online.*"] = {"acts": len(online.online), "refused": 0}
     return counts
 
 
@@ -338,9 +347,8 @@ if __name__ == "__main__":
     import tempfile
 
     with tempfile.TemporaryDirectory() as folder:
-        counts = cell_counts(tiny_config(Path(folder)))
+        counts = cell_counts(Path(folder))
     for path, n in counts.items():
-        print(f"{path:12} {n['acts']:4} keys act, {n['refused']:3} refused")
-    print(
-        f"{'all':12} {sum(n['acts'] for n in counts.values()):4} keys act, {sum(n['refused'] for n in counts.values()):3} refused"
-    )
+        print(f"{path:13} {n['acts']:4} (key, path) cells act, {n['refused']:3} refused in one sentence")
+    acts, refused = (sum(n[kind] for n in counts.values()) for kind in ("acts", "refused"))
+    print(f"{'all':13} {acts:4} (key, path) cells act, {refused:3} refused in one sentence")
