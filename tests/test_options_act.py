@@ -1,11 +1,14 @@
 """Every option acts (issue 37, part 3): each ``loss.*`` key every registered objective declares, changed to a second
 valid value generated from its declaration, changes the loss or the gradient, at the objective level
-(``Objective.compute`` on fixed random inputs) and on the one-process trainer's padded, packed and chunked forwards;
-the settings that must not change the numbers (packing, the output layer's chunking, ``max_forward_chunks``, gradient
-accumulation) change neither; ``reference_update`` moves the reference; the paths that cannot honour a key refuse it.
+(``Objective.compute`` on fixed random inputs) and on the one-process trainer's paths (padded, packed and chunked
+forwards, a precomputed reference, LoRA), on pairs and, for an objective that declares them, unpaired rows; a path that
+cannot honour a key refuses it in one sentence; the settings that must not change the numbers (packing, the output
+layer's chunking, ``max_forward_chunks``, a precomputed reference, gradient accumulation) change neither; each
+``reference_update`` key moves the reference. The paths of several processes: tests/test_options_act_distributed.py;
+online DPO: tests/test_options_act_online.py.
 
 A new objective or key is covered without a new line here: the keys come from ``decl.keys_for``, their second values
-from :func:`second_value`, which fails naming a key whose alternatives it cannot generate."""
+from option_cells.second_value, which fails naming a key whose alternatives it cannot generate."""
 
 from __future__ import annotations
 
@@ -344,6 +347,9 @@ REFUSALS = [  # (overrides, the refusal's sentence or its start): a path that ca
      "online DPO samples new completions each step, so precompute_ref_log_probs=true cannot apply; set it false."),
     (["online.enabled=true", "online.scorer=reward_function", "trainer=TensorParallelTrainer"],
      "online DPO runs with BasicTrainer or FSDPTrainer."),
+    (["online.enabled=true", "online.scorer=reward_model_judge", "reward_model.name_or_path=org/rm", "online.missing_eos_penalty=1"],
+     "online.missing_eos_penalty is subtracted from scores, and online.scorer=reward_model_judge gives none (it picks one "
+     "of two); set online.missing_eos_penalty=null, or online.scorer=reward_model or reward_function."),
     (["model.lora.r=4", *SOFT],
      "reference_update moves the reference, but with model.lora the reference is the frozen base (the policy with its "
      "adapters off), which never moves; set reference_update.mode=null or model.lora.r=null."),
