@@ -162,7 +162,7 @@ def _describe_run(config: DictConfig, run_dir: str, policy, n_train: int, n_eval
     print(f"Run folder: {run_dir}")
     launch.tell_launcher(run_dir)
     n_params = sum(p.numel() for p in policy.parameters())
-    n_eval = checks.n_eval_used(config, n_eval_examples)
+    n_eval = splits.n_eval_used(config, n_eval_examples)
     trainable = ""
     if models.is_lora_model(policy):
         n_lora = sum(p.numel() for p in policy.parameters() if p.requires_grad)

@@ -12,7 +12,7 @@ from data import prompts as prompt_sets
 from data.loading import load_examples, split_overlap_warning
 from data.report import check_pairing
 from evaluation import rewards
-from runs import checks
+from utils import ConfigError
 
 
 def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
@@ -43,9 +43,27 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
     train_examples, eval_examples = screening.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
-    note = checks.check_eval_size(config, len(eval_examples))
+    note = check_eval_size(config, len(eval_examples))
     if note is not None and rank == 0:
         print(f"Note: {note}")
     if answer_functions or (online_run and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
     return train_examples, eval_examples
+
+
+def n_eval_used(config: DictConfig, n_eval: int) -> int:
+    """How many eval examples are used: ``n_eval_examples`` capped by the eval split's size."""
+    return min(config.n_eval_examples or n_eval, n_eval)
+
+
+def check_eval_size(config: DictConfig, n_eval: int) -> str | None:
+    """Raise ConfigError if the eval split is empty; the note to print when ``eval_batch_size`` exceeds the eval set, else None."""
+    if n_eval == 0:
+        raise ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
+    used = n_eval_used(config, n_eval)
+    if config.eval_batch_size <= used:
+        return None
+    return (  # the eval iterator yields the short batch: each metric is a mean over examples, whatever the batch size
+        f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}), "
+        f"so the eval runs as one batch of {used}."
+    )

@@ -276,6 +276,7 @@ RULES = [
      "must be at most max_length ({c.max_length}); raise max_length or lower one of them."),
     ("online.temperature", lambda c: not online_enabled(c) or c.online.temperature > 0,
      "online.temperature must be > 0 (online DPO samples), got {c.online.temperature}."),
+    ("online.top_k", lambda c, _: sampling_problem(c.online, "online.") if online_enabled(c) else None),
     ("online.max_failure_rate", lambda c: not online_enabled(c) or 0 <= c.online.get("max_failure_rate", 0.1) <= 1,
      lambda c: f"online.max_failure_rate must be in [0, 1], got {c.online.get('max_failure_rate', 0.1)}."),
     ("online.enabled", lambda c: not (online_enabled(c) and c.trainer == "TensorParallelTrainer"),
@@ -596,8 +597,7 @@ def lora_settings(model_config: DictConfig) -> DictConfig | None:
 
 
 def online_capable(objective) -> bool:
-    """True if online DPO can train with ``objective`` (a ``losses.Objective``): paired, with a reference and a
-    ``beta``."""
+    """True if online DPO can train with ``objective`` (a ``losses.Objective``): paired, with a reference and a ``beta``."""
     return objective.paired and objective.reference is not False and "beta" in objective.keys and not objective.mismatched_kl
 
 
@@ -627,28 +627,18 @@ def reward_model_error(config: DictConfig, needed_by: str) -> str | None:
     return hf_folder_error(path, "reward_model.name_or_path")  # a run folder: name its hf export
 
 
+def sampling_problem(settings: DictConfig, prefix: str = "") -> str | None:
+    """One sentence for a ``top_k`` or ``top_p`` of ``settings`` that generate would fail on mid-run or ignore, else None."""
+    if not _whole(settings.top_k, 0):
+        return f"{prefix}top_k must be a whole number >= 0 (0: no top-k filtering), got {settings.top_k!r}."
+    ok = _number(settings.top_p) and 0 < settings.top_p <= 1
+    return None if ok else f"{prefix}top_p must be a number in (0, 1] (1.0: no nucleus filtering), got {settings.top_p!r}."
+
+
 def validate_fraction(value, key: str) -> None:
     """Raise ConfigError unless ``value`` (the value of ``key``, a share) is in [0, 1]."""
     if not 0 <= value <= 1:
         raise utils.ConfigError(f"{key} must be in [0, 1], got {value}.")
-
-
-def n_eval_used(config: DictConfig, n_eval: int) -> int:
-    """How many eval examples are used: ``n_eval_examples`` capped by the eval split's size."""
-    return min(config.n_eval_examples or n_eval, n_eval)
-
-
-def check_eval_size(config: DictConfig, n_eval: int) -> str | None:
-    """Raise ConfigError if the eval split is empty; the note to print when ``eval_batch_size`` exceeds the eval set, else None."""
-    if n_eval == 0:
-        raise utils.ConfigError("The eval split is empty; give the dataset a test split or a holdout_fraction.")
-    used = n_eval_used(config, n_eval)
-    if config.eval_batch_size <= used:
-        return None
-    return (  # the eval iterator yields the short batch: each metric is a mean over examples, whatever the batch size
-        f"eval_batch_size ({config.eval_batch_size}) is larger than the eval set ({used} example{'s' if used != 1 else ''}), "
-        f"so the eval runs as one batch of {used}."
-    )
 
 
 # ----------------------------------------------------------------------------- the command line

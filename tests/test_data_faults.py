@@ -464,9 +464,9 @@ def test_hh_repair_and_skip_counts_per_split_on_the_real_file(capsys):
 
 def test_an_eval_set_of_one_example_is_named_in_the_singular():
     # Regression (fresh-user trial): "larger than the eval set (1 examples)".
-    from runs import checks
+    from data import splits
 
-    note = checks.check_eval_size(compose_config(["eval_batch_size=8"]), 1)
+    note = splits.check_eval_size(compose_config(["eval_batch_size=8"]), 1)
     assert note == "eval_batch_size (8) is larger than the eval set (1 example), so the eval runs as one batch of 1."
 
 

@@ -605,3 +605,30 @@ def test_build_scorer_each_kind(rm_folder, server):
 def test_scorer_config_errors(overrides, message):  # said where the config enters, before build_scorer
     with pytest.raises(ConfigError, match=message.replace("?", "\\?")):
         checks.validate_online(compose_config(["online.enabled=true", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("top_k=0.25", r"top_k must be a whole number >= 0 \(0: no top-k filtering\), got 0.25\.$"),
+        ("top_k=-1", r"top_k must be a whole number >= 0 .*, got -1\.$"),
+        ("top_p=2.0", r"top_p must be a number in \(0, 1\] \(1.0: no nucleus filtering\), got 2.0\.$"),
+        ("top_p=0", r"top_p must be a number in \(0, 1\] .*, got 0\.$"),
+    ],
+)
+def test_a_top_k_or_top_p_generate_cannot_use_is_one_sentence_before_sampling(setting, message):
+    # Regression: online.top_k=0.25 passed the checks and failed inside generate at the first step (a traceback), and
+    # top_p=2.0 filtered nothing, as 1.0; evaluate.py and make_pairs.py took the same values.
+    from test_evaluate import FAST, eval_config
+    from test_offline_pairs import pairs_config
+
+    from evaluation import evaluate
+    from online import make_pairs
+
+    with pytest.raises(ConfigError, match=f"^online.{message}"):
+        checks.validate_online(compose_config(["online.enabled=true", "online.scorer=reward_function", f"online.{setting}"]))
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        evaluate.check_config(eval_config([*FAST, "policy=x", setting]))
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        make_pairs.check_config(pairs_config(["policy=x", "output=o.jsonl", setting]))
+    assert checks.sampling_problem(compose_config([]).online) is None  # the defaults: top_k 0, top_p 1.0

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 import train
 import trainers
 import utils
+from data import splits
 from data.loading import load_examples
 from evaluation import in_training
 from modeling import models, optimization
@@ -208,15 +209,15 @@ def test_eval_batch_larger_than_eval_set_is_a_note_and_the_eval_is_one_batch_of_
     import preference_datasets
 
     config = compose_config(["eval_batch_size=64"])
-    note = checks.check_eval_size(config, 10)
+    note = splits.check_eval_size(config, 10)
     assert note == "eval_batch_size (64) is larger than the eval set (10 examples), so the eval runs as one batch of 10."
     examples = [{"prompt": f"Q{i}", "chosen": " a", "rejected": " b", "truncation_mode": "keep_end"} for i in range(10)]
     tokenizer = models.load_tokenizer(config.model)
     batches = list(preference_datasets.get_batch_iterator(examples, tokenizer, 64, 64, 32, n_examples=10))
     assert [len(b["prompt"]) for b in batches] == [10]
-    assert checks.check_eval_size(config, 64) is None
+    assert splits.check_eval_size(config, 64) is None
     with pytest.raises(utils.ConfigError, match="^The eval split is empty"):
-        checks.check_eval_size(config, 0)
+        splits.check_eval_size(config, 0)
 
 
 def test_unknown_override_is_rejected_by_hydra():
@@ -437,8 +438,8 @@ def test_crash_while_saving_leaves_latest_complete(tmp_path, monkeypatch):
 
 def test_eval_size_check_counts_n_eval_examples():
     config = compose_config(["eval_batch_size=64", "n_eval_examples=32"])
-    assert "is larger than the eval set (32 examples), so the eval runs as one batch of 32" in checks.check_eval_size(config, 256)
-    assert checks.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256) is None
+    assert "is larger than the eval set (32 examples), so the eval runs as one batch of 32" in splits.check_eval_size(config, 256)
+    assert splits.check_eval_size(compose_config(["eval_batch_size=32", "n_eval_examples=32"]), 256) is None
 
 
 @pytest.mark.parametrize(
