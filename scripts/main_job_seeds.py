@@ -38,6 +38,12 @@ METRICS = {
 STAGES = ("SFT", "DPO", "RPO", "SFT continued")
 FINISHED = re.compile(r"^Both stages finished: the SFT run (\S+), then the \S+ run (\S+)\.$", re.M)
 CHANCE = "chance 0.5; 0 at step 0, where every margin is 0"
+RUNS = (
+    "On each seed: the main job (`python train.py seed=S`: SFT, then DPO from its policy), and from the same SFT policy "
+    "two controls: RPO (DPO with the chosen answers' NLL, `loss.nll_weight=1.0`) and SFT continued for DPO's examples at "
+    "DPO's lr (`loss=sft`; it logs no pair ranking). `seed` sets the initial weights, the data order and the sampling; "
+    "the questions are the same for every seed."
+)
 
 
 def run(command: list[str], log: Path) -> str:
@@ -77,7 +83,8 @@ def one_seed(seed: int, out: Path, extra: list[str]) -> dict:
     if found is None:
         raise SystemExit(f"Error: the main job on seed {seed} did not print its two run folders; see {log}.")
     sft, dpo = found.groups()
-    stage2 = [*common, "sft_first.n_examples=null", f"model.archive={Path(sft) / 'LATEST' / 'policy.pt'}"]
+    kept = [o for o in common if not o.startswith("sft_first")]  # the controls start from the SFT policy: no stage of their own
+    stage2 = [*kept, "sft_first.n_examples=null", f"model.archive={Path(sft) / 'LATEST' / 'policy.pt'}"]
     folders = {"SFT": sft, "DPO": dpo}
     for stage, overrides in (("RPO", ["loss.nll_weight=1.0"]), ("SFT continued", ["loss=sft"])):
         name = stage.lower().replace(" ", "_")
@@ -104,8 +111,9 @@ def summary(results: dict[int, dict]) -> list[dict]:
 def markdown(rows: list[dict], seeds: list[int], seconds: float) -> str:
     """The tables: mean [min, max] over seeds per eval, then each seed's value."""
     steps = sorted({r["examples"] for r in rows})
-    head = "| stage | metric | " + " | ".join(f"{s // 1000}k" if s else "0" for s in steps) + " |"
-    lines = [f"Seeds {', '.join(map(str, seeds))}: mean [min, max] over seeds at each eval (examples seen). "
+    head = "| stage | metric | " + " | ".join(f"{s:,}" for s in steps) + " |"
+    lines = [f"Seeds {', '.join(map(str, seeds))}: mean [min, max] over seeds at each eval (the columns: examples seen in "
+             "that stage, so DPO's 8,000 is 8,000 DPO examples after the SFT stage). "
              f"A share of 256 questions has a 95% interval of about +-0.06 within one seed; `rewards_eval/accuracies`: "
              f"{CHANCE}.", "", head, "|" + "---|" * (len(steps) + 2)]  # fmt: skip
     for (stage, metric), group in _grouped(rows).items():
@@ -116,7 +124,7 @@ def markdown(rows: list[dict], seeds: list[int], seconds: float) -> str:
     for (stage, metric), group in _grouped(rows).items():
         last = group[-1]
         lines.append(f"| {stage} | {METRICS[metric]} | " + " | ".join(f"{last['values'].get(s, float('nan')):.2f}" for s in seeds) + " |")  # fmt: skip
-    lines += ["", f"Wall time {seconds / 60:.1f} min (`python scripts/main_job_seeds.py`)."]
+    lines += ["", f"Wall time {seconds / 60:.1f} min."]
     return "\n".join(lines) + "\n"
 
 
@@ -134,12 +142,12 @@ def title(args: argparse.Namespace) -> str:
 
     command = shlex.join(["python", "scripts/main_job_seeds.py", *sys.argv[1:]])
     return (f"# The main job across seeds\n\n`{command}`, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
-            f"transformers {transformers.__version__}; what it runs: the script's docstring.\n\n")  # fmt: skip
+            f"transformers {transformers.__version__}. {RUNS}\n\n")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="default: 0 1 2 3 4 (about 30 min)")
     parser.add_argument("--jobs", type=int, default=2, help="seeds run at a time (one thread each)")
     parser.add_argument("--out", type=Path, default=None, help="default: outputs/main_job_seeds_<timestamp>")
     parser.add_argument("--write", type=Path, default=None, help="also copy the table to this file (e.g. docs/...)")

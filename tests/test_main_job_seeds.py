@@ -38,3 +38,4 @@ def test_the_table_shows_mean_and_range_and_each_seed():
     assert "| DPO | pairs ranked right | 0.00 [0.00, 0.00] | 0.90 [0.80, 1.00] |" in text
     assert "| SFT | answers right | 0.20 | 0.90 | 0.40 |" in text  # each seed's value at the stage's end
     assert "chance 0.5" in text and "1.5 min" in text
+    assert "| stage | metric | 0 | 8,000 |" in text  # each eval's examples in full (128 was "0k")
