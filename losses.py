@@ -108,6 +108,7 @@ class Objective:
     inputs: Callable | None = None  # (trainer, batch) -> ObjectiveInputs; None: the pairs' (trainers.BasicTrainer.pair_inputs)
     token_weights: Callable | None = None  # loss config -> sum_by_sequence's token_weight for the pairs; None: each weighs 1
     unit: str = "nats per example"  # the loss's unit, for plot axes
+    couples_micro_batch: str = ""  # why one pair's loss depends on the micro-batch's other pairs ("": a per-pair sum)
 
     def uses_reference(self, loss_config) -> bool:
         """True if, with ``loss_config`` (the ``loss`` section), the reference's log-probs are needed."""

@@ -123,6 +123,9 @@ def _trainer(config, run_dir, checkpoint_dir, rank, distributed, held, made, com
     )
     if rank == 0:
         print(checks.training_length(config, len(train_examples)))
+        note = checks.micro_batch_note(config)
+        if note is not None:
+            print(note)
     trainer_cls = trainers.trainer_class(config)  # online DPO's trainer when online.enabled (online/)
     if rank == 0 and trainer_cls.__name__ != config.trainer:
         print(f"Trainer: {trainer_cls.__name__} (trainer={config.trainer}, as the plugins extend it).")

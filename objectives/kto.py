@@ -109,6 +109,7 @@ def kto_objective(
     average_log_prob=False,
     unpaired=True,
     mismatched_kl=True,
+    couples_micro_batch="takes its reference point z0 from each rank's micro-batch",
     needs=("policy_chosen_logps", "reference_chosen_logps", "policy_kl_logps", "reference_kl_logps"),
     inputs=kto_inputs,
     unit="value loss per completion, in [0, λ]",

@@ -44,12 +44,12 @@ def _below_half(value) -> bool:
 PAIR_LABEL_SMOOTHING = Key(0.0, _below_half, "in [0, 0.5)", "assumed label-flip rate")
 
 
-def pairwise(name: str, keys: dict, source: str, summary: str, unit: str, needs: tuple = PAIR_LOGPS):
+def pairwise(name: str, keys: dict, source: str, summary: str, unit: str, needs: tuple = PAIR_LOGPS, couples: str = ""):
     """Register the decorated ``fn(inputs, loss)`` as TRL's ``loss_type=name``: keys ``beta``, ``keys``, then
     ``nll_weight``; uses the reference; summed log-probs."""
     keys = {"beta": BETA, **keys, "nll_weight": NLL_WEIGHT}
     declaration = {"source": source, "summary": summary, "reference": True, "average_log_prob": False, "unit": unit}
-    return objective(name, keys=keys, needs=needs, **declaration)
+    return objective(name, keys=keys, needs=needs, couples_micro_batch=couples, **declaration)
 
 
 @pairwise(
@@ -149,6 +149,7 @@ def sppo_hard(inputs: ObjectiveInputs, loss):
     "AOT, Melnyk et al. 2024 (arXiv:2406.05882), paired: sorted policy vs sorted reference margins",
     "AOT (paired): DPO between the sorted policy and reference margins of the micro-batch",
     "nats",
+    couples="sorts the margins over each rank's micro-batch",
 )
 def aot(inputs: ObjectiveInputs, loss):
     """AOT, paired (TRL's ``aot``), -(1 - eps) log sigmoid(beta delta_i) - eps log sigmoid(-beta delta_i) with
@@ -166,6 +167,7 @@ def aot(inputs: ObjectiveInputs, loss):
     "AOT, Melnyk et al. 2024 (arXiv:2406.05882), unpaired: sorted chosen vs sorted rejected log-ratios",
     "AOT (unpaired): DPO between the sorted chosen and sorted rejected log-ratios of the micro-batch",
     "nats",
+    couples="sorts the log-ratios over each rank's micro-batch",
 )
 def aot_unpaired(inputs: ObjectiveInputs, loss):
     """AOT, unpaired (TRL's ``aot_unpaired``), as :func:`aot` with delta = sort(h_w) - sort(h_l): (B,) in and out, loss i

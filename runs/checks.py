@@ -493,6 +493,17 @@ def training_length(config: DictConfig, n_train: int) -> str:
     return line
 
 
+def micro_batch_note(config: DictConfig) -> str | None:
+    """A note when the objective couples a micro-batch's pairs (``Objective.couples_micro_batch``) and the batch is split."""
+    world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    why = _objective(config).couples_micro_batch
+    parts = config.gradient_accumulation_steps * data_parallel_size(config, world_size)
+    if not why or parts == 1:
+        return None
+    return (f"Note: loss={config.loss.name} {why}, so its numbers depend on that micro-batch's size ({config.batch_size // parts} "
+            "pairs: batch_size / (gradient_accumulation_steps x data-parallel ranks)); compare its runs at the same size.")  # fmt: skip
+
+
 def data_parallel_size(config: DictConfig, world_size: int) -> int:
     """How many data-parallel parts each batch is split into over ``world_size`` processes."""
     if config.trainer == "TensorParallelTrainer":

@@ -246,3 +246,24 @@ def test_the_batch_loss_is_a_mean_per_token_for_sft_and_per_pair_otherwise(loss,
     else:  # policy = reference at the start: every pair's loss is log 2, their mean too
         expected = math.log(2)
     assert float(value) == pytest.approx(expected, rel=1e-5)
+
+
+def test_a_split_batch_of_an_objective_that_couples_its_pairs_is_noted():
+    # A new user's trial: loss=aot gradient_accumulation_steps=4 ran silently, though aot sorts over each micro-batch.
+    from conftest import compose_config
+
+    from evaluation.equivalence import MICRO_BATCH_COUPLED
+    from runs import checks
+
+    coupled = {name for name, o in losses.OBJECTIVES.items() if o.couples_micro_batch}
+    assert coupled == set(MICRO_BATCH_COUPLED) == {"aot", "aot_unpaired", "kto"}  # the matrix's declared differences
+    note = checks.micro_batch_note(compose_config(["loss=aot", "batch_size=32", "gradient_accumulation_steps=4"]))
+    assert note == (
+        "Note: loss=aot sorts the margins over each rank's micro-batch, so its numbers depend on that micro-batch's size "
+        "(8 pairs: batch_size / (gradient_accumulation_steps x data-parallel ranks)); compare its runs at the same size."
+    )  # 32 / 4 = 8
+    assert "loss=kto takes its reference point z0" in checks.micro_batch_note(
+        compose_config(["loss=kto", "gradient_accumulation_steps=2"])
+    )
+    assert checks.micro_batch_note(compose_config(["loss=aot"])) is None  # one micro-batch: nothing split
+    assert checks.micro_batch_note(compose_config(["loss=dpo", "gradient_accumulation_steps=4"])) is None  # a per-pair sum
