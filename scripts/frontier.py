@@ -1,6 +1,6 @@
-"""The DPO paper's Figure 2 (left) in miniature: mean sentiment reward against KL(policy || reference).
+"""The DPO paper's Figure 2 (left) in miniature: mean sentiment reward against KL(policy || reference), over seeds.
 
-    python scripts/frontier.py [--out DIR] [--jobs 2] [--copy-plot docs/frontier_sentiment_stories260k.png]
+    python scripts/frontier.py [--out DIR] [--seeds 0 1 2] [--jobs 2] [--copy-plot docs/frontier_sentiment_stories260k.png]
 
 Rafailov et al. 2023, section 6.1: an SFT model writes continuations of short prefixes, a
 sentiment classifier is the reward, and each method's point is (KL to the SFT model, mean reward)
@@ -8,28 +8,34 @@ on held-out prompts. Here the SFT policy is stories260K and the reward is ``sent
 compound score, reward_functions.py). Every step but the first is a command of this repository,
 printed as it starts, its output in ``<out>/logs/<step>.log``:
 
-1. prompts: ``--n-stories`` stories sampled from the model at temperature 1 (seeded); each gives
-   its first n words, n drawn from [2, 8] by a seeded RNG; repeats dropped; ``--n-test``
+1. prompts: ``--n-stories`` stories sampled from the model at temperature 1 (seeded by ``--seed``);
+   each gives its first n words, n drawn from [2, 8] by a seeded RNG; repeats dropped; ``--n-test``
    held-out prompts and ``--n-train`` train prompts (``prompts_{train,test}.jsonl``, rows
    ``{prompt}``, which the ``hf`` loader reads as prompts).
 2. pairs: ``make_pairs.py`` samples k=4 completions per train prompt from the model, scores them
    and pairs every two with different scores (up to 6 per prompt, the paper's construction);
-   the same for the held-out prompts (training's held-out metrics only).
-3. train: ``train.py`` from the model, the same pairs, lr, batch and number of examples for each
-   method: DPO at each of ``--betas``, IPO, conservative DPO (``loss.label_smoothing``), online
-   DPO (the policy's own pairs, labelled by the reward function, on the train prompts),
+   the same for the held-out prompts (training's held-out metrics, the reward model's accuracy).
+   Prompts and pairs are the data: made once (``--seed``), the same for every training seed.
+3. train, once per seed of ``--seeds`` (train.py's ``seed``: the data order, online DPO's sampling;
+   the evaluation's sampling too): ``train.py`` from the model, the same pairs, lr, batch and
+   number of examples for each method: DPO at each of ``--betas``, IPO, conservative DPO
+   (``loss.label_smoothing``), online DPO (the policy's own pairs, labelled by the reward
+   function, on the train prompts: as many labelled pairs as the offline pairs file has),
    Preferred-FT (``loss=sft`` on each train prompt's best-scored completion: the chosen one of
-   its pairs that is never rejected).
+   its pairs that is never rejected), and a Bradley-Terry reward model (``loss=reward``).
 4. evaluate: ``evaluate.py judge=reward_function`` on the held-out prompts at temperature 1: the
-   mean reward and the Monte Carlo KL(policy || reference), each with a 95% t interval over
-   prompts; also for the model itself (KL 0).
-5. Best-of-N: ``make_pairs.py`` samples 64 completions per held-out prompt from the model; the
-   first N of them give Best-of-N's reward (the mean over prompts of their best score, with a
-   t interval over prompts) for each N of ``--best-of``; its KL is log N - (N - 1) / N, an upper
-   bound (Beirami et al. 2024, "Theoretical guarantees on the best-of-n alignment policy").
+   mean reward and the Monte Carlo KL(policy || reference) of each run; a point is the mean over
+   seeds of both, with a 95% t interval across seeds.
+5. Best-of-N: ``make_pairs.py`` samples 64 completions per held-out prompt from the model; their
+   mean is the reference's reward (KL 0); the first N of them give Best-of-N's reward (the mean over
+   prompts of their best score, with a t interval over prompts) for each N of ``--best-of``, and
+   Best-of-N (RM)'s (the true score of the one each seed's reward model ranks first,
+   scripts/reward_model_scores.py); both KLs are log N - (N - 1) / N, an upper bound (Beirami et
+   al. 2024, "Theoretical guarantees on the best-of-n alignment policy").
 
-It writes ``<out>/frontier.png`` (the plot), ``frontier.md`` (the table) and ``results.json``
-(the rows, the settings, the commands, the wall time). PPO is not implemented here.
+It writes ``<out>/frontier.png`` (the plot), ``frontier.md`` (the tables) and ``results.json``
+(the rows with each seed's values, the label budgets, the settings, the commands, the wall time).
+PPO is not implemented here.
 """
 
 from __future__ import annotations
@@ -38,7 +44,6 @@ import argparse
 import concurrent.futures
 import datetime
 import json
-import math
 import os
 import random
 import shlex
@@ -53,13 +58,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from evaluation import report, sampling, statistics  # noqa: E402  (the repository's modules, from the repository root)
+from evaluation import sampling, statistics  # noqa: E402  (the repository's modules, from the repository root)
+from scripts import frontier_results as results  # noqa: E402
+from scripts.frontier_results import KL_BOUND, REWARD, TEMPERATURE  # noqa: E402
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
-REWARD = "sentiment"
-TEMPERATURE = 1.0  # the evaluation's and the sampling's: at 1 (no top-k / top-p) the KL estimate is unbiased
-KL_BOUND = "log N - (N-1)/N, an upper bound (Beirami et al. 2024)"
-CAPTION = "PPO is not implemented here. Best-of-N's KL is the bound log N - (N-1)/N (Beirami et al. 2024)."
 
 
 def story_prefixes(texts: list[str], rng: random.Random, min_words: int = 2, max_words: int = 8) -> list[str]:
@@ -77,29 +80,6 @@ def story_prefixes(texts: list[str], rng: random.Random, min_words: int = 2, max
             seen.add(prefix)
             prefixes.append(prefix)
     return prefixes
-
-
-def best_of_n_kl(n: int) -> float:
-    """Best-of-N's KL from the reference, log N - (N - 1) / N nats: an upper bound of the true
-    KL (Beirami et al. 2024, Theorem 1; the "usual formula" of Stiennon et al. 2020 and others)."""
-    return math.log(n) - (n - 1) / n
-
-
-def best_of_n(scores: list[list[float | None]], n: int) -> list[float]:
-    """Best-of-N's reward per prompt: the highest of its first ``n`` scores (None: failed, left
-    out); a prompt whose first ``n`` all failed gives none.
-
-    Args:
-        scores: per prompt, its samples' scores in the order they were drawn (at least ``n`` each).
-    """
-    best = []
-    for row in scores:
-        if len(row) < n:
-            raise ValueError(f"Best-of-{n} needs {n} samples per prompt, a prompt has {len(row)}.")
-        got = [s for s in row[:n] if s is not None and not math.isnan(s)]
-        if got:
-            best.append(max(got))
-    return best
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -227,8 +207,9 @@ class Method:
     overrides: list[str]
 
 
-def methods(args, out: Path) -> list[Method]:
-    """The runs ``args.methods`` asks for, each with its loss and data."""
+def methods(args, out: Path, n_pairs: int) -> list[Method]:
+    """The runs ``args.methods`` asks for, each with its loss and data; online DPO labels ``n_pairs`` pairs, as many as
+    the offline pairs file has (its n_examples counts prompts, each one sampled pair)."""
     pairs = pair_data(out / "pairs_train.jsonl", out / "pairs_test.jsonl")
     chosen = pair_data(out / "preferred_train.jsonl", out / "pairs_test.jsonl")
     runs = []
@@ -252,10 +233,16 @@ def methods(args, out: Path) -> list[Method]:
             "online.scorer=reward_function",
             f"online.temperature={TEMPERATURE:g}",
             f"online.max_new_tokens={args.max_new_tokens}",
+            "online.ties=random",  # a tied pair labelled by a coin, so each of its n_examples prompts gives one labelled pair
+            f"n_examples={n_pairs}",  # the offline pairs file's labelled pairs, whatever --epochs
+            f"eval_every={n_pairs}",
         ]
         runs.append(Method(f"online_dpo_beta{b:g}", f"online DPO β={b:g}", "online DPO", b, overrides))
     if "pft" in args.methods:
         runs.append(Method("preferred_ft", "Preferred-FT", "Preferred-FT", None, [*chosen, "loss=sft"]))
+    if "rm" in args.methods:  # not a point of its own: its scores pick Best-of-N (RM)
+        overrides = [*pairs, "loss=reward", f"lr={args.rm_lr:g}", "save_hf_export=true"]  # LATEST/hf: what the scorer loads
+        runs.append(Method("reward_model", "reward model", "reward model", None, overrides))
     return runs
 
 
@@ -271,132 +258,23 @@ def preferred_rows(pairs: list[dict]) -> list[dict]:
     return [{"prompt": q, "chosen": best[q][0], "rejected": worst[q][0]} for q in best]
 
 
-def row_from_eval(folder: Path, method: str, label: str, beta: float | None) -> dict:
-    """A table row from an evaluate.py folder's results.json (temperature 1)."""
-    results = json.loads((folder / "results.json").read_text())
-    r = results["temperatures"][report.temperature_key(TEMPERATURE)]
-    keys = ("reward_mean", "reward_ci_low", "reward_ci_high", "kl_mean", "kl_ci_low", "kl_ci_high", "reward_n")
-    row = {"method": method, "label": label, "beta": beta, **{k: r[k] for k in keys}}
-    row.update(kl="Monte Carlo", win_rate_vs_reference=r["win_rate"], ended=r["a_ended"], tokens=r["a_tokens"])
-    row["eval"] = shown_path(folder)
-    return row
-
-
-def bon_rows(samples: list[dict], sizes: list[int]) -> list[dict]:
-    """Best-of-N's rows from make_pairs.py's samples (in the order drawn, grouped by prompt id)."""
-    scores: dict[str, list] = {}
-    for s in samples:
-        scores.setdefault(s["id"], []).append(s["score"])
-    rows = []
-    for n in sizes:
-        best = best_of_n(list(scores.values()), n)
-        mean, low, high = statistics.mean_interval(best)
-        kl = best_of_n_kl(n)
-        rows.append(
-            {
-                "method": "Best-of-N",
-                "label": f"Best-of-{n}",
-                "beta": None,
-                "n": n,
-                "reward_mean": mean,
-                "reward_ci_low": low,
-                "reward_ci_high": high,
-                "reward_n": len(best),
-                "kl_mean": kl,
-                "kl_ci_low": None,
-                "kl_ci_high": None,
-                "kl": f"bound {KL_BOUND}",
-            }
-        )
-    return rows
-
-
-def _bar(r: dict, name: str, end: str) -> float:
-    """An error bar's length from ``<name>_mean`` to ``<name>_ci_<end>`` (0 without an interval)."""
-    bound = r.get(f"{name}_ci_{end}")
-    return 0.0 if bound is None else abs(bound - r[f"{name}_mean"])
-
-
-def _cell(mean, low, high, digits: int) -> str:
-    if mean is None:
-        return "-"
-    text = f"{mean:.{digits}f}"
-    return text + (f" [{low:.{digits}f}, {high:.{digits}f}]" if low is not None else "")
-
-
-def frontier_table(rows: list[dict]) -> str:
-    """The markdown table: one row per run, in the order given."""
-    lines = [
-        "| method | β | reward [95%] | KL, nats [95%] | win rate vs reference | samples ending | KL from |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        beta = "-" if r["beta"] is None else f"{r['beta']:g}"
-        win = "-" if r.get("win_rate_vs_reference") is None or r["method"] == "reference" else f"{r['win_rate_vs_reference']:.2f}"
-        ended = "-" if r.get("ended") is None else f"{r['ended']:.2f}"
-        kl_from = "log N - (N-1)/N (upper bound)" if r["method"] == "Best-of-N" else r["kl"]
-        reward = _cell(r["reward_mean"], r["reward_ci_low"], r["reward_ci_high"], 3)
-        kl = _cell(r["kl_mean"], r["kl_ci_low"], r["kl_ci_high"], 2)
-        lines.append(f"| {r['label']} | {beta} | {reward} | {kl} | {win} | {ended} | {kl_from} |")
-    return "\n".join(lines) + "\n"
-
-
-STYLE = {  # family -> (marker, colour)
-    "reference": ("*", "black"),
-    "DPO": ("o", "tab:blue"),
-    "IPO": ("s", "tab:orange"),
-    "cDPO": ("D", "tab:purple"),
-    "online DPO": ("^", "tab:red"),
-    "Preferred-FT": ("v", "tab:green"),
-    "Best-of-N": ("P", "tab:gray"),
-}
-
-
-def plot_frontier(rows: list[dict], path: Path, title: str) -> None:
-    """Reward (y) against KL (x), one point per run with its 95% intervals as bars, labelled;
-    DPO's betas joined by a line in KL order, Best-of-N's sizes by a dashed one."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 5.0))
-    for family, (marker, colour) in STYLE.items():
-        mine = sorted((r for r in rows if r["method"] == family), key=lambda r: r["kl_mean"])
-        if not mine:
-            continue
-        xs, ys = [r["kl_mean"] for r in mine], [r["reward_mean"] for r in mine]
-        xerr, yerr = ([[_bar(r, name, end) for r in mine] for end in ("low", "high")] for name in ("kl", "reward"))
-        style = "--" if family == "Best-of-N" else "-" if family == "DPO" and len(mine) > 1 else "none"
-        ax.errorbar(
-            xs, ys, xerr=xerr, yerr=yerr, marker=marker, color=colour, linestyle=style, capsize=2, markersize=7, label=family
-        )
-        above = family in ("DPO", "Best-of-N")  # these two lines' labels above-left, the rest below-right
-        for r, x, y in zip(mine, xs, ys):
-            offset, align = ((-6, 5), "right") if above else ((6, -11), "left")
-            ax.annotate(r["label"], (x, y), textcoords="offset points", xytext=offset, ha=align, fontsize=7, color=colour)
-    ax.set_xlabel("KL(policy || reference), nats per completion (Monte Carlo; Best-of-N: upper bound)")
-    ax.set_ylabel(f"mean reward ({REWARD}, VADER compound in [-1, 1])")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.text(0.01, 0.01, CAPTION, fontsize=7.5, style="italic")
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def refuse(message: str) -> None:
     """A user's mistake: one sentence on stderr, exit 2."""
     print(f"Error: {message}", file=sys.stderr, flush=True)
     sys.exit(2)
 
 
+METHODS = ("dpo", "ipo", "cdpo", "online", "pft", "rm")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", type=Path, default=None, help="output folder (null: outputs/frontier_<timestamp>)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the SFT policy and reference (a Hugging Face folder)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the data's seed: stories, prompts, pairs and Best-of-N's samples")
+    p.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds: every method is trained once per seed"
+    )
     p.add_argument("--n-stories", type=int, default=2048, help="stories sampled to cut the prompts from")
     p.add_argument("--n-train", type=int, default=256, help="train prompts")
     p.add_argument("--n-test", type=int, default=128, help="held-out prompts (evaluation and Best-of-N)")
@@ -405,7 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=4, help="completions per train prompt (k(k-1)/2 pairs at most)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="completion length (sampling, online DPO, evaluation)")
     p.add_argument(
-        "--methods", nargs="+", default=["dpo", "ipo", "cdpo", "online", "pft"], choices=["dpo", "ipo", "cdpo", "online", "pft"]
+        "--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="rm: the reward model of Best-of-N (RM)"
     )
     p.add_argument("--betas", type=float, nargs="+", default=[0.05, 0.1, 0.25, 1.0], help="DPO's betas")
     p.add_argument(
@@ -416,7 +294,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--online-beta", type=float, default=0.1)
     p.add_argument("--best-of", type=int, nargs="+", default=[4, 16, 64], help="Best-of-N's sizes (the largest is sampled)")
     p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--epochs", type=float, default=1.0, help="passes over the pairs: every run trains on epochs x pairs examples")
+    p.add_argument("--rm-lr", type=float, default=1e-3, help="the reward model's lr (a trial at 1e-4 stayed at chance)")
+    p.add_argument(
+        "--epochs",
+        type=float,
+        default=1.0,
+        help="passes over the pairs: every offline run trains on epochs x pairs examples (online DPO labels as many pairs as the file has)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--warmup-steps", type=int, default=5)
     p.add_argument("--jobs", type=int, default=2, help="commands run at once (each with one thread)")
@@ -428,6 +312,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--jobs must be >= 1, got {args.jobs}.")
     if min(args.best_of) < 1:
         p.error(f"--best-of sizes must be >= 1, got {args.best_of}.")
+    if len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds must be distinct, got {args.seeds}.")
     return args
 
 
@@ -461,12 +347,30 @@ def pairs_job(name: str, model: str, out: Path, common: list[str], split: str, n
     return Job(name, [[*cmd, *SAMPLING, *common, *extra, f"output={shown_path(output)}"]])
 
 
-def train_overrides(args, model: str, budget: int, n_test: int) -> list[str]:
-    """train.py's overrides shared by every method: the model, the optimizer, the length, the eval."""
+def make_data(args, out: Path, model: str, common: list[str], runner: Runner, n_train: int, n_test: int) -> dict:
+    """Steps 2 and 5's sampling, once for every training seed (the data, seeded by ``--seed``): the train and held-out
+    pairs, Preferred-FT's rows, and the reference's ``max(--best-of)`` samples per held-out prompt."""
+    seeded = [f"seed={args.seed}", *common]
+    bon = out / "best_of_n.jsonl"
+    runner.run(
+        [
+            pairs_job("best_of_n", model, out, seeded, "test", n_test, max(args.best_of), bon, ["max_pairs_per_prompt=1"]),
+            pairs_job("pairs_train", model, out, seeded, "train", n_train, args.k, out / "pairs_train.jsonl"),
+            pairs_job("pairs_test", model, out, seeded, "test", n_test, args.k, out / "pairs_test.jsonl"),
+        ]
+    )
+    pairs = read_jsonl(out / "pairs_train.jsonl")
+    write_jsonl(out / "preferred_train.jsonl", preferred_rows(pairs))
+    offline = results.offline_budget(read_jsonl(out / "pairs_train.jsonl.samples.jsonl"), len(pairs))
+    return {"n_pairs": len(pairs), "samples": read_jsonl(Path(f"{bon}.samples.jsonl")), "offline_budget": offline}
+
+
+def train_overrides(args, model: str, budget: int, n_test: int, seed: int) -> list[str]:
+    """train.py's overrides shared by every method: the model, the seed, the optimizer, the length, the eval."""
     return [
         "model=blank_model",
         f"model.name_or_path={model}",
-        f"seed={args.seed}",
+        f"seed={seed}",
         "num_threads=1",
         "optimizer=AdamW",
         f"lr={args.lr:g}",
@@ -487,7 +391,7 @@ def train_overrides(args, model: str, budget: int, n_test: int) -> list[str]:
     ]
 
 
-def eval_overrides(out: Path, n_test: int, common: list[str]) -> list[str]:
+def eval_overrides(out: Path, n_test: int, common: list[str], seed: int) -> list[str]:
     """evaluate.py's overrides shared by every evaluation: the reward function on the held-out prompts at temperature 1."""
     return [
         "judge=reward_function",
@@ -497,60 +401,77 @@ def eval_overrides(out: Path, n_test: int, common: list[str]) -> list[str]:
         "top_k=0",
         "top_p=1.0",
         "max_prompt_length=64",
+        f"seed={seed}",
         *common,
         "progress_bar=false",
     ]
 
 
-def method_job(m: Method, out: Path, train_common: list[str], eval_common: list[str], rows: dict) -> Job:
-    """Train method ``m`` from the model, evaluate it against the model, then record its row in ``rows``."""
+def merged(common: list[str], overrides: list[str]) -> list[str]:
+    """``common`` less the keys that ``overrides`` sets, then ``overrides``: one value per key in the printed command."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [o for o in common if o.split("=", 1)[0] not in keys] + overrides
+
+
+def method_job(m: Method, seed: int, out: Path, train_common: list[str], eval_common: list[str], found: dict) -> Job:
+    """Train method ``m`` from the model with ``seed``, then evaluate it against the model (a reward model: score
+    Best-of-N's samples and the held-out pairs with it), then record what it gave in ``found``."""
     py = sys.executable
-    root = out / "runs" / m.name
-    folder = out / "eval" / m.name
-    for old in (root, folder):  # an earlier run's: the run folder is found below as the one folder in root
-        if old.exists():
+    root, folder = out / "runs" / m.name / f"seed{seed}", out / "eval" / m.name / f"seed{seed}"
+    scores = out / "reward_model_scores" / f"seed{seed}.json"
+    for old in (root, folder, scores):  # an earlier run's: the run folder is found below as the one folder in root
+        if old.is_dir():
             shutil.rmtree(old)
-    train_cmd = [py, "train.py", *train_common, *m.overrides, f"output_root={shown_path(root)}", f"exp_name={m.name}"]
+        elif old.exists():
+            old.unlink()
+    train_cmd = [py, "train.py", *merged(train_common, m.overrides), f"output_root={shown_path(root)}", f"exp_name={m.name}"]
+
+    def run() -> Path:
+        (folder_made,) = root.iterdir()  # the run folder train.py made: <exp_name>_<timestamp>
+        return folder_made
 
     def eval_cmd():
-        (run,) = root.iterdir()  # the run folder train.py made: <exp_name>_<timestamp>
         return [
             py,
             "evaluate.py",
-            f"policy={shown_path(run)}",
+            f"policy={shown_path(run())}",
             "baseline=reference",
             *eval_common,
-            f"label={m.name}",
-            f"output_dir={shown_path(folder)}",
+            f"label={m.name}_seed{seed}",
         ]
 
+    if m.family == "reward model":
+        scores.parent.mkdir(exist_ok=True)
+        samples, pairs = out / "best_of_n.jsonl.samples.jsonl", out / "pairs_test.jsonl"
+        second = lambda: [  # noqa: E731
+            py, "scripts/reward_model_scores.py", "--reward-model", shown_path(run() / "LATEST" / "hf"),
+            "--samples", shown_path(samples), "--pairs", shown_path(pairs), "--output", shown_path(scores),
+        ]  # fmt: skip
+        record = lambda: found["rm"].__setitem__(seed, json.loads(scores.read_text()))  # noqa: E731
+        return Job(f"{m.name}_seed{seed}", [train_cmd, second], after=[record])
+
     def record():
-        rows[m.name] = row_from_eval(folder, m.family, m.label, m.beta)
+        row = results.row_from_eval(json.loads((folder / "results.json").read_text()), m.family, m.label, m.beta)
+        found["runs"][m.name, seed] = {**row, "eval": shown_path(folder)}
+        if m.family == "online DPO":
+            found["online_budget"][seed] = results.online_budget(read_jsonl(run() / "metrics.jsonl"))
 
-    return Job(m.name, [train_cmd, eval_cmd], after=[record])
+    return Job(f"{m.name}_seed{seed}", [train_cmd, lambda: [*eval_cmd(), f"output_dir={shown_path(folder)}"]], after=[record])
 
 
-def reference_job(model: str, out: Path, eval_common: list[str], rows: dict) -> Job:
-    """Evaluate the model itself (KL 0), then record its row in ``rows``."""
-    ref_folder = out / "eval" / "reference"
-    if ref_folder.exists():
-        shutil.rmtree(ref_folder)
-    return Job(
-        "reference",
-        [
-            [
-                sys.executable,
-                "evaluate.py",
-                f"policy={model}",
-                f"baseline={model}",
-                f"reference={model}",
-                *eval_common,
-                "label=reference",
-                f"output_dir={shown_path(ref_folder)}",
-            ]
-        ],
-        after=[lambda: rows.__setitem__("reference", row_from_eval(ref_folder, "reference", "reference (stories260K)", None))],
-    )
+def train_all(args, out: Path, model: str, common: list[str], runner: Runner, data: dict, n_test: int) -> tuple[dict, list[Job]]:
+    """Steps 3 and 4: every method trained once per seed and evaluated (the reward model: its scores); returns what
+    they gave (``runs``: (method, seed) -> row, ``rm``: seed -> scores, ``online_budget``: seed -> labels) and the jobs."""
+    budget = max(1, round(data["n_pairs"] * args.epochs))
+    found: dict = {"runs": {}, "rm": {}, "online_budget": {}}
+    jobs = []
+    for seed in args.seeds:
+        train_common = train_overrides(args, model, budget, n_test, seed)
+        eval_common = eval_overrides(out, n_test, common, seed)
+        jobs += [method_job(m, seed, out, train_common, eval_common, found) for m in methods(args, out, data["n_pairs"])]
+    online = [j for j in jobs if j.name.startswith("online")]  # the longest: sampling every step
+    runner.run(online + [j for j in jobs if j not in online])
+    return found, jobs
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -565,80 +486,83 @@ def main(argv: list[str] | None = None) -> dict:
     model = shown_path(args.model.resolve())
     print(f"[frontier] output folder: {out}", flush=True)
 
-    # 1. prompts, from the model's own stories
-    train, test = make_prompts(args, out, model)
-    common = [f"seed={args.seed}", "num_threads=1", f"reward_functions=[{REWARD}]", f"max_new_tokens={args.max_new_tokens}"]
+    train, test = make_prompts(args, out, model)  # 1. prompts, from the model's own stories
+    common = ["num_threads=1", f"reward_functions=[{REWARD}]", f"max_new_tokens={args.max_new_tokens}"]
     runner = Runner(out, args.jobs)
-
-    # 2. pairs from the model's own samples, as the paper built them
-    runner.run(
-        [
-            pairs_job("pairs_train", model, out, common, "train", len(train), args.k, out / "pairs_train.jsonl"),
-            pairs_job("pairs_test", model, out, common, "test", len(test), args.k, out / "pairs_test.jsonl"),
-        ]
+    data = make_data(args, out, model, common, runner, len(train), len(test))  # 2. pairs, 5. Best-of-N's samples
+    budget = max(1, round(data["n_pairs"] * args.epochs))
+    print(
+        f"[frontier] {data['n_pairs']} train pairs; every offline run trains on {budget} examples, online DPO labels "
+        f"{data['n_pairs']} pairs; each once per seed of {args.seeds}",
+        flush=True,
     )
-    pairs = read_jsonl(out / "pairs_train.jsonl")
-    write_jsonl(out / "preferred_train.jsonl", preferred_rows(pairs))
-    budget = max(1, round(len(pairs) * args.epochs))
-    print(f"[frontier] {len(pairs)} train pairs; every run trains on {budget} examples", flush=True)
+    found, jobs = train_all(args, out, model, common, runner, data, len(test))  # 3. train, 4. evaluate
 
-    # 3-5. train and evaluate each method; the model itself; Best-of-N
-    train_common = train_overrides(args, model, budget, len(test))
-    eval_common = eval_overrides(out, len(test), common)
-    rows: dict[str, dict] = {}
-    jobs = [method_job(m, out, train_common, eval_common, rows) for m in methods(args, out)]
-    ref = reference_job(model, out, eval_common, rows)
-    bon_path = out / "best_of_n.jsonl"
-    bon = pairs_job("best_of_n", model, out, common, "test", len(test), max(args.best_of), bon_path, ["max_pairs_per_prompt=1"])
-    bon.after.append(
-        lambda: rows.update({r["label"]: r for r in bon_rows(read_jsonl(Path(f"{bon_path}.samples.jsonl")), args.best_of)})
-    )
-    online = [j for j in jobs if j.name.startswith("online")]  # the longest: sampling every step
-    runner.run(online + [bon] + [j for j in jobs if j not in online] + [ref])
-
-    # 6. the table, the plot, results.json
-    sizes = {"n_train_prompts": len(train), "n_test_prompts": len(test), "n_train_pairs": len(pairs), "examples_per_run": budget}
-    jobs_s = {j.name: round(j.seconds, 1) for j in jobs + [ref, bon]}
-    return write_results(args, argv, out, rows, sizes, model, started, jobs_s, runner.commands)
+    sizes = {
+        "n_train_prompts": len(train),
+        "n_test_prompts": len(test),
+        "n_train_pairs": data["n_pairs"],
+        "examples_per_run": budget,
+    }
+    jobs_s = {j.name: round(j.seconds, 1) for j in jobs}
+    return write_results(args, argv, out, frontier_points(args, out, data, found), sizes, model, started, jobs_s, runner.commands)
 
 
-def write_results(args, argv, out: Path, rows: dict, sizes: dict, model: str, started: float, jobs_s: dict, commands) -> dict:
-    """Step 6: frontier.md (the table), frontier.png (the plot) and results.json in ``out``; returns results.json's contents."""
-    order = ["reference", *(m.name for m in methods(args, out)), *(f"Best-of-{n}" for n in args.best_of)]
-    table_rows = [rows[k] for k in order]
+def frontier_points(args, out: Path, data: dict, found: dict) -> dict:
+    """The table's rows in order (the reference, each trained method across seeds, Best-of-N, Best-of-N (RM) across
+    seeds), the reward model's held-out pair accuracy per seed and across seeds, and the label budgets."""
+    samples = data["samples"]
+    rows = [results.reference_row(results.scores_by_prompt(samples))]
+    trained = [m for m in methods(args, out, data["n_pairs"]) if m.family != "reward model"]
+    rows += [results.across_seeds({s: found["runs"][m.name, s] for s in args.seeds}) for m in trained]
+    rows += results.bon_rows(samples, args.best_of)
+    rm = None
+    if found["rm"]:
+        per_seed = {s: results.bon_rm_rows(samples, found["rm"][s]["samples"], args.best_of) for s in args.seeds}
+        for i in range(len(args.best_of)):
+            rows.append(results.across_seeds({s: per_seed[s][i] for s in args.seeds}, names=("reward",)))
+        accuracy = {s: results.pair_accuracy(found["rm"][s]["chosen"], found["rm"][s]["rejected"]) for s in args.seeds}
+        mean, low, high = statistics.mean_interval(list(accuracy.values()))
+        n_pairs = len(found["rm"][args.seeds[0]]["chosen"])
+        rm = {
+            "held_out_pair_accuracy": mean,
+            "ci_low": low,
+            "ci_high": high,
+            "per_seed": accuracy,
+            "n_pairs": n_pairs,
+            "chance": 0.5,
+        }
+    budgets = {"offline": data["offline_budget"], "online": found["online_budget"]}
+    return {"rows": rows, "reward_model": rm, "label_budgets": budgets}
+
+
+def write_results(args, argv, out: Path, points: dict, sizes: dict, model: str, started: float, jobs_s: dict, commands) -> dict:
+    """Step 6: frontier.md (the tables), frontier.png (the plot) and results.json in ``out``; returns results.json's contents."""
     wall = time.time() - started
     command = "python " + shlex.join(["scripts/frontier.py", *(sys.argv[1:] if argv is None else argv)])
-    n_test = sizes["n_test_prompts"]
     title = (
-        f"{REWARD} reward against KL, {args.model.name} (DPO paper Figure 2, left, in miniature)\n"
-        f"{sizes['n_train_prompts']} train prompts x {args.k} completions ({sizes['n_train_pairs']} pairs), {n_test} held-out prompts, "
-        f"temperature {TEMPERATURE:g}, <= {args.max_new_tokens} new tokens"
+        f"{REWARD} reward against KL, {args.model.name} (DPO paper Figure 2, left, in miniature), seeds {args.seeds}\n"
+        f"{sizes['n_train_prompts']} train prompts x {args.k} completions ({sizes['n_train_pairs']} pairs), "
+        f"{sizes['n_test_prompts']} held-out prompts, temperature {TEMPERATURE:g}, <= {args.max_new_tokens} new tokens"
     )
-    table = frontier_table(table_rows)
-    note = (
-        f"Reward: mean {REWARD} score of one completion per held-out prompt ({n_test} prompts, temperature {TEMPERATURE:g}, "
-        f"at most {args.max_new_tokens} new tokens); KL: Monte Carlo mean over those completions of "
-        "sum_t log pi(y_t|x,y<t) - log pi_ref(y_t|x,y<t) (evaluate.py); [95%]: t interval over prompts. "
-        f"Best-of-N: the best of the first N of {max(args.best_of)} reference samples per held-out prompt; its KL is {KL_BOUND}. "
-        f"Every trained run: {sizes['examples_per_run']} examples, lr {args.lr:g}, batch {args.batch_size}, from {model}. "
-        "PPO is not implemented here.\n"
-    )
-    (out / "frontier.md").write_text(
-        f"# {title.replace(chr(10), ': ', 1)}\n\n{table}\n{note}\nCommand: `{command}` ({wall:.0f} s)\n", encoding="utf-8"
-    )
-    plot_frontier(table_rows, out / "frontier.png", title)
-    results = {
+    settings = {**sizes, "seeds": args.seeds, "samples_per_prompt": max(args.best_of), "lr": args.lr, "rm_lr": args.rm_lr}
+    settings.update(batch_size=args.batch_size, max_new_tokens=args.max_new_tokens, model=model, kl_bound=KL_BOUND)
+    text = results.markdown(points, settings)
+    heading = title.replace("\n", ": ", 1)
+    (out / "frontier.md").write_text(f"# {heading}\n\n{text}\nCommand: `{command}` ({wall:.0f} s)\n", encoding="utf-8")
+    results.plot_frontier(points["rows"], out / "frontier.png", title)
+    written = {
         "command": command,
         "wall_s": wall,
         "date": datetime.date.today().isoformat(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         **sizes,
-        "rows": table_rows,
+        **points,
         "jobs_s": jobs_s,
         "commands": commands,
     }
-    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
-    print(f"\n{table}\n{note}")
+    (out / "results.json").write_text(json.dumps(written, indent=2) + "\n", encoding="utf-8")
+    print(f"\n{text}")
     if args.copy_plot:
         args.copy_plot.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out / "frontier.png", args.copy_plot)
@@ -646,7 +570,7 @@ def write_results(args, argv, out: Path, rows: dict, sizes: dict, model: str, st
         f"[frontier] {out}/frontier.png, frontier.md, results.json ({wall:.0f} s)"
         + (f"; plot copied to {args.copy_plot}" if args.copy_plot else "")
     )
-    return results
+    return written
 
 
 if __name__ == "__main__":
