@@ -532,7 +532,10 @@ def frontier_points(args, out: Path, data: dict, found: dict) -> dict:
             "n_pairs": n_pairs,
             "chance": 0.5,
         }
-    budgets = {"offline": data["offline_budget"], "online": found["online_budget"]}
+    online = {
+        s: found["online_budget"][s] for s in args.seeds if s in found["online_budget"]
+    }  # in seed order, not finishing order
+    budgets = {"offline": data["offline_budget"], "online": online}
     return {"rows": rows, "reward_model": rm, "label_budgets": budgets}
 
 
