@@ -62,7 +62,7 @@ HUB = {
 SKIPS = [
     ("pip install", "installs packages"),
     ("python -m pytest", "the test suite itself"),
-    ("python scripts/frontier.py", "trains several runs (3.5 min); tests/test_frontier.py runs it small"),
+    ("python scripts/frontier.py", "trains 27 runs (44 min on busy cores); tests/test_frontier.py runs it small"),
     ("python bench/", "reads a finished sweep's folders (tests/test_compare_objectives.py)"),
     ("scripts/run_node", "torchrun over GPUs (tests/test_launch_scripts.py runs it on CPU)"),
     ("scripts/ray_job.sh", "submits to a Ray cluster (tests/test_launch_scripts.py checks its command line)"),
