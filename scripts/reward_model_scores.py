@@ -33,6 +33,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--batch-size", type=int, default=64)
     args = p.parse_args(argv)
+    if not (Path(args.reward_model) / "config.json").is_file():
+        p.error(
+            f"--reward-model {args.reward_model} is not a Hugging Face model folder (no config.json); give a loss=reward run's LATEST/hf."
+        )
+    for name, path in (("--samples", args.samples), ("--pairs", args.pairs)):
+        if path is not None and not path.is_file():
+            p.error(f"{name} {path} is not a file; give make_pairs.py's output (its .samples.jsonl for --samples).")
 
     import utils
     from evaluation.rewards import RewardModelScorer
@@ -41,7 +48,11 @@ def main(argv: list[str] | None = None) -> dict:
     utils.set_threads(1)
     try:
         scorer = RewardModelScorer(args.reward_model, batch_size=args.batch_size)
-    except (ConfigError, ValueError, OSError) as e:
+    except ConfigError:  # its sentence names reward_model.* keys, which this script does not have
+        raise SystemExit(
+            f"Error: --reward-model {args.reward_model} has no trained score head; give a reward model (a loss=reward run's LATEST/hf)."
+        ) from None
+    except (ValueError, OSError) as e:
         raise SystemExit(f"Error: --reward-model {args.reward_model}: {e}") from None
     samples = read_jsonl(args.samples)
     out = {

@@ -310,3 +310,26 @@ def test_a_missing_model_is_one_sentence_and_exit_2_before_anything_is_written(t
         f"Error: --model {tmp_path / 'nowhere'} is not a Hugging Face model folder (no config.json); give stories260K's folder.\n"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_reward_model_scores_refuses_a_folder_without_a_model_or_without_a_trained_head_in_one_sentence(tmp_path, capsys):
+    from scripts import reward_model_scores
+
+    samples = tmp_path / "s.jsonl"
+    samples.write_text('{"id": "hf/0", "prompt": "a", "completion": " b", "score": 0.1}\n')
+    with pytest.raises(SystemExit) as e:
+        reward_model_scores.main(
+            ["--reward-model", str(tmp_path / "nowhere"), "--samples", str(samples), "--output", str(tmp_path / "o")]
+        )
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: --reward-model {tmp_path / 'nowhere'} is not a Hugging Face model folder (no config.json); give a loss=reward run's LATEST/hf.\n"
+    )
+    model = needs_shared("models", "stories260K")  # a causal LM: no score head
+    with pytest.raises(SystemExit) as e:
+        reward_model_scores.main(["--reward-model", str(model), "--samples", str(samples), "--output", str(tmp_path / "o")])
+    assert (
+        str(e.value)
+        == f"Error: --reward-model {model} has no trained score head; give a reward model (a loss=reward run's LATEST/hf)."
+    )
+    assert not (tmp_path / "o").exists()
