@@ -210,21 +210,7 @@ def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
     model = needs_shared("models", "stories260K")
     out, plot = tmp_path / "frontier", tmp_path / "docs" / "frontier.png"
     argv = ["--out", str(out), "--model", str(model), "--n-stories", "64", "--n-train", "6", "--n-test", "4", "--seeds", "0", "1"]
-    argv += [
-        "--max-new-tokens",
-        "8",
-        "--best-of",
-        "2",
-        "4",
-        "--methods",
-        "dpo",
-        "online",
-        "rm",
-        "--betas",
-        "0.1",
-        "--batch-size",
-        "4",
-    ]
+    argv += "--max-new-tokens 8 --best-of 2 4 --methods dpo online rm --betas 0.1 --batch-size 4".split()
     got = frontier.main([*argv, "--copy-plot", str(plot)])
     printed = capsys.readouterr().out
 
@@ -247,7 +233,21 @@ def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
     assert rows["reference (4 samples)"]["reward_mean"] == pytest.approx(sum(per_prompt) / 4)
     assert rows["reference (4 samples)"]["kl_mean"] == 0.0
 
-    # each trained point: the mean over the 2 seeds of each seed's own evaluation
+    _check_trained_points(out, rows)
+    _check_best_of_n(out, got, rows, samples)
+    _check_label_budgets(out, got)
+
+    table = (out / "frontier.md").read_text()
+    for r in got["rows"]:
+        reward = f"{r['reward_mean']:.3f}"
+        assert any(line.startswith(f"| {r['label']} |") and reward in line for line in table.splitlines()), r
+    assert "PPO is not implemented here" in table and "| online DPO, seed 1 |" in table and "chance 0.5" in table
+    assert "$ python train.py " in printed and "$ python evaluate.py " in printed and "$ python make_pairs.py " in printed
+    assert "$ python scripts/reward_model_scores.py " in printed
+
+
+def _check_trained_points(out, rows: dict) -> None:
+    """Each trained point: the mean over the 2 seeds of each seed's own evaluation."""
     for name, label in (("dpo_beta0.1", "DPO β=0.1"), ("online_dpo_beta0.1", "online DPO β=0.1")):
         evals = [json.loads((out / "eval" / name / f"seed{s}" / "results.json").read_text())["temperatures"]["1"] for s in (0, 1)]
         assert [(s["seed"], s["reward_mean"], s["kl_mean"]) for s in rows[label]["per_seed"]] == [
@@ -256,7 +256,10 @@ def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
         assert rows[label]["reward_mean"] == pytest.approx((evals[0]["reward_mean"] + evals[1]["reward_mean"]) / 2)
         assert rows[label]["kl_mean"] == pytest.approx((evals[0]["kl_mean"] + evals[1]["kl_mean"]) / 2)
 
-    # Best-of-N by the true reward and by each seed's reward model, recomputed from the scores on disk
+
+def _check_best_of_n(out, got: dict, rows: dict, samples: list[dict]) -> None:
+    """Best-of-N by the true reward and by each seed's reward model, and its pair accuracy, from the scores on disk."""
+    groups = _by_id(samples)
     for n in (2, 4):
         best = [max(s["score"] for s in g[:n]) for g in groups.values()]
         assert rows[f"Best-of-{n}"]["reward_mean"] == pytest.approx(sum(best) / len(best))
@@ -272,7 +275,9 @@ def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
     accuracy = [sum(c > r for c, r in zip(s["chosen"], s["rejected"])) / n_test_pairs for s in scored]
     assert list(got["reward_model"]["per_seed"].values()) == pytest.approx(accuracy)
 
-    # the label budgets: online DPO labelled as many pairs as the offline file has, two reward-function calls each
+
+def _check_label_budgets(out, got: dict) -> None:
+    """Online DPO labelled as many pairs as the offline file has, two reward-function calls each."""
     pairs = (out / "pairs_train.jsonl").read_text().splitlines()
     assert got["examples_per_run"] == len(pairs) and got["label_budgets"]["offline"]["pairs_labelled"] == len(pairs)
     assert got["label_budgets"]["offline"]["reward_function_calls"] == 6 * 4
@@ -285,14 +290,6 @@ def test_the_frontier_end_to_end_at_a_tiny_size(tmp_path, capsys):
         )
         for name in ("dpo_beta0.1", "online_dpo_beta0.1"):
             assert f"Done: {len(pairs)} examples." in (out / "logs" / f"{name}_seed{seed}.log").read_text()
-
-    table = (out / "frontier.md").read_text()
-    for r in got["rows"]:
-        reward = f"{r['reward_mean']:.3f}"
-        assert any(line.startswith(f"| {r['label']} |") and reward in line for line in table.splitlines()), r
-    assert "PPO is not implemented here" in table and "| online DPO, seed 1 |" in table and "chance 0.5" in table
-    assert "$ python train.py " in printed and "$ python evaluate.py " in printed and "$ python make_pairs.py " in printed
-    assert "$ python scripts/reward_model_scores.py " in printed
 
 
 def _by_id(samples: list[dict]) -> dict[str, list[dict]]:
