@@ -193,8 +193,9 @@ def check_config(config: DictConfig) -> None:
         if not isinstance(config[key], int) or config[key] < 1:
             raise ConfigError(f"{key} must be an integer >= 1, got {config[key]}.")
     checks.validate_fraction(config.max_failure_rate, "max_failure_rate")
-    if checks.sampling_problem(config) is not None:
-        raise ConfigError(checks.sampling_problem(config))
+    problem = checks.sampling_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
     if config.datasets is not None and (not OmegaConf.is_list(config.datasets) or not len(config.datasets)):
         raise ConfigError(f"datasets must be a non-empty list: write datasets=[{config.datasets}].")
     problem = checks.scorer_error(config.judge.get("name"), config, "judge")

@@ -72,8 +72,9 @@ def check_config(config: DictConfig) -> None:
         raise ConfigError(
             f"temperature must be a number >= 0 (0: greedy, which gives k equal completions), got {config.temperature}."
         )
-    if checks.sampling_problem(config) is not None:
-        raise ConfigError(checks.sampling_problem(config))
+    problem = checks.sampling_problem(config)
+    if problem is not None:
+        raise ConfigError(problem)
     if config.split not in ("train", "test"):
         raise ConfigError(f"split must be train or test (the prompts' split), got {config.split}.")
     checks.validate_fraction(config.max_failure_rate, "max_failure_rate")
