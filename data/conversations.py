@@ -134,3 +134,20 @@ def split_conversations(chosen: Messages, rejected: Messages) -> tuple[Messages,
         if chosen[k]["role"] == "assistant" and rejected[k]["role"] == "assistant":
             return chosen[:k], chosen[k:], rejected[k:]
     return None
+
+
+def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: dict[str, str]) -> None:
+    """Check that ``roles`` maps every non-standard role of a ShareGPT row, else a DataError naming them all."""
+    unknown = []
+    for column in (columns["prompt"], columns["chosen"], columns["rejected"]):
+        value = row.get(column)
+        for m in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
+            role = _role_and_content(m, roles)[0]
+            if isinstance(role, str) and role not in STANDARD_ROLES and role not in unknown:
+                unknown.append(role)
+    if unknown:
+        mapping = roles | {role: LIKELY_ROLES.get(role.lower(), "<user, assistant, system or tool>") for role in unknown}
+        raise DataError(
+            f"{where}: the ShareGPT messages have role(s) {', '.join(map(repr, unknown))}, not one of "
+            f"{', '.join(STANDARD_ROLES)}; map them with 'data.hf.roles={{{', '.join(f'{k}: {v}' for k, v in mapping.items())}}}'."
+        )

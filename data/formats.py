@@ -10,14 +10,13 @@ import os
 from collections.abc import Callable
 
 from data.conversations import (
-    LIKELY_ROLES,
-    STANDARD_ROLES,
     Messages,
     _role_and_content,
     add_conversation_pair,
     check_ends_with_assistant,
     check_messages,
     check_roles_mapping,
+    check_sharegpt_roles,
     conversation_key,
     split_conversations,
 )
@@ -477,23 +476,6 @@ def _hh_dialogues(row: dict, columns: dict[str, str], where: str) -> tuple[str, 
     return row[c], row[r]
 
 
-def check_sharegpt_roles(row: dict, columns: dict[str, str], where: str, roles: dict[str, str]) -> None:
-    """Check that ``roles`` maps every non-standard role of a ShareGPT row, else a DataError naming them all."""
-    unknown = []
-    for column in (columns["prompt"], columns["chosen"], columns["rejected"]):
-        value = row.get(column)
-        for m in [value] if isinstance(value, dict) else value if isinstance(value, list) else []:
-            role = _role_and_content(m, roles)[0]
-            if isinstance(role, str) and role not in STANDARD_ROLES and role not in unknown:
-                unknown.append(role)
-    if unknown:
-        mapping = roles | {role: LIKELY_ROLES.get(role.lower(), "<user, assistant, system or tool>") for role in unknown}
-        raise DataError(
-            f"{where}: the ShareGPT messages have role(s) {', '.join(map(repr, unknown))}, not one of "
-            f"{', '.join(STANDARD_ROLES)}; map them with 'data.hf.roles={{{', '.join(f'{k}: {v}' for k, v in mapping.items())}}}'."
-        )
-
-
 def _with_system(prompt: str | Messages, system, where: str, column: str) -> str | Messages:
     """``prompt`` with ``system`` as its first message when it is a conversation not already starting with one."""
     if system is None or isinstance(prompt, str):
@@ -684,15 +666,26 @@ def _hf_loader(to_data: Callable) -> Callable:
         rows, source, carve, cast = hf_split_rows(
             split, path, name, train_split, test_split, holdout_fraction, cache_dir, columns
         )
-        data = to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
+        data = to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast, path)
         return apply_holdout(data, split, holdout_fraction, report) if carve else data
 
     loader.__name__, loader.__qualname__, loader.__doc__ = to_data.__name__, to_data.__qualname__, to_data.__doc__
     return loader
 
 
+# a plugin's readers of other row formats, tried in turn before TRL's (vision/formats.py: rows with images):
+# read(rows, report, source, path, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict, or
+# None when the rows are not its format (``path``: data.hf.path, for files the rows name)
+HF_ROW_READERS: list[Callable] = []
+
+
 @register_dataset("hf", truncation_mode="keep_end")
 @_hf_loader
-def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
+def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast, path) -> DatasetDict:
     """Any preference data the ``datasets`` library reads, in TRL's formats or mapped to them (docs/configuration.md)."""
-    return hf_rows_to_data(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
+    options = (format, columns, max_pairs_per_prompt, roles, ranked_order, cast)
+    for read in HF_ROW_READERS:
+        data = read(rows, report, source, path, *options)
+        if data is not None:
+            return data
+    return hf_rows_to_data(rows, report, source, *options)

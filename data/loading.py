@@ -4,6 +4,7 @@ in one sentence, and its pairs flattened into examples."""
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 
 from data.report import _LOADING, DataReport, DatasetDict, _share, fill_fields
@@ -103,8 +104,9 @@ def split_overlap_warning(train: list[dict], test: list[dict]) -> str | None:
     """The warning when over :data:`DUPLICATE_WARNING_SHARE` of the ``test`` examples are also ``train`` examples (the
     same prompt and responses, e.g. one file given as both splits), else None."""
 
-    def key(example: dict) -> str:
-        return json.dumps([example.get(k) for k in ("prompt", "chosen", "rejected", "label")], default=str)
+    def key(example: dict) -> str:  # an image's bytes by their digest: the same question on two images is two examples
+        fields = [example.get(k) for k in ("prompt", "chosen", "rejected", "label", "images")]
+        return json.dumps(fields, default=lambda v: hashlib.sha1(v).hexdigest() if isinstance(v, bytes) else str(v))
 
     trained = set(map(key, train))
     n = sum(key(example) in trained for example in test)
@@ -123,7 +125,9 @@ def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
     mode = REGISTRY[name]["pairs"].truncation_mode
     examples = []
     for prompt, entry in data.items():
-        extra = {"conversation": True} if "prompt_messages" in entry else {}
+        extra = {"conversation": True} if "prompt_messages" in entry and "images" not in entry else {}
+        if "images" in entry:  # an image example (vision/__init__.py): messages with image parts, answers as text
+            extra["images"] = entry["images"]
         if "fields" in entry:
             extra["fields"] = entry["fields"]
         prompt = entry.get("prompt_messages", prompt)

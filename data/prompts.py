@@ -26,7 +26,7 @@ from utils import DataError
 
 @register_prompt_dataset("hf", truncation_mode="keep_end")
 @_hf_loader
-def get_hf_prompts(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast) -> DatasetDict:
+def get_hf_prompts(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast, path) -> DatasetDict:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict."""
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
