@@ -319,6 +319,11 @@ def test_ambiguous_rows_are_refused_in_one_sentence(tmp_path):
         "'rejected']); image rows need a prompt (one of prompt, question, conversations, messages, instruction), chosen, "
         "rejected and images (or image), or data.hf.columns={prompt: ..., chosen: ..., rejected: ..., images: ...}."
     )
+    f = write_jsonl(tmp_path / "chat.jsonl", [good(["red.png"], prompt=[{"role": "user", "content": "Colour?"}])])
+    assert refused(tmp_path, f, format="conversational") == (
+        f"{f} has images (its column 'images') but data.hf.format=conversational reads text only; set "
+        "data.hf.format=vision (or auto) to train on the images with them."
+    )
     rows = [good(["red.png"])]
     with pytest.raises(DataError) as e:  # a hub dataset's relative path has no folder to be read from
         read_vision_rows(rows, DataReport(), "org/name (train split)", "org/name")

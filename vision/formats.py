@@ -202,6 +202,8 @@ def _entries(value, where: str, column: str, folder: str | None) -> tuple[list, 
         elif isinstance(entry, Image.Image):
             images.append(entry)
             ids.append("sha1:" + hashlib.sha1(entry.tobytes()).hexdigest())
+        elif isinstance(entry, str) and entry.startswith(("http://", "https://")):
+            raise DataError(f"{where}: image {k} of {column!r} is the URL {entry}; download the images and give their paths.")
         elif isinstance(entry, str) and entry.strip():
             if not os.path.isabs(entry) and folder is None:
                 raise DataError(
@@ -246,6 +248,11 @@ def read_vision_rows(
     given = dict(columns) if isinstance(columns, dict) else {}
     found = list(rows[0]) if rows else []
     claimed = format == "vision" or (format == "auto" and ("images" in given or any(c in found for c in IMAGE_COLUMNS)))
+    if not claimed and format != "auto" and any(row.get(c) for c in IMAGE_COLUMNS if c in found for row in rows):
+        raise DataError(  # the images would be dropped without a word
+            f"{source} has images (its column {next(c for c in IMAGE_COLUMNS if c in found)!r}) but data.hf.format={format} "
+            "reads text only; set data.hf.format=vision (or auto) to train on the images with them."
+        )
     if not claimed or not rows:
         return None
     if ranked_order is not None:
