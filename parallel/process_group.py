@@ -23,8 +23,10 @@ def check_gpu_count(n_local: int, what: str = "world_size") -> None:
         )
 
 
-def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> int:
-    """Join torchrun's process group (NCCL on ``cuda:<LOCAL_RANK>``, else gloo) and return the rank."""
+def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES, store=None) -> int:
+    """Join torchrun's process group (NCCL on ``cuda:<LOCAL_RANK>``, else gloo) and return the rank; ``store``: the
+    rendezvous store to use instead of the environment's (a process that starts several groups one after another gives
+    each a fresh ``PrefixStore``: a group started again on the same keys meets the last group's stale addresses)."""
     import datetime
 
     import torch.distributed as dist
@@ -39,5 +41,7 @@ def init_distributed(timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> i
             local_rank = int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(local_rank)
             kwargs["device_id"] = torch.device("cuda", local_rank)
+        if store is not None:
+            kwargs |= {"store": store, "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
         dist.init_process_group(backend, **kwargs)
     return dist.get_rank()

@@ -95,7 +95,7 @@ def launch(config: DictConfig, main) -> int:
         if config.resume is not None:  # before Ray starts: refused while a live run holds the folder
             held.enter_context(checkpoints.lock_run_dir(config.resume))
         if started:
-            _init_ray(ray, ray_cfg, need)
+            init_ray(ray, ray_cfg, need)
         _check_cluster(ray, need)
         run_dir = _open_run_dir(config, held)
         reference, scorer = _start_remote_models(config, actors)
@@ -126,7 +126,7 @@ def launch(config: DictConfig, main) -> int:
         held.close()  # after the workers are gone
 
 
-def _init_ray(ray, ray_cfg: DictConfig, need: dict) -> None:
+def init_ray(ray, ray_cfg: DictConfig, need: dict) -> None:
     """Connect to ``ray.address``, or start a local cluster of ``ray.num_cpus`` CPUs (at least ``need["CPU"]``)."""
     if ray_cfg.address is None:
         ray.init(num_cpus=max(ray_cfg.num_cpus or os.cpu_count() or 1, math.ceil(need["CPU"])))
