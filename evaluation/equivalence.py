@@ -1,12 +1,14 @@
 """The equivalence matrix (issue 37, part 2): every objective on every path, against the one-process padded run.
 
-``python -m evaluation.equivalence [--objectives dpo,ipo] [--cells packed,fsdp]`` trains the tiny random model on the
-embedded arithmetic pairs for a few fp32 steps per *cell* (a path: packed forward, chunked output layer, precomputed or
-Ray-actor reference, gradient accumulation, resume mid-epoch, FSDP, tensor parallelism, 2-D, LoRA) and compares each
-with the baseline of the same objective and seed: BasicTrainer in this process with ``trainer.packed = False``. A cell
-is the largest |loss difference| over the steps (metrics.jsonl's train records) and the largest |weight difference| of
-the policy at the end (LATEST/policy.pt), each against its tolerance; a cell over one fails the command (exit 1). The
-table goes to docs/equivalence.md.
+``python -m evaluation.equivalence [--objectives dpo,ipo] [--cells packed,fsdp] [--merge]`` trains the tiny random model
+on the embedded arithmetic pairs for a few fp32 steps per *cell* (a path: packed forward, chunked output layer,
+precomputed or Ray-actor reference, gradient accumulation, resume mid-epoch, FSDP, tensor parallelism, 2-D, LoRA) and
+compares each with the baseline of the same objective and seed: BasicTrainer in this process with ``trainer.packed =
+False``. A cell is the largest |loss difference| over the steps (metrics.jsonl's train records) and the largest |weight
+difference| of the policy at the end (LATEST/policy.pt), each against its tolerance; a cell over one fails the command
+(exit 1). The cells of several processes run in one launch each for all their objectives (evaluation/equivalence_worker.py).
+The table goes to docs/equivalence.md and every entry, with the command that wrote it, to docs/equivalence.json;
+``--merge`` starts from that JSON and overwrites only the cells it runs, so the matrix can be filled in parts.
 """
 
 from __future__ import annotations
@@ -14,18 +16,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import os
+import json
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from evaluation import equivalence_worker
 from runs import tracking
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,6 +175,11 @@ class Result:
     over: bool = False
     refusal: str = ""  # the config check's sentence of a refused cell
 
+    @property
+    def left_out(self) -> bool:
+        """True when the command left it out (--objectives, --cells, --process-objectives): it ran nothing here."""
+        return self.note.startswith("not run: left out by ")
+
     def text(self) -> str:
         """The table's entry."""
         if self.loss_diff is None:
@@ -215,18 +224,10 @@ def run_in_process(overrides: list[str], packed: bool, attach: Callable | None =
     return Path(run_dir)
 
 
-def run_process(overrides: list[str], out: Path, timeout: float = 600) -> Path:
-    """``python train.py <overrides>`` in a process of its own (several ranks, Ray); returns the run folder."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(
-        [sys.executable, "train.py", *overrides, f"output_root={out}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    if done.returncode != 0:
-        text = done.stdout + done.stderr
-        errors = [line for line in text.splitlines() if line.startswith("Error:")]
-        raise RuntimeError(errors[0] if errors else text[-2000:])
-    return next(p for p in out.iterdir() if p.is_dir())
+def cell_ranks(cell: Cell) -> int | None:
+    """How many torchrun ranks a cell of processes of its own starts (its ``world_size``; None: the Ray cell's one driver)."""
+    sizes = [int(o.split("=", 1)[1]) for o in cell.overrides if o.startswith("world_size=")]
+    return sizes[0] if sizes else None
 
 
 def resumed_copy(run_dir: Path, parent: Path) -> Path:
@@ -297,56 +298,112 @@ def skip_reason(name: str, cell: Cell) -> str | None:
     return None
 
 
-def run_cell(name: str, cell: Cell, baseline: Path, tmp: Path) -> Result:
-    """One cell of objective ``name``: its run(s), compared with the padded baseline (or, LoRA, with its own)."""
-    import utils
-
-    overrides = [*BASE, f"loss={name}", f"output_root={tmp}", f"cache_dir={tmp / 'cache'}", *cell.overrides]
-    try:
-        if cell.how == "in_process":
-            other = run_in_process(overrides, cell.packed)
-        elif cell.how == "resume":
-            cut = resumed_copy(baseline, tmp / "cut")
-            other = run_in_process([*overrides, f"resume={cut}"], cell.packed)
-        elif cell.how == "lora":
-            baseline = run_in_process(overrides, False)  # the reference: the policy with its adapters off
-            other = run_in_process(overrides, False, separate_reference)
-        else:
-            other = run_process(overrides, tmp / "process")
-        loss_diff, weight_diff = differences(baseline, other)
-    except utils.ConfigError as e:
-        return Result(note="not run: refused", refusal=str(e))
-    except Exception as e:  # noqa: BLE001 - a cell that fails is reported, the others still run
-        if str(e).startswith("Error:"):
-            return Result(note="not run: refused", refusal=str(e).removeprefix("Error: "))
-        traceback.print_exc()
-        return Result(note=f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", over=True)
+def compare(name: str, cell: Cell, baseline: Path, other: Path) -> Result:
+    """Cell ``cell`` of objective ``name``: the run ``other`` against ``baseline``, each difference against its tolerance."""
+    loss_diff, weight_diff = differences(baseline, other)
     declared = cell.splits_batch and name in MICRO_BATCH_COUPLED | LOGGED_PER_MICRO_BATCH
     weights_declared = cell.splits_batch and name in MICRO_BATCH_COUPLED
     over = (not declared and loss_diff > cell.tolerance.loss) or (not weights_declared and weight_diff > cell.tolerance.weight)
     return Result(loss_diff, weight_diff, "declared" if declared else "", over)
 
 
+def failed(e: Exception, what: str = "") -> Result:
+    """The entry of a cell whose run (``what``: another run it needs) or comparison raised ``e`` (its traceback printed)."""
+    traceback.print_exc()
+    return Result(note=f"failed: {what}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", over=True)
+
+
+def cell_overrides(name: str, cell: Cell, tmp: Path) -> list[str]:
+    """``python train.py``'s overrides of cell ``cell`` of objective ``name``, its runs under ``tmp``."""
+    return [*BASE, f"loss={name}", f"output_root={tmp}", f"cache_dir={tmp / 'cache'}", *cell.overrides]
+
+
+def run_cell(name: str, cell: Cell, baseline: Path, tmp: Path) -> Result:
+    """One cell run in this process for objective ``name``: its run(s), compared with the padded baseline (or, LoRA, with
+    its own)."""
+    import utils
+
+    overrides = cell_overrides(name, cell, tmp)
+    try:
+        if cell.how == "in_process":
+            other = run_in_process(overrides, cell.packed)
+        elif cell.how == "resume":
+            cut = resumed_copy(baseline, tmp / "cut")
+            other = run_in_process([*overrides, f"resume={cut}"], cell.packed)
+        else:  # lora
+            baseline = run_in_process(overrides, False)  # the reference: the policy with its adapters off
+            other = run_in_process(overrides, False, separate_reference)
+        return compare(name, cell, baseline, other)
+    except utils.ConfigError as e:
+        return Result(note="not run: refused", refusal=str(e))
+    except Exception as e:  # noqa: BLE001 - a cell that fails is reported, the others still run
+        return failed(e)
+
+
+def run_process_cell(
+    cell: Cell, baselines: dict[str, Path], tmp: Path, on_done=None, extra: dict[str, list[str]] | None = None
+) -> dict[str, Result]:
+    """Cell ``cell`` of processes of its own for each objective of ``baselines`` (objective -> its baseline run), all in
+    one launch (evaluation/equivalence_worker.py), an objective's ``extra`` overrides after the cell's: objective ->
+    Result, each outcome attributed to its objective."""
+    jobs = {n: [*cell_overrides(n, cell, tmp / n), *(extra or {}).get(n, [])] for n in baselines}
+    outcomes = equivalence_worker.launch(jobs, cell_ranks(cell), tmp / "launches", on_done=on_done)
+    results = {}
+    for name, outcome in outcomes.items():
+        if outcome.status == "refused":
+            results[name] = Result(note="not run: refused", refusal=outcome.text)
+        elif outcome.status == "failed":
+            results[name] = Result(note=f"failed: {outcome.text}", over=True)
+        else:
+            try:
+                results[name] = compare(name, cell, baselines[name], Path(outcome.text))
+            except Exception as e:  # noqa: BLE001 - runs that cannot be compared are reported, the others still are
+                results[name] = failed(e)
+    return results
+
+
 def run_matrix(names: list[str], cells: list[Cell], process_names: list[str] | None = None, progress: bool = True):
     """The cells ``cells`` of every objective in ``names`` (the cells of processes of their own only for
-    ``process_names``, None: all): (objective, cell name) -> Result, every cell and objective named."""
+    ``process_names``, None: all): (objective, cell name) -> Result, every cell and objective named. The cells run in this
+    process go objective by objective; each cell of processes of its own is one launch for all its objectives."""
     import tqdm
 
     results = {(n, c): Result(note="not run: left out by --objectives") for n in trained_objectives() for c in CELLS}
-    todo = {n: [c for c in cells if c.how != "process" or process_names is None or n in process_names] for n in names}
-    bar = tqdm.tqdm(total=sum(map(len, todo.values())), unit="cell", disable=not progress)
     for name in names:
         for cell in CELLS.values():
             left_out = "--process-objectives" if cell in cells else "--cells"
             results[name, cell.name] = Result(note=f"not run: left out by {left_out}")
-        with tempfile.TemporaryDirectory(prefix=f"equivalence-{name}-") as folder:
-            tmp = Path(folder)
-            baseline = run_in_process([*BASE, f"loss={name}", f"output_root={tmp / 'baseline'}"], packed=False)
-            for i, cell in enumerate(todo[name]):
+    here = [c for c in cells if c.how != "process"]
+    launched = {c: [n for n in names if process_names is None or n in process_names] for c in cells if c.how == "process"}
+    bar = tqdm.tqdm(total=len(names) * len(here) + sum(map(len, launched.values())), unit="cell", disable=not progress)
+    with tempfile.TemporaryDirectory(prefix="equivalence-") as folder:
+        tmp = Path(folder)
+        baselines = {}
+        for name in names:
+            bar.set_description(f"{name}: baseline")
+            try:
+                baselines[name] = run_in_process([*BASE, f"loss={name}", f"output_root={tmp / name / 'baseline'}"], False)
+            except Exception as e:  # noqa: BLE001 - an objective without a baseline is reported, the others still run
+                results.update(dict.fromkeys(((name, c.name) for c in cells), failed(e, "the baseline: ")))
+                bar.update(len(here))
+                continue
+            for i, cell in enumerate(here):
                 bar.set_description(f"{name}: {cell.name}")
                 reason = skip_reason(name, cell)
-                results[name, cell.name] = Result(note=reason) if reason else run_cell(name, cell, baseline, tmp / str(i))
+                results[name, cell.name] = (
+                    Result(note=reason) if reason else run_cell(name, cell, baselines[name], tmp / name / str(i))
+                )
                 bar.update()
+        for i, (cell, cell_names) in enumerate(launched.items()):
+            bar.set_description(f"{cell.name}: {len(cell_names)} objectives, one launch")
+            reasons = {n: skip_reason(n, cell) for n in cell_names if n in baselines}
+            results.update({(n, cell.name): Result(note=why) for n, why in reasons.items() if why})
+            runs = {n: baselines[n] for n, why in reasons.items() if why is None}
+            bar.update(len(cell_names) - len(runs))  # skipped, or without a baseline
+            start = time.time()
+            for name, result in run_process_cell(cell, runs, tmp / f"cell-{i}", on_done=lambda _: bar.update()).items():
+                results[name, cell.name] = result
+            bar.write(f"{cell.name}: {len(runs)} objectives in one launch, {time.time() - start:.0f} s")
     bar.close()
     return results
 
@@ -361,6 +418,85 @@ def commit() -> str:
     return head.strip() + (" +changes" if dirty.strip() else "")
 
 
+def provenance(command: str, seconds: float) -> dict:
+    """What docs/equivalence.json says of a command that wrote part of the matrix: its line, date, commit and time."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return {"command": command, "date": date, "commit": commit(), "seconds": round(seconds, 1)}
+
+
+def merge(results: dict, command: dict, previous: dict | None = None) -> dict:
+    """The matrix's JSON document: ``results`` ((objective, cell) -> Result) written by ``command`` (:func:`provenance`),
+    over ``previous`` (a document; None: nothing): an entry this command left out (--objectives, --cells,
+    --process-objectives) keeps the previous one's, with its command; every other entry is this command's.
+
+    The document: ``{"commands": [provenance, ...], "results": {objective: {cell: {Result's fields, "by": the index of
+    the command that wrote it, or None for an entry no command ran}}}}``, only the commands some entry names."""
+    old = (previous or {}).get("results", {})
+    commands = [*(previous or {}).get("commands", []), command]  # in the order they ran
+    entries = {}
+    for (name, cell), result in results.items():
+        kept = old.get(name, {}).get(cell) if result.left_out else None
+        entries[name, cell] = kept or {**dataclasses.asdict(result), "by": None if result.left_out else len(commands) - 1}
+    used = sorted({e["by"] for e in entries.values() if e["by"] is not None})
+    index = {old_index: new_index for new_index, old_index in enumerate(used)}
+    document = {"commands": [commands[i] for i in used], "results": {}}
+    for (name, cell), entry in entries.items():
+        by = None if entry["by"] is None else index[entry["by"]]
+        document["results"].setdefault(name, {})[cell] = {**entry, "by": by}
+    return document
+
+
+def json_text(document: dict) -> str:
+    """A :func:`merge` document as JSON, one line per command and per entry (a merge's diff shows the entries it wrote)."""
+    commands = ",\n".join(f"  {json.dumps(c)}" for c in document["commands"])
+    objectives = ",\n".join(
+        f"  {json.dumps(name)}: {{\n" + ",\n".join(f"   {json.dumps(c)}: {json.dumps(e)}" for c, e in cells.items()) + "\n  }"
+        for name, cells in document["results"].items()
+    )
+    return f'{{\n "commands": [\n{commands}\n ],\n "results": {{\n{objectives}\n }}\n}}\n'
+
+
+def read_json(path: Path) -> dict:
+    """The document :func:`merge` wrote to ``path``; ValueError in one sentence if it is not one."""
+    try:
+        document = json.loads(path.read_text())
+        for cells in document["results"].values():
+            for entry in cells.values():
+                Result(**{k: v for k, v in entry.items() if k != "by"})  # a TypeError names a field it does not know
+        if not all(isinstance(c["command"], str) for c in document["commands"]):
+            raise TypeError("a command is not a string")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{path} is not a matrix the command wrote ({e}); run the command once without --merge.") from None
+    return document
+
+
+def results_of(document: dict) -> tuple[dict, dict]:
+    """((objective, cell) -> Result, (objective, cell) -> the index of its command or None) of a :func:`merge` document,
+    for every trained objective and cell (an entry it lacks: not run)."""
+    results, by = {}, {}
+    for name in trained_objectives():
+        for cell in CELLS:
+            entry = document["results"].get(name, {}).get(cell, {"note": "not run: left out by --objectives", "by": None})
+            results[name, cell] = Result(**{k: v for k, v in entry.items() if k != "by"})
+            by[name, cell] = entry["by"]
+    return results, by
+
+
+def what_it_wrote(by: dict, index: int) -> str:
+    """The cells command ``index`` wrote, each group of cells with the objectives it wrote them for."""
+    everyone = trained_objectives()
+    groups: dict[tuple, list[str]] = {}
+    for cell in CELLS:
+        names = tuple(n for n in everyone if by[n, cell] == index)
+        if names:
+            groups.setdefault(names, []).append(cell)
+    parts = [
+        f"{', '.join(cells)}: {f'all {len(everyone)} objectives' if list(names) == everyone else ', '.join(names)}"
+        for names, cells in groups.items()
+    ]
+    return "; ".join(parts) or "nothing shown now"
+
+
 def largest(results: dict, cell: str) -> str:
     """The largest loss and weight differences of ``cell`` over the objectives (declared differences left out)."""
     measured = [r for (_, c), r in results.items() if c == cell and r.loss_diff is not None and not r.note]
@@ -369,9 +505,10 @@ def largest(results: dict, cell: str) -> str:
     return f"{max(r.loss_diff for r in measured):.1e} / {max(r.weight_diff for r in measured):.1e}"
 
 
-def write_table(results: dict, command: str, seconds: float, path: Path) -> None:
-    """docs/equivalence.md: the objective x cell table, the tolerances, the command, its date and commit."""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def write_table(document: dict, path: Path) -> None:
+    """docs/equivalence.md from a :func:`merge` document: the objective x cell table, the tolerances, and each command
+    that wrote part of it with its date and commit."""
+    results, by = results_of(document)
     lines = [
         "# The equivalence matrix",
         "",
@@ -381,8 +518,15 @@ def write_table(results: dict, command: str, seconds: float, path: Path) -> None
         "start at 25-50) / the largest |weight difference| of the policy at the end",
         "(a LoRA cell: of the adapters, against the LoRA run whose reference is a separate copy of the base).",
         "",
-        f"Written by `{command}` on {date} at commit {commit()} in {seconds / 60:.0f} minutes"
-        " (the cells: [evaluation/equivalence.py](../evaluation/equivalence.py)).",
+        f"Written by these commands (the cells: [evaluation/equivalence.py](../evaluation/equivalence.py); every entry and "
+        f"the command that wrote it: [{path.with_suffix('.json').name}]({path.with_suffix('.json').name}); `--merge` "
+        "runs some cells again over it):",
+        "",
+    ]
+    for i, c in enumerate(document["commands"]):
+        took = f"{c['seconds'] / 60:.0f} minutes" if c["seconds"] >= 90 else f"{c['seconds']:.0f} s"
+        lines.append(f"- `{c['command']}` on {c['date']} at commit {c['commit']} in {took}: {what_it_wrote(by, i)}.")
+    lines += [
         "",
         "| cell | path | tolerance (loss / weight) | why | largest (loss / weight) |",
         "|---|---|---|---|---|",
@@ -406,14 +550,15 @@ def write_table(results: dict, command: str, seconds: float, path: Path) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The command line; exit 1 when a cell is over its tolerance or failed."""
-    import time
-
+    """The command line; exit 1 when a cell it ran is over its tolerance or failed."""
     parser = argparse.ArgumentParser(prog="python -m evaluation.equivalence", description=__doc__.split("\n")[0])
     parser.add_argument("--objectives", help="comma-separated objectives (default: every one the tiny runs train)")
     parser.add_argument("--cells", help=f"comma-separated cells (default: all: {', '.join(CELLS)})")
     parser.add_argument("--process-objectives", help="the objectives of the cells of processes of their own (default: all)")
-    parser.add_argument("--out", default=str(DOC), help="where the table goes (default: docs/equivalence.md)")
+    parser.add_argument("--out", default=str(DOC), help="where the table goes (default: docs/equivalence.md, and .json beside)")
+    parser.add_argument(
+        "--merge", action="store_true", help="start from the .json beside --out and overwrite only the cells this command runs"
+    )
     args = parser.parse_args(argv)
     known = trained_objectives()
     names = args.objectives.split(",") if args.objectives else known
@@ -422,10 +567,21 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in [*names, *(process_names or [])] if x not in known] + [c for c in cells if c not in CELLS]
     if unknown:
         parser.error(f"unknown objectives or cells: {', '.join(unknown)}")
+    out = Path(args.out)
+    previous = None
+    if args.merge:
+        if not out.with_suffix(".json").exists():
+            parser.error(f"--merge starts from {out.with_suffix('.json')}, which does not exist; run once without --merge.")
+        try:
+            previous = read_json(out.with_suffix(".json"))
+        except ValueError as e:
+            parser.error(str(e))
     start = time.time()
     results = run_matrix(names, [CELLS[c] for c in cells], process_names)
     command = shlex.join(["python", "-m", "evaluation.equivalence", *(argv if argv is not None else sys.argv[1:])])
-    write_table(results, command, time.time() - start, Path(args.out))
+    document = merge(results, provenance(command, time.time() - start), previous)
+    out.with_suffix(".json").write_text(json_text(document))
+    write_table(document, out)
     bad = [(n, c, r.text()) for (n, c), r in results.items() if r.over]
     for n, c, text in bad:
         print(f"loss={n}, {c}: {text}", file=sys.stderr)
