@@ -93,16 +93,21 @@ def _run(here: Path, ranks: int | None, timeout: float, collect: Callable[[], No
     with open(here / LOG, "w") as log:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     said, last = 0, time.time()
-    while proc.poll() is None:
-        size = sum(p.stat().st_size for p in here.glob("outcomes-*.jsonl"))
-        if size != said:  # an objective started or ended: progress
-            said, last = size, time.time()
-            collect()
-        if time.time() - last > timeout:
-            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (a session of their own)
+    try:
+        while proc.poll() is None:
+            size = sum(p.stat().st_size for p in here.glob("outcomes-*.jsonl"))
+            if size != said:  # an objective started or ended: progress
+                said, last = size, time.time()
+                collect()
+            if time.time() - last > timeout:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (a session of their own)
+                proc.wait()
+                return f"was killed after {timeout:g} s without an objective starting or ending"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:  # this process stopped (Ctrl-C): the launch, in a session of its own, stops with it
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            return f"was killed after {timeout:g} s without an objective starting or ending"
-        time.sleep(0.2)
     return f"ended with exit code {proc.returncode}"
 
 
