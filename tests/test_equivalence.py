@@ -61,8 +61,8 @@ def test_fsdp_and_tensor_parallel_cells_run_several_objectives_in_one_launch_eac
     extra = {"kto": ["lr=1e30"], "simpo": ["loss.beta=-1"]}
     results = equivalence.run_process_cell(fsdp, jobs, tmp_path / "fsdp", extra=extra)
     assert list(results) == ["ipo", "kto", "simpo", "dpo"]
-    assert_within_tolerance("fsdp", {n: results[n] for n in ("ipo", "dpo")})
-    assert all(results[n].loss_diff is not None for n in ("ipo", "dpo"))
+    for name in ("ipo", "dpo"):
+        assert not results[name].over and results[name].loss_diff is not None, f"fsdp, loss={name}: {results[name]}"
     assert results["kto"].over and results["kto"].note.startswith("failed: NonFiniteLossError: "), results["kto"].note
     assert results["simpo"].note == "not run: refused" and "loss.beta must be > 0" in results["simpo"].refusal
     assert not results["simpo"].over
@@ -125,7 +125,7 @@ def test_merge_overwrites_only_the_cells_the_command_ran_and_keeps_the_commands_
     monkeypatch.setattr(equivalence, "run_matrix", lambda *args, **kwargs: ran)
     assert equivalence.main(["--cells", "fsdp", "--merge", "--out", str(tmp_path / "eq.md")]) == 0
     document = json.loads((tmp_path / "eq.json").read_text())
-    c = document["commands"][1]
+    c = document["commands"][-1]  # this command
     assert c["command"] == f"python -m evaluation.equivalence --cells fsdp --merge --out {tmp_path / 'eq.md'}"
     assert document == {  # B wrote nothing that is left: it is gone; C is the second command
         "commands": [a, c],
