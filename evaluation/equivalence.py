@@ -201,15 +201,6 @@ def trained_objectives() -> list[str]:
 # ----------------------------------------------------------------------------- runs
 
 
-def compose(overrides: list[str]):
-    """The composed config of ``python train.py <overrides>``."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
 def run_in_process(overrides: list[str], packed: bool, attach: Callable | None = None) -> Path:
     """train.main on ``overrides`` in this process, its forward packed or padded; returns the run folder."""
     import train
@@ -219,7 +210,7 @@ def run_in_process(overrides: list[str], packed: bool, attach: Callable | None =
         if attach is not None:
             attach(trainer)
 
-    run_dir, stop_signal = train.main(compose(overrides), attach=set_forward)
+    run_dir, stop_signal = train.main(equivalence_worker.compose(overrides), attach=set_forward)
     assert stop_signal is None, f"the run stopped on signal {stop_signal}"
     return Path(run_dir)
 
@@ -287,7 +278,7 @@ def skip_reason(name: str, cell: Cell) -> str | None:
     """Why ``cell`` is not run for objective ``name`` (None: it is)."""
     import losses
 
-    loss_config = {k: v for k, v in compose([f"loss={name}"]).loss.items()}
+    loss_config = {k: v for k, v in equivalence_worker.compose([f"loss={name}"]).loss.items()}
     if cell.needs_reference and not losses.get_objective(name).uses_reference(loss_config):
         return f"not run: loss={name} uses no reference"
     if cell.name == "ray reference":

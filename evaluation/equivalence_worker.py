@@ -158,6 +158,15 @@ def _last_error(path: Path) -> str:
 # ----------------------------------------------------------------------------- the worker's side
 
 
+def compose(overrides: list[str]):
+    """The composed config of ``python train.py <overrides>``."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(REPO / "config"), version_base="1.3"):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
 def record(folder: Path, rank: int, name: str, status: str, text: str = "", lost_peer: bool = False) -> None:
     """Append one line on objective ``name`` to this process's ``outcomes-<rank>.jsonl``."""
     line = json.dumps({"name": name, "status": status, "text": text, "lost_peer": lost_peer})
@@ -169,7 +178,6 @@ def run_job(overrides: list[str], run: Callable) -> tuple[str, str, bool]:
     """``run(config)`` on the config of ``overrides``, which returns the run folder; returns (status, text, whether it
     failed only because another rank was gone)."""
     import utils
-    from evaluation.equivalence import compose
     from runs import processes
 
     try:
