@@ -48,7 +48,10 @@ BASE = [
     "progress_bar=false",
     "minimum_log_interval_secs=0",  # a train record per step: the per-step losses
     "warmup_steps=2",
-    "lr=3e-3",
+    # SGD: a weight difference is lr x the gradients' difference. RMSprop (the default) and AdamW divide each coordinate
+    # by its own RMS and turn 1e-10 of rounding in a near-zero gradient into 1e-4 (the reversed cell's weights, measured)
+    "optimizer=SGD",
+    "lr=0.1",
     "sft_first.n_examples=null",
     "sample_during_eval=false",
     "eval_reward_functions=null",
@@ -61,13 +64,6 @@ BASE = [
 CHUNK = 3  # positions per output-layer call in the chunked cell (the tiny rows are 17-18 long)
 RESUME_AT = 24  # the resume cell's checkpoint: mid-epoch, after 3 of 6 steps
 
-# Objectives whose losses depend on the micro-batch's other pairs: splitting a batch (accumulation, data parallelism)
-# changes them by declaration.
-MICRO_BATCH_COUPLED = {
-    "aot": "it sorts the margins over the micro-batch, so a micro-batch of 2 ranks other pairs than one of 4",
-    "aot_unpaired": "it sorts the log-ratios over the micro-batch, as aot",
-    "kto": "its reference point z0 is the mean over the micro-batch's mismatched pairs",
-}
 LOGGED_PER_MICRO_BATCH = {  # objectives whose logged loss (not their gradient) depends on how the batch is split
     "sft": "its logged loss/train is the mean of each micro-batch's loss per target token (tests/test_metrics.py pins "
     "it), not the whole batch's; its gradient divides by the whole batch's tokens, so the weights agree",
@@ -86,13 +82,11 @@ class Tolerance:
     why: str
 
 
-# Losses, as |difference| / max(1, |loss|): fp32 sums of ~20 log-probs of magnitude ~1-30 in another order agree to
-# ~1e-6 (about 1e-7 relative), and a squared loss (IPO, SPPO: ~25-50 at the start) scales that by its slope; 1e-5 leaves
-# a factor 10. Weights: AdamW divides each gradient entry by its own root mean square, so a rounding difference
-# of 1e-7 in a near-zero entry can move that weight by ~1e-5 in 6 steps at lr 3e-3 (tests/test_distributed.py's
-# atol, on weights of magnitude ~0.1-1): 5e-5. A planted bug moves the losses by 1e-3 or more.
-ONE_PROCESS = Tolerance(1e-5, 5e-5, "one process, the same sums in another order; AdamW amplifies rounding in tiny gradients")
-SPLIT = Tolerance(1e-5, 5e-5, "the batch's sums split over micro-batches or ranks, reduced in another order")
+# Losses, as |difference| / max(1, |loss|), and weights (SGD: lr x the gradients' difference, summed over 6 steps): the
+# reversed cell, the same sums in another order, shows at most 6e-7 and 2e-7 over the 23 objectives on seeds 0 and 1
+# (fp32 rounding: ~1e-7 relative); 1e-5 leaves a factor 17 and 50. The planted bugs move them by 1e-3 or more.
+ONE_PROCESS = Tolerance(1e-5, 1e-5, "one process, the same sums in another order (fp32 rounding; the reversed cell's)")
+SPLIT = Tolerance(1e-5, 1e-5, "the batch's sums split over micro-batches or ranks, reduced in another order")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +97,7 @@ class Cell:
     what: str
     overrides: tuple[str, ...] = ()
     packed: bool = False  # the in-process runs' forward (the processes of their own take the packed one)
-    how: str = "in_process"  # in_process, resume, lora or process (train.py in a process of its own)
+    how: str = "in_process"  # in_process, reversed, resume, lora or process (train.py in a process of its own)
     tolerance: Tolerance = ONE_PROCESS
     splits_batch: bool = False  # the micro-batch coupled objectives differ by declaration
     needs_reference: bool = False  # not run for an objective without a reference
@@ -112,6 +106,7 @@ class Cell:
 CELLS = {
     c.name: c
     for c in (
+        Cell("reversed", "each batch's pairs in reverse order: the same loss, the rounding floor", how="reversed"),
         Cell("packed", "the packed forward (modeling/packing.py)", packed=True),
         Cell("chunked", f"the output layer {CHUNK} positions at a time", (f"output_layer_chunk={CHUNK}",)),
         Cell("precomputed", "the reference's log-probs precomputed", ("precompute_ref_log_probs=true",)),
@@ -190,6 +185,15 @@ class Result:
         return f"differs by declaration: {numbers}" if self.note else numbers
 
 
+def micro_batch_coupled() -> dict[str, str]:
+    """Objective -> why its loss depends on the micro-batch's other pairs (``Objective.couples_micro_batch``): a cell that
+    splits the batch (accumulation, data-parallel ranks) changes it by declaration."""
+    import losses
+    import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
+
+    return {n: o.couples_micro_batch for n, o in sorted(losses.OBJECTIVES.items()) if o.couples_micro_batch}
+
+
 def trained_objectives() -> list[str]:
     """Every registered objective the tiny pair runs train (SFT on the chosen responses included), sorted."""
     import losses
@@ -233,6 +237,18 @@ def resumed_copy(run_dir: Path, parent: Path) -> Path:
     (cut / "LATEST").symlink_to(f"step-{RESUME_AT}")
     tracking.rewind_jsonl(str(cut / "metrics.jsonl"), RESUME_AT)  # what the run had logged when it stopped
     return cut
+
+
+def reverse_batches(trainer) -> None:
+    """Have ``trainer`` take each batch's B examples in reverse order (every objective's loss is a sum or mean over them)."""
+    step = trainer.train_step
+
+    def reversed_step(batch: dict) -> dict:
+        n = len(batch["prompt"])
+        flipped = {k: v.flip(0) if torch.is_tensor(v) and v.shape[:1] == (n,) else v for k, v in batch.items()}
+        return step({k: v[::-1] if isinstance(v, list) and len(v) == n else v for k, v in flipped.items()})
+
+    trainer.train_step = reversed_step
 
 
 def separate_reference(trainer) -> None:
@@ -292,8 +308,9 @@ def skip_reason(name: str, cell: Cell) -> str | None:
 def compare(name: str, cell: Cell, baseline: Path, other: Path) -> Result:
     """Cell ``cell`` of objective ``name``: the run ``other`` against ``baseline``, each difference against its tolerance."""
     loss_diff, weight_diff = differences(baseline, other)
-    declared = cell.splits_batch and name in MICRO_BATCH_COUPLED | LOGGED_PER_MICRO_BATCH
-    weights_declared = cell.splits_batch and name in MICRO_BATCH_COUPLED
+    coupled = micro_batch_coupled()
+    declared = cell.splits_batch and name in coupled.keys() | LOGGED_PER_MICRO_BATCH.keys()
+    weights_declared = cell.splits_batch and name in coupled
     over = (not declared and loss_diff > cell.tolerance.loss) or (not weights_declared and weight_diff > cell.tolerance.weight)
     return Result(loss_diff, weight_diff, "declared" if declared else "", over)
 
@@ -316,8 +333,8 @@ def run_cell(name: str, cell: Cell, baseline: Path, tmp: Path) -> Result:
 
     overrides = cell_overrides(name, cell, tmp)
     try:
-        if cell.how == "in_process":
-            other = run_in_process(overrides, cell.packed)
+        if cell.how in ("in_process", "reversed"):
+            other = run_in_process(overrides, cell.packed, reverse_batches if cell.how == "reversed" else None)
         elif cell.how == "resume":
             cut = resumed_copy(baseline, tmp / "cut")
             other = run_in_process([*overrides, f"resume={cut}"], cell.packed)
@@ -504,10 +521,13 @@ def write_table(document: dict, path: Path) -> None:
         "# The equivalence matrix",
         "",
         "Every objective on every path against the one-process padded run of the same objective and seed (BasicTrainer",
-        "with `trainer.packed = False`): the tiny random model on 48 arithmetic pairs, 6 steps of 8, fp32 on CPU. Each",
-        "cell is the largest |loss difference| over the steps (divided by max(1, |loss|): IPO's and SPPO's squared losses",
-        "start at 25-50) / the largest |weight difference| of the policy at the end",
-        "(a LoRA cell: of the adapters, against the LoRA run whose reference is a separate copy of the base).",
+        "with `trainer.packed = False`): the tiny random model on 48 arithmetic pairs, 6 SGD steps of 8 at lr 0.1, fp32 on",
+        "CPU. Each cell is the largest |loss difference| over the steps (divided by max(1, |loss|): IPO's and SPPO's squared",
+        "losses start at 25-50) / the largest |weight difference| of the policy at the end (a LoRA cell: of the adapters,",
+        "against the LoRA run whose reference is a separate copy of the base). SGD, because its weight difference is lr x",
+        "the gradients' difference: RMSprop and AdamW divide each coordinate by its own RMS, and the reversed cell (the same",
+        "sums in another order) then differs by up to 1.3e-4 in the weights, hiding a path's error below that (SGD's steps",
+        "2-6 move dpo's weights by up to 1.2e-2). The reversed cell is the floor: what fp32 rounding alone gives.",
         "",
         f"Written by these commands (the cells: [evaluation/equivalence.py](../evaluation/equivalence.py); every entry and "
         f"the command that wrote it: [{path.with_suffix('.json').name}]({path.with_suffix('.json').name}); `--merge` "
@@ -531,7 +551,7 @@ def write_table(document: dict, path: Path) -> None:
         lines.append(f"| {name} | " + " | ".join(results[name, c.name].text() for c in cells) + " |")
     lines += [""] + [f"- {n}: not run: {why}." for n, why in NOT_TRAINED.items()]
     lines += [f"- {n}, {c}: refused: {r.refusal}" for (n, c), r in results.items() if r.refusal]
-    lines += [f"- {n}: differs by declaration where a cell splits the batch: {why}." for n, why in MICRO_BATCH_COUPLED.items()]
+    lines += [f"- {n}: differs by declaration where a cell splits the batch: {why}." for n, why in micro_batch_coupled().items()]
     lines += [
         f"- {n}: its loss differs by declaration where a cell splits the batch ({why})."
         for n, why in LOGGED_PER_MICRO_BATCH.items()
@@ -559,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown objectives or cells: {', '.join(unknown)}")
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     previous = None
     if args.merge:
         if not out.with_suffix(".json").exists():
