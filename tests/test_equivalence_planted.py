@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 import pytest
+import torch
 
 import trainers
 from evaluation import equivalence
@@ -79,3 +80,13 @@ def test_an_option_ignored_on_one_path_is_caught(baselines, tmp_path, monkeypatc
 def test_the_reversed_cell_is_the_rounding_floor(baselines, tmp_path):
     result = planted_cell(baselines, tmp_path, "dpo", "reversed")  # nothing planted: the same sums in another order
     assert result.loss_diff < equivalence.ONE_PROCESS.loss / 10 and result.weight_diff < equivalence.ONE_PROCESS.weight / 10
+
+
+def test_reverse_batches_hands_the_step_each_batch_reversed():
+    seen = []
+    trainer = type("Stub", (), {"train_step": staticmethod(lambda batch: seen.append(batch) or {})})()
+    equivalence.reverse_batches(trainer)
+    ids = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    trainer.train_step({"prompt": ["a", "b", "c"], "chosen_input_ids": ids, "chosen_labels": ids, "width": 2})
+    assert seen[0]["prompt"] == ["c", "b", "a"] and seen[0]["width"] == 2
+    assert seen[0]["chosen_input_ids"].tolist() == [[5, 6], [3, 4], [1, 2]] == seen[0]["chosen_labels"].tolist()
