@@ -500,8 +500,8 @@ def micro_batch_note(config: DictConfig) -> str | None:
     parts = config.gradient_accumulation_steps * data_parallel_size(config, world_size)
     if not why or parts == 1:
         return None
-    return (f"Note: loss={config.loss.name} {why}, so its numbers depend on that micro-batch's size ({config.batch_size // parts} "
-            "pairs: batch_size / (gradient_accumulation_steps x data-parallel ranks)); compare its runs at the same size.")  # fmt: skip
+    return (f"Note: loss={config.loss.name} {why}, so its numbers depend on that micro-batch's size ({(size := config.batch_size // parts)} "
+            f"pair{'s' * (size != 1)}: batch_size / (gradient_accumulation_steps x data-parallel ranks)); compare its runs at the same size.")  # fmt: skip
 
 
 def data_parallel_size(config: DictConfig, world_size: int) -> int:

@@ -264,5 +264,7 @@ def test_a_split_batch_of_an_objective_that_couples_its_pairs_is_noted():
     assert "loss=kto takes its reference point z0" in checks.micro_batch_note(
         compose_config(["loss=kto", "gradient_accumulation_steps=2"])
     )
+    one = checks.micro_batch_note(compose_config(["loss=aot", "batch_size=8", "gradient_accumulation_steps=8"]))
+    assert "size (1 pair: batch_size" in one  # 8 / 8 = 1: singular (the matrix's log read "1 pairs")
     assert checks.micro_batch_note(compose_config(["loss=aot"])) is None  # one micro-batch: nothing split
     assert checks.micro_batch_note(compose_config(["loss=dpo", "gradient_accumulation_steps=4"])) is None  # a per-pair sum
