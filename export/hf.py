@@ -26,7 +26,12 @@ def write_hf_export(trainer, checkpoint: str, state_dict: dict | None = None) ->
             exporter.save_pretrained(folder, save_embedding_layers=False)
             trainer.tokenizer.save_pretrained(folder)
             if trainer.lora.get("export_merged"):
-                merged = exporter.merge_and_unload(safe_merge=True)  # a copy sharing the weights: the policy is untouched
+                # peft (0.22) merges into the base layers in place, and those share the live policy's storage: merge copies
+                own = {k: v.clone() if ".base_layer." in k else v for k, v in state.items()}
+                lora_base = models.lora_base_path(trainer.config)
+                merged = models.lora_export_model(trainer.policy.config, trainer.lora, own, lora_base).merge_and_unload(
+                    safe_merge=True
+                )
                 merged.generation_config = trainer.policy.generation_config
                 merged.save_pretrained(os.path.join(folder, "merged"))
                 trainer.tokenizer.save_pretrained(os.path.join(folder, "merged"))

@@ -200,6 +200,23 @@ def test_activation_checkpointing_gives_the_adapters_the_same_gradients(tmp_path
         torch.testing.assert_close(grads[True][name], grads[False][name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_the_merged_export_leaves_the_live_policy_untouched(tmp_path):
+    # peft 0.22 merges into the base layers in place; the export's base layers shared the live policy's storage, so every
+    # checkpoint with export_merged added the adapters to the policy's base (and to its adapters-off reference)
+    from export import hf
+
+    trainer, _ = lora_trainer(tmp_path, [*LORA, "model.lora.export_merged=true", "save_hf_export=true"])
+    with torch.no_grad():
+        for name, p in trainer.policy.named_parameters():
+            if "lora_B" in name:
+                p.fill_(0.5)  # a non-zero update to merge
+    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
+    assert hf.write_hf_export(trainer, str(tmp_path / "checkpoint")) is None
+    assert (tmp_path / "checkpoint" / "hf" / "merged").is_dir()
+    after = trainer.policy.state_dict()
+    assert [k for k in before if not torch.equal(before[k], after[k])] == []
+
+
 def test_a_lora_run_starts_at_ln2_loads_one_model_and_precompute_gives_the_live_run(lora_run, tmp_path):
     run_dir, n_loaded = lora_run
     assert n_loaded == 1
