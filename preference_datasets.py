@@ -482,6 +482,12 @@ def tokenize_prompt(prompt: str, tokenizer, max_prompt_length: int, truncation_m
     return {"prompt": prompt, "prompt_input_ids": _prompt_only_ids(ids, tokenizer, rendered, max_prompt_length, truncation_mode)}
 
 
+EXAMPLE_TOKENIZERS: dict[str, Callable[..., dict]] = {}
+"""Plugins' tokenizers by an example's field: an example holding ``field`` becomes
+``EXAMPLE_TOKENIZERS[field](ex, tokenizer, max_length, max_prompt_length)``, :func:`tokenize_element`'s dict plus what it
+adds (vision/: ``"images"``, adding ``model_inputs``, a dict of tensors :func:`stacked_model_inputs` batches)."""
+
+
 def epoch_order(
     n: int, seed: int, epoch: int, shuffle: bool, lengths: list[int] | None = None, group_size: int = 0
 ) -> np.ndarray:
@@ -530,6 +536,10 @@ def get_batch_iterator(
                 orders = {epoch: epoch_order(n, seed, epoch, shuffle, lengths, 64 * batch_size)}
             ex = examples[orders[epoch][idx % n]]
             fields = {"fields": ex.get("fields", {})} if with_fields else {}
+            plugin = next((fn for field, fn in EXAMPLE_TOKENIZERS.items() if field in ex), None)
+            if plugin is not None:  # e.g. an image example (vision/)
+                elements.append(plugin(ex, tokenizer, max_length, max_prompt_length) | fields)
+                continue
             if "chosen" not in ex:  # a prompt alone (online DPO)
                 rendered = "end_token_id" in ex
                 element = tokenize_prompt(ex["prompt"], tokenizer, max_prompt_length, ex["truncation_mode"], rendered)
@@ -544,9 +554,31 @@ def get_batch_iterator(
         yield collate(elements, pad_id)
 
 
+def stacked_model_inputs(per_example: list[dict], copies: int = 1) -> dict:
+    """The model's inputs beside the token ids (e.g. an image's pixel values and sizes) of ``copies`` x B examples in
+    row order: each example's tensors concatenated along dim 0, their other dims zero-padded to the largest (as a
+    processor pads a batch).
+
+    Args:
+        per_example: B dicts of tensors (an element's ``model_inputs``), e.g. ``pixel_values`` (n_images, C, H, W).
+        copies: how often the B examples repeat (2: chosen rows over rejected rows, each pair's images in both).
+    """
+    out = {}
+    for key in per_example[0] if per_example else ():
+        tensors = [e[key] for e in per_example] * copies
+        shape = [max(t.shape[d] for t in tensors) for d in range(1, tensors[0].dim())]
+        padded = []
+        for t in tensors:
+            pad = [p for d in reversed(range(1, t.dim())) for p in (0, shape[d - 1] - t.shape[d])]
+            padded.append(torch.nn.functional.pad(t, pad) if any(pad) else t)
+        out[key] = torch.cat(padded, dim=0)
+    return out
+
+
 def concatenated_inputs(batch: dict) -> dict:
     """``input_ids``, ``attention_mask``, ``labels``, each (2B, max(T_c, T_r)): chosen (B, T_c) in rows [0, B)
-    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass."""
+    over rejected (B, T_r) in rows [B, 2B), right-padded to one width for one forward pass; with the batch's
+    ``model_inputs`` (images), those of rows [0, B) and again of rows [B, 2B) (:func:`stacked_model_inputs`)."""
     width = max(batch["chosen_input_ids"].shape[1], batch["rejected_input_ids"].shape[1])
     out = {}
     for key, pad in (("input_ids", 0), ("attention_mask", 0), ("labels", IGNORE_INDEX)):
@@ -555,4 +587,6 @@ def concatenated_inputs(batch: dict) -> dict:
             t = batch[f"{side}_{key}"]
             parts.append(torch.nn.functional.pad(t, (0, width - t.shape[1]), value=pad))
         out[key] = torch.cat(parts, dim=0)
+    if "model_inputs" in batch:  # the pair's images reach both of its sequences
+        out |= stacked_model_inputs(batch["model_inputs"], copies=2)
     return out

@@ -152,7 +152,7 @@ class BasicTrainer:
         n = batch["chosen_input_ids"].shape[0]
         chunk = getattr(self, "output_layer_chunk", DEFAULT_OUTPUT_LAYER_CHUNK)  # a default for stand-ins without a config
         weight = getattr(self, "token_weight", None)  # an objective's weight per response token (LD-DPO); None: 1
-        if self.packed:  # each pair one row, the prompt once (None: a batch that is not right-padded)
+        if self.packed and "model_inputs" not in batch:  # each pair one row, the prompt once (None: not right-padded)
             args = (model, batch, self.average_log_prob, self.device, self.max_forward_chunks)
             out = packed_sequence_logps(*args, chunk=chunk, token_weight=weight, token_statistic=token_statistic)
             if out is not None:

@@ -238,7 +238,7 @@ def render_conversations(
 ) -> list[dict]:
     """Render conversational examples by the chat template into texts with ``end_token_id``, ``messages`` and ``pieces``."""
     label = "eval" if split == "test" else split
-    todo = [i for i, ex in enumerate(examples) if ex.get("conversation")]
+    todo = [i for i, ex in enumerate(examples) if ex.get("conversation") and "images" not in ex]  # images: vision/
     if not todo:
         return examples
     rows = {i: examples[i].get("row") or f"{label} example {i + 1}" for i in todo}

@@ -130,6 +130,8 @@ def flatten(name: str, data: DatasetDict, sft_mode: bool) -> list[dict]:
             extra["images"] = entry["images"]
         if "fields" in entry:
             extra["fields"] = entry["fields"]
+        if "images" in entry:  # the prompt's images, one per image part (vision/)
+            extra["images"] = entry["images"]
         prompt = entry.get("prompt_messages", prompt)
         if entry.get("labels"):
             rows = entry.get("rows") if len(entry.get("rows", ())) == len(entry["labels"]) else None

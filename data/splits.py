@@ -28,6 +28,9 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
         print(overlap)
     check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
+    (train_examples, train_own), (eval_examples, eval_own) = (
+        _set_apart(examples) for examples in (train_examples, eval_examples)
+    )  # a plugin's examples (vision/: images) are rendered and checked by it, the rest below
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
         chat.render_conversations(
             examples,
@@ -43,12 +46,31 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
     train_examples, eval_examples = screening.screen_splits(
         train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
     )
+    for field, prepare in SPLIT_PREPARERS.items():
+        train_examples += prepare(train_own[field], tokenizer, config, "train", rank != 0) if train_own[field] else []
+        eval_examples += prepare(eval_own[field], tokenizer, config, "test", rank != 0) if eval_own[field] else []
     note = check_eval_size(config, len(eval_examples))
     if note is not None and rank == 0:
         print(f"Note: {note}")
     if answer_functions or (online_run and config.online.scorer == "reward_function"):  # a column they cannot take: now
         rewards.field_columns([ex.get("fields") for ex in train_examples + eval_examples])
     return train_examples, eval_examples
+
+
+SPLIT_PREPARERS: dict = {}
+"""Plugins' examples by a field they hold: those holding ``field`` skip the chat template's rendering and the length
+screening here and become ``SPLIT_PREPARERS[field](examples, tokenizer, config, split, silent)`` (checked, ready for
+``preference_datasets.EXAMPLE_TOKENIZERS[field]``), after the others (vision/: ``"images"``)."""
+
+
+def _set_apart(examples: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(the examples no plugin of :data:`SPLIT_PREPARERS` takes, ``{field: the examples holding field}``)."""
+    own: dict[str, list[dict]] = {field: [] for field in SPLIT_PREPARERS}
+    rest = []
+    for ex in examples:
+        field = next((f for f in SPLIT_PREPARERS if f in ex), None)
+        (rest if field is None else own[field]).append(ex)
+    return rest, own
 
 
 def n_eval_used(config: DictConfig, n_eval: int) -> int:

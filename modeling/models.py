@@ -78,6 +78,17 @@ def pickled_weights_problem(error: Exception, path, key: str) -> str | None:
     )
 
 
+MODEL_HOOKS: list = []
+"""Plugins' model kinds, each an object with ``auto_class(model_config)`` (the transformers Auto class that loads or
+builds ``model.*``, or None: not theirs) and ``tokenizer(model_config, tokenizer)`` (the tokenizer to use, e.g. a
+processor's, called after the text one loads); vision/ adds image-text-to-text models."""
+
+
+def _hook_for(model_config: DictConfig):
+    """The first of :data:`MODEL_HOOKS` that claims ``model_config``, or None."""
+    return next((hook for hook in MODEL_HOOKS if hook.auto_class(model_config) is not None), None)
+
+
 def load_tokenizer(model_config: DictConfig):
     """The tokenizer of ``model.tokenizer_name_or_path`` (else built by ``model.tokenizer_class``, else
     ``model.name_or_path``'s) with pad set to EOS if absent and ``model.chat_template`` applied; ConfigError if it fails."""
@@ -115,7 +126,8 @@ def load_tokenizer(model_config: DictConfig):
                 "model.chat_template" if model_config.get("chat_template") else f"the chat template of {tokenizer.name_or_path!r}"
             )
             raise utils.ConfigError(f"{where}{f' {name!r}' if name else ''} {problem}")
-    return tokenizer
+    hook = _hook_for(model_config)
+    return tokenizer if hook is None else hook.tokenizer(model_config, tokenizer)
 
 
 def chat_template_problem(template: str) -> str | None:
@@ -256,6 +268,8 @@ def load_model(
     import transformers
 
     auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    hook = None if reward_head else _hook_for(model_config)
+    auto = auto if hook is None else hook.auto_class(model_config)  # e.g. AutoModelForImageTextToText (vision/)
     extra = {"num_labels": 1} if reward_head else {}
     if model_config.get("config") is not None:
         cfg = transformers_config(model_config, tokenizer)

@@ -37,7 +37,7 @@ def reference_cache_path(reference, examples: list[dict], tokenizer, config, cac
         settings.append({str(k): v for k, v in config.loss.items()})
     digest.update(json.dumps(settings).encode())
     for ex in examples:
-        digest.update(example_key(ex["prompt"], ex["chosen"], ex.get("rejected")).encode())
+        digest.update((ex.get("key") or example_key(ex["prompt"], ex["chosen"], ex.get("rejected"))).encode())  # own key: images
     return os.path.join(cache_dir, f"reference_logps-{digest.hexdigest()[:24]}.pt")
 
 

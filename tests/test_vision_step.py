@@ -1,0 +1,142 @@
+"""Vision-language DPO's step (vision/): a pair's log-probs with images equal a per-example forward of the same Hugging
+Face model, for the policy and the reference, the chosen and the rejected sequence, on LLaVA and Idefics3 (SmolVLM)
+built tiny from configs with processors made in code; a prompt cut through its image tokens is refused with the exact
+count; the precomputed reference and the chunked output layer equal the live and unchunked forwards."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+from conftest import needs_shared
+
+import trainers
+import vision  # noqa: F401  (registers the image tokenizer, the model hook and shapes)
+from preference_datasets import get_batch_iterator
+from utils import DataError
+from vision import models as vision_models
+from vision import tokenize as vision_tokenize
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL.Image")
+
+IDEFICS3_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] | capitalize + ':' }}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{{ '<end_of_utterance>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>Assistant:' }}{% endif %}"
+)
+TEXT = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 2}  # fmt: skip
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "image_size": 32,
+          "patch_size": 8}  # fmt: skip
+
+
+def smollm2_tokenizer():
+    path = needs_shared("tokenizers", "smollm2-135m-instruct")
+    return transformers.AutoTokenizer.from_pretrained(str(path))
+
+
+def llava(seed: int):
+    """(processor, a random LLaVA of ``seed``): CLIP tower 32x32 in 8x8 patches (16 image tokens), Llama text model."""
+    from omegaconf import OmegaConf
+
+    config = {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model", **VISION}, "text_config": TEXT,
+              "vision_feature_select_strategy": "default"}  # fmt: skip
+    processor = vision_models.tiny_llava_processor(OmegaConf.create({"config": config}), smollm2_tokenizer())
+    config["text_config"] = {**TEXT, "vocab_size": len(processor.tokenizer)}
+    config["image_token_index"] = processor.tokenizer.convert_tokens_to_ids("<image>")
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(transformers.AutoConfig.for_model(**config))
+    return processor, model.eval()
+
+
+def idefics3(seed: int):
+    """(processor, a random Idefics3 of ``seed``): one 32x32 image (no splitting) as 4 image tokens, Llama text model."""
+    tokenizer = smollm2_tokenizer()
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]},
+        replace_extra_special_tokens=False,
+    )
+    image_processor = transformers.Idefics3ImageProcessor(
+        size={"longest_edge": 32}, max_image_size={"longest_edge": 32}, do_image_splitting=False
+    )
+    processor = transformers.Idefics3Processor(
+        image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4, chat_template=IDEFICS3_TEMPLATE
+    )
+    config = transformers.Idefics3Config(
+        vision_config=VISION, text_config={**TEXT, "vocab_size": len(tokenizer)}, scale_factor=2,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return processor, transformers.AutoModelForImageTextToText.from_config(config).eval()
+
+
+FAMILIES = {"llava": llava, "idefics3": idefics3}
+
+
+def image(seed: int, size=(40, 30)):
+    rng = np.random.default_rng(seed)
+    return PIL.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def examples(n_images=(1, 2, 1)) -> list[dict]:
+    """Pairs whose prompts hold ``n_images[i]`` images each (another image per pair), answers of different lengths."""
+    out = []
+    for i, k in enumerate(n_images):
+        parts = [{"type": "image"}] * k + [{"type": "text", "text": f"What colour is shape {i}?"}]
+        out.append({
+            "prompt": [{"role": "user", "content": parts}], "images": [image(10 * i + j) for j in range(k)],
+            "chosen": ["Red", "A blue one", "green"][i], "rejected": ["Blue, surely", "red", "It is yellow"][i],
+            "truncation_mode": "keep_end", "row": f"pair {i}",
+        })  # fmt: skip
+    return out
+
+
+def one_batch(tokenizer, exs, max_length=128, max_prompt_length=96) -> dict:
+    return next(get_batch_iterator(exs, tokenizer, len(exs), max_length, max_prompt_length, shuffle=False, n_examples=len(exs)))
+
+
+def by_hand(model, processor, ex: dict, side: str) -> float:
+    """log p(answer | prompt, images): the processor on the whole rendered text, the model's logits log-softmaxed."""
+    prompt = vision_tokenize.render(processor, ex["prompt"])
+    whole = vision_tokenize.render(processor, ex["prompt"], ex[side])
+    eot = vision_tokenize.end_of_turn(processor)
+    whole = whole[: whole.index(eot, len(prompt)) + len(eot)]  # the answer's turn up to its end of turn
+    n_prompt = processor(text=[prompt], images=[ex["images"]], return_tensors="pt")["input_ids"].shape[1]
+    inputs = processor(text=[whole], images=[ex["images"]], return_tensors="pt")
+    with torch.no_grad():
+        logps = model(**inputs).logits[0].double().log_softmax(-1)
+    ids = inputs["input_ids"][0]
+    return sum(logps[t - 1, ids[t]].item() for t in range(n_prompt, len(ids)))
+
+
+def stand_in(policy, reference, chunk=None):
+    """The trainer's state that ``concatenated_forward`` and ``reference_logps`` read, on the CPU."""
+    t = types.SimpleNamespace(
+        packed=True, average_log_prob=False, device=torch.device("cpu"), max_forward_chunks=None, output_layer_chunk=chunk,
+        remote_reference=None, reference_cache=None, peft_model=None, reference_model=reference,
+        dist=types.SimpleNamespace(reshard=lambda model: None), policy=policy,
+    )  # fmt: skip
+    t.concatenated_forward = lambda model, batch: trainers.BasicTrainer.concatenated_forward(t, model, batch)
+    return t
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_pair_logps_with_images_equal_a_per_example_forward(family):
+    processor, policy = FAMILIES[family](0)
+    _, reference = FAMILIES[family](1)
+    tokenizer = vision_models.attach(processor)
+    exs = examples()
+    batch = one_batch(tokenizer, exs)
+    trainer = stand_in(policy, reference)
+    with torch.no_grad():
+        chosen, rejected, _ = trainer.concatenated_forward(policy, batch)
+    ref_chosen, ref_rejected = trainers.BasicTrainer.reference_logps(trainer, batch)
+    for model, got in ((policy, (chosen, rejected)), (reference, (ref_chosen, ref_rejected))):
+        for side, values in zip(("chosen", "rejected"), got):
+            expected = [by_hand(model, processor, ex, side) for ex in exs]
+            np.testing.assert_allclose(values.double().numpy(), expected, atol=1e-5, rtol=0)
+    assert not torch.allclose(chosen, ref_chosen)  # two models: the reference is not the policy again
