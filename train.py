@@ -23,6 +23,7 @@ import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and I
 import online  # noqa: F401  (registers online DPO's trainer)
 import trainers
 import utils
+import vision  # noqa: F401  (registers image-text-to-text models, image examples and the shapes dataset)
 from data import splits
 from export import modelcard
 from modeling import loading, models

@@ -100,13 +100,22 @@ def count_duplicates(data: DatasetDict) -> int:
     )
 
 
+def _digest(value) -> str:
+    """An image's digest (encoded bytes, or a PIL image's pixels), else ``str(value)`` (a path)."""
+    if isinstance(value, bytes):
+        return hashlib.sha1(value).hexdigest()
+    if hasattr(value, "tobytes") and hasattr(value, "size"):  # a PIL image: its str is its memory address
+        return hashlib.sha1(value.tobytes() + str(value.size).encode()).hexdigest()
+    return str(value)
+
+
 def split_overlap_warning(train: list[dict], test: list[dict]) -> str | None:
     """The warning when over :data:`DUPLICATE_WARNING_SHARE` of the ``test`` examples are also ``train`` examples (the
     same prompt and responses, e.g. one file given as both splits), else None."""
 
-    def key(example: dict) -> str:  # an image's bytes by their digest: the same question on two images is two examples
+    def key(example: dict) -> str:  # an image by its bytes' digest: the same question on two images is two examples
         fields = [example.get(k) for k in ("prompt", "chosen", "rejected", "label", "images")]
-        return json.dumps(fields, default=lambda v: hashlib.sha1(v).hexdigest() if isinstance(v, bytes) else str(v))
+        return json.dumps(fields, default=_digest)
 
     trained = set(map(key, train))
     n = sum(key(example) in trained for example in test)

@@ -43,8 +43,10 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
         )
         for examples, split in ((train_examples, "train"), (eval_examples, "test"))
     )
-    train_examples, eval_examples = screening.screen_splits(
-        train_examples, eval_examples, tokenizer, config.max_length, config.max_prompt_length, silent=rank != 0
+    args = (tokenizer, config.max_length, config.max_prompt_length, rank != 0)
+    train_examples, eval_examples = (  # a split of a plugin's examples alone has none to screen here
+        screening.screen_examples(examples, split, *args) if examples or not any(own_examples.values()) else examples
+        for examples, own_examples, split in ((train_examples, train_own, "train"), (eval_examples, eval_own, "test"))
     )
     for field, prepare in SPLIT_PREPARERS.items():
         train_examples += prepare(train_own[field], tokenizer, config, "train", rank != 0) if train_own[field] else []

@@ -16,7 +16,7 @@ import trainers
 import utils
 from evaluation import reward_functions, rewards, sampling
 from modeling import models
-from preference_datasets import declared_reward_functions, left_pad
+from preference_datasets import declared_reward_functions, left_pad, stacked_model_inputs
 from runs import checkpoints, tracking, trainer_checkpoint
 from trainers import split_batch
 
@@ -47,17 +47,28 @@ def answer_scorers(config) -> list:
     return [(name, rewards.RewardFunctionScorer([name], [fn], [1.0])) for name, fn in functions]
 
 
-def eval_prompts(trainer, n: int | None = None) -> tuple[list[str], list[list[int]], list[dict]]:
+def eval_prompts(trainer, n: int | None = None, images: list | None = None) -> tuple[list[str], list[list[int]], list[dict]]:
     """The first ``n`` (all: None) eval prompts, their unpadded ids (eval batches are padded to different widths) and
-    their rows' other columns."""
+    their rows' other columns; ``images``, if given, gets each prompt's ``model_inputs`` (None for a text prompt)."""
     prompts, ids, fields = [], [], []
     for batch in trainer.eval_batches:
         prompts.extend(batch["prompt"])
         ids.extend(row[m.bool()].tolist() for row, m in zip(batch["prompt_input_ids"], batch["prompt_attention_mask"]))
         fields.extend(batch.get("fields") or [{}] * len(batch["prompt"]))
+        if images is not None:
+            images.extend(batch.get("model_inputs") or [None] * len(batch["prompt"]))
         if n is not None and len(prompts) >= n:
             break
+    if images is not None:
+        del images[len(prompts[:n]) :]
     return prompts[:n], ids[:n], fields[:n]
+
+
+def with_images(generate_kwargs: dict, model_inputs: list, device) -> dict:
+    """``generate_kwargs`` with the prompts' images (their ``model_inputs``, vision/) batched in row order, if any."""
+    if not model_inputs or model_inputs[0] is None:
+        return dict(generate_kwargs)
+    return dict(generate_kwargs) | {k: v.to(device) for k, v in stacked_model_inputs(model_inputs).items()}
 
 
 @torch.no_grad()
@@ -65,10 +76,12 @@ def score_answers(trainer, answer_functions: list) -> dict:
     """The policy's greedy answers to the eval prompts, scored by each ``(name, scorer)`` of ``answer_functions``:
     ``answers_eval/<name>`` (mean score over the prompts it scored), ``answers_eval/<name>_failed`` (share
     not scorable), ``answers_eval/ended`` (share stopped at EOS within ``max_length - max_prompt_length`` tokens)."""
-    prompts, ids, fields = eval_prompts(trainer)
+    images: list = []
+    prompts, ids, fields = eval_prompts(trainer, images=images)
     world, size = trainer.dist.data_world_size, trainer.config.eval_batch_size
-    part = split_batch({"prompt": prompts, "ids": ids, "fields": fields}, world)
-    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else {"prompt": [], "ids": [], "fields": []}
+    part = split_batch({"prompt": prompts, "ids": ids, "fields": fields, "images": images}, world)
+    empty = {"prompt": [], "ids": [], "fields": [], "images": []}
+    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else empty
     n_calls = math.ceil(math.ceil(len(prompts) / world) / size)  # the same on every rank: FSDP's generate is collective
     pad_id = trainer.tokenizer.pad_token_id
     rows = []
@@ -79,6 +92,7 @@ def score_answers(trainer, answer_functions: list) -> dict:
         )
         stand_in = not chunk_prompts  # this rank has no prompts left: generate for one, keep nothing
         batch_ids, masks = left_pad(chunk_ids or ids[:1], pad_id)
+        chunk_images = mine["images"][call * size : (call + 1) * size] if chunk_prompts else images[:1]
         completions, mask = sampling.generate(
             trainer.policy,
             batch_ids,
@@ -86,7 +100,7 @@ def score_answers(trainer, answer_functions: list) -> dict:
             trainer.stop_ids,
             pad_id,
             device=trainer.device,
-            generate_kwargs=dict(trainer.generate_kwargs),
+            generate_kwargs=with_images(trainer.generate_kwargs, chunk_images, trainer.device),
             max_new_tokens=max(1, trainer.config.max_length - trainer.config.max_prompt_length),  # the same for every prompt
             do_sample=False,
         )
@@ -119,9 +133,11 @@ def sample(trainer) -> list[dict]:
     """Sample completions from the policy (and the reference, if any) for the first
     ``n_eval_model_samples`` eval prompts; append them to ``samples.jsonl`` and
     ``samples.md`` in the run folder and log them as W&B tables."""
-    prompts, ids, _ = eval_prompts(trainer, trainer.config.n_eval_model_samples)
-    part = split_batch({"prompt": prompts, "ids": ids}, trainer.dist.data_world_size)
-    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else {"prompt": prompts[:1], "ids": ids[:1]}
+    images: list = []
+    prompts, ids, _ = eval_prompts(trainer, trainer.config.n_eval_model_samples, images)
+    part = split_batch({"prompt": prompts, "ids": ids, "images": images}, trainer.dist.data_world_size)
+    stand_in = {"prompt": prompts[:1], "ids": ids[:1], "images": images[:1]}
+    mine = part[trainer.dist.data_rank] if trainer.dist.data_rank < len(part) else stand_in
     pad_id = trainer.tokenizer.pad_token_id
     prompts, (ids, masks) = mine["prompt"], left_pad(mine["ids"], pad_id)  # to the longest prompt here
     samplers = {"policy": trainer.policy}
@@ -137,7 +153,7 @@ def sample(trainer) -> list[dict]:
                 trainer.stop_ids,
                 pad_id,
                 device=trainer.device,
-                generate_kwargs=dict(trainer.generate_kwargs),
+                generate_kwargs=with_images(trainer.generate_kwargs, mine["images"], trainer.device),
                 max_new_tokens=trainer.config.max_length - ids.shape[1],
                 do_sample=True,
                 top_p=trainer.config.sample_top_p,

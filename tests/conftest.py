@@ -18,6 +18,7 @@ import evaluation.in_training  # noqa: F401  (registers answers_eval and samples
 import export.hf  # noqa: F401  (registers the hf/ folder with each checkpoint, as train.py does)
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO, as train.py does)
 import online  # noqa: F401  (registers online DPO's trainer, as train.py does)
+import vision  # noqa: F401  (registers image-text-to-text models, image examples and shapes, as train.py does)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"

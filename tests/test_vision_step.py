@@ -140,3 +140,81 @@ def test_pair_logps_with_images_equal_a_per_example_forward(family):
             expected = [by_hand(model, processor, ex, side) for ex in exs]
             np.testing.assert_allclose(values.double().numpy(), expected, atol=1e-5, rtol=0)
     assert not torch.allclose(chosen, ref_chosen)  # two models: the reference is not the policy again
+
+
+def test_sft_rows_with_images_equal_a_per_example_forward():
+    # SFT's one-sided forward (losses.sft_inputs -> forward.single_logps) takes each row's images too, unpacked
+    import losses
+
+    processor, policy = llava(0)
+    tokenizer = vision_models.attach(processor)
+    exs = [{k: v for k, v in ex.items() if k != "rejected"} for ex in examples()]
+    batch = one_batch(tokenizer, exs)
+    trainer = stand_in(policy, None)
+    trainer.one_side_logps = lambda model, rows: trainers.BasicTrainer.one_side_logps(trainer, model, rows)
+    with torch.no_grad():
+        got = losses.sft_inputs(trainer, batch).policy_chosen_logps
+    np.testing.assert_allclose(got.double().numpy(), [by_hand(policy, processor, ex, "chosen") for ex in exs], atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["keep_start", "keep_end"])
+def test_a_prompt_cut_through_its_image_tokens_is_refused_with_the_exact_count(mode):
+    # LLaVA's prompt: <|im_start|> user \n, then (32 / 8)^2 = 16 <image> tokens (CLIP's class token dropped) at
+    # positions 3..18, then the question; a cut that keeps them all passes, one token less is refused in one sentence.
+    processor, policy = llava(0)
+    tokenizer = vision_models.attach(processor)
+    ex = {**examples()[0], "chosen": "red " * 30, "truncation_mode": mode}
+    prompt = vision_tokenize.render(processor, ex["prompt"])
+    n_prompt = processor(text=[prompt], images=[ex["images"]], return_tensors="pt")["input_ids"].shape[1]
+    head = int(mode == "keep_end" and tokenizer.bos_token_id == tokenizer.convert_tokens_to_ids("<|im_start|>"))
+    need = 19 if mode == "keep_start" else n_prompt - 3 + head  # keep_end keeps the BOS, then the prompt from token 3
+    with pytest.raises(DataError) as refused:
+        one_batch(tokenizer, [ex], max_length=need + 3, max_prompt_length=need - 1)
+    assert str(refused.value) == (
+        f"pair 0: its prompt is {n_prompt} tokens, 16 of them its images' (tokens 3 to 18), and cutting it to "
+        f"max_prompt_length={need - 1} ({mode}) would cut through them, which the model cannot take; raise "
+        f"max_prompt_length to at least {need} (and max_length above it), or leave the row out."
+    )
+    batch = one_batch(tokenizer, [ex], max_length=need + 3, max_prompt_length=need)
+    image_id = tokenizer.convert_tokens_to_ids("<image>")
+    assert (batch["chosen_input_ids"][0] == image_id).sum() == 16 and batch["chosen_input_ids"].shape[1] == need + 3
+    with torch.no_grad():  # the model takes the cut row: its image tokens match the image's features
+        stand_in(policy, None).concatenated_forward(policy, {**batch, "rejected_input_ids": batch["chosen_input_ids"],
+            "rejected_attention_mask": batch["chosen_attention_mask"], "rejected_labels": batch["chosen_labels"]})  # fmt: skip
+
+
+def test_precomputed_reference_and_chunked_output_layer_equal_the_live_and_unchunked_forwards(tmp_path):
+    # two pairs with the same texts and other images: their keys differ, so the cache keeps both
+    from runs import reference_cache
+
+    processor, policy = llava(0)
+    _, reference = llava(1)
+    tokenizer = vision_models.attach(processor)
+    twins = [examples()[0], {**examples()[0], "images": [image(99)]}, examples()[1]]
+    trainer = stand_in(policy, reference)
+    trainer.tokenizer, trainer.reference_logps = tokenizer, lambda b: trainers.BasicTrainer.reference_logps(trainer, b)
+    trainer.config = types.SimpleNamespace(eval_batch_size=2, max_length=128, max_prompt_length=96, progress_bar=False)
+    trainer.dist = types.SimpleNamespace(data_world_size=1, data_rank=0, is_main=True, reshard=lambda m: None,
+                                         gather_metrics=lambda d: d)  # fmt: skip
+    cache = reference_cache.precompute_reference(trainer, twins, str(tmp_path / "ref.pt"))
+    assert len(cache) == 3
+    batch = one_batch(tokenizer, twins[::-1])
+    live = trainer.reference_logps(batch)
+    trainer.reference_cache = cache
+    cached = trainer.reference_logps(batch)
+    assert not torch.allclose(live[0][1], live[0][2])  # the other image changes the log-probs
+    for a, b in zip(live, cached):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    policy.double()  # float64: the two forwards sum the output layer's terms in other orders
+    batch["model_inputs"] = [{k: v.double() if v.is_floating_point() else v for k, v in m.items()} for m in batch["model_inputs"]]
+    unchunked = trainer.concatenated_forward(policy, batch)
+    chunked = stand_in(policy, reference, chunk=3).concatenated_forward(policy, batch)
+    grads = []
+    for out in (unchunked, chunked):
+        policy.zero_grad()
+        (out[0] - out[1]).sum().backward()
+        grads.append([p.grad.clone() for p in policy.parameters() if p.grad is not None])
+    for a, b in zip(unchunked, chunked):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
