@@ -218,3 +218,61 @@ def test_precomputed_reference_and_chunked_output_layer_equal_the_live_and_unchu
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+
+
+def test_what_an_image_model_does_not_train_with_is_refused_in_one_sentence(tmp_path):
+    from conftest import compose_config
+
+    from runs import checks
+    from utils import ConfigError
+
+    for override, what, fix in (
+        ("online.enabled=true online.scorer=reward_function reward_functions=[shapes]", "online DPO (sampling with images)",
+         "online.enabled=false"),
+        ("trainer=FSDPTrainer", "trainer=FSDPTrainer", "trainer=BasicTrainer"),
+        ("model.lora.r=8", "LoRA (model.lora.r)", "model.lora.r=null"),
+    ):  # fmt: skip
+        config = compose_config(["model=tiny_vlm", f"output_root={tmp_path}", *override.split()])
+        with pytest.raises(ConfigError) as refused:
+            checks.validate_config(config)
+        assert str(refused.value) == f"llava is an image-text-to-text model, which does not train with {what} yet; set {fix}."
+    checks.validate_config(compose_config(["model=tiny_vlm", f"output_root={tmp_path}"]))  # the preset itself passes
+
+
+def test_image_rows_for_a_text_model_are_one_sentence():
+    tokenizer = smollm2_tokenizer()
+    with pytest.raises(DataError, match=r"^pair 0 holds images, but the model .* is a text model; give an image-text-to-text"):
+        one_batch(tokenizer, examples()[:1])
+
+
+def test_the_tiny_vlm_preset_trains_and_its_answers_rise(tmp_path):
+    # model=tiny_vlm on shapes: SFT from the random model (answers 0: it has never said a colour), then DPO from its policy
+    import json
+
+    from conftest import run_train
+
+    short = ["model=tiny_vlm", "data.shapes.n_train=1024", "data.shapes.n_test=32", "n_eval_examples=32", "batch_size=32",
+             "eval_batch_size=32", "eval_reward_functions=auto", "warmup_steps=5", "n_eval_model_samples=2"]  # fmt: skip
+    sft = run_train([*short, "loss=sft", "lr=3e-3", "n_examples=2048", "eval_every=2048"], tmp_path / "sft")
+    dpo = run_train([*short, "lr=3e-4", "n_examples=256", "eval_every=256", "sample_during_eval=true",
+                     f"model.archive={sft / 'LATEST' / 'policy.pt'}"], tmp_path / "dpo")  # fmt: skip
+
+    def evals(run):
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if "answers_eval/shapes" in r]
+
+    (start, *_, after_sft), (*_, after_dpo) = evals(sft), evals(dpo)
+    assert start["answers_eval/shapes"] == 0 and after_sft["answers_eval/shapes"] >= 0.75
+    assert after_dpo["rewards_eval/accuracies"] > 0.5 and after_dpo["answers_eval/shapes"] >= 0.75
+    assert "|" in (dpo / "samples.md").read_text()  # samples with images: policy and reference generate from them
+    # the export hf/ holds the processor too: it loads as any saved image-text-to-text folder, with the trained weights
+    from conftest import compose_config
+
+    from modeling import models
+
+    saved = compose_config(["model=blank_model", f"model.name_or_path={sft / 'LATEST' / 'hf'}"]).model
+    tokenizer = models.load_tokenizer(saved)
+    assert vision_models.processor_for(tokenizer).image_token == "<image>"
+    reloaded = models.load_model(saved, tokenizer, torch.float32, 0)
+    trained = torch.load(sft / "LATEST" / "policy.pt", weights_only=True)["state"]
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in trained.items())

@@ -12,6 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 import utils
 from modeling import models
+from runs import trainer_checkpoint
 
 PROCESSORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """tokenizer -> the processor it belongs to (the run's tokenizer is the processor's own)."""
@@ -152,4 +153,19 @@ class ImageTextToText:
         return attach(processor)
 
 
+def write_processor(trainer, checkpoint: str, state_dict=None) -> str | None:
+    """Beside the Hugging Face export (``hf/``, export/) of an image-text-to-text run, its processor, so that
+    ``model.name_or_path=<checkpoint>/hf`` loads it as any saved model folder; returns None, or why it failed."""
+    folder = os.path.join(checkpoint, "hf")
+    processor = PROCESSORS.get(trainer.tokenizer)
+    if processor is None or not os.path.isdir(folder):  # a text model, or no export (save_hf_export=false, or it failed)
+        return None
+    try:
+        processor.save_pretrained(folder)
+    except OSError as e:
+        return utils.failure_reason(e)
+    return None
+
+
 models.MODEL_HOOKS.append(ImageTextToText)
+trainer_checkpoint.CHECKPOINT_EXTENSIONS.append(write_processor)  # after export/'s hf/ (train.py imports it first)

@@ -29,7 +29,7 @@ def draw(rng: random.Random, colour: str, other: str | None, size: int = 32):
     image = Image.new("RGB", (size, size), (255, 255, 255))
     pen = ImageDraw.Draw(image)
     for shape, name in (("square", colour), ("circle", other)) if other else (("square", colour),):
-        side = rng.randint(size // 4, size // 2)
+        side = rng.randint(size // 2, size * 3 // 4)
         x, y = rng.randint(0, size - side), rng.randint(0, size - side)
         box = (x, y, x + side - 1, y + side - 1)
         (pen.rectangle if shape == "square" else pen.ellipse)(box, fill=COLOURS[name])
