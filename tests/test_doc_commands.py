@@ -71,10 +71,17 @@ SKIPS = [
     ("torchrun", "GPUs"),
     ("hf upload", "the Hugging Face Hub"),
     ("python - outputs/*/eval", "reads finished evaluations' folders"),
+    (
+        "python train.py model=blank_model model.name_or_path=<an image-text-to-text",
+        "an image-text-to-text model and an image preference file of the user's (tests/test_vision_step.py: model=tiny_vlm)",
+    ),
 ]
 
 # pages' commands run as written except these, each a hub source only (a stand-in would test nothing of the command)
-HUB_ONLY = {"data.hf.path=HuggingFaceH4/ultrafeedback_binarized": "a hub dataset; no hub here"}
+HUB_ONLY = {
+    "data.hf.path=HuggingFaceH4/ultrafeedback_binarized": "a hub dataset; no hub here",
+    "model.name_or_path=HuggingFaceTB/SmolVLM-256M-Instruct": "a hub image-text-to-text model; no hub here",
+}
 
 
 def fenced_bash(page: Path) -> list[tuple[int, str]]:
