@@ -12,7 +12,7 @@ from data import prompts as prompt_sets
 from data.loading import load_examples, split_overlap_warning
 from data.report import check_pairing
 from evaluation import rewards
-from utils import ConfigError
+from utils import ConfigError, DataError
 
 
 def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list) -> tuple[list[dict], list[dict]]:
@@ -29,7 +29,7 @@ def load_splits(config: DictConfig, tokenizer, rank: int, answer_functions: list
     check_pairing(train_examples + eval_examples, losses.get_objective(config.loss.name))  # unpaired rows
     all_turns = sft_mode and bool(config.loss.get("all_assistant_turns", False))
     (train_examples, train_own), (eval_examples, eval_own) = (
-        _set_apart(examples) for examples in (train_examples, eval_examples)
+        _set_apart(examples, split) for examples, split in ((train_examples, "train"), (eval_examples, "eval"))
     )  # a plugin's examples (vision/: images) are rendered and checked by it, the rest below
     train_examples, eval_examples = (  # conversations through the chat template (plain text unchanged)
         chat.render_conversations(
@@ -65,13 +65,18 @@ screening here and become ``SPLIT_PREPARERS[field](examples, tokenizer, config, 
 ``preference_datasets.EXAMPLE_TOKENIZERS[field]``), after the others (vision/: ``"images"``)."""
 
 
-def _set_apart(examples: list[dict]) -> tuple[list[dict], dict[str, list[dict]]]:
-    """(the examples no plugin of :data:`SPLIT_PREPARERS` takes, ``{field: the examples holding field}``)."""
+def _set_apart(examples: list[dict], label: str) -> tuple[list[dict], dict[str, list[dict]]]:
+    """(the examples no plugin of :data:`SPLIT_PREPARERS` takes, ``{field: the examples holding field}``); DataError when
+    the ``label`` split mixes kinds, which cannot share a batch."""
     own: dict[str, list[dict]] = {field: [] for field in SPLIT_PREPARERS}
     rest = []
     for ex in examples:
         field = next((f for f in SPLIT_PREPARERS if f in ex), None)
         (rest if field is None else own[field]).append(ex)
+    kinds = [(len(v), f"'{f}'") for f, v in own.items() if v] + ([(len(rest), "none of those fields")] if rest else [])
+    if len(kinds) > 1:
+        held = " and ".join(f"{n} examples holding {what}" for n, what in kinds)
+        raise DataError(f"The {label} split mixes {held}, which cannot share a batch; give them to separate runs.")
     return rest, own
 
 

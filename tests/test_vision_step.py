@@ -276,3 +276,15 @@ def test_the_tiny_vlm_preset_trains_and_its_answers_rise(tmp_path):
     reloaded = models.load_model(saved, tokenizer, torch.float32, 0)
     trained = torch.load(sft / "LATEST" / "policy.pt", weights_only=True)["state"]
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_a_split_mixing_image_and_text_examples_is_one_sentence():
+    from data import splits
+
+    text = {"prompt": "Q: 1+1=\nA:", "chosen": " 2", "rejected": " 3", "truncation_mode": "keep_start"}
+    with pytest.raises(DataError) as refused:
+        splits._set_apart([*examples()[:2], text], "train")
+    assert str(refused.value) == (
+        "The train split mixes 2 examples holding 'images' and 1 examples holding none of those fields, which cannot "
+        "share a batch; give them to separate runs."
+    )
