@@ -172,7 +172,8 @@ def examples_fingerprint(examples: list[dict]) -> dict:
 
     h = hashlib.sha256()
     for example in examples:
-        example = {k: v for k, v in example.items() if k != "fields"}  # checkpoints from before fields were kept resume
+        # checkpoints from before fields were kept resume; images by their digest in the example's key (vision/)
+        example = {k: v for k, v in example.items() if k != "fields" and not (k == "images" and "key" in example)}
         h.update(json.dumps(example, sort_keys=True, default=str).encode())
         h.update(b"\n")
     return {"n": len(examples), "sha256": h.hexdigest()}  # plain values: trainer_state.pt loads with weights_only

@@ -288,3 +288,24 @@ def test_a_split_mixing_image_and_text_examples_is_one_sentence():
         "The train split mixes 2 examples holding 'images' and 1 examples holding none of those fields, which cannot "
         "share a batch; give them to separate runs."
     )
+
+
+def test_the_data_fingerprint_of_image_examples_follows_their_pixels_not_their_objects():
+    # resume compares the examples' fingerprint: PIL images drawn again (new objects) are the same data; a pixel is not
+    import collections
+
+    from data.loading import flatten
+    from runs.checkpoints import examples_fingerprint
+    from vision import shapes
+
+    def prepared(**options):
+        exs = flatten("shapes", shapes.get_shapes("train", collections.Counter(), n_train=4, **options), False)
+        return [{**ex, "key": vision_tokenize.image_example_key(ex)} for ex in exs]
+
+    first, again, other = prepared(), prepared(), prepared(seed=1)
+    assert first[0]["images"][0] is not again[0]["images"][0]
+    assert examples_fingerprint(first) == examples_fingerprint(again) != examples_fingerprint(other)
+    first[3]["images"][0].putpixel((0, 0), (1, 2, 3))
+    assert examples_fingerprint(prepared()) != examples_fingerprint(
+        [{**ex, "key": vision_tokenize.image_example_key(ex)} for ex in first]
+    )
