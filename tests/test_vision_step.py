@@ -251,9 +251,11 @@ def test_the_tiny_vlm_preset_trains_and_its_answers_rise(tmp_path):
 
     from conftest import run_train
 
-    short = ["model=tiny_vlm", "data.shapes.n_train=1024", "data.shapes.n_test=32", "n_eval_examples=32", "batch_size=32",
+    short = ["model=tiny_vlm", "+data.shapes.n_train=1024", "+data.shapes.n_test=32", "n_eval_examples=32", "batch_size=32",
              "eval_batch_size=32", "eval_reward_functions=auto", "warmup_steps=5", "n_eval_model_samples=2"]  # fmt: skip
-    sft = run_train([*short, "loss=sft", "lr=3e-3", "n_examples=2048", "eval_every=2048"], tmp_path / "sft")
+    sft = run_train(
+        [*short, "loss=sft", "lr=3e-3", "lr_scheduler=constant", "n_examples=3072", "eval_every=3072"], tmp_path / "sft"
+    )
     dpo = run_train([*short, "lr=3e-4", "n_examples=256", "eval_every=256", "sample_during_eval=true",
                      f"model.archive={sft / 'LATEST' / 'policy.pt'}"], tmp_path / "dpo")  # fmt: skip
 
