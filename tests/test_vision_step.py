@@ -311,3 +311,15 @@ def test_the_data_fingerprint_of_image_examples_follows_their_pixels_not_their_o
     assert examples_fingerprint(prepared()) != examples_fingerprint(
         [{**ex, "key": vision_tokenize.image_example_key(ex)} for ex in first]
     )
+
+
+def test_an_objective_on_unpaired_rows_refuses_image_examples_in_one_sentence(tmp_path):
+    from conftest import compose_config
+
+    config = compose_config(["model=tiny_vlm", f"output_root={tmp_path}", "loss=kto"])
+    with pytest.raises(DataError) as refused:
+        vision_tokenize.prepare_image_examples(examples()[:1], None, config, "train", silent=True)
+    assert str(refused.value) == (
+        "loss=kto does not train on image examples (only objectives on pairs, and SFT, do); choose one of those or leave "
+        "the image rows out."
+    )

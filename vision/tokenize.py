@@ -173,9 +173,9 @@ def prepare_image_examples(examples: list[dict], tokenizer, config, split: str, 
         tokenize_image_example(ex, tokenizer, config.max_length, config.max_prompt_length)  # refused rows: now
         out.append(ex)
     if not silent:
+        packing = "; packing is off for image batches (each row's images go with it)" if split == "train" else ""  # once
         print(
-            f"[data] {label}: {len(out)} image examples tokenized with the model's processor (image tokens kept whole); "
-            "packing is off for their batches (each row's images go with it)"
+            f"[data] {label}: {len(out)} image examples tokenized with the model's processor (image tokens kept whole){packing}"
         )
     return out
 
