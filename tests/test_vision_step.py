@@ -323,3 +323,30 @@ def test_an_objective_on_unpaired_rows_refuses_image_examples_in_one_sentence(tm
         "loss=kto does not train on image examples (only objectives on pairs, and SFT, do); choose one of those or leave "
         "the image rows out."
     )
+
+
+def test_a_saved_image_model_folder_loads_with_its_processor_and_custom_code_is_refused(tmp_path):
+    # model=blank_model model.name_or_path=<folder>: AutoModelForImageTextToText and AutoProcessor, as from the hub
+    import json
+
+    from conftest import compose_config
+
+    from modeling import models
+    from utils import ConfigError
+
+    processor, model = idefics3(0)
+    model.save_pretrained(tmp_path / "vlm")
+    processor.save_pretrained(tmp_path / "vlm")
+    config = compose_config(["model=blank_model", f"model.name_or_path={tmp_path / 'vlm'}"]).model
+    tokenizer = models.load_tokenizer(config)
+    loaded = models.load_model(config, tokenizer, torch.float32, 0).eval()
+    assert type(loaded).__name__ == "Idefics3ForConditionalGeneration"
+    batch = one_batch(tokenizer, examples())
+    with torch.no_grad():
+        got = stand_in(loaded, None).concatenated_forward(loaded, batch)[0]
+    np.testing.assert_allclose(got.double().numpy(), [by_hand(model, processor, ex, "chosen") for ex in examples()], atol=1e-5)
+    fields = json.loads((tmp_path / "vlm" / "processor_config.json").read_text())
+    fields["auto_map"] = {"AutoProcessor": "processing_mine.MyProcessor"}
+    (tmp_path / "vlm" / "processor_config.json").write_text(json.dumps(fields))
+    with pytest.raises(ConfigError, match=r"names custom code \(processor_config.json's auto_map: processing_mine.MyProcessor\)"):
+        models.load_tokenizer(config)
