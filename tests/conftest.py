@@ -101,8 +101,8 @@ def metric_records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None) -> tuple[int, str]:
-    """``python -m torch.distributed.run --nproc_per_node 2 <args>`` from the repository root, one
+def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None, n_procs: int = 2) -> tuple[int, str]:
+    """``python -m torch.distributed.run --nproc_per_node <n_procs> <args>`` from the repository root, one
     thread per rank, in its own process group (killed whole on timeout: the test then fails
     with the output's tail). Returns (exit status, stdout and stderr together)."""
     import os
@@ -110,7 +110,7 @@ def run_torchrun(args: list[str], timeout: float = 240, env: dict | None = None)
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n_procs), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
