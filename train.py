@@ -21,6 +21,7 @@ import export.hf  # noqa: F401  (registers the Hugging Face folder hf/ with each
 import losses
 import objectives  # noqa: F401  (registers the objectives beyond SFT, DPO and IPO)
 import online  # noqa: F401  (registers online DPO's trainer)
+import parallel.sequence_parallel  # noqa: F401  (registers sequence parallelism's trainer and config rules)
 import trainers
 import utils
 import vision  # noqa: F401  (registers image-text-to-text models, image examples and the shapes dataset)

@@ -495,13 +495,17 @@ class _DistributedTrainer(BasicTrainer):
             self.device = torch.device("cuda", local_rank)
         else:
             self.device = torch.device("cpu")
+        config = args[1] if len(args) > 1 else kwargs["config"]
+        self.dist = self.make_dist(config, rank, world_size)
+        super().__init__(*args, **kwargs)
+
+    def make_dist(self, config, rank: int, world_size: int) -> Dist:
+        """The processes' collectives over a (dp, tp) device mesh (a plugin's trainer may lay out another)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        config = args[1] if len(args) > 1 else kwargs["config"]
         tp_size = self.tensor_parallel_size(config)
         mesh = init_device_mesh(self.device.type, (world_size // tp_size, tp_size), mesh_dim_names=("dp", "tp"))
-        self.dist = Dist(rank, world_size, mesh)
-        super().__init__(*args, **kwargs)
+        return Dist(rank, world_size, mesh)
 
     def tensor_parallel_size(self, config) -> int:
         """Over how many processes each weight matrix is split (the mesh's ``tp`` dimension)."""

@@ -35,6 +35,11 @@ class Dist:
         return 1 if self.mesh is None else self.mesh["tp"].size()
 
     @property
+    def shard_mesh(self):
+        """The mesh FSDP shards over and averages gradients across: the data-parallel dimension."""
+        return self.mesh["dp"]
+
+    @property
     def is_main(self) -> bool:
         """True on the process that logs, prints and writes the run folder's files."""
         return self.rank == 0

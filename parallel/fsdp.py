@@ -47,7 +47,7 @@ def shard_models(trainer) -> None:
     from parallel.tensor_parallel import tensor_parallel_plan
 
     config, mesh, tp_size = trainer.config, trainer.dist.mesh, trainer.dist.tp_size
-    kwargs = {"mesh": mesh["dp"]}
+    kwargs = {"mesh": trainer.dist.shard_mesh}  # the data-parallel ranks (sequence parallelism: all ranks)
     if config.model.fsdp_policy_mp:
         dtype = utils.get_dtype(config.model.fsdp_policy_mp)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)  # float32 reduction

@@ -28,8 +28,12 @@ import torch
 import torch.distributed as dist
 
 import losses
+import trainers
+import utils
 from modeling import logprobs
 from modeling.packing import PackedRow, output_layer_logps, pack_preference_rows, packed_forward_support
+from parallel.dist import Dist
+from runs import checks
 
 ATTENTION = "ulysses_sdpa"
 """The attn_implementation name of the Ulysses attention (:func:`ulysses_attention`)."""
@@ -240,3 +244,106 @@ def sequence_parallel_logps(
     statistic = torch.zeros(n_sequences, dtype=torch.float32, device=out[1].device).index_add(0, local_seqs, out[1].float())
     dist.all_reduce(statistic, group=group)
     return logps, n_tokens, statistic / n_tokens.clamp(min=1.0)
+
+
+# ============================================================================ the trainer and its config rules
+
+
+class SequenceParallelDist(Dist):
+    """:class:`parallel.dist.Dist` over a (dp, sp) mesh: the ranks of an ``sp`` group hold the same pairs (each a slice
+    of their positions), and FSDP shards over every rank (``whole``, a 1-D mesh)."""
+
+    def __init__(self, rank: int, world_size: int, mesh, whole):
+        super().__init__(rank, world_size, mesh)
+        self.whole = whole
+
+    tp_size = 1  # no tensor parallelism beside it (runs/checks.py's rules)
+
+    @property
+    def shard_mesh(self):
+        return self.whole
+
+    @property
+    def sequence_group(self):
+        """The process group of the ranks that split this rank's rows."""
+        return self.mesh["sp"].get_group()
+
+
+class SequenceParallelTrainer:
+    """Mixed over FSDPTrainer when ``sequence_parallel_size`` > 1: the policy's and the reference's log-probs from each
+    rank's slice of every row (:func:`sequence_parallel_logps`), FSDP over all ranks."""
+
+    def make_dist(self, config, rank: int, world_size: int) -> Dist:
+        """A (dp, sp) mesh of world size / ``sequence_parallel_size`` data-parallel groups, and the whole world for FSDP."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        size = config.sequence_parallel_size
+        mesh = init_device_mesh(self.device.type, (world_size // size, size), mesh_dim_names=("dp", "sp"))
+        return SequenceParallelDist(rank, world_size, mesh, init_device_mesh(self.device.type, (world_size,)))
+
+    @property
+    def grad_scale(self) -> float:
+        return float(self.dist.world_size)  # FSDP averages over all ranks; data groups' and positions' shares add up
+
+    def prepare_models(self) -> None:
+        """Switch the policy and reference to :data:`ATTENTION` (ConfigError if the group does not divide their heads), then FSDP."""
+        for model in (self.policy, self.reference_model):
+            if model is not None:
+                heads, size = model.config.num_attention_heads, self.config.sequence_parallel_size
+                if heads % size:
+                    raise utils.ConfigError(
+                        f"The model's {heads} attention heads cannot be split over sequence_parallel_size={size} ranks; "
+                        "choose a sequence_parallel_size that divides them."
+                    )
+                use_sequence_parallel_attention(model)
+        if self.dist.is_main:
+            groups, size = self.dist.data_world_size, self.config.sequence_parallel_size
+            print(f"Sequence parallelism: every row split over {size} ranks (Ulysses), {groups} data-parallel group(s).")
+        super().prepare_models()
+
+    def concatenated_forward(self, model, batch: dict, token_statistic=None) -> tuple[torch.Tensor, ...]:
+        """``BasicTrainer.concatenated_forward``'s values, from this rank's slice of every row."""
+        n = batch["chosen_input_ids"].shape[0]
+        out = sequence_parallel_logps(
+            model, batch, self.dist.sequence_group, self.device, packed=self.packed, average_log_prob=self.average_log_prob,
+            chunk=self.output_layer_chunk, token_weight=self.token_weight, token_statistic=token_statistic,
+        )  # fmt: skip
+        return out[0][:n], out[0][n:], *out[1:]
+
+
+def _size(c) -> int:
+    return c.get("sequence_parallel_size") or 1
+
+
+def sequence_parallel_trainer(config, cls: type) -> type:
+    """``cls`` with :class:`SequenceParallelTrainer` mixed in when ``sequence_parallel_size`` > 1 (trainers.TRAINER_EXTENSIONS)."""
+    return type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainer, cls), {}) if _size(config) > 1 else cls
+
+
+def _on(c) -> bool:
+    return isinstance(_size(c), int) and _size(c) > 1
+
+
+RULES = [
+    ("sequence_parallel_size", lambda c: isinstance(_size(c), int) and not isinstance(_size(c), bool) and _size(c) >= 1,
+     "sequence_parallel_size must be a whole number >= 1, got {c.sequence_parallel_size!r}."),
+    ("sequence_parallel_size", lambda c: not _on(c) or c.trainer == "FSDPTrainer",
+     "sequence_parallel_size > 1 is for trainer=FSDPTrainer (FSDP over data x sequence ranks), not {c.trainer}."),
+    ("sequence_parallel_size", lambda c, world_size: None if not _on(c) or not world_size % _size(c) else
+     f"sequence_parallel_size ({_size(c)}) must divide the number of processes ({world_size})."),
+    ("sequence_parallel_size", lambda c: not _on(c) or (c.get("tensor_parallel_size") or 1) == 1,
+     "sequence_parallel_size > 1 does not combine with tensor_parallel_size > 1; choose one of them."),
+    ("sequence_parallel_size", lambda c: not _on(c) or not checks.online_enabled(c),
+     "sequence_parallel_size > 1 does not work with online DPO (its sampling runs whole sequences); set online.enabled=false."),
+    ("sequence_parallel_size", lambda c: not _on(c) or c.get("launcher", "local") == "local",
+     "sequence_parallel_size > 1 runs with launcher=local (Ray's reference and policy workers do not split sequences)."),
+    ("sequence_parallel_size", lambda c: not _on(c) or not checks.lora_settings(c.model),
+     "sequence_parallel_size > 1 is untested with model.lora; set model.lora.r=null or sequence_parallel_size=1."),
+    ("sequence_parallel_size", lambda c: not _on(c) or (losses.get_objective(c.loss.name).inputs is None
+     and not losses.get_objective(c.loss.name).score_head),
+     "sequence_parallel_size > 1 splits the rows of pairs, but loss={c.loss.name} trains on single sequences or a score head."),
+]  # fmt: skip
+"""runs/checks.py's rows for ``sequence_parallel_size``, one sentence each."""
+
+checks.RULES.extend(RULES)
+trainers.TRAINER_EXTENSIONS.append(sequence_parallel_trainer)

@@ -509,7 +509,7 @@ def data_parallel_size(config: DictConfig, world_size: int) -> int:
     if config.trainer == "TensorParallelTrainer":
         return 1
     if config.trainer == "FSDPTrainer":
-        return world_size // (config.get("tensor_parallel_size") or 1)
+        return world_size // ((config.get("tensor_parallel_size") or 1) * (config.get("sequence_parallel_size") or 1))
     return world_size
 
 

@@ -3,11 +3,12 @@ checking log-probs, loss and gradients against one process (tests/sequence_paral
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import run_torchrun
 
 CASES = ["packed", "packed chunked", "padded", "padded chunked averaged", "targets on some ranks only"]
-
 
 @pytest.mark.parametrize("n_ranks", [2, 4])
 def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
@@ -19,3 +20,24 @@ def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
     for rank in range(n_ranks):
         for case in cases:
             assert f"rank {rank}: {case} ok" in text, text[-4000:]
+
+def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_it_cannot_split(tmp_path):
+    # train.py end to end: 2 ranks splitting every row (FSDP over both), a live reference and a chunked output layer,
+    # must log the single-process run's evals and end with its weights; its mistakes are one sentence each.
+    from test_distributed import BASE, CHUNKED, UNCHUNKED, assert_same_run, cli, finished_run, parallel_run
+
+    basic = finished_run([*BASE, UNCHUNKED], tmp_path / "basic")
+    run_dir, text = parallel_run(["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2"], tmp_path / "sp")
+    assert "Sequence parallelism: every row split over 2 ranks (Ulysses), 1 data-parallel group(s)." in text, text[-3000:]
+    assert_same_run(basic, run_dir)
+    for args, message in [
+        (["trainer=BasicTrainer", "sequence_parallel_size=2"], "sequence_parallel_size > 1 is for trainer=FSDPTrainer"),
+        (["trainer=FSDPTrainer", "world_size=3", "sequence_parallel_size=2"], "must divide the number of processes \\(3\\)"),
+        (["trainer=FSDPTrainer", "world_size=4", "sequence_parallel_size=2", "tensor_parallel_size=2"], "choose one of them"),
+        (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=sft"], "trains on single sequences"),
+        (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "model.lora.r=4"], "untested with model.lora"),
+    ]:
+        code, out = cli([*BASE, *args], tmp_path / "refused")
+        assert code == 2 and "Traceback" not in out, out[-3000:]
+
+        assert re.search(message, out), out[-2000:]
