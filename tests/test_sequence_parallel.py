@@ -24,7 +24,7 @@ def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
 def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_it_cannot_split(tmp_path):
     # train.py end to end: 2 ranks splitting every row (FSDP over both), a live reference and a chunked output layer,
     # must log the single-process run's evals and end with its weights; its mistakes are one sentence each.
-    from test_distributed import BASE, CHUNKED, UNCHUNKED, assert_same_run, cli, finished_run, parallel_run
+    from test_distributed import BASE, UNCHUNKED, assert_same_run, cli, finished_run, parallel_run
 
     basic = finished_run([*BASE, UNCHUNKED], tmp_path / "basic")
     run_dir, text = parallel_run(["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2"], tmp_path / "sp")
