@@ -10,6 +10,7 @@ from conftest import run_torchrun
 
 CASES = ["packed", "packed chunked", "padded", "padded chunked averaged", "targets on some ranks only"]
 
+
 @pytest.mark.parametrize("n_ranks", [2, 4])
 def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
     # Rows of 13, 16 and 18 tokens over 2 or 4 ranks (not divisible), packed or padded, the output layer chunked or
@@ -20,6 +21,7 @@ def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
     for rank in range(n_ranks):
         for case in cases:
             assert f"rank {rank}: {case} ok" in text, text[-4000:]
+
 
 def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_it_cannot_split(tmp_path):
     # train.py end to end: 2 ranks splitting every row (FSDP over both), a live reference and a chunked output layer,
@@ -41,3 +43,22 @@ def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_i
         assert code == 2 and "Traceback" not in out, out[-3000:]
 
         assert re.search(message, out), out[-2000:]
+
+
+def test_a_model_switched_to_sequence_parallel_attention_saves_a_folder_that_loads_with_sdpa(tmp_path):
+    # the attention name lives in the run only: an export (hf/) must load where the plugin is not imported
+    import json
+
+    import transformers
+
+    from parallel import sequence_parallel
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    sequence_parallel.use_sequence_parallel_attention(model)
+    assert model.config._attn_implementation == sequence_parallel.ATTENTION
+    model.save_pretrained(tmp_path)
+    assert not any("attn" in k for k in json.loads((tmp_path / "config.json").read_text()))
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
