@@ -261,7 +261,7 @@ def run_side(args, spec: dict, tmp: Path, rnd: int) -> dict:
     best = None
     for _attempt in range(1 + args.retries):
         waited, _ = wait_quiet(args.wait_quiet)
-        r = spawn(spec["side"], spec, tmp)
+        r = spawn(spec["side"], spec, tmp, script=spec.get("script"))  # bench_vision_dpo.py: its own workers
         r["waited_s"] = waited
         contended = r["others_cpu"] > args.max_others
         print(

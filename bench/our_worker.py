@@ -100,10 +100,12 @@ def _our_trainer(spec: dict, run_dir: str):
     return trainer, elements, precompute_s
 
 
-def worker_ours(spec: dict) -> dict:
+def worker_ours(spec: dict, build=None) -> dict:
+    """Our trainer (``build(spec, run_dir)`` -> (trainer, elements, precompute_s), default :func:`_our_trainer`) trained
+    for warmup + steps steps on the collated ``elements``, batch k = elements [k B, (k + 1) B); timed per step."""
     _set_threads(spec["threads"])
     with tempfile.TemporaryDirectory() as tmp:
-        trainer, elements, precompute_s = _our_trainer(spec, tmp)
+        trainer, elements, precompute_s = (build or _our_trainer)(spec, tmp)
         from collections import defaultdict
 
         import torch
