@@ -119,7 +119,7 @@ def load_models(config: DictConfig, tokenizer, rank: int, distributed: bool) -> 
         policy = build_policy()
         reference = build_reference() if local_reference else None
     else:
-        policy = models.rank0_model(build_policy, rank, reward_head)
+        policy = models.rank0_model(build_policy, rank)
         reference = models.rank0_model(build_reference, rank) if local_reference else None
     if lora is not None:  # after the archive: LoRA on top of its weights (rank 0's; the others' arrive when sharded)
         policy = models.apply_lora(policy, lora)

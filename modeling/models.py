@@ -297,31 +297,30 @@ def load_model(
     return model
 
 
-def rank0_model(build, rank: int, reward_head: bool = False) -> torch.nn.Module:
+def rank0_model(build, rank: int) -> torch.nn.Module:
     """``build()`` on rank 0 and the same architecture on the meta device elsewhere (every rank calls it), rank 0's
     ConfigError/DataError raised on every rank as ConfigError and anything else as RuntimeError."""
-    import transformers
-
     model, spec = None, None
     if rank == 0:
         try:
             model = build()
-            spec = ("ok", model.config, model.generation_config, next(model.parameters()).dtype)
+            # its class too: an image-text-to-text model (vision/) is no AutoModelForCausalLM
+            spec = ("ok", model.config, model.generation_config, (next(model.parameters()).dtype, type(model)))
         except Exception as e:
             from utils import DataError
 
             utils.broadcast_object(("config" if isinstance(e, (utils.ConfigError, DataError)) else "error", str(e), None, None))
             raise
-    status, config, generation_config, dtype = utils.broadcast_object(spec)
+    status, config, generation_config, built = utils.broadcast_object(spec)
     if rank == 0:
         return model
     if status == "config":
         raise utils.ConfigError(config)
     if status == "error":
         raise RuntimeError(f"Rank 0 could not load the model: {config}")
-    auto = transformers.AutoModelForSequenceClassification if reward_head else transformers.AutoModelForCausalLM
+    dtype, cls = built
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=dtype)
+        model = cls._from_config(config, dtype=dtype)  # rank 0's class (what its Auto class or a MODEL_HOOKS entry chose)
     model.generation_config = generation_config
     disable_dropout(model)
     return model

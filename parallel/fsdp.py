@@ -9,20 +9,24 @@ import torch
 import utils
 
 
-def find_block_classes(model: torch.nn.Module, block_name: str | None) -> set[type]:
-    """The transformer-block classes of ``model``: ``block_name`` if given, else its ``_no_split_modules``;
-    utils.ConfigError if no module has that class name."""
-    own = set(getattr(model, "_no_split_modules", None) or [])
-    names = {block_name} if block_name else own
+def find_block_classes(model: torch.nn.Module, block_name) -> set[type]:
+    """The transformer-block classes of ``model``: ``block_name`` (a class name or a list of them, e.g. an image model's
+    language and vision blocks) if given, else the ``_no_split_modules`` of it and of its sub-models (an image model's
+    vision tower and language model each name their own); utils.ConfigError if no module has such a class name."""
+    own = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
+    names = ({block_name} if isinstance(block_name, str) else set(block_name)) if block_name else own
+    present = {type(m).__name__ for m in model.modules()}
+    missing = sorted(names - present) if block_name else []
     classes = {type(m) for m in model.modules() if type(m).__name__ in names}
-    if not classes:
-        present = sorted({type(m).__name__ for m in model.modules()} & own)
+    if missing or not classes:
+        blocks = sorted(present & own)
         hint = (
-            f"its blocks are {present}: set model.block_name={present[0]} or model.block_name=null"
-            if present
+            f"its blocks are {blocks}: set model.block_name={blocks[0]} or model.block_name=null"
+            if blocks
             else "set model.block_name to the class name of its decoder layer"
         )
-        raise utils.ConfigError(f"model.block_name={block_name} is not a module of {type(model).__name__}; {hint}.")
+        shown = block_name if isinstance(block_name, str) or block_name is None else ",".join(missing)
+        raise utils.ConfigError(f"model.block_name={shown} is not a module of {type(model).__name__}; {hint}.")
     return classes
 
 

@@ -16,13 +16,20 @@ def vision_problem(c: DictConfig, _) -> str | None:
     name = c.model.name_or_path or c.model.config.model_type
     refused = [
         (c.online.enabled, "online DPO (sampling with images)", "online.enabled=false"),
-        (c.trainer != "BasicTrainer", f"trainer={c.trainer}", "trainer=BasicTrainer"),
+        # parallel/tensor_parallel.py's plans split Llama, GPT-NeoX and GPT-2 blocks, not a vision tower or its projector
+        (c.trainer == "TensorParallelTrainer", "trainer=TensorParallelTrainer", "trainer=FSDPTrainer"),
+        # its reference actors get the token ids only (ray_launcher.REFERENCE_KEYS): the images would not reach them
         (c.launcher == "ray", "launcher=ray", "launcher=local"),
         (checks.lora_settings(c.model) is not None, "LoRA (model.lora.r)", "model.lora.r=null"),
     ]
     for asked, what, fix in refused:
         if asked:
             return f"{name} is an image-text-to-text model, which does not train with {what} yet; set {fix}."
+    if c.trainer == "FSDPTrainer" and (c.get("tensor_parallel_size") or 1) > 1:
+        return (
+            f"{name} is an image-text-to-text model, whose vision tower tensor parallelism cannot split yet; set "
+            "tensor_parallel_size=1 (plain FSDP over every rank)."
+        )
     return None
 
 
