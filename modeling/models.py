@@ -81,7 +81,9 @@ def pickled_weights_problem(error: Exception, path, key: str) -> str | None:
 MODEL_HOOKS: list = []
 """Plugins' model kinds, each an object with ``auto_class(model_config)`` (the transformers Auto class that loads or
 builds ``model.*``, or None: not theirs) and ``tokenizer(model_config, tokenizer)`` (the tokenizer to use, e.g. a
-processor's, called after the text one loads); vision/ adds image-text-to-text models."""
+processor's, called after the text one loads), and optionally ``lora_targets(model, lora)`` (the full names of the
+modules LoRA adapts, or None: ``model.lora.target_modules`` as given) and ``config_auto_class(hf_config)`` (the Auto
+class of a loaded model's config, or None); vision/ adds image-text-to-text models."""
 
 
 def _hook_for(model_config: DictConfig):
@@ -360,15 +362,21 @@ def disable_dropout(model: torch.nn.Module) -> None:
 # ----------------------------------------------------------------------------- LoRA (peft)
 
 
-def lora_peft_config(lora: DictConfig):
-    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; ``all-linear`` never includes the output layer)."""
+def lora_peft_config(lora: DictConfig, targets=None):
+    """peft's ``LoraConfig`` for ``model.lora`` (causal LM; ``all-linear`` never includes the output layer), on
+    ``targets`` (full module names, a plugin's choice) instead of ``model.lora.target_modules`` when given."""
     import peft
 
-    targets = lora.target_modules
-    targets = list(targets) if OmegaConf.is_list(targets) else targets
+    if targets is None:
+        targets = lora.target_modules
+        targets = list(targets) if OmegaConf.is_list(targets) else targets
     return peft.LoraConfig(
         r=int(lora.r), lora_alpha=lora.alpha, lora_dropout=float(lora.dropout), target_modules=targets, task_type="CAUSAL_LM"
     )
+
+
+def _none(*_):
+    return None
 
 
 def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
@@ -381,7 +389,8 @@ def apply_lora(model: torch.nn.Module, lora: DictConfig) -> torch.nn.Module:
     try:
         with warnings.catch_warnings():  # peft reads a deprecated transformers attribute
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return peft.get_peft_model(model, lora_peft_config(lora), autocast_adapter_dtype=False)
+            targets = next((t for h in MODEL_HOOKS if (t := getattr(h, "lora_targets", _none)(model, lora))), None)
+            return peft.get_peft_model(model, lora_peft_config(lora, targets), autocast_adapter_dtype=False)
     except ValueError as e:
         from transformers.pytorch_utils import Conv1D
 
@@ -438,7 +447,9 @@ def lora_export_model(hf_config, lora: DictConfig, state: dict, base_path: str |
     import transformers
 
     with torch.random.fork_rng(devices=[]), torch.device("meta"):  # building draws random numbers: resume stays exact
-        base = transformers.AutoModelForCausalLM.from_config(hf_config)
+        # a plugin's class for this config (vision/: AutoModelForImageTextToText), else a causal LM
+        hooks = (getattr(h, "config_auto_class", _none)(hf_config) for h in MODEL_HOOKS)
+        base = next((c for c in hooks if c is not None), transformers.AutoModelForCausalLM).from_config(hf_config)
         model = apply_lora(base, lora)
     missing, unexpected = base.load_state_dict(state, strict=False, assign=True)
     if unexpected or any(".lora_" in k for k in missing):

@@ -115,3 +115,73 @@ def test_tensor_parallel_ray_and_2d_fsdp_stay_refused_for_image_models_in_one_se
             checks.validate_config(config, world_size=4)
         assert str(refused.value) == f"llava is an image-text-to-text model, {message}"
     checks.validate_config(compose_config(["model=tiny_vlm", f"output_root={tmp_path}", "trainer=FSDPTrainer"]))
+
+
+def image_inputs(tokenizer):
+    """One shapes prompt with its image through the tiny LLaVA's processor: input_ids, attention_mask, pixel_values."""
+    import random
+
+    from vision import models as vision_models
+    from vision import shapes
+
+    processor = vision_models.processor_for(tokenizer)
+    text = "<|im_start|>user\n<image>What colour is the square?<|im_end|>\n"
+    return processor(text=[text], images=[[shapes.draw(random.Random(0), "red", None)]], return_tensors="pt")
+
+
+@pytest.mark.parametrize("vision", [False, True])
+def test_lora_adapters_land_where_the_key_says_a_step_trains_only_them_and_adapters_off_is_the_base(vision):
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from modeling import models
+
+    _, tokenizer, base = tiny_vlm()
+    lora = OmegaConf.create({"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear", "vision": vision})
+    policy = models.apply_lora(copy.deepcopy(base), lora)
+    adapted = {n.split(".lora_A")[0] for n, _ in policy.named_parameters() if ".lora_A." in n}
+    language = {n for n in adapted if ".language_model." in n}
+    assert language and all(n.endswith(("_proj",)) for n in language)
+    others = adapted - language
+    if vision:  # the vision tower and its projector, by module name
+        assert any(".vision_tower." in n for n in others) and any(".multi_modal_projector." in n for n in others)
+    else:
+        assert not others
+    assert not any("lm_head" in n for n in adapted)
+    # a step: only the adapters have gradients and move
+    inputs = image_inputs(tokenizer)
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=1.0)
+    policy(**inputs).logits.log_softmax(-1)[0, -1, :8].sum().backward()
+    optimizer.step()
+    changed = {n for n, p in policy.named_parameters() if not torch.equal(p, before[n])}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any(".lora_B." in n for n in changed)  # B moved off zero: the adapters now change the forward
+    # the reference is the policy with its adapters off: the base model's forward with the image
+    with torch.no_grad():
+        expected = base(**inputs).logits
+        with policy.disable_adapter():
+            off = policy(**inputs).logits
+        on = policy(**inputs).logits
+    torch.testing.assert_close(off, expected, rtol=0, atol=1e-6)
+    assert (on - expected).abs().max() > 1e-4
+
+
+def test_lora_vision_for_a_text_model_and_a_merged_image_export_are_refused_in_one_sentence(tmp_path):
+    from runs import checks
+
+    text = compose_config([f"output_root={tmp_path}", "model.lora.r=4", "model.lora.vision=true"])
+    with pytest.raises(utils.ConfigError, match=r"^model.lora.vision=true adapts an image model's vision tower, but"):
+        checks.validate_config(text)
+    merged = compose_config(["model=tiny_vlm", f"output_root={tmp_path}", "model.lora.r=4", "model.lora.export_merged=true"])
+    with pytest.raises(utils.ConfigError) as refused:
+        checks.validate_config(merged)
+    assert str(refused.value) == (
+        "llava is an image-text-to-text model, which does not train with model.lora.export_merged=true yet; set "
+        "model.lora.export_merged=false."
+    )
+    checks.validate_config(
+        compose_config(["model=tiny_vlm", f"output_root={tmp_path}", "model.lora.r=4", "model.lora.vision=true"])
+    )

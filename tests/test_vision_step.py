@@ -229,7 +229,6 @@ def test_what_an_image_model_does_not_train_with_is_refused_in_one_sentence(tmp_
     for override, what, fix in (
         ("online.enabled=true online.scorer=reward_function reward_functions=[shapes]", "online DPO (sampling with images)",
          "online.enabled=false"),
-        ("model.lora.r=8", "LoRA (model.lora.r)", "model.lora.r=null"),
     ):  # fmt: skip
         config = compose_config(["model=tiny_vlm", f"output_root={tmp_path}", *override.split()])
         with pytest.raises(ConfigError) as refused:

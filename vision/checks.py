@@ -11,7 +11,10 @@ from vision.models import is_vision_model
 
 def vision_problem(c: DictConfig, _) -> str | None:
     """One sentence when ``c`` asks an image-text-to-text model for what it does not support here, else None."""
+    lora = checks.lora_settings(c.model)
     if not is_vision_model(c.model):
+        if lora is not None and lora.get("vision"):
+            return "model.lora.vision=true adapts an image model's vision tower, but this model is a text model; remove it."
         return None
     name = c.model.name_or_path or c.model.config.model_type
     refused = [
@@ -20,7 +23,8 @@ def vision_problem(c: DictConfig, _) -> str | None:
         (c.trainer == "TensorParallelTrainer", "trainer=TensorParallelTrainer", "trainer=FSDPTrainer"),
         # its reference actors get the token ids only (ray_launcher.REFERENCE_KEYS): the images would not reach them
         (c.launcher == "ray", "launcher=ray", "launcher=local"),
-        (checks.lora_settings(c.model) is not None, "LoRA (model.lora.r)", "model.lora.r=null"),
+        # the merged export is written with AutoModelForCausalLM (export/hf.py), which holds no vision tower
+        (lora is not None and lora.export_merged, "model.lora.export_merged=true", "model.lora.export_merged=false"),
     ]
     for asked, what, fix in refused:
         if asked:

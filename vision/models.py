@@ -125,6 +125,20 @@ class ImageTextToText:
         return AutoModelForImageTextToText
 
     @staticmethod
+    def config_auto_class(hf_config):
+        """``AutoModelForImageTextToText`` for an image-text-to-text model's config (LoRA's export rebuilds it), else None."""
+        if getattr(hf_config, "model_type", None) not in _image_text_types():
+            return None
+        from transformers import AutoModelForImageTextToText
+
+        return AutoModelForImageTextToText
+
+    @staticmethod
+    def lora_targets(model, lora: DictConfig) -> list[str] | None:
+        """:func:`lora_targets`: the language model's linear layers (and the vision tower's with ``model.lora.vision``)."""
+        return lora_targets(model, lora)
+
+    @staticmethod
     def tokenizer(model_config: DictConfig, tokenizer):
         """The processor's tokenizer (:func:`attach`): built in code for ``model.config``, else ``AutoProcessor`` of the
         folder or hub id (custom code refused, as for the model)."""
@@ -151,6 +165,29 @@ class ImageTextToText:
             processor.chat_template = models.read_chat_template(model_config.chat_template)
             processor.tokenizer.chat_template = processor.chat_template
         return attach(processor)
+
+
+def lora_targets(model, lora: DictConfig) -> list[str] | None:
+    """The full names of the linear layers LoRA adapts in an image-text-to-text ``model``: those of its language model
+    that ``model.lora.target_modules`` names (``all-linear``: every one), and with ``model.lora.vision`` those outside
+    it too (the vision tower and its projector); never the output layer. None for a text model."""
+    import torch
+
+    if getattr(model.config, "model_type", None) not in _image_text_types():
+        return None
+    language = model.get_decoder()  # LLaVA's language_model, Idefics3's text_model
+    inside = {id(m) for m in language.modules()}
+    output = model.get_output_embeddings()
+    targets = lora.target_modules
+    names = None if targets == "all-linear" else set(OmegaConf.to_container(targets) if OmegaConf.is_list(targets) else [targets])
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear)
+        and m is not output
+        and (id(m) in inside or lora.get("vision"))
+        and (names is None or name.rpartition(".")[2] in names)
+    ]
 
 
 def write_processor(trainer, checkpoint: str, state_dict=None) -> str | None:
