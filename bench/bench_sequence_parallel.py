@@ -2,7 +2,7 @@
 forward and backward, packed, a live reference), and the longest pair that fits a memory budget for each.
 
     python bench/bench_sequence_parallel.py [--model ../shared/models/stories260K] [--lengths 512 1024 2048]
-        [--ranks 1 2 4] [--budget-mib 300] [--out bench/results/sequence_parallel.json]
+        [--ranks 1 2 4] [--budget-mib 300] [--forward packed|padded] [--out bench/results/sequence_parallel.json]
 
 Each group size is one ``torch.distributed.run`` launch (gloo on CPU, NCCL on GPUs) that runs the lengths in increasing
 order; a rank's peak is its peak RSS above the RSS after loading (CPU) or ``torch.cuda.max_memory_allocated`` above the
@@ -61,9 +61,10 @@ def worker(args) -> None:
                  "rejected_labels": labels[1:], "prompt": ["x"]}  # fmt: skip
         batch |= {f"{s}_attention_mask": torch.ones_like(ids[:1]) for s in ("chosen", "rejected")}
         start = time.perf_counter()
-        logps, _ = sp.sequence_parallel_logps(policy, batch, group, device, chunk=1024)
+        packed = args.forward == "packed"
+        logps, _ = sp.sequence_parallel_logps(policy, batch, group, device, packed=packed, chunk=1024)
         with torch.no_grad():
-            ref, _ = sp.sequence_parallel_logps(reference, batch, group, device, chunk=1024)
+            ref, _ = sp.sequence_parallel_logps(reference, batch, group, device, packed=packed, chunk=1024)
         loss = -torch.nn.functional.logsigmoid(0.1 * ((logps[0] - ref[0]) - (logps[1] - ref[1])))
         loss.backward()
         policy.zero_grad(set_to_none=True)
@@ -82,6 +83,13 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--budget-mib", type=float, default=300.0)
+    parser.add_argument(
+        "--forward",
+        choices=("packed", "padded"),
+        default="packed",
+        help="packed: the pair one row, its prompt once (a dense block mask of S x S on every rank); padded: chosen and "
+        "rejected each a causal row (no mask: what a long pair needs)",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "sequence_parallel.json"))
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -90,13 +98,15 @@ def main() -> None:
     results = {}
     for n in args.ranks:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), __file__, "--worker",
-               "--model", args.model, "--lengths", *map(str, args.lengths)]  # fmt: skip
+               "--model", args.model, "--forward", args.forward, "--lengths", *map(str, args.lengths)]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = next((s for s in done.stdout.splitlines() if s.startswith("RESULT ")), None)
         if line is None:
             sys.exit(f"{n} ranks failed:\n{(done.stdout + done.stderr)[-3000:]}")
         results[n] = json.loads(line[len("RESULT ") :])
-    print(f"peak memory per rank (MiB above the loaded model) by sequence length; budget {args.budget_mib:g} MiB")
+    print(
+        f"peak memory per rank (MiB above the loaded model) by sequence length, {args.forward} forward; budget {args.budget_mib:g} MiB"
+    )
     print("ranks " + " ".join(f"{length:>9}" for length in args.lengths) + "  longest within budget")
     summary = {}
     for n, rows in results.items():
@@ -104,7 +114,7 @@ def main() -> None:
         summary[n] = max(fits) if fits else None
         print(f"{n:>5} " + " ".join(f"{r['peak_mib']:>9.1f}" for r in rows) + f"  {summary[n]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "budget_mib": args.budget_mib, "per_rank": results,
+    Path(args.out).write_text(json.dumps({"model": args.model, "forward": args.forward, "budget_mib": args.budget_mib, "per_rank": results,
                                           "longest_within_budget": summary}, indent=1) + "\n")  # fmt: skip
     print(f"written to {args.out}")
 

@@ -102,11 +102,14 @@ def test_the_fsdp_units_cover_the_vision_tower_and_the_language_model():
 
 
 def test_tensor_parallel_ray_and_2d_fsdp_stay_refused_for_image_models_in_one_sentence(tmp_path):
+    import parallel.sequence_parallel  # noqa: F401  (its config rules, as train.py registers them)
     from runs import checks
 
     for override, message in (
         ("trainer=TensorParallelTrainer", "which does not train with trainer=TensorParallelTrainer yet; set trainer=FSDPTrainer."),
         ("launcher=ray", "which does not train with launcher=ray yet; set launcher=local."),
+        ("trainer=FSDPTrainer sequence_parallel_size=2", "which does not train with sequence_parallel_size > 1 yet; set "
+         "sequence_parallel_size=1."),
         ("trainer=FSDPTrainer world_size=4 tensor_parallel_size=2", "whose vision tower tensor parallelism cannot split yet; set "
          "tensor_parallel_size=1 (plain FSDP over every rank)."),
     ):  # fmt: skip

@@ -23,6 +23,8 @@ def vision_problem(c: DictConfig, _) -> str | None:
         (c.trainer == "TensorParallelTrainer", "trainer=TensorParallelTrainer", "trainer=FSDPTrainer"),
         # its reference actors get the token ids only (ray_launcher.REFERENCE_KEYS): the images would not reach them
         (c.launcher == "ray", "launcher=ray", "launcher=local"),
+        # parallel/sequence_parallel.py's forward takes the token rows only: the pixel values would not reach the model
+        ((c.get("sequence_parallel_size") or 1) > 1, "sequence_parallel_size > 1", "sequence_parallel_size=1"),
         # the merged export is written with AutoModelForCausalLM (export/hf.py), which holds no vision tower
         (lora is not None and lora.export_merged, "model.lora.export_merged=true", "model.lora.export_merged=false"),
     ]
