@@ -344,8 +344,12 @@ RULES = [
     ("sequence_parallel_size", lambda c: not _on(c) or not checks.lora_settings(c.model),
      "sequence_parallel_size > 1 is untested with model.lora; set model.lora.r=null or sequence_parallel_size=1."),
     ("sequence_parallel_size", lambda c: not _on(c) or (losses.get_objective(c.loss.name).inputs is None
-     and not losses.get_objective(c.loss.name).score_head),
-     "sequence_parallel_size > 1 splits the rows of pairs, but loss={c.loss.name} trains on single sequences or a score head."),
+     and not losses.get_objective(c.loss.name).score_head and losses.get_objective(c.loss.name).token_weights is None),
+     "sequence_parallel_size > 1 splits the rows of pairs for their log-probs alone, but loss={c.loss.name} trains on single "
+     "sequences, a score head, per-token weights or statistics (untested split); use another loss or sequence_parallel_size=1."),
+    ("sequence_parallel_size", lambda c: not _on(c) or not c.precompute_ref_log_probs,
+     "sequence_parallel_size > 1 is untested with precompute_ref_log_probs=true; set it false (the live reference is split "
+     "over the group as the policy is)."),
 ]  # fmt: skip
 """runs/checks.py's rows for ``sequence_parallel_size``, one sentence each."""
 

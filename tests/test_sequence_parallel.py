@@ -8,6 +8,9 @@ import re
 import pytest
 from conftest import run_torchrun
 
+import parallel.sequence_parallel  # noqa: F401  (its config rules, as train.py registers them)
+import utils
+
 CASES = ["packed", "packed chunked", "padded", "padded chunked averaged", "targets on some ranks only"]
 
 
@@ -36,7 +39,10 @@ def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_i
         (["trainer=BasicTrainer", "sequence_parallel_size=2"], "sequence_parallel_size > 1 is for trainer=FSDPTrainer"),
         (["trainer=FSDPTrainer", "world_size=3", "sequence_parallel_size=2"], "must divide the number of processes \\(3\\)"),
         (["trainer=FSDPTrainer", "world_size=4", "sequence_parallel_size=2", "tensor_parallel_size=2"], "choose one of them"),
-        (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=sft"], "trains on single sequences"),
+        (
+            ["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=sft"],
+            "trains on single sequences, a score head",
+        ),
         (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "model.lora.r=4"], "untested with model.lora"),
     ]:
         code, out = cli([*BASE, *args], tmp_path / "refused")
@@ -62,3 +68,25 @@ def test_a_model_switched_to_sequence_parallel_attention_saves_a_folder_that_loa
     model.save_pretrained(tmp_path)
     assert not any("attn" in k for k in json.loads((tmp_path / "config.json").read_text()))
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["loss=wpo"], "loss=wpo trains on single sequences, a score head, per-token weights or statistics"),
+        (["loss=ld_dpo"], "loss=ld_dpo trains on single sequences, a score head, per-token weights or statistics"),
+        (["loss=kto"], "loss=kto trains on single sequences"),
+        (["precompute_ref_log_probs=true"], "is untested with precompute_ref_log_probs=true; set it false"),
+    ],
+)
+def test_what_the_split_rows_do_not_compute_is_refused_in_one_sentence(tmp_path, overrides, message):
+    from conftest import compose_config
+
+    from runs import checks
+
+    config = compose_config([f"output_root={tmp_path}", "trainer=FSDPTrainer", "sequence_parallel_size=2", *overrides])
+    with pytest.raises(utils.ConfigError, match=re.escape(message)):
+        checks.validate_config(config, world_size=2)
+    checks.validate_config(
+        compose_config([f"output_root={tmp_path}", "trainer=FSDPTrainer", "sequence_parallel_size=2"]), world_size=2
+    )
