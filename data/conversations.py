@@ -92,9 +92,10 @@ def unknown_role(role: str, where: str, what: str, hint: str) -> DataError:
     return DataError(f"{where}: {what} has role {role!r}, which is not one of {', '.join(STANDARD_ROLES)}; {hint}.")
 
 
-def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None) -> Messages:
+def check_messages(value, where: str, column: str, roles: dict[str, str] | None = None, part=None) -> Messages:
     """``value`` (column ``column`` of row ``where``) as a non-empty list of standard ``{role, content}`` messages
-    (ShareGPT's ``from`` / ``value`` read, roles renamed by ``roles``, other keys dropped)."""
+    (ShareGPT's ``from`` / ``value`` read, roles renamed by ``roles``, other keys dropped); with ``part`` (``(part,
+    message number) -> part``), a content may also be a list of parts, each checked by it (vision/formats.py)."""
     roles = roles or {}
     if isinstance(value, dict):
         value = [value]
@@ -105,14 +106,15 @@ def check_messages(value, where: str, column: str, roles: dict[str, str] | None 
     messages = []
     for k, m in enumerate(value, 1):
         role, content = _role_and_content(m, roles)
-        if not isinstance(role, str) or not isinstance(content, str):
+        if not isinstance(role, str) or not isinstance(content, (str, list) if part else str):
+            shown = json.dumps(m, ensure_ascii=False, default=str)[:80]
+            what = "no 'content' text or parts" if part else "'content'"
             raise DataError(
-                f"{where}: message {k} of {column!r} has no string 'role' and 'content' ({json.dumps(m, ensure_ascii=False)[:80]});"
-                " every message needs both."
+                f"{where}: message {k} of {column!r} has no string 'role' and {what} ({shown}); every message needs both."
             )
         if role not in STANDARD_ROLES:
             raise unknown_role(role, where, f"message {k} of {column!r}", role_hint(role, roles))
-        messages.append({"role": role, "content": content})
+        messages.append({"role": role, "content": content if isinstance(content, str) else [part(x, k) for x in content]})
     return messages
 
 

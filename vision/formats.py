@@ -14,13 +14,10 @@ import json
 import os
 
 from data.conversations import (
-    STANDARD_ROLES,
     Messages,
-    _role_and_content,
+    check_messages,
     check_roles_mapping,
     check_sharegpt_roles,
-    role_hint,
-    unknown_role,
 )
 from data.formats import HF_ROW_READERS, _cap_pairs, _hf_context_prompt, _with_system, note_cast
 from data.readers import _json_kind
@@ -96,25 +93,7 @@ def _part(part, where: str, column: str, k: int) -> dict:
 
 def _messages(value, where: str, column: str, roles: dict[str, str]) -> Messages:
     """``value`` as standard ``{role, content}`` messages whose content is a str or a list of parts (ShareGPT's keys read)."""
-    value = [value] if isinstance(value, dict) else value
-    if not isinstance(value, list) or not value:
-        raise DataError(
-            f"{where}: column {column!r} is not a list of messages ({_json_kind(value)}); give a list of {{role, content}}."
-        )
-    messages = []
-    for k, m in enumerate(value, 1):
-        role, content = _role_and_content(m, roles)
-        if not isinstance(role, str) or not isinstance(content, (str, list)):
-            shown = json.dumps(m, ensure_ascii=False, default=str)[:80]
-            raise DataError(
-                f"{where}: message {k} of {column!r} has no string 'role' and no 'content' text or parts ({shown}); "
-                "every message needs both."
-            )
-        if role not in STANDARD_ROLES:
-            raise unknown_role(role, where, f"message {k} of {column!r}", role_hint(role, roles))
-        content = content if isinstance(content, str) else [_part(p, where, column, k) for p in content]
-        messages.append({"role": role, "content": content})
-    return messages
+    return check_messages(value, where, column, roles, part=lambda p, k: _part(p, where, column, k))
 
 
 def _answer(value, where: str, column: str, roles: dict[str, str]) -> str:
