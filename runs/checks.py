@@ -479,7 +479,7 @@ def training_length(config: DictConfig, n_train: int) -> str:
         epochs = total / max(n_train, 1)
         line = (
             f"Training length: n_examples={total} governs (n_epochs={config.n_epochs} is not used): "
-            f"{epochs:.3g} epochs of {n_train} train examples."
+            f"{epochs:.3g} epoch{'s' * (f'{epochs:.3g}' != '1')} of {n_train} train examples."
         )
     else:
         total = config.n_epochs * n_train

@@ -153,6 +153,8 @@ def test_n_epochs_on_the_command_line_governs_over_the_presets_n_examples():
     assert checks.training_length(settled([]), 4000) == (
         "Training length: n_examples=16000 governs (n_epochs=1 is not used): 4 epochs of 4000 train examples."
     )
+    one = checks.training_length(settled(["n_examples=2000"]), 2000)  # a new user's trial read "1 epochs"
+    assert one.startswith("Training length: n_examples=2000 governs (n_epochs=1 is not used): 1 epoch of 2000 train examples.")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
