@@ -129,6 +129,7 @@ def test_the_lora_block_composes_with_every_model_yaml_and_from_the_command_line
             "dropout": 0.05,
             "target_modules": "all-linear",
             "export_merged": False,
+            "vision": False,
         }, yaml
     overrides = ["model.lora.r=16", "model.lora.target_modules=[q_proj,v_proj]"]
     assert override_error(overrides) is None

@@ -152,19 +152,19 @@ def test_a_module_in_the_current_directory_imports(tmp_path, monkeypatch):
             ["sentimnt"],
             None,
             "reward_functions: 'sentimnt' is not a registered reward function; did you mean 'sentiment'? "
-            "give a registered name (arithmetic, length, sentiment) or module:function.",
+            "give a registered name (arithmetic, length, sentiment, shapes) or module:function.",
         ),
         (
             ["no_such_module_xyz:score"],
             None,
             "reward_functions: 'no_such_module_xyz:score' does not import (ModuleNotFoundError: No module named "
-            "'no_such_module_xyz'); give a registered name (arithmetic, length, sentiment) or module:function, "
+            "'no_such_module_xyz'); give a registered name (arithmetic, length, sentiment, shapes) or module:function, "
             "the module importable from the current directory or PYTHONPATH.",
         ),
         (
             ["sig_rewards:nope"],
             None,
-            "reward_functions: module sig_rewards has no 'nope'; give a registered name (arithmetic, length, sentiment) "
+            "reward_functions: module sig_rewards has no 'nope'; give a registered name (arithmetic, length, sentiment, shapes) "
             "or module:function.",
         ),
         (
@@ -252,7 +252,7 @@ def test_a_reward_function_that_does_not_import_stops_train_py_before_any_model_
     assert result.returncode == 2, (result.stdout + result.stderr)[-3000:]
     assert one_error_line(result) == (
         "Error: reward_functions: 'arithmetc' is not a registered reward function; did you mean 'arithmetic'? "
-        "give a registered name (arithmetic, length, sentiment) or module:function."
+        "give a registered name (arithmetic, length, sentiment, shapes) or module:function."
     )
     assert "Policy:" not in result.stdout  # printed once the models are loaded
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

@@ -64,6 +64,8 @@ def model_type(model_config: DictConfig) -> str | None:
             config_file = cached_file(str(path), "config.json", local_files_only=True)
         except (OSError, ValueError):
             return None
+        if config_file is None:  # a folder without config.json: transformers returns None, not an error
+            return None
     try:
         with open(config_file, encoding="utf-8") as f:
             return json.load(f).get("model_type")
