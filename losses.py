@@ -276,8 +276,7 @@ AVERAGE_LOG_PROB = Key(False, lambda v: isinstance(v, bool), "true or false", "l
 def sft_inputs(trainer, batch: dict) -> ObjectiveInputs:
     """SFT's inputs: each SFT target's (B,) log-prob under the policy (the ``chosen_*`` rows alone) and its target tokens."""
     chosen = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
-    if "model_inputs" in batch:  # each row's images (vision/)
-        chosen["model_inputs"] = batch["model_inputs"]
+    chosen.update({k: batch[k] for k in ("model_inputs",) if k in batch})  # each row's images (vision/)
     logps, n_tokens = trainer.one_side_logps(trainer.policy, chosen)
     return ObjectiveInputs(policy_chosen_logps=logps, chosen_n_tokens=n_tokens)
 
