@@ -7,8 +7,7 @@ must not see chosen's rest) and the tests run on CPU with gloo. Ulysses swaps th
 before attention (an all-to-all gives each rank all S positions of H/N heads), so attention runs on whole rows with
 any mask, and the inverse all-to-all after it; everything else (embeddings, MLPs, norms, the output layer) is local
 to each position. It is registered as a transformers attention implementation (:data:`ATTENTION`, wrapping SDPA)
-rather than a patch of modeling code; outside a sequence-parallel forward it is plain SDPA (generation, evaluation
-of single sequences). Key/value heads fewer than N (or not divisible by it, GQA) are repeated to the query heads
+rather than a patch of modeling code; outside a sequence-parallel forward it is plain SDPA (generation). Key/value heads fewer than N (or not divisible by it, GQA) are repeated to the query heads
 before the all-to-all. Heads must be divisible by N.
 
 Per row: padded to a multiple of N (the pad is never a target and never seen by a real position), rank r takes
@@ -144,12 +143,10 @@ def use_sequence_parallel_attention(model) -> None:
     model.config._attn_implementation = ATTENTION  # every attention module reads it at each call
 
 
-def _padded_rows(batch: dict):
-    """The padded forward's rows of a DPO batch, chosen over rejected (2B, T): ids, position ids, bool attention
-    (None: causal suffices), and the targets' (rows, columns predicting them, labels), sequence = row."""
-    from preference_datasets import concatenated_inputs
-
-    inputs = concatenated_inputs(batch)
+def _padded_rows(inputs: dict):
+    """The padded forward's rows (S, T) of ``inputs`` (``input_ids``, ``attention_mask``, ``labels``: a DPO batch's
+    chosen over rejected, or single sequences): ids, position ids, bool attention (None: causal suffices), and the
+    targets' (rows, columns predicting them, labels), sequence = row."""
     ids, mask, labels = inputs["input_ids"], inputs["attention_mask"].bool(), inputs["labels"]
     width = ids.shape[1]
     positions = torch.arange(width).expand_as(ids)  # the padded forward's own (Llama: 0..T-1 whatever the padding)
@@ -193,19 +190,27 @@ def sequence_parallel_logps(
 ) -> tuple[torch.Tensor, ...]:
     """``BasicTrainer.concatenated_forward``'s (logps, n_tokens[, statistic means]), each (2B,) float32 chosen first, from
     this rank's slice of every row, summed over ``group`` (differentiably): every rank of the group returns the same.
+    Given single sequences, ``forward.single_logps``' (logps, n_tokens), each (B,).
 
     Args:
         model: a causal LM using :data:`ATTENTION` (:func:`use_sequence_parallel_attention`).
-        batch: ``{chosen,rejected}_{input_ids,attention_mask,labels}`` (B, T_c) and (B, T_r).
+        batch: ``{chosen,rejected}_{input_ids,attention_mask,labels}`` (B, T_c) and (B, T_r); or single sequences
+            (SFT targets) ``{input_ids,attention_mask,labels}`` (B, T), each its own causal row.
         group: the sequence-parallel process group (N ranks); ``device``: where the inputs go.
         packed: each pair one row, the prompt once (``modeling.packing``), else the padded rows.
         chunk: positions per output-layer call (None or 0: all at once); token_weight, token_statistic: the
             objective's (``logprobs.sum_by_sequence``, ``logprobs.statistic_means``).
     """
-    n_sequences = 2 * batch["chosen_input_ids"].shape[0]
+    from preference_datasets import concatenated_inputs
+
     keep_bool, share = _SUPPORT.get(model, (True, True))
-    rows = pack_preference_rows(batch, share) if packed else None
-    ids, positions, allowed, row_idx, col_idx, targets, seqs = _packed_rows(rows) if rows else _padded_rows(batch)
+    if "input_ids" in batch:  # single sequences: no pair to pack
+        n_sequences, rows, inputs = batch["input_ids"].shape[0], None, batch
+    else:
+        n_sequences = 2 * batch["chosen_input_ids"].shape[0]
+        rows = pack_preference_rows(batch, share) if packed else None
+        inputs = None if rows else concatenated_inputs(batch)
+    ids, positions, allowed, row_idx, col_idx, targets, seqs = _packed_rows(rows) if rows else _padded_rows(inputs)
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     n_rows, width = ids.shape
     local = -(-width // size)  # positions per rank; the rows padded to size * local
@@ -314,6 +319,12 @@ class SequenceParallelTrainer:
         )  # fmt: skip
         return out[0][:n], out[0][n:], *out[1:]
 
+    def one_side_logps(self, model, rows: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``BasicTrainer.one_side_logps``' (logps, n_tokens) of single sequences (SFT targets), from this rank's slice of each."""
+        inputs = {k: rows[k] for k in ("input_ids", "attention_mask", "labels")}
+        args = (model, inputs, self.dist.sequence_group, self.device)
+        return sequence_parallel_logps(*args, average_log_prob=self.average_log_prob, chunk=self.output_layer_chunk)
+
 
 def _size(c) -> int:
     return c.get("sequence_parallel_size") or 1
@@ -343,10 +354,11 @@ RULES = [
      "sequence_parallel_size > 1 runs with launcher=local (Ray's reference and policy workers do not split sequences)."),
     ("sequence_parallel_size", lambda c: not _on(c) or not checks.lora_settings(c.model),
      "sequence_parallel_size > 1 is untested with model.lora; set model.lora.r=null or sequence_parallel_size=1."),
-    ("sequence_parallel_size", lambda c: not _on(c) or (losses.get_objective(c.loss.name).inputs is None
+    ("sequence_parallel_size", lambda c: not _on(c) or (losses.get_objective(c.loss.name).inputs in (None, losses.sft_inputs)
      and not losses.get_objective(c.loss.name).score_head and losses.get_objective(c.loss.name).token_weights is None),
-     "sequence_parallel_size > 1 splits the rows of pairs for their log-probs alone, but loss={c.loss.name} trains on single "
-     "sequences, a score head, per-token weights or statistics (untested split); use another loss or sequence_parallel_size=1."),
+     "sequence_parallel_size > 1 splits the rows of pairs and SFT's targets for their log-probs alone, but loss={c.loss.name} "
+     "trains on unpaired sequences, a score head, per-token weights or statistics (untested split); use another loss or "
+     "sequence_parallel_size=1."),
     ("sequence_parallel_size", lambda c: not _on(c) or not c.precompute_ref_log_probs,
      "sequence_parallel_size > 1 is untested with precompute_ref_log_probs=true; set it false (the live reference is split "
      "over the group as the policy is)."),

@@ -5,7 +5,7 @@ computes one process's chosen and rejected log-probs, DPO loss and gradients wit
 on the whole rows; then the sequence-parallel group computes them from its slices (rows whose length N does not
 divide). Log-probs, the loss (OpenRLHF #564: N ranks' loss is one rank's, not N times it) and every gradient (summed
 over the group) must equal one process's to 1e-5, packed or padded, chunked output layer or not, the reference
-too. With N = 4, also 2-D: FSDP over all 4 ranks, 2 data-parallel groups x 2 sequence-parallel ranks. Each case
+too, and SFT's single sequences. With N = 4, also 2-D: FSDP over all 4 ranks, 2 data-parallel groups x 2 sequence-parallel ranks. Each case
 prints ``rank R: CASE ok``.
 """
 
@@ -98,6 +98,28 @@ def check_case(name, rank, group, policy, reference, batch, packed, chunk, avera
     print(f"rank {rank}: {name} ok", flush=True)
 
 
+def check_sft(rank, group, policy, batch, chunk):
+    """SFT's single sequences (the chosen rows alone): log-probs, the loss and every gradient as one process's."""
+    from modeling import forward
+
+    single, sp_policy = copy.deepcopy(policy), copy.deepcopy(policy)
+    sp.use_sequence_parallel_attention(sp_policy)
+    rows = {k: batch[f"chosen_{k}"] for k in ("input_ids", "attention_mask", "labels")}
+    n = rows["input_ids"].shape[0]
+    logps, n_tokens = forward.single_logps(single, rows, False, torch.device("cpu"), None, chunk)
+    (-logps.sum() / n_tokens.sum()).backward()
+    sp_logps, sp_tokens = sp.sequence_parallel_logps(sp_policy, rows, group, torch.device("cpu"), chunk=chunk)
+    assert sp_logps.shape == (n,), sp_logps.shape
+    torch.testing.assert_close(sp_logps, logps, **TOL, msg="sft logps")
+    torch.testing.assert_close(sp_tokens, n_tokens, rtol=0, atol=0, msg="sft n_tokens")
+    (-sp_logps.sum() / sp_tokens.sum()).backward()
+    for (key, p), q in zip(single.named_parameters(), sp_policy.parameters()):
+        grad = q.grad.clone()
+        torch.distributed.all_reduce(grad, group=group)
+        torch.testing.assert_close(grad, p.grad, **TOL, msg=f"sft grad {key}")
+    print(f"rank {rank}: sft ok", flush=True)
+
+
 def check_fsdp_by_sp(rank, world, policy, reference, batch, chunk):
     """FSDP over every rank, 2 data-parallel groups (each half of the batch) x 2 sequence-parallel ranks."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -146,6 +168,7 @@ def main() -> None:
     check_case("padded chunked averaged", rank, group, policy, reference, batch, packed=False, chunk=4, average=True)
     long_prompt = make_batch(prompts=[17], chosen=[3], rejected=[2], seed=2)  # rank 0 holds prompt positions only
     check_case("targets on some ranks only", rank, group, policy, reference, long_prompt, packed=True, chunk=2)
+    check_sft(rank, group, policy, batch, chunk=3)  # SFT targets of 13 and 13 tokens (5 + 8, 7 + 6)
     if world == 4:
         four = make_batch(prompts=[5, 7, 3, 9], chosen=[8, 6, 4, 2], rejected=[5, 3, 6, 1], seed=3)
         check_fsdp_by_sp(rank, world, policy, reference, four, chunk=3)

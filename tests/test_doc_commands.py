@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, SHARED, compose_config, tiny_llama_scorer
 from hydra import compose, initialize_config_dir
+from PIL import Image
 
 import preference_datasets
 from data import splits
@@ -41,6 +42,7 @@ STANDINS = [
     (r"/abs/pairs\.jsonl|(?<![/\w])pairs\.jsonl", "{files}/pairs.jsonl", "make_pairs.py's file (written by its own command)"),
     (r"(?<![/\w])(my_chat\.parquet|prefs\.json|ranking\.json|ranked\.jsonl|factory\.jsonl|rm_train\.jsonl|rm_test\.jsonl)",
      "{files}/\\1", "a small file of the layout the page shows"),
+    (r"(?<![/\w])mydata/prefs\.jsonl", "{files}/mydata/prefs.jsonl", "an image preference file (TRL's layout) and its images"),
     (r"\.\./shared", "{shared}", "the shared folder beside the repository"),
     (r"/shared/runs", "{tmp}/runs", "a cluster's output folder"),
     (r"<more>", "96", "a longer length"),
@@ -224,6 +226,17 @@ def small_files(folder: Path) -> None:
             for i in n
         ],
     )  # fmt: skip
+    image_rows = []  # docs/vision.md's TRL row: a prompt with an image part, its image by a path relative to the file
+    (folder / "mydata" / "img").mkdir(parents=True)
+    for i in n:
+        red = i % 2 == 0
+        Image.new("RGB", (16, 16), (200, 30, 30) if red else (30, 30, 200)).save(folder / "mydata" / "img" / f"{i}.png")
+        image_rows.append(
+            {"prompt": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Colour? ({i})"}]}],
+             "images": [f"img/{i}.png"], "chosen": [{"role": "assistant", "content": "Red." if red else "Blue."}],
+             "rejected": "Blue." if red else "Red."}
+        )  # fmt: skip
+    write_jsonl(folder / "mydata" / "prefs.jsonl", image_rows)
     pairs = [{"prompt": f"Q: {i}+1=\nA:", "chosen": f" {i + 1}", "rejected": f" {i}"} for i in n]
     write_jsonl(folder / "rm_train.jsonl", pairs[:16])
     write_jsonl(folder / "rm_test.jsonl", pairs[16:])

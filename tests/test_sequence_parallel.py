@@ -3,15 +3,17 @@ checking log-probs, loss and gradients against one process (tests/sequence_paral
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
+import torch
 from conftest import run_torchrun
 
 import parallel.sequence_parallel  # noqa: F401  (its config rules, as train.py registers them)
 import utils
 
-CASES = ["packed", "packed chunked", "padded", "padded chunked averaged", "targets on some ranks only"]
+CASES = ["packed", "packed chunked", "padded", "padded chunked averaged", "targets on some ranks only", "sft"]
 
 
 @pytest.mark.parametrize("n_ranks", [2, 4])
@@ -26,6 +28,14 @@ def test_sequence_parallel_logps_loss_and_gradients_equal_one_process(n_ranks):
             assert f"rank {rank}: {case} ok" in text, text[-4000:]
 
 
+def grad_norms(run_dir) -> list[float]:
+    """The gradient norm of each logged train step of ``run_dir``."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    norms = [r["grad_norm"] for r in records if "grad_norm" in r]
+    assert norms, records[:3]
+    return norms
+
+
 def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_it_cannot_split(tmp_path):
     # train.py end to end: 2 ranks splitting every row (FSDP over both), a live reference and a chunked output layer,
     # must log the single-process run's evals and end with its weights; its mistakes are one sentence each.
@@ -35,13 +45,14 @@ def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_i
     run_dir, text = parallel_run(["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2"], tmp_path / "sp")
     assert "Sequence parallelism: every row split over 2 ranks (Ulysses), 1 data-parallel group(s)." in text, text[-3000:]
     assert_same_run(basic, run_dir)
+    assert grad_norms(run_dir) == pytest.approx(grad_norms(basic), rel=1e-4)  # Adam's steps would hide a scaled gradient
     for args, message in [
         (["trainer=BasicTrainer", "sequence_parallel_size=2"], "sequence_parallel_size > 1 is for trainer=FSDPTrainer"),
         (["trainer=FSDPTrainer", "world_size=3", "sequence_parallel_size=2"], "must divide the number of processes \\(3\\)"),
         (["trainer=FSDPTrainer", "world_size=4", "sequence_parallel_size=2", "tensor_parallel_size=2"], "choose one of them"),
         (
-            ["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=sft"],
-            "trains on single sequences, a score head",
+            ["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=kto"],
+            "trains on unpaired sequences, a score head",
         ),
         (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "model.lora.r=4"], "untested with model.lora"),
     ]:
@@ -49,6 +60,22 @@ def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_i
         assert code == 2 and "Traceback" not in out, out[-3000:]
 
         assert re.search(message, out), out[-2000:]
+
+
+def test_sft_with_sequence_parallelism_trains_as_one_process(tmp_path):
+    # SFT's targets (the first stage of sft_first) split over 2 ranks: the single-process run's eval losses and weights
+    from test_distributed import BASE, UNCHUNKED, evals, finished_run, parallel_run, weights
+
+    basic = finished_run([*BASE, UNCHUNKED, "loss=sft"], tmp_path / "basic")
+    run_dir, _ = parallel_run(["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=sft"], tmp_path / "sp")
+    ea, eb = evals(basic), evals(run_dir)
+    assert [r["step"] for r in ea] == [r["step"] for r in eb] and len(ea) >= 2
+    for ra, rb in zip(ea, eb):
+        assert rb["loss/eval"] == pytest.approx(ra["loss/eval"], rel=1e-4, abs=1e-5)
+    assert grad_norms(run_dir) == pytest.approx(grad_norms(basic), rel=1e-4)  # Adam's steps would hide a scaled gradient
+    wa, wb = weights(basic), weights(run_dir)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=5e-5, msg=name)
 
 
 def test_a_model_switched_to_sequence_parallel_attention_saves_a_folder_that_loads_with_sdpa(tmp_path):
@@ -73,9 +100,9 @@ def test_a_model_switched_to_sequence_parallel_attention_saves_a_folder_that_loa
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["loss=wpo"], "loss=wpo trains on single sequences, a score head, per-token weights or statistics"),
-        (["loss=ld_dpo"], "loss=ld_dpo trains on single sequences, a score head, per-token weights or statistics"),
-        (["loss=kto"], "loss=kto trains on single sequences"),
+        (["loss=wpo"], "loss=wpo trains on unpaired sequences, a score head, per-token weights or statistics"),
+        (["loss=ld_dpo"], "loss=ld_dpo trains on unpaired sequences, a score head, per-token weights or statistics"),
+        (["loss=kto"], "loss=kto trains on unpaired sequences"),
         (["precompute_ref_log_probs=true"], "is untested with precompute_ref_log_probs=true; set it false"),
     ],
 )
