@@ -688,4 +688,15 @@ def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, r
         data = read(rows, report, source, path, *options)
         if data is not None:
             return data
+    refuse_image_rows(rows, source)  # rows no reader took (vision/ is imported by train.py only)
     return hf_rows_to_data(rows, report, source, *options)
+
+
+def refuse_image_rows(rows: list[dict], source: str) -> None:
+    """DataError when ``rows`` carry images (an ``images`` or ``image`` column), which text rows would drop unread."""
+    image = next((c for c in ("images", "image") if rows and c in rows[0] and any(row.get(c) for row in rows)), None)
+    if image is not None:
+        raise DataError(
+            f"{source} has images (its column {image!r}), which this command does not read: image preference rows train "
+            "with python train.py on an image-text-to-text model (docs/vision.md), and are not sampled from."
+        )

@@ -16,6 +16,7 @@ from data.formats import (
     _hf_prompt,
     hf_rows_to_data,
     note_cast,
+    refuse_image_rows,
 )
 from data.loading import _notes, _run_loader, load_dataset_dict
 from data.readers import load_from_hub, read_json_records
@@ -28,6 +29,7 @@ from utils import DataError
 @_hf_loader
 def get_hf_prompts(rows, report, source, format, columns, max_pairs_per_prompt, roles, ranked_order, cast, path) -> DatasetDict:
     """Prompts for online DPO from what :func:`get_hf` reads, with the same options, as a prompt-only DatasetDict."""
+    refuse_image_rows(rows, source)  # sampling takes text prompts only
     mapped = {key: key for key in HF_COLUMNS} | dict(columns or {})
     found = set(rows[0]) if rows else set()
     if {mapped["chosen"], mapped["rejected"]} <= found or mapped["responses"] in found or mapped["prompt"] not in found:

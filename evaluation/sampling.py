@@ -90,7 +90,16 @@ def _checkpoint_source(checkpoint: str, spec: str, what: str, kind: str) -> Sour
 
 def resolve_source(spec, config: DictConfig, what: str = "policy") -> Source:
     """The model ``spec`` names: a run folder (its LATEST), a checkpoint or its ``policy.pt`` (built from the run's saved
-    ``model``), or a Hugging Face folder, adapter folder or hub id (evaluate's ``model.*`` with ``name_or_path`` set to it)."""
+    ``model``), or a Hugging Face folder, adapter folder or hub id (evaluate's ``model.*`` with ``name_or_path`` set to it);
+    ConfigError for a model that is not a causal LM (an image-text-to-text run) before any prompt is read."""
+    source = _resolve_source(spec, config, what)
+    problem = models.causal_lm_problem(source.model_config, f"{what}={spec}", hooks=False)  # sampling takes text alone
+    if problem is not None:
+        raise ConfigError(problem)
+    return source
+
+
+def _resolve_source(spec, config: DictConfig, what: str) -> Source:
     spec = str(spec)
     path = os.path.expanduser(spec)
     if os.path.isfile(path):
@@ -280,6 +289,8 @@ def load_items(config: DictConfig, silent: bool = False, split: str = "test") ->
                     "use baseline=reference or another policy."
                 )
             data = load_dataset_dict(name, split, options.get(name), silent)
+            if any(e.get("images") for e in data.values()):  # read by vision/ where a process imported it
+                raise ConfigError(f"datasets=[{name}] holds image prompts, which are not sampled from; give text prompts.")
             entries = [(e.get("prompt_messages", key), e["sft_target"], e.get("fields", {})) for key, e in data.items()]
         else:
             entries = [(p, None, f) for p, f in prompt_sets.load_prompt_entries(name, split, options, silent)]

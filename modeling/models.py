@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import re
@@ -89,6 +90,47 @@ class of a loaded model's config, or None); vision/ adds image-text-to-text mode
 def _hook_for(model_config: DictConfig):
     """The first of :data:`MODEL_HOOKS` that claims ``model_config``, or None."""
     return next((hook for hook in MODEL_HOOKS if hook.auto_class(model_config) is not None), None)
+
+
+def model_type(model_config: DictConfig) -> str | None:
+    """The transformers model_type ``model.*`` names (``model.config``'s, else a local folder's config.json), or None
+    (a hub id this machine has not cached: transformers' own config then decides)."""
+    if model_config.get("config") is not None:
+        return model_config.config.get("model_type")
+    path = model_config.get("name_or_path")
+    if path is None:
+        return None
+    config_file = os.path.join(os.path.expanduser(str(path)), "config.json")
+    if not os.path.isfile(config_file):
+        try:
+            from transformers.utils import cached_file
+
+            config_file = cached_file(str(path), "config.json", local_files_only=True)
+        except (OSError, ValueError):
+            return None
+        if config_file is None:  # a folder without config.json: transformers returns None, not an error
+            return None
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+def causal_lm_problem(model_config: DictConfig, subject: str | None = None, hooks: bool = True) -> str | None:
+    """One sentence (about ``subject``: by default ``model.name_or_path=...`` or ``model.config``) when ``model.*`` is a
+    kind AutoModelForCausalLM does not load and (with ``hooks``) no plugin of :data:`MODEL_HOOKS` claims it, else None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    kind = model_type(model_config)
+    if kind is None or kind in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or (hooks and _hook_for(model_config) is not None):
+        return None
+    path = model_config.get("name_or_path")
+    subject = subject or (f"model.name_or_path={path}" if path else "model.config")
+    return (
+        f"{subject} is a {kind!r} model, which transformers' AutoModelForCausalLM does not load; give a causal language "
+        "model (an image-text-to-text model trains with python train.py, docs/vision.md, and is not sampled here)."
+    )
 
 
 def load_tokenizer(model_config: DictConfig):
@@ -273,6 +315,8 @@ def load_model(
     hook = None if reward_head else _hook_for(model_config)
     auto = auto if hook is None else hook.auto_class(model_config)  # e.g. AutoModelForImageTextToText (vision/)
     extra = {"num_labels": 1} if reward_head else {}
+    if not reward_head and model_config.get("config") is not None and (problem := causal_lm_problem(model_config)):
+        raise utils.ConfigError(problem)
     if model_config.get("config") is not None:
         cfg = transformers_config(model_config, tokenizer)
         for key, value in extra.items():
@@ -284,6 +328,8 @@ def load_model(
         if model_config.get("device_map"):
             kwargs["device_map"] = model_config.device_map
         _refuse_custom_code(model_config.name_or_path, "model.name_or_path")
+        if not reward_head and (problem := causal_lm_problem(model_config)):
+            raise utils.ConfigError(problem)
         try:
             model = auto.from_pretrained(model_config.name_or_path, **kwargs)
         except (OSError, ValueError, pickle.UnpicklingError) as e:  # no such id or folder, offline, no weights, no model_type

@@ -12,12 +12,14 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 from pathlib import Path
 
 import datasets
 import pytest
 from PIL import Image
 
+import utils
 import vision  # noqa: F401  (registers vision/formats.py's reader with the hf loader)
 from data import formats
 from data.loading import load_examples, split_overlap_warning
@@ -331,3 +333,43 @@ def test_ambiguous_rows_are_refused_in_one_sentence(tmp_path):
         "org/name (train split), row 1: image 1 of 'images' is the relative path 'red.png', but data.hf.path is not a "
         "local file or folder to read it from; give absolute paths or embed the images."
     )
+
+
+# ----------------------------------------------------------------------------- what samples text only
+
+
+def test_sampling_commands_refuse_image_rows_and_image_models_in_one_sentence(tmp_path, monkeypatch):
+    # evaluate.py and make_pairs.py sample text from causal LMs: image rows and an image-text-to-text model are one
+    # sentence each, whether or not vision/ was imported in the process (it is here: its reader and model hook exist)
+    from conftest import compose_config
+    from omegaconf import OmegaConf
+
+    from data import prompts
+    from evaluation import sampling
+    from modeling import models
+
+    write_png(tmp_path / "img" / "red.png", RED)
+    f = write_jsonl(
+        tmp_path / "rows.jsonl", [{"prompt": "Colour?", "images": ["img/red.png"], "chosen": "Red.", "rejected": "Blue."}]
+    )
+    options = {"path": {"train": f, "test": f}, "cache_dir": str(tmp_path / "hf_cache")}
+    with pytest.raises(DataError, match=r"rows.jsonl has images \(its column 'images'\), which this command does not read"):
+        prompts.get_hf_prompts("test", DataReport(), **options)  # the prompts evaluate.py and make_pairs.py sample
+    monkeypatch.setattr(formats, "HF_ROW_READERS", [])  # evaluate.py's process: no reader of image rows
+    with pytest.raises(DataError, match=r"has images \(its column 'images'\)"):
+        formats.get_hf("test", DataReport(), **options)
+    monkeypatch.undo()
+    config = OmegaConf.create({"datasets": ["hf"], "baseline": "chosen", "n_prompts": 4, "data": {"hf": options}})
+    with pytest.raises(utils.ConfigError, match=r"datasets=\[hf\] holds image prompts, which are not sampled from"):
+        sampling.load_items(config, silent=True)
+
+    folder = tmp_path / "llava"  # a saved image-text-to-text model's config.json is all that is read
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "llava"}))
+    llava = OmegaConf.create({"name_or_path": str(folder)})
+    assert models.causal_lm_problem(llava) is None  # train.py: vision/'s hook loads it
+    assert models.causal_lm_problem(OmegaConf.create({"config": {"model_type": "llama"}}), hooks=False) is None
+    expected = f"policy={folder} is a 'llava' model, which transformers' AutoModelForCausalLM does not load"
+    assert models.causal_lm_problem(llava, f"policy={folder}", hooks=False).startswith(expected)
+    with pytest.raises(utils.ConfigError, match=re.escape(expected)):
+        sampling.resolve_source(str(folder), compose_config([f"output_root={tmp_path}", "model=blank_model"]))

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import weakref
 
@@ -48,29 +47,7 @@ def _image_text_types() -> set[str]:
     return set(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-def model_type(model_config: DictConfig) -> str | None:
-    """The transformers model_type ``model.*`` names (``model.config``'s, else a local folder's config.json), or None
-    (a hub id this machine has not cached: transformers' own config then decides)."""
-    if model_config.get("config") is not None:
-        return model_config.config.get("model_type")
-    path = model_config.get("name_or_path")
-    if path is None:
-        return None
-    config_file = os.path.join(os.path.expanduser(str(path)), "config.json")
-    if not os.path.isfile(config_file):
-        try:
-            from transformers.utils import cached_file
-
-            config_file = cached_file(str(path), "config.json", local_files_only=True)
-        except (OSError, ValueError):
-            return None
-        if config_file is None:  # a folder without config.json: transformers returns None, not an error
-            return None
-    try:
-        with open(config_file, encoding="utf-8") as f:
-            return json.load(f).get("model_type")
-    except (OSError, ValueError):
-        return None
+model_type = models.model_type  # the transformers model_type model.* names (modeling.models)
 
 
 def is_vision_model(model_config: DictConfig) -> bool:
