@@ -314,6 +314,8 @@ def test_prompt_only_datasets_are_for_online_dpo():
         (["online.ties=first"], "online.ties must be skip or random"),
         (["online.max_new_tokens=40"], "must be at most max_length"),
         (["online.temperature=0"], "online.temperature must be > 0"),
+        (["online.n_log_completions=2.5"], r"online.n_log_completions must be a whole number >= 0 \(eval prompts .*got 2.5\.$"),
+        (["online.n_log_completions=-1"], r"online.n_log_completions must be a whole number >= 0 .*got -1\.$"),
     ],
 )
 def test_online_mistakes_are_one_sentence(overrides, message):
