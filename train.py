@@ -254,7 +254,7 @@ def _launch(config: DictConfig, command: Command) -> int | None:
     given = checks.given_keys(command.overrides)
     checks.settle_given(config, given)  # the command line's n_epochs over a preset's n_examples
     if launch.sft_stage_wanted(config, given):
-        setup.check_stages(config)  # a bad value or data file is said once, before the first stage's banner
+        setup.check_stages(config, launch.process_count(config))  # said once, before the first stage's banner
         sys.exit(launch.run_stages(config, command.overrides))
     budget = setup.budget_given(config, given)  # resume=<run> n_examples=<more>: the run is extended
     if config.resume not in (None, "auto"):

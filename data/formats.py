@@ -120,7 +120,7 @@ HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores", "system")  
 # read into a text prompt only when data.hf.columns maps them (LLaMA-Factory's alpaca layout): text joined to the prompt,
 # earlier [user, assistant] turns, and a system message
 HF_CONTEXT_COLUMNS = ("input", "history", "system")
-HF_FORMATS = ("auto", "standard", "conversational", "implicit", "ranked", "hh")
+HF_FORMATS = ["auto", "standard", "conversational", "implicit", "ranked", "hh"]  # plugins add theirs (vision/: vision)
 HF_RANKED_ORDERS = ("best_first", "worst_first")  # data.hf.ranked_order: a ranked row's order when it gives no scores
 SHAREGPT_PROMPT = "conversations"  # ShareGPT's column of the prompt's messages, the prompt when there is no prompt column
 HF_READERS = {"json": "json", "jsonl": "json", "parquet": "parquet", "csv": "csv", "arrow": "arrow"}  # compressed too

@@ -70,13 +70,23 @@ def screen_examples(
     examples: list[dict], split: str, tokenizer, max_length: int, max_prompt_length: int, silent: bool = False
 ) -> list[dict]:
     """The examples of ``split`` worth training on, in order: pairs identical once truncated are skipped with a warning."""
-    label = "eval" if split == "test" else split
     if not examples:
+        label = "eval" if split == "test" else split
         raise DataError(f"The {label} split has no examples; check datasets=[...] and their data.* options.")
+    truncated = truncated_ids(examples, tokenizer, max_length, max_prompt_length)
+    return screen_truncated(examples, truncated, split, max_length, max_prompt_length, silent)
+
+
+def screen_truncated(
+    examples: list[dict], truncated, split: str, max_length: int, max_prompt_length: int, silent: bool = False
+) -> list[dict]:
+    """:func:`screen_examples` of examples whose :class:`TruncatedIds` (one each, in order) ``truncated`` gives: what
+    truncation cuts said once, pairs identical once cut skipped (a plugin's examples too, e.g. vision/'s)."""
+    label = "eval" if split == "test" else split
     kept: list[dict] = []
     n_prompts_cut = n_responses = n_responses_cut = 0
     same_once_cut = same_tokens = 0
-    for ex, t in zip(examples, truncated_ids(examples, tokenizer, max_length, max_prompt_length)):
+    for ex, t in zip(examples, truncated):
         n_prompts_cut += t.prompt_cut
         n_responses += len(t.responses_cut)
         n_responses_cut += sum(t.responses_cut)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -93,8 +94,8 @@ def _hook_for(model_config: DictConfig):
 
 
 def model_type(model_config: DictConfig) -> str | None:
-    """The transformers model_type ``model.*`` names (``model.config``'s, else a local folder's config.json), or None
-    (a hub id this machine has not cached: transformers' own config then decides)."""
+    """The transformers model_type ``model.*`` names (``model.config``'s, else a local folder's config.json, else a hub
+    id's, from the cache or downloaded), or None (not found: transformers' own loading then says why)."""
     if model_config.get("config") is not None:
         return model_config.config.get("model_type")
     path = model_config.get("name_or_path")
@@ -102,17 +103,32 @@ def model_type(model_config: DictConfig) -> str | None:
         return None
     config_file = os.path.join(os.path.expanduser(str(path)), "config.json")
     if not os.path.isfile(config_file):
-        try:
-            from transformers.utils import cached_file
+        from transformers.utils import cached_file
 
+        try:
             config_file = cached_file(str(path), "config.json", local_files_only=True)
         except (OSError, ValueError):
-            return None
+            config_file = _hub_config_file(path)  # not cached: a hub id's own, downloaded
         if config_file is None:  # a folder without config.json: transformers returns None, not an error
             return None
     try:
         with open(config_file, encoding="utf-8") as f:
             return json.load(f).get("model_type")
+    except (OSError, ValueError):
+        return None
+
+
+@functools.cache  # one download (or one failed try) per hub id and process
+def _hub_config_file(path) -> str | None:
+    """A hub id's config.json, downloaded (so an image model is told apart before it loads); None for a name that is not
+    a hub id, or a hub this machine cannot reach (HF_HUB_OFFLINE=1 answers at once)."""
+    path = str(path)
+    if path.startswith((".", "/", "~")) or path.count("/") != 1 or os.path.exists(path):
+        return None
+    from transformers.utils import cached_file
+
+    try:
+        return cached_file(path, "config.json")
     except (OSError, ValueError):
         return None
 
@@ -234,9 +250,16 @@ def transformers_config(model_config: DictConfig, tokenizer=None):
     return transformers.AutoConfig.from_pretrained(model_config.name_or_path, trust_remote_code=False)
 
 
+PARALLEL_MODEL_CHECKS: list = []
+"""Plugins' checks of a model before processes start: ``check(config, hf_config_of, world_size)`` raises ConfigError
+(``hf_config_of()`` gives the model's transformers config); parallel/sequence_parallel.py adds its heads' check."""
+
+
 def check_parallel_model(config: DictConfig, world_size: int) -> None:
     """Raise ConfigError unless tensor parallelism (TensorParallelTrainer over ``world_size`` processes, or
-    FSDPTrainer's ``tensor_parallel_size``) can split this model."""
+    FSDPTrainer's ``tensor_parallel_size``) and each of :data:`PARALLEL_MODEL_CHECKS` can split this model."""
+    for check in PARALLEL_MODEL_CHECKS:
+        check(config, lambda: transformers_config(config.model), world_size)
     if config.trainer == "TensorParallelTrainer":
         tp, key = world_size, "world_size"
     else:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import losses
 import trainers
 import utils
-from modeling import logprobs
+from modeling import logprobs, models
 from modeling.packing import PackedRow, output_layer_logps, pack_preference_rows, packed_forward_support
 from parallel.dist import Dist
 from runs import checks
@@ -298,12 +298,7 @@ class SequenceParallelTrainer:
         """Switch the policy and reference to :data:`ATTENTION` (ConfigError if the group does not divide their heads), then FSDP."""
         for model in (self.policy, self.reference_model):
             if model is not None:
-                heads, size = model.config.num_attention_heads, self.config.sequence_parallel_size
-                if heads % size:
-                    raise utils.ConfigError(
-                        f"The model's {heads} attention heads cannot be split over sequence_parallel_size={size} ranks; "
-                        "choose a sequence_parallel_size that divides them."
-                    )
+                check_heads(model.config, self.config.sequence_parallel_size)
                 use_sequence_parallel_attention(model)
         if self.dist.is_main:
             groups, size = self.dist.data_world_size, self.config.sequence_parallel_size
@@ -326,13 +321,38 @@ class SequenceParallelTrainer:
         return sequence_parallel_logps(*args, average_log_prob=self.average_log_prob, chunk=self.output_layer_chunk)
 
 
+def check_heads(hf_config, size: int) -> None:
+    """ConfigError unless ``size`` ranks divide the attention heads of a model with transformers config ``hf_config``."""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if heads is not None and heads % size:
+        raise utils.ConfigError(
+            f"The model's {heads} attention heads cannot be split over sequence_parallel_size={size} ranks; "
+            "choose a sequence_parallel_size that divides them."
+        )
+
+
+def _check_model(config, hf_config_of, world_size: int) -> None:
+    """models.PARALLEL_MODEL_CHECKS' row: the heads' check before any process starts."""
+    if _on(config) and config.trainer == "FSDPTrainer":
+        check_heads(hf_config_of(), config.sequence_parallel_size)
+
+
 def _size(c) -> int:
-    return c.get("sequence_parallel_size") or 1
+    return 1 if c.get("sequence_parallel_size") is None else c.sequence_parallel_size  # 0 is refused, not taken as 1
 
 
 def sequence_parallel_trainer(config, cls: type) -> type:
     """``cls`` with :class:`SequenceParallelTrainer` mixed in when ``sequence_parallel_size`` > 1 (trainers.TRAINER_EXTENSIONS)."""
     return type(f"SequenceParallel{cls.__name__}", (SequenceParallelTrainer, cls), {}) if _size(config) > 1 else cls
+
+
+def _unsplit(objective) -> str:
+    """What ``objective`` computes that the split rows do not."""
+    if objective.score_head:
+        return "trains a score head"
+    if objective.token_weights is not None:
+        return "weighs each response token"
+    return "trains on unpaired rows" if objective.unpaired else "computes its own per-token inputs"
 
 
 def _on(c) -> bool:
@@ -356,8 +376,8 @@ RULES = [
      "sequence_parallel_size > 1 is untested with model.lora; set model.lora.r=null or sequence_parallel_size=1."),
     ("sequence_parallel_size", lambda c: not _on(c) or (losses.get_objective(c.loss.name).inputs in (None, losses.sft_inputs)
      and not losses.get_objective(c.loss.name).score_head and losses.get_objective(c.loss.name).token_weights is None),
-     "sequence_parallel_size > 1 splits the rows of pairs and SFT's targets for their log-probs alone, but loss={c.loss.name} "
-     "trains on unpaired sequences, a score head, per-token weights or statistics (untested split); use another loss or "
+     lambda c: "sequence_parallel_size > 1 splits the rows of pairs and SFT's targets for their log-probs alone, but "
+     f"loss={c.loss.name} {_unsplit(losses.get_objective(c.loss.name))} (untested split); use another loss or "
      "sequence_parallel_size=1."),
     ("sequence_parallel_size", lambda c: not _on(c) or not c.precompute_ref_log_probs,
      "sequence_parallel_size > 1 is untested with precompute_ref_log_probs=true; set it false (the live reference is split "
@@ -367,3 +387,4 @@ RULES = [
 
 checks.RULES.extend(RULES)
 trainers.TRAINER_EXTENSIONS.append(sequence_parallel_trainer)
+models.PARALLEL_MODEL_CHECKS.append(_check_model)

@@ -49,7 +49,7 @@ def _lora(c: DictConfig) -> DictConfig | None:
 
 
 def _tp(c: DictConfig):
-    return c.get("tensor_parallel_size") or 1
+    return 1 if c.get("tensor_parallel_size") is None else c.tensor_parallel_size  # 0 is refused, not taken as 1
 
 
 def _hub(c: DictConfig):
@@ -151,9 +151,10 @@ def _datasets_problem(c: DictConfig, _) -> str | None:
 
 def _data_parallel_problem(c: DictConfig, world_size: int) -> str | None:
     data_parallel = data_parallel_size(c, world_size)
-    if not c.batch_size % data_parallel:
-        return None
-    groups = "processes" if _tp(c) == 1 else "data-parallel groups (processes / tensor_parallel_size)"
+    if not isinstance(data_parallel, int) or data_parallel < 1 or not c.batch_size % data_parallel:
+        return None  # a size that is not whole or does not divide the processes: its own row says so
+    split = [k for k in ("tensor_parallel_size", "sequence_parallel_size") if (c.get(k) or 1) != 1]
+    groups = f"data-parallel groups (processes / {' x '.join(split)})" if split and c.trainer == "FSDPTrainer" else "processes"
     return f"batch_size ({c.batch_size}) must be divisible by the number of {groups} ({data_parallel})."
 
 
@@ -279,8 +280,7 @@ RULES = [
     ("online.top_k", lambda c, _: sampling_problem(c.online, "online.") if online_enabled(c) else None),
     ("online.max_failure_rate", lambda c: not online_enabled(c) or 0 <= c.online.get("max_failure_rate", 0.1) <= 1,
      lambda c: f"online.max_failure_rate must be in [0, 1], got {c.online.get('max_failure_rate', 0.1)}."),
-    ("online.enabled", lambda c: not (online_enabled(c) and c.trainer == "TensorParallelTrainer"),
-     "online DPO runs with BasicTrainer or FSDPTrainer."),
+    ("online.enabled", lambda c: not (online_enabled(c) and c.trainer == "TensorParallelTrainer"), "online DPO runs with BasicTrainer or FSDPTrainer."),
     # LoRA: its reference is the policy with its adapters off
     ("model.lora.r", lambda c: not _lora(c) or _whole(c.model.lora.r, 1),
      "model.lora.r must be a whole number >= 1 (the adapters' rank, e.g. 16) or null, got {c.model.lora.r!r}."),
@@ -323,7 +323,7 @@ RULES = [
     ("datasets", _datasets_problem),
     ("batch_size", lambda c: not c.batch_size % c.gradient_accumulation_steps,
      "batch_size ({c.batch_size}) must be divisible by gradient_accumulation_steps ({c.gradient_accumulation_steps})."),
-    ("tensor_parallel_size", lambda c: _tp(c) == 1 or (isinstance(_tp(c), int) and _tp(c) >= 1),
+    ("tensor_parallel_size", lambda c: isinstance(_tp(c), int) and not isinstance(_tp(c), bool) and _tp(c) >= 1,
      "tensor_parallel_size must be a whole number >= 1, got {c.tensor_parallel_size}."),
     ("tensor_parallel_size", lambda c: _tp(c) == 1 or c.trainer == "FSDPTrainer",
      "tensor_parallel_size is for trainer=FSDPTrainer (2-D FSDP x TP); {c.trainer} does not use it: remove it."),

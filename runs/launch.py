@@ -45,11 +45,21 @@ def tell_launcher(run_dir: str) -> None:
             os.close(int(fd))
 
 
+def process_count(config: DictConfig) -> int:
+    """The processes ``config`` trains with: torchrun's WORLD_SIZE, else ``world_size`` (null: one per GPU, 1 on CPU);
+    1 for BasicTrainer."""
+    if config.trainer == "BasicTrainer":
+        return 1
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return config.world_size or torch.cuda.device_count() or 1
+
+
 def launch(config: DictConfig) -> int | None:
     """For FSDP/TP not under torchrun, start and wait for one process per GPU; returns the exit code, or None to train here."""
     if config.trainer == "BasicTrainer" or "RANK" in os.environ:
         return None
-    n = config.world_size or torch.cuda.device_count() or 1
+    n = process_count(config)
     checks.validate_config(config, n)
     check_gpu_count(n, f"world_size={n}")  # one process per GPU: not CUDA's "invalid device ordinal" in each
     models.check_parallel_model(config, n)

@@ -372,10 +372,11 @@ RUN_FOLDER: str | None = None  # this process's run folder once main knows it, n
 COMMAND: list[str] | None = None  # the overrides train.py was started with (hydra_main), atop a new run's config.yaml
 
 
-def check_stages(config: DictConfig) -> None:
-    """Before ``sft_first``'s two stages: the config's values, the eval reward functions and both data splits (a
-    utils.ConfigError or DataError is said once, not inside a stage)."""
-    checks.validate_config(config)
+def check_stages(config: DictConfig, world_size: int = 1) -> None:
+    """Before ``sft_first``'s two stages: the config's values over ``world_size`` processes, the eval reward functions
+    and both data splits (a utils.ConfigError or DataError is said once, not inside a stage)."""
+    checks.validate_config(config, world_size)
+    models.check_parallel_model(config, world_size)  # e.g. heads the tensor or sequence parallel ranks cannot split
     declared = preference_datasets.declared_reward_functions(config.datasets)
     reward_functions.eval_functions(config.eval_reward_functions, declared)
     options = OmegaConf.to_container(config.data, resolve=True)

@@ -10,6 +10,8 @@ import re
 import textwrap
 from pathlib import Path
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here: a hub id fails at once (not after huggingface_hub's retries)
+
 import pytest
 from hydra import compose, initialize_config_dir
 

@@ -52,7 +52,7 @@ def test_fsdp_with_sequence_parallelism_trains_as_one_process_and_refuses_what_i
         (["trainer=FSDPTrainer", "world_size=4", "sequence_parallel_size=2", "tensor_parallel_size=2"], "choose one of them"),
         (
             ["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "loss=kto"],
-            "trains on unpaired sequences, a score head",
+            "loss=kto trains on unpaired rows",
         ),
         (["trainer=FSDPTrainer", "world_size=2", "sequence_parallel_size=2", "model.lora.r=4"], "untested with model.lora"),
     ]:
@@ -100,9 +100,10 @@ def test_a_model_switched_to_sequence_parallel_attention_saves_a_folder_that_loa
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["loss=wpo"], "loss=wpo trains on unpaired sequences, a score head, per-token weights or statistics"),
-        (["loss=ld_dpo"], "loss=ld_dpo trains on unpaired sequences, a score head, per-token weights or statistics"),
-        (["loss=kto"], "loss=kto trains on unpaired sequences"),
+        (["loss=wpo"], "but loss=wpo computes its own per-token inputs (untested split); use another loss"),
+        (["loss=ld_dpo"], "but loss=ld_dpo weighs each response token (untested split)"),
+        (["loss=kto"], "but loss=kto trains on unpaired rows (untested split)"),
+        (["loss=reward"], "but loss=reward trains a score head (untested split)"),
         (["precompute_ref_log_probs=true"], "is untested with precompute_ref_log_probs=true; set it false"),
     ],
 )
@@ -117,3 +118,52 @@ def test_what_the_split_rows_do_not_compute_is_refused_in_one_sentence(tmp_path,
     checks.validate_config(
         compose_config([f"output_root={tmp_path}", "trainer=FSDPTrainer", "sequence_parallel_size=2"]), world_size=2
     )
+
+
+def test_the_sft_stage_is_checked_over_the_processes_the_run_starts(tmp_path, monkeypatch):
+    # model=tiny's sft_first stage was checked as one process: 1 // 2 sequence-parallel ranks = 0 data-parallel groups,
+    # a ZeroDivisionError before any stage (and "must divide the number of processes (1)" for tensor_parallel_size)
+    import subprocess
+    import sys
+
+    from conftest import REPO, compose_config
+
+    from runs import launch, setup
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    base = [f"output_root={tmp_path}", "trainer=FSDPTrainer", "world_size=2", "n_examples=64", "sft_first.n_examples=64"]
+    for split in (["sequence_parallel_size=2"], ["tensor_parallel_size=2"]):
+        config = compose_config([*base, *split])
+        assert launch.process_count(config) == 2
+        setup.check_stages(config, launch.process_count(config))
+    monkeypatch.setenv("WORLD_SIZE", "4")  # under torchrun its count wins
+    assert launch.process_count(compose_config(base)) == 4
+    monkeypatch.delenv("WORLD_SIZE")
+    # the tiny model's 4 heads over 8 ranks: one sentence before any process starts, from the command line
+    args = [*base, "world_size=8", "sequence_parallel_size=8"]
+    done = subprocess.run([sys.executable, "train.py", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2 and "Traceback" not in out and "Starting" not in out, out[-3000:]
+    assert "The model's 4 attention heads cannot be split over sequence_parallel_size=8 ranks" in out, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["sequence_parallel_size=0"], "sequence_parallel_size must be a whole number >= 1, got 0."),
+        (["sequence_parallel_size=1.5"], "sequence_parallel_size must be a whole number >= 1, got 1.5."),
+        (["tensor_parallel_size=0"], "tensor_parallel_size must be a whole number >= 1, got 0"),
+        (["tensor_parallel_size=true"], "tensor_parallel_size must be a whole number >= 1, got True"),
+        (["world_size=8", "sequence_parallel_size=4", "batch_size=3"],
+         "batch_size (3) must be divisible by the number of data-parallel groups (processes / sequence_parallel_size) (2)."),
+    ],
+)  # fmt: skip
+def test_parallel_sizes_are_whole_numbers_and_the_batch_sentence_counts_data_groups(tmp_path, overrides, message):
+    # 0 was taken as 1 and 1.5 met the batch rule first ("the number of processes (5.0)")
+    from conftest import compose_config
+
+    from runs import checks
+
+    config = compose_config([f"output_root={tmp_path}", "trainer=FSDPTrainer", "gradient_accumulation_steps=1", *overrides])
+    with pytest.raises(utils.ConfigError, match=re.escape(message)):
+        checks.validate_config(config, world_size=config.world_size or 2)

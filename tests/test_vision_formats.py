@@ -373,3 +373,46 @@ def test_sampling_commands_refuse_image_rows_and_image_models_in_one_sentence(tm
     assert models.causal_lm_problem(llava, f"policy={folder}", hooks=False).startswith(expected)
     with pytest.raises(utils.ConfigError, match=re.escape(expected)):
         sampling.resolve_source(str(folder), compose_config([f"output_root={tmp_path}", "model=blank_model"]))
+
+
+def test_a_hub_image_model_not_cached_yet_is_told_apart_before_it_loads(tmp_path, monkeypatch):
+    # model_type read only the hub cache: a first run of a hub VLM id took the text path (AutoModelForCausalLM) and its
+    # refusals (here sequence parallelism, whose forward would drop the images) passed
+    import transformers.utils
+    from conftest import compose_config
+
+    from modeling import models
+    from runs import checks
+
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({"model_type": "idefics3"}))
+    asked = []
+
+    def hub(path, filename, local_files_only=False, **_):
+        asked.append((path, local_files_only))
+        if local_files_only:
+            raise OSError("not in the cache")
+        return str(config_file)  # the download
+
+    monkeypatch.setattr(transformers.utils, "cached_file", hub)
+    models._hub_config_file.cache_clear()
+    hub_id = "HuggingFaceTB/SmolVLM-256M-Instruct"
+    overrides = [f"output_root={tmp_path}", "model=blank_model", f"model.name_or_path={hub_id}", "trainer=FSDPTrainer"]
+    with pytest.raises(utils.ConfigError, match="is an image-text-to-text model, which does not train with sequence_parallel"):
+        checks.validate_config(compose_config([*overrides, "sequence_parallel_size=2"]), world_size=2)
+    assert (hub_id, False) in asked
+    asked.clear()
+    assert models.model_type(compose_config([*overrides, "model.name_or_path=./not/here"]).model) is None
+    assert asked == [("./not/here", True)]  # a local-looking path is never asked of the hub
+    models._hub_config_file.cache_clear()
+
+
+def test_a_mistyped_format_on_image_rows_is_unknown_with_vision_among_the_choices(tmp_path):
+    # it said the format "reads text only", as if it were a text format
+    write_png(tmp_path / "red.png", RED)
+    f = write_jsonl(
+        tmp_path / "rows.jsonl", [{"prompt": "Colour?", "images": ["red.png"], "chosen": "Red.", "rejected": "Blue."}]
+    )
+    assert refused(tmp_path, f, format="visoin") == (
+        "data.hf.format=visoin is unknown; use one of auto, standard, conversational, implicit, ranked, hh, vision."
+    )

@@ -362,3 +362,24 @@ def test_the_shapes_test_images_are_held_out():
     seen = {e["images"][0].tobytes() for e in train.values()}
     assert len(test) == 64 and not [k for k, e in test.items() if e["images"][0].tobytes() in seen]
     assert len(seen) < 400  # the train draws do repeat here, so the test's exclusion is exercised
+
+
+def test_what_truncation_cuts_from_image_examples_is_said_and_pairs_the_same_once_cut_are_skipped(capsys):
+    # image examples skipped the text screening: their cut answers were said nowhere, and a pair that differed only past
+    # the cut trained on identical sequences. Three pairs, one image each; room for 6 answer tokens after the prompt.
+    from omegaconf import OmegaConf
+
+    processor, _ = llava(0)
+    tokenizer = vision_models.attach(processor)
+    exs = examples(n_images=(1, 1, 1))
+    exs[1] = {**exs[1], "chosen": "red " * 20 + "square", "rejected": "red " * 20 + "circle"}  # the same once cut
+    exs[2] = {**exs[2], "chosen": "green " * 20}  # chosen cut, rejected ("It is yellow") whole
+    prompts = [processor(text=[vision_tokenize.render(processor, e["prompt"])], images=[e["images"]])["input_ids"] for e in exs]
+    longest = max(len(p[0]) for p in prompts)
+    config = OmegaConf.create({"loss": {"name": "dpo"}, "max_length": longest + 6, "max_prompt_length": longest})
+    kept = vision_tokenize.prepare_image_examples(exs, tokenizer, config, "train", silent=False)
+    assert [e["row"] for e in kept] == ["pair 0", "pair 2"]
+    out = capsys.readouterr().out
+    lengths = f"max_length={longest + 6} / max_prompt_length={longest}"
+    assert f"[data] train: truncation to {lengths} cuts 0.0% (0 of 3) of prompts and 50.0% (3 of 6) of responses" in out
+    assert f"skipped 1 of 3 pairs whose chosen and rejected are the same tokens once cut to {lengths}" in out

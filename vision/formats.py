@@ -19,7 +19,7 @@ from data.conversations import (
     check_roles_mapping,
     check_sharegpt_roles,
 )
-from data.formats import HF_ROW_READERS, _cap_pairs, _hf_context_prompt, _with_system, note_cast
+from data.formats import HF_FORMATS, HF_ROW_READERS, _cap_pairs, _hf_context_prompt, _with_system, note_cast
 from data.readers import _json_kind
 from data.report import DatasetDict, add_fields, add_pair
 from utils import DataError
@@ -224,6 +224,8 @@ def read_vision_rows(
         rows: the rows ``datasets`` read from ``source``; ``path``: data.hf.path (relative images are read from its folder).
         format, columns, max_pairs_per_prompt, roles, ranked_order: the ``data.hf.*`` options; cast: columns read as text.
     """
+    if format not in HF_FORMATS:  # a typo is unknown, not a text format that would drop the images
+        raise DataError(f"data.hf.format={format} is unknown; use one of {', '.join(HF_FORMATS)}.")
     given = dict(columns) if isinstance(columns, dict) else {}
     found = list(rows[0]) if rows else []
     claimed = format == "vision" or (format == "auto" and ("images" in given or any(c in found for c in IMAGE_COLUMNS)))
@@ -271,3 +273,4 @@ def read_vision_rows(
 
 
 HF_ROW_READERS.append(read_vision_rows)
+HF_FORMATS.append("vision")

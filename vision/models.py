@@ -33,10 +33,10 @@ def processor_for(tokenizer, where: str = "an image example"):
     """The processor ``tokenizer`` belongs to; DataError when the model is a text model, which cannot take images."""
     processor = PROCESSORS.get(tokenizer)
     if processor is None:
+        name = getattr(tokenizer, "name_or_path", "") or f"model.config, its tokenizer {type(tokenizer).__name__}"
         raise utils.DataError(
-            f"{where} holds images, but the model {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r} is "
-            "a text model; give an image-text-to-text model (model=blank_model model.name_or_path=<folder or hub id>) or "
-            "leave the image rows out."
+            f"{where} holds images, but the model ({name}) is a text model; give an image-text-to-text model "
+            "(model=blank_model model.name_or_path=<folder or hub id>) or leave the image rows out."
         )
     return processor
 

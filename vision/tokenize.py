@@ -11,7 +11,8 @@ import json
 
 import losses
 import preference_datasets
-from data import splits
+from data import screening, splits
+from data.screening import TruncatedIds
 from losses import IGNORE_INDEX
 from preference_datasets import _encode, example_key, truncate_pair_ids
 from utils import DataError
@@ -112,10 +113,10 @@ def image_example_key(ex: dict) -> str:
     return example_key(prompt, ex["chosen"], ex.get("rejected"))
 
 
-def tokenize_image_example(ex: dict, tokenizer, max_length: int, max_prompt_length: int) -> dict:
+def tokenize_image_example(ex: dict, tokenizer, max_length: int, max_prompt_length: int, cuts: list | None = None) -> dict:
     """One image example as ``preference_datasets.tokenize_element`` gives a text one, plus ``model_inputs`` (the
     processor's tensors beside the ids: pixel values, image sizes or grids, pixel masks); DataError for a row whose
-    image tokens truncation would cut."""
+    image tokens truncation would cut. ``cuts``: a list that gets its ``data.screening.TruncatedIds``."""
     row = ex.get("row") or "an image example"
     processor = processor_for(tokenizer, row)
     images = [open_image(entry, row) for entry in ex["images"]]
@@ -142,6 +143,9 @@ def tokenize_image_example(ex: dict, tokenizer, max_length: int, max_prompt_leng
         problem = _cut_problem(prompt_ids, span, cut_prompt, ex["truncation_mode"], max_prompt_length, bos, row)
         if problem is not None:
             raise DataError(problem)
+    if cuts is not None:
+        differ = full[0] != full[1] if len(full) == 2 else None
+        cuts.append(TruncatedIds(cut_prompt, cut, cut_prompt != prompt_ids, [c != f for c, f in zip(cut, full)], differ))
     key = ex.get("key") or image_example_key(ex)
     element = {"prompt": prompt_text, "prompt_input_ids": cut_prompt, "key": key, "model_inputs": model_inputs}
     for side, ids in zip(sides, cut):
@@ -166,12 +170,14 @@ def prepare_image_examples(examples: list[dict], tokenizer, config, split: str, 
             "of those or leave the image rows out."
         )
     label = "eval" if split == "test" else split
-    out = []
+    out, cuts = [], []
     for i, ex in enumerate(examples):
         ex = {**ex, "row": ex.get("row") or f"{label} image example {i + 1}"}
         ex["key"] = image_example_key(ex)
-        tokenize_image_example(ex, tokenizer, config.max_length, config.max_prompt_length)  # refused rows: now
+        tokenize_image_example(ex, tokenizer, config.max_length, config.max_prompt_length, cuts)  # refused rows: now
         out.append(ex)
+    # what truncation cuts, said as for text examples; pairs the same once cut are skipped
+    out = screening.screen_truncated(out, cuts, split, config.max_length, config.max_prompt_length, silent)
     if not silent:
         packing = "; packing is off for image batches (each row's images go with it)" if split == "train" else ""  # once
         print(
