@@ -120,6 +120,7 @@ HF_COLUMNS = ("prompt", "chosen", "rejected", "responses", "scores", "system")  
 # read into a text prompt only when data.hf.columns maps them (LLaMA-Factory's alpaca layout): text joined to the prompt,
 # earlier [user, assistant] turns, and a system message
 HF_CONTEXT_COLUMNS = ("input", "history", "system")
+IMAGE_COLUMNS = ("images", "image")  # TRL's list of images; RLAIF-V's one image (read by vision/, refused elsewhere)
 HF_FORMATS = ["auto", "standard", "conversational", "implicit", "ranked", "hh"]  # plugins add theirs (vision/: vision)
 HF_RANKED_ORDERS = ("best_first", "worst_first")  # data.hf.ranked_order: a ranked row's order when it gives no scores
 SHAREGPT_PROMPT = "conversations"  # ShareGPT's column of the prompt's messages, the prompt when there is no prompt column
@@ -694,7 +695,7 @@ def get_hf(rows, report, source, format, columns, max_pairs_per_prompt, roles, r
 
 def refuse_image_rows(rows: list[dict], source: str) -> None:
     """DataError when ``rows`` carry images (an ``images`` or ``image`` column), which text rows would drop unread."""
-    image = next((c for c in ("images", "image") if rows and c in rows[0] and any(row.get(c) for row in rows)), None)
+    image = next((c for c in IMAGE_COLUMNS if rows and c in rows[0] and any(row.get(c) for row in rows)), None)
     if image is not None:
         raise DataError(
             f"{source} has images (its column {image!r}), which this command does not read: image preference rows train "

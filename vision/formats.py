@@ -19,14 +19,13 @@ from data.conversations import (
     check_roles_mapping,
     check_sharegpt_roles,
 )
-from data.formats import HF_FORMATS, HF_ROW_READERS, _cap_pairs, _hf_context_prompt, _with_system, note_cast
+from data.formats import HF_FORMATS, HF_ROW_READERS, IMAGE_COLUMNS, _cap_pairs, _hf_context_prompt, _with_system, note_cast
 from data.readers import _json_kind
 from data.report import DatasetDict, add_fields, add_pair
 from utils import DataError
 from vision.images import check_image, count_image_parts
 
 IMAGE_TOKEN = "<image>"  # LLaMA-Factory's place of an image in the text
-IMAGE_COLUMNS = ("images", "image")  # TRL's list of images; RLAIF-V's one image
 # the prompt's column, the first found: TRL's, RLAIF-V's, LLaMA-Factory's ShareGPT, OpenAI and alpaca layouts
 PROMPT_COLUMNS = ("prompt", "question", "conversations", "messages", "instruction")
 MARKS_NEEDED = ("conversations", "messages", "instruction")  # LLaMA-Factory's: its images need <image> marks
